@@ -1,0 +1,1 @@
+"""megazoo: a Megatron-style model zoo."""
