@@ -1,0 +1,129 @@
+"""Tensor-parallel linear layers (Megatron-LM). Activations are `[s, b, h]`.
+
+Weights are the local shard of the full `nn.Linear` weight `[out, in]`:
+ColumnParallelLinear holds rows `[out/tp, in]` and bias `[out/tp]`; RowParallelLinear holds
+columns `[out, in/tp]` and the full bias, added once after the reduction.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .groups import Group, divide, group_rank, group_size
+from .init import default_init, init_shard_
+from .mappings import (all_reduce, copy_to_tensor_parallel_region,
+                       gather_from_sequence_parallel_region, gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
+                       reduce_scatter_to_sequence_parallel_region,
+                       scatter_to_tensor_parallel_region)
+
+
+def _check_last_dim(x: torch.Tensor, expected: int, layer: str) -> None:
+    if x.dim() < 1 or x.shape[-1] != expected:
+        raise ValueError(f"{layer} expects input [..., {expected}] (activations [s, b, h]), "
+                         f"got shape {tuple(x.shape)}")
+
+
+def mark_sequence_parallel(param: nn.Parameter) -> nn.Parameter:
+    """Tag a parameter replicated over tp whose gradient is a partial sum under Megatron SP.
+
+    Each tensor-parallel rank sees only its sequence shard, so the gradient of such a
+    parameter (a row-parallel bias, a norm weight) must be all-reduced over tp before the
+    optimizer step: `allreduce_sequence_parallel_grads` does that.
+    """
+    param.sequence_parallel = True
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by rows (output features) over the tensor-parallel group.
+
+    x_full [s, b, in] -> y_shard [s, b, out/tp] (or y_full [s, b, out] with gather_output).
+    With sequence_parallel, x is x_shard [s/tp, b, in], all-gathered along s first.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group: Group, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 init_method=None, device=None, dtype=None):
+        super().__init__()
+        tp = group_size(group)
+        if sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
+                             "sequence_parallel=True; keep the output sharded")
+        self.in_features, self.out_features = in_features, out_features
+        self.out_per_rank = divide(out_features, tp, "ColumnParallelLinear out_features "
+                                   f"divided over tp={tp}")
+        self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, **factory))
+        self.bias = nn.Parameter(torch.zeros(self.out_per_rank, **factory)) if bias else None
+        init_method = init_method or default_init()
+        init_shard_(self.weight, init_method, group_rank(group) * self.out_per_rank, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_last_dim(x, self.in_features, "ColumnParallelLinear")
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.group)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} ({self.out_per_rank}/rank), "
+                f"bias={self.bias is not None}, gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by columns (input features) over the tensor-parallel group.
+
+    x_shard [s, b, in/tp] -> y_full [s, b, out] (all-reduce), or y_shard [s/tp, b, out]
+    (reduce-scatter along s) with sequence_parallel. With input_is_parallel=False the full x
+    is split along its last dimension first.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group: Group, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 init_method=None, device=None, dtype=None):
+        super().__init__()
+        tp = group_size(group)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True needs "
+                             "input_is_parallel=True")
+        self.in_features, self.out_features = in_features, out_features
+        self.in_per_rank = divide(in_features, tp, f"RowParallelLinear in_features divided over tp={tp}")
+        self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, **factory))
+        self.bias = nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
+        if self.bias is not None and sequence_parallel:
+            mark_sequence_parallel(self.bias)
+        init_method = init_method or default_init()
+        init_shard_(self.weight, init_method, 0, group_rank(group) * self.in_per_rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        expected = self.in_per_rank if self.input_is_parallel else self.in_features
+        _check_last_dim(x, expected, "RowParallelLinear")
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, self.group)
+        y_partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y_partial, self.group)
+        else:
+            y = reduce_from_tensor_parallel_region(y_partial, self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} ({self.in_per_rank}/rank), out={self.out_features}, "
+                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+def allreduce_sequence_parallel_grads(module: nn.Module, group: Group) -> None:
+    """Sum over tp the gradients of parameters tagged by `mark_sequence_parallel`."""
+    if group_size(group) == 1:
+        return
+    for p in module.parameters():
+        if getattr(p, "sequence_parallel", False) and p.grad is not None:
+            p.grad.copy_(all_reduce(p.grad, group))

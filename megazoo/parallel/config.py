@@ -1,0 +1,69 @@
+"""`ParallelConfig`: the sizes of the parallel grid, validated before any process group exists."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+DIMS = ("tp", "sp", "dp", "pp")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the world of ranks is split. Every size is validated here, before any collective."""
+
+    tp: int = 1
+    """Tensor-parallel size: ranks that split each weight matrix (Megatron column/row split)."""
+    sp: int = 1
+    """Ulysses sequence-parallel size: ranks that split the sequence, all-to-all inside attention."""
+    pp: int = 1
+    """Pipeline-parallel size: ranks that hold consecutive ranges of layers."""
+    vpp: int = 1
+    """Virtual pipeline stages (model chunks) per pipeline rank, for the interleaved schedule."""
+    dp: int | None = None
+    """Data-parallel size; None derives it as world_size // (tp * sp * pp)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: activations outside attention/MLP are split over tp."""
+    order: tuple[str, ...] = field(default=DIMS)
+    """Rank order, innermost (adjacent ranks) first. Default tp, sp, dp, pp keeps TP in a node."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "sp", "pp", "vpp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
+            raise ValueError(f"dp must be a positive integer or None (derived), got {self.dp!r}")
+        if isinstance(self.order, str):
+            object.__setattr__(self, "order", tuple(self.order.replace(",", "-").split("-")))
+        if sorted(self.order) != sorted(DIMS):
+            raise ValueError(f"order must be a permutation of {'-'.join(DIMS)}, got {'-'.join(self.order)}")
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError(f"vpp={self.vpp} needs pipeline parallelism: set pp > 1 or vpp = 1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that together hold one replica of the model: tp * sp * pp."""
+        return self.tp * self.sp * self.pp
+
+    def resolve(self, world_size: int) -> "ParallelConfig":
+        """Return a copy with dp derived from `world_size`; raise if the sizes do not fit it."""
+        mp = self.model_parallel_size
+        if world_size % mp != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp*sp*pp = {mp} "
+                f"(tp={self.tp}, sp={self.sp}, pp={self.pp}): change the sizes or the number of ranks")
+        dp = world_size // mp
+        if self.dp is not None and self.dp != dp:
+            raise ValueError(
+                f"dp={self.dp} does not fit: world size {world_size} with tp*sp*pp = {mp} "
+                f"leaves dp = {dp}; pass dp={dp} or dp=None")
+        return replace(self, dp=dp)
+
+    def sizes(self) -> dict[str, int]:
+        """Size of each dimension (dp must be resolved)."""
+        if self.dp is None:
+            raise ValueError("dp is not resolved yet: call config.resolve(world_size) first")
+        return {"tp": self.tp, "sp": self.sp, "dp": self.dp, "pp": self.pp}
+
+    def __str__(self) -> str:
+        dp = "?" if self.dp is None else self.dp
+        return f"TP{self.tp}-SP{self.sp}-PP{self.pp}-DP{dp}"

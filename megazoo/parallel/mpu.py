@@ -1,0 +1,51 @@
+"""The `mpu` interface DeepSpeed expects, answered from a `ParallelState`.
+
+DeepSpeed's meanings, which differ from ours in one place: its "model parallel" group is the
+tensor-parallel group (pipeline stages are handled by its pipeline engine), and with Ulysses
+its ZeRO partitions span the "sequence data parallel" group, our `dp_sp`.
+"""
+from __future__ import annotations
+
+from .state import GroupInfo, ParallelState
+
+
+def _accessors(prefix: str, attr: str) -> dict:
+    """get_<prefix>_group / _rank / _world_size reading ParallelState.<attr>."""
+
+    def info(self) -> GroupInfo:
+        return getattr(self.state, attr)
+
+    return {
+        f"get_{prefix}_group": lambda self: info(self).group,
+        f"get_{prefix}_rank": lambda self: info(self).rank,
+        f"get_{prefix}_world_size": lambda self: info(self).size,
+    }
+
+
+class DeepSpeedMPU:
+    """Pass `DeepSpeedMPU(state)` as `mpu=` to `deepspeed.initialize`."""
+
+    def __init__(self, state: ParallelState):
+        self.state = state
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        """Global rank of the first rank of this tensor-parallel group."""
+        return self.state.tp.ranks[0]
+
+    def get_slice_parallel_group(self):
+        return self.state.tp.group
+
+    def get_slice_parallel_rank(self) -> int:
+        return self.state.tp.rank
+
+    def get_slice_parallel_world_size(self) -> int:
+        return self.state.tp.size
+
+
+# DeepSpeed name -> ParallelState group it reads.
+_NAMES = {"model_parallel": "tp", "tensor_model_parallel": "tp", "pipeline_model_parallel": "pp",
+          "pipe_parallel": "pp", "data_parallel": "dp", "sequence_parallel": "sp",
+          "sequence_data_parallel": "dp_sp"}
+for _prefix, _attr in _NAMES.items():
+    for _name, _fn in _accessors(_prefix, _attr).items():
+        setattr(DeepSpeedMPU, _name, _fn)

@@ -1,0 +1,132 @@
+"""`ParallelState`: the process groups of one rank, built once from a validated config.
+
+There is no module-global state: build one `ParallelState` and pass it (or the group a layer
+needs) explicitly.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from .config import ParallelConfig
+from .ranks import coordinates, embedding_groups, rank_groups
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One process group as seen from this rank. `group` is None when the group is one rank."""
+
+    group: dist.ProcessGroup | None
+    ranks: tuple[int, ...]
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    @classmethod
+    def single(cls, global_rank: int = 0) -> "GroupInfo":
+        return cls(group=None, ranks=(global_rank,), rank=0)
+
+
+# The groups a ParallelState builds: name -> dimensions that vary inside the group.
+GROUP_DIMS = {
+    "tp": ("tp",),
+    "sp": ("sp",),
+    "dp": ("dp",),
+    "pp": ("pp",),
+    "dp_sp": ("dp", "sp"),  # ZeRO / gradient reduction: every rank holding the same shard
+    "mp": ("tp", "sp"),  # tensor x sequence model-parallel group
+}
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """Groups and coordinates of this rank. Printed as `TP2-SP2-PP2-DP1 rank 5`."""
+
+    config: ParallelConfig
+    global_rank: int
+    world_size: int
+    tp: GroupInfo
+    sp: GroupInfo
+    dp: GroupInfo
+    pp: GroupInfo
+    dp_sp: GroupInfo
+    mp: GroupInfo
+    embedding: GroupInfo
+
+    @classmethod
+    def single(cls, config: ParallelConfig | None = None) -> "ParallelState":
+        """A one-process state: every group has one rank and no collective is issued."""
+        config = (config or ParallelConfig()).resolve(1)
+        one = GroupInfo.single()
+        return cls(config, 0, 1, one, one, one, one, one, one, one)
+
+    @classmethod
+    def initialize(cls, config: ParallelConfig, backend: str | None = None,
+                   timeout=None) -> "ParallelState":
+        """Build every group of this rank; initialise torch.distributed from env if needed.
+
+        The config is validated against the world size before any group is created, so a
+        misconfigured launch fails on every rank with the same message and no collective.
+        """
+        if not dist.is_initialized():
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            config.resolve(world)  # fail before the rendezvous
+            if world == 1 and "MASTER_ADDR" not in os.environ:
+                return cls.single(config)
+            kwargs = {} if timeout is None else {"timeout": timeout}
+            dist.init_process_group(backend=backend, **kwargs)
+        world, rank = dist.get_world_size(), dist.get_rank()
+        config = config.resolve(world)
+        sizes, order = config.sizes(), config.order
+        groups = {name: _new_groups(rank_groups(sizes, order, dims), rank)
+                  for name, dims in GROUP_DIMS.items()}
+        embedding = _new_groups(embedding_groups(sizes, order), rank)
+        return cls(config, rank, world, embedding=embedding, **groups)
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return coordinates(self.global_rank, self.config.sizes(), self.config.order)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp.is_first
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp.is_last
+
+    def __str__(self) -> str:
+        return f"{self.config} rank {self.global_rank}"
+
+
+def _new_groups(all_groups: list[list[int]], rank: int) -> GroupInfo:
+    """Create every group (a collective call on all ranks, same order) and keep this rank's.
+
+    A group of one rank gets no process group; a group spanning the world reuses WORLD.
+    """
+    mine = None
+    world = dist.get_world_size()
+    for ranks in all_groups:
+        if len(ranks) == 1:
+            group = None
+        elif len(ranks) == world:
+            group = dist.group.WORLD
+        else:
+            group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = GroupInfo(group=group, ranks=tuple(ranks), rank=ranks.index(rank))
+    if mine is None:
+        raise RuntimeError(f"rank {rank} is in none of the groups {all_groups}")
+    return mine
