@@ -172,3 +172,25 @@ gather_from_tensor_parallel_region = _wrap(_GatherFromTP)
 scatter_to_sequence_parallel_region = _wrap(_ScatterToSequence)
 gather_from_sequence_parallel_region = _wrap(_GatherFromSequence)
 reduce_scatter_to_sequence_parallel_region = _wrap(_ReduceScatterToSequence)
+
+
+class _GatherSequenceReplicated(torch.autograd.Function):
+    """forward all-gather first dim, backward keep this rank's chunk.
+
+    For outputs that every rank then uses identically (the full logits a model returns on
+    each rank): each rank's gradient of the gathered tensor is already the full one, so the
+    backward takes its chunk instead of reduce-scattering (which would count it n times).
+    x_shard [s/n, ...] -> x_full [s, ...].
+    """
+
+    @staticmethod
+    def forward(ctx, x_shard, group):
+        ctx.group = group
+        return _gather(x_shard, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        return _split(grad_full, 0, ctx.group), None
+
+
+gather_sequence_replicated = _wrap(_GatherSequenceReplicated)
