@@ -4,18 +4,17 @@ import dataclasses
 import pytest
 import torch
 
-import attention_standin
 import model_checks
 from megazoo.layers import FusedColumnParallelLinear, set_tp_layout, tp_slice, tp_unslice
 from megazoo.models import (BloomModel, ModelConfig, TransformerModel, build_model,
                             describe_parameters, full_name, layer_ranges)
+from megazoo.parallel import GroupInfo, ParallelConfig, ParallelState
 from megazoo.testing import run_distributed
-
-attention_standin.install()
 
 
 def test_parallel_layouts_match_single_process():
-    """gpt, bloom, llama x (tp, sp) in (1,1) (2,1) (1,2) (2,2), with/without Megatron SP."""
+    """gpt, bloom, llama (GQA), llama (MQA) x (tp, sp) in (1,1) (2,1) (1,2) (2,2), with and
+    without Megatron SP; plus full/selective recompute at tp2 sp2 SP."""
     results = run_distributed(model_checks.check_families, 4, timeout=240)
     errors = sorted({e for r in results for e in r})
     assert errors == [], "\n".join(errors[:40])
@@ -109,3 +108,25 @@ def test_fused_column_layout_matches_unfused_slices():
     head = info["output_layer.weight"]
     assert head["tp_unpadded"] == 300 and head["full_shape"] == (300, 64)
     assert info["layers.1.mlp.fc2.weight"]["tp_dim"] == 1
+
+
+def _fake_tp_state(tp: int, rank: int, sequence_parallel: bool = False) -> ParallelState:
+    """A state that builds rank `rank` of a tp group without processes (construction only)."""
+    config = ParallelConfig(tp=tp, sequence_parallel=sequence_parallel).resolve(tp)
+    one = GroupInfo.single(rank)
+    tp_info = GroupInfo(group=None, ranks=tuple(range(tp)), rank=rank)
+    return ParallelState(config, rank, tp, tp_info, one, one, one, one, tp_info, one)
+
+
+@pytest.mark.parametrize("family, tp", [("gpt", 2), ("bloom", 4), ("llama", 2), ("llama-mqa", 4)])
+def test_tp_unslice_of_every_rank_rebuilds_the_one_process_model(family, tp):
+    """Layout-independent init + metadata: the tp ranks' shards, put together by
+    `tp_unslice`, are the one-process weights (the core of checkpoint resharding)."""
+    cfg = model_checks.tiny_config(family)
+    ref = dict(build_model(cfg, device="cpu", seed=9).named_parameters())
+    ranks = [dict(build_model(cfg, _fake_tp_state(tp, r), device="cpu", seed=9).named_parameters())
+             for r in range(tp)]
+    for name, p in ranks[0].items():
+        full = tp_unslice([m[name].detach() for m in ranks], p)
+        expected = ref[full_name(name, p)].detach()
+        assert torch.equal(full, expected[:full.shape[0]]), name

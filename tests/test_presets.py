@@ -3,10 +3,7 @@ import time
 
 import pytest
 
-import attention_standin
 from megazoo.models import PRESETS, build_model, count_parameters
-
-attention_standin.install()
 
 # Published / commonly quoted totals (HF configs; GPT-3 with the vocabulary padded to 51,200).
 EXACT = {

@@ -9,11 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-import attention_standin
 import model_checks
 from megazoo.models import build_model
-
-attention_standin.install()
 
 
 def _grads(cfg, dropout=0.0):

@@ -12,8 +12,8 @@ tensor/pipeline layout. Output projections use the GPT-2 scaled std / sqrt(2 L).
 
 Activation recompute (Korthikanti et al. 2022), set with `set_recompute`:
 "full" reruns the whole block in backward (only its input is kept); "selective" reruns only
-the attention core (softmax(QK^T)V and its dropout) when the attention module exposes it as
-`core_attention`, otherwise the whole attention sublayer. Both use non-reentrant
+the parameter-free middle of the attention (RoPE, softmax(QK^T)V with its dropout, and with
+Ulysses sp > 1 the two all-to-alls, which are then repeated in backward). Both use non-reentrant
 `torch.utils.checkpoint`, which restores the RNG state so dropout masks repeat.
 """
 from __future__ import annotations
@@ -30,15 +30,11 @@ from ..parallel.state import ParallelState
 from .init import NormalInit
 from .mlp import ParallelMLP
 from .norm import build_norm
+from .parallel_attention import ParallelAttention
+from .sharding import set_tp_layout
 
 if TYPE_CHECKING:
     from ..models.config import ModelConfig
-
-
-def attention_class():
-    """`ParallelAttention` (imported on use: layers/attention.py is built on its own branch)."""
-    from .attention import ParallelAttention
-    return ParallelAttention
 
 
 class _Recomputed(nn.Module):
@@ -72,7 +68,7 @@ class TransformerBlock(nn.Module):
 
         norm = dict(sequence_parallel=sp_on, device=device, dtype=dtype)
         self.input_norm = build_norm(config.norm, config.hidden_size, config.norm_eps, **norm)
-        self.attention = attention_class()(
+        self.attention = ParallelAttention(
             config.hidden_size, config.num_attention_heads, tp_group=state.tp, sp_group=state.sp,
             num_kv_heads=config.num_key_value_heads, position_embedding=_attention_positions(config),
             rope_theta=config.rope_theta, bias=config.qkv_bias,
@@ -87,18 +83,17 @@ class TransformerBlock(nn.Module):
             activation=config.activation, bias=config.mlp_bias, sequence_parallel=sp_on,
             init_method=init("mlp.fc1.weight", std), output_init_method=init("mlp.fc2.weight", out_std),
             device=device, dtype=dtype)
-        core = getattr(self.attention, "core_attention", None)
-        if isinstance(core, nn.Module):
-            self.attention.core_attention = _Recomputed(core)
+        _annotate_qkv(self.attention)
+        # Selective recompute wraps the parameter-free middle of ParallelAttention: RoPE, the
+        # Ulysses all-to-alls (no-ops at sp = 1) and the core softmax(QK^T)V.
+        self.attention.attention = _Recomputed(self.attention.attention)
 
     def set_recompute(self, mode: str) -> None:
         """"none", "full" or "selective" (see the module docstring)."""
         if mode not in ("none", "full", "selective"):
             raise ValueError(f"recompute must be none, full or selective, got {mode!r}")
         self.recompute = mode
-        core = getattr(self.attention, "core_attention", None)
-        if isinstance(core, _Recomputed):
-            core.enabled = mode == "selective"
+        self.attention.attention.enabled = mode == "selective"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s_local, b, h] -> y [s_local, b, h]."""
@@ -107,13 +102,17 @@ class TransformerBlock(nn.Module):
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.input_norm(x)
-        whole_attention = (self.recompute == "selective" and torch.is_grad_enabled()
-                           and not isinstance(getattr(self.attention, "core_attention", None), _Recomputed))
-        a = checkpoint(self.attention, h, use_reentrant=False) if whole_attention else self.attention(h)
+        a = self.attention(self.input_norm(x))
         x = x + F.dropout(a, self.hidden_dropout, self.training)
         m = self.mlp(self.post_attention_norm(x))
         return x + F.dropout(m, self.hidden_dropout, self.training)
+
+
+def _annotate_qkv(attention: ParallelAttention) -> None:
+    """The fused QKV rows a tp rank holds are listed by the attention's head layout."""
+    layout = attention.layout
+    for p in attention.qkv.parameters():
+        set_tp_layout(p, 0, index=layout.qkv_rows, full_size=layout.qkv_rows_full)
 
 
 def _attention_positions(config: "ModelConfig") -> str:

@@ -10,6 +10,11 @@ Every parameter of a megazoo layer can carry these attributes (absent means the 
   `[gate; up]` of `(ffn, ffn)` rows holds `[gate_r; up_r]` on rank r. None means one block.
 - `tp_unpadded: int | None` (None): the real size along `tp_dim` when the sharded tensor is
   padded (the vocabulary); the full tensor is the first `tp_unpadded` rows, the rest padding.
+- `tp_index: Callable[[int], LongTensor] | None` (None): for layouts that are neither a
+  contiguous split nor fused blocks (the grouped fused QKV of `ParallelAttention`, where
+  several tp ranks may hold the same kv head): `tp_index(rank)` gives the indices along
+  `tp_dim` of the full tensor that rank holds, in local order; `tp_full_size` is that
+  dimension's full size.
 - `sequence_parallel: bool` (False): replicated over tp, but its gradient is a partial sum
   under Megatron sequence parallelism (see `mark_sequence_parallel`).
 - `tied_to: str | None` (None): the full name of the parameter this one is a copy of (an output
@@ -26,11 +31,15 @@ from torch import nn
 
 
 def set_tp_layout(param: nn.Parameter, dim: int | None, *, parts: tuple[int, ...] | None = None,
-                  unpadded: int | None = None) -> nn.Parameter:
+                  unpadded: int | None = None, index=None, full_size: int | None = None
+                  ) -> nn.Parameter:
     """Record that `param` is split over tp along `dim` (see the module docstring)."""
-    if parts is not None and unpadded is not None:
-        raise ValueError("a parameter cannot be both fused (parts) and padded (unpadded)")
+    if sum(x is not None for x in (parts, unpadded, index)) > 1:
+        raise ValueError("give at most one of parts (fused), unpadded (padded), index (gathered)")
+    if (index is None) != (full_size is None):
+        raise ValueError("index and full_size go together")
     param.tp_dim, param.tp_parts, param.tp_unpadded = dim, (tuple(parts) if parts else None), unpadded
+    param.tp_index, param.tp_full_size = index, full_size
     return param
 
 
@@ -53,6 +62,9 @@ def tp_slice(full: torch.Tensor, param: torch.Tensor, rank: int, size: int) -> t
     dim = tp_dim_of(param)
     if dim is None:
         return full
+    index = getattr(param, "tp_index", None)
+    if index is not None:
+        return full.index_select(dim, index(rank).to(full.device))
     unpadded = getattr(param, "tp_unpadded", None)
     if unpadded is not None:
         full = full.narrow(dim, 0, min(unpadded, full.shape[dim]))
@@ -74,6 +86,14 @@ def tp_unslice(shards: list[torch.Tensor], param: torch.Tensor) -> torch.Tensor:
     if dim is None:
         return shards[0]
     size = len(shards)
+    index = getattr(param, "tp_index", None)
+    if index is not None:  # replicated rows are written once per holder, with equal values
+        shape = list(shards[0].shape)
+        shape[dim] = param.tp_full_size
+        full = shards[0].new_zeros(shape)
+        for rank, shard in enumerate(shards):
+            full.index_copy_(dim, index(rank).to(shard.device), shard)
+        return full
     parts = _parts(param, shards[0].shape[dim] * size)
     local = [p // size for p in parts]
     per_rank = [s.split(local, dim) for s in shards]
@@ -90,4 +110,6 @@ def full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
     if dim is not None:
         unpadded = getattr(param, "tp_unpadded", None)
         shape[dim] = unpadded if unpadded is not None else shape[dim] * tp_size
+        if getattr(param, "tp_index", None) is not None:
+            shape[dim] = param.tp_full_size
     return tuple(shape)
