@@ -11,6 +11,9 @@ forward, for chunk c of this object:
 - output: `hidden_states [s_local, b, h]` unless c is the last chunk and post_process;
   then the mean token loss if `labels` are given (Hugging Face convention: labels are the
   input ids, the model shifts them; -100 is ignored), else the full logits `[b, s, vocab]`.
+
+Dropout masks come from torch's global generator and are not layout-independent (no
+Megatron-style RNG tracker yet); layouts agree exactly only with dropout 0 (the default).
 """
 from __future__ import annotations
 
