@@ -8,6 +8,7 @@ from torch import nn
 from .groups import Group, group_rank, group_size
 from .init import default_init, init_shard_
 from .mappings import reduce_from_tensor_parallel_region
+from .sharding import set_tp_layout
 
 
 def padded_vocab_size(vocab_size: int, tp: int, make_vocab_size_divisible_by: int = 128) -> int:
@@ -55,6 +56,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = self.vocab_start + self.rows_per_rank
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim,
                                                device=device, dtype=dtype))
+        set_tp_layout(self.weight, 0, unpadded=num_embeddings)
         init_shard_(self.weight, init_method or default_init(), self.vocab_start, 0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

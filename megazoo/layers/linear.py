@@ -16,6 +16,7 @@ from .mappings import (all_reduce, copy_to_tensor_parallel_region,
                        gather_from_sequence_parallel_region, gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
                        reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tensor_parallel_region)
+from .sharding import set_tp_layout
 
 
 def _check_last_dim(x: torch.Tensor, expected: int, layer: str) -> None:
@@ -57,6 +58,9 @@ class ColumnParallelLinear(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, **factory))
         self.bias = nn.Parameter(torch.zeros(self.out_per_rank, **factory)) if bias else None
+        set_tp_layout(self.weight, 0)
+        if self.bias is not None:
+            set_tp_layout(self.bias, 0)
         init_method = init_method or default_init()
         init_shard_(self.weight, init_method, group_rank(group) * self.out_per_rank, 0)
 
@@ -97,6 +101,7 @@ class RowParallelLinear(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, **factory))
         self.bias = nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
+        set_tp_layout(self.weight, 1)
         if self.bias is not None and sequence_parallel:
             mark_sequence_parallel(self.bias)
         init_method = init_method or default_init()

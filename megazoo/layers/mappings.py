@@ -153,6 +153,81 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _gather(grad_shard, 0, ctx.group), None
 
 
+# ---- Ulysses all-to-all (sequence <-> heads) -------------------------------------------------
+
+def _sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """x [s/n, *mid, n*f] -> [s, *mid, f]: feature block j goes to rank j, sequences stack.
+
+    One copy (moving the destination block outermost) and one all_to_all_single.
+    """
+    n = group_size(group)
+    if x.shape[-1] % n != 0:
+        raise ValueError(f"the last dimension of {tuple(x.shape)} is not divisible by the "
+                         f"Ulysses group size {n}: choose heads divisible by sp")
+    s_local, mid, f = x.shape[0], tuple(x.shape[1:-1]), x.shape[-1] // n
+    send = x.reshape(s_local, -1, n, f).permute(2, 0, 1, 3).contiguous()  # [n, s/n, m, f]
+    recv = torch.empty_like(send)  # [n (source rank = sequence block), s/n, m, f]
+    dist.all_to_all_single(recv, send, group=process_group(group))
+    return recv.view((n * s_local,) + mid + (f,))
+
+
+def _heads_to_sequence(y: torch.Tensor, group) -> torch.Tensor:
+    """y [s, *mid, f] -> [s/n, *mid, n*f]: sequence block j goes to rank j, features concat.
+
+    One all_to_all_single (sequence blocks are already outermost) and one copy after it.
+    """
+    n = group_size(group)
+    if y.shape[0] % n != 0:
+        raise ValueError(f"sequence length {y.shape[0]} is not divisible by the Ulysses group "
+                         f"size {n}: pad the sequence to a multiple of {n}")
+    s_local, mid, f = y.shape[0] // n, tuple(y.shape[1:-1]), y.shape[-1]
+    send = y.contiguous()  # [s, *mid, f] = [n (destination), s/n, m, f]
+    recv = torch.empty_like(send)  # [n (source rank = feature block), s/n, m, f]
+    dist.all_to_all_single(recv, send, group=process_group(group))
+    out = recv.view(n, s_local, -1, f).permute(1, 2, 0, 3)  # [s/n, m, n, f]
+    return out.reshape((s_local,) + mid + (n * f,))
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    """Ulysses' first all-to-all: from a sequence shard of every head to the full sequence of
+    a block of heads. forward: sequence-to-heads all-to-all, backward: heads-to-sequence.
+
+    | tensor | shape |
+    |---|---|
+    | x_seq_shard (input) | [s/n, *mid, n*f]: feature block j is for rank j |
+    | x_head_shard (output) | [s, *mid, f]: rows [j s/n, (j+1) s/n) came from rank j |
+    """
+
+    @staticmethod
+    def forward(ctx, x_seq_shard, group):
+        ctx.group = group
+        return _sequence_to_heads(x_seq_shard, group)
+
+    @staticmethod
+    def backward(ctx, grad_head_shard):
+        return _heads_to_sequence(grad_head_shard, ctx.group), None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    """Ulysses' second all-to-all, the inverse of the first. forward: heads-to-sequence,
+    backward: sequence-to-heads.
+
+    | tensor | shape |
+    |---|---|
+    | y_head_shard (input) | [s, *mid, f]: the full sequence of this rank's feature block |
+    | y_seq_shard (output) | [s/n, *mid, n*f]: feature block j came from rank j |
+    """
+
+    @staticmethod
+    def forward(ctx, y_head_shard, group):
+        ctx.group = group
+        return _heads_to_sequence(y_head_shard, group)
+
+    @staticmethod
+    def backward(ctx, grad_seq_shard):
+        return _sequence_to_heads(grad_seq_shard, ctx.group), None
+
+
 def _wrap(fn):
     """Public wrapper: short-circuit when the group has one rank."""
 
@@ -172,3 +247,27 @@ gather_from_tensor_parallel_region = _wrap(_GatherFromTP)
 scatter_to_sequence_parallel_region = _wrap(_ScatterToSequence)
 gather_from_sequence_parallel_region = _wrap(_GatherFromSequence)
 reduce_scatter_to_sequence_parallel_region = _wrap(_ReduceScatterToSequence)
+all_to_all_sequence_to_heads = _wrap(_SequenceToHeads)
+all_to_all_heads_to_sequence = _wrap(_HeadsToSequence)
+
+
+class _GatherSequenceReplicated(torch.autograd.Function):
+    """forward all-gather first dim, backward keep this rank's chunk.
+
+    For outputs that every rank then uses identically (the full logits a model returns on
+    each rank): each rank's gradient of the gathered tensor is already the full one, so the
+    backward takes its chunk instead of reduce-scattering (which would count it n times).
+    x_shard [s/n, ...] -> x_full [s, ...].
+    """
+
+    @staticmethod
+    def forward(ctx, x_shard, group):
+        ctx.group = group
+        return _gather(x_shard, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        return _split(grad_full, 0, ctx.group), None
+
+
+gather_sequence_replicated = _wrap(_GatherSequenceReplicated)

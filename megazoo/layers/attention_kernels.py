@@ -1,0 +1,91 @@
+"""Optional attention kernels, imported lazily: FlexAttention and flash-attn.
+
+Both take the shapes of `attention.core_attention` (q [s, b, hq, d], k, v [s, b, hk, d]) and
+return [s, b, hq, d]; the pure-PyTorch backends in attention.py compute the same function.
+
+FlexAttention is compiled (torch.compile) on CUDA, once per process on first use; the
+compiled callable and the causal block masks are memoised by `functools.lru_cache` (a cache,
+not configuration: nothing outside this file reads it). On CPU it runs eagerly, forward only
+(torch 2.13 has no CPU backward for it), which is enough to check it computes the same function.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+
+def flex_available() -> bool:
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
+@functools.lru_cache(maxsize=1)
+def flash_available() -> bool:
+    """flash-attn importable (checked once; the import itself happens on first use)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _flex_call(q, k, v, slopes, block_mask, scale, enable_gqa):
+    """flex_attention on [b, h, s, d] with an optional ALiBi score_mod (-slope * |i - j|).
+
+    The score_mod is defined here, inside the function that gets compiled, so that its closure
+    over `slopes` is traced as a tensor input rather than guarded on as a new function object
+    (which would recompile on every call).
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    score_mod = None
+    if slopes is not None:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx - kv_idx).abs()
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                          enable_gqa=enable_gqa)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    return torch.compile(_flex_call, dynamic=False)
+
+
+@functools.lru_cache(maxsize=32)
+def _causal_block_mask(s_q: int, s_k: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+    return create_block_mask(causal, B=None, H=None, Q_LEN=s_q, KV_LEN=s_k, device=device)
+
+
+def _block_mask(s_q, s_k, causal, padding_mask, device):
+    """The BlockMask of visible keys: causal, and/or real (unpadded) keys; None for neither."""
+    if padding_mask is None:
+        return _causal_block_mask(s_q, s_k, device) if causal else None
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def visible(b, h, q_idx, kv_idx):
+        real = padding_mask[b, kv_idx]
+        return (q_idx >= kv_idx) & real if causal else real
+    return create_block_mask(visible, B=padding_mask.shape[0], H=None, Q_LEN=s_q, KV_LEN=s_k,
+                             device=device)
+
+
+def flex_attention(q, k, v, causal, padding_mask, alibi_slopes, scale):
+    """FlexAttention: masks as a BlockMask (skipped blocks), ALiBi as a score_mod."""
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
+    block_mask = _block_mask(q.shape[0], k.shape[0], causal, padding_mask, q.device)
+    slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()
+    fn = _compiled_flex() if q.device.type == "cuda" else _flex_call
+    out = fn(qb, kb, vb, slopes, block_mask, scale, q.shape[2] != k.shape[2])
+    return out.permute(2, 0, 1, 3)  # [s, b, hq, d]
+
+
+def flash_attention(q, k, v, causal, alibi_slopes, scale, dropout_p):
+    """flash-attn 2 (`flash_attn_func`): [b, s, h, d] views, GQA and ALiBi slopes native."""
+    from flash_attn import flash_attn_func
+
+    qb, kb, vb = (t.transpose(0, 1) for t in (q, k, v))  # [b, s, h, d]; last dim stays dense
+    slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()
+    out = flash_attn_func(qb, kb, vb, dropout_p=dropout_p, softmax_scale=scale, causal=causal,
+                          alibi_slopes=slopes)
+    return out.transpose(0, 1)  # [s, b, hq, d]

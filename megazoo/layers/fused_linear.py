@@ -1,0 +1,62 @@
+"""`FusedColumnParallelLinear`: several column-parallel projections of one input in one matmul.
+
+The full weight is the blocks `[W_0; W_1; ...]` stacked along the output dimension (rows).
+Each block is split over tp on its own and rank r holds `[W_0,r; W_1,r; ...]`, so the outputs
+of one rank's blocks sit side by side and need no communication to be taken apart
+(SwiGLU's gate and up projections; a fused QKV). The parameters carry `tp_parts` so
+`tp_slice` / `tp_unslice` know the layout.
+"""
+from __future__ import annotations
+
+import torch
+
+from .groups import Group, divide, group_rank, group_size
+from .init import NormalInit, default_init
+from .linear import ColumnParallelLinear
+from .sharding import set_tp_layout
+
+
+class FusedColumnParallelLinear(ColumnParallelLinear):
+    """x [s, b, in] -> y_shard [s, b, sum(parts)/tp], laid out `[y_0,r, y_1,r, ...]`.
+
+    `parts` are the full output sizes of the fused blocks; each must divide by tp. With
+    sequence_parallel, x is the sequence shard [s/tp, b, in] (gathered first).
+    """
+
+    def __init__(self, in_features: int, parts: tuple[int, ...], *, group: Group,
+                 bias: bool = True, sequence_parallel: bool = False, init_method=None,
+                 device=None, dtype=None):
+        tp = group_size(group)
+        parts = tuple(parts)
+        local = [divide(p, tp, f"fused block of {p} outputs over tp={tp}") for p in parts]
+        init_method = init_method or default_init()
+        # The parent allocates [sum/tp, in]; its contiguous init is replaced below.
+        super().__init__(in_features, sum(parts), group=group, bias=bias,
+                         sequence_parallel=sequence_parallel, init_method=lambda w: None,
+                         device=device, dtype=dtype)
+        self.parts, self.local_parts = parts, tuple(local)
+        set_tp_layout(self.weight, 0, parts=parts)
+        if self.bias is not None:
+            set_tp_layout(self.bias, 0, parts=parts)
+        self._init_blocks(init_method, group_rank(group))
+
+    @torch.no_grad()
+    def _init_blocks(self, init_method, rank: int) -> None:
+        """Fill each local block with its rows of the full stacked matrix."""
+        if self.weight.device.type == "meta":
+            return
+        start, full_start = 0, 0
+        for full, local in zip(self.parts, self.local_parts):
+            block = self.weight[start:start + local]
+            if isinstance(init_method, NormalInit):
+                init_method.fill_(block, full_start + rank * local, 0)
+            else:
+                init_method(block)
+            start, full_start = start + local, full_start + full
+
+    def split_output(self, y_shard: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's output of each block: y_shard [.., sum/tp] -> ([.., part_i/tp], ...)."""
+        return y_shard.split(self.local_parts, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"parts={self.parts}, " + super().extra_repr()

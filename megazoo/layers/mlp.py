@@ -1,0 +1,53 @@
+"""`ParallelMLP`: the transformer feed-forward block, tensor-parallel (Megatron).
+
+gelu:   x -> Column(h, ffn) -> GeLU -> Row(ffn, h)                 (GPT, BLOOM)
+swiglu: x -> FusedColumn(h, [gate ffn; up ffn]) -> silu(gate) * up -> Row(ffn, h)   (LLaMA)
+
+x [s, b, h] -> y [s, b, h]; with sequence_parallel both are the rank's sequence shard
+[s/tp, b, h]. The intermediate activation is split over tp along ffn, so no communication
+happens between the two matmuls.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .fused_linear import FusedColumnParallelLinear
+from .groups import Group
+from .linear import ColumnParallelLinear, RowParallelLinear
+
+ACTIVATIONS = ("gelu", "gelu_exact", "swiglu")
+
+
+class ParallelMLP(nn.Module):
+    """Feed-forward block. `activation`: "gelu" (tanh approximation, as GPT-2 and BLOOM),
+    "gelu_exact" (erf) or "swiglu" (gate and up fused in one column-parallel matmul)."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, group: Group,
+                 activation: str = "gelu", bias: bool = True, sequence_parallel: bool = False,
+                 init_method=None, output_init_method=None, device=None, dtype=None):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.activation = activation
+        common = dict(group=group, bias=bias, sequence_parallel=sequence_parallel,
+                      device=device, dtype=dtype)
+        if activation == "swiglu":
+            self.fc1 = FusedColumnParallelLinear(hidden_size, (ffn_hidden_size, ffn_hidden_size),
+                                                 init_method=init_method, **common)
+        else:
+            self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size,
+                                            init_method=init_method, **common)
+        self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, init_method=output_init_method,
+                                     **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h_shard = self.fc1(x)  # [s, b, ffn/tp] (x2 for swiglu)
+        if self.activation == "swiglu":
+            gate, up = self.fc1.split_output(h_shard)
+            h_shard = F.silu(gate) * up
+        else:
+            approximate = "tanh" if self.activation == "gelu" else "none"
+            h_shard = F.gelu(h_shard, approximate=approximate)
+        return self.fc2(h_shard)

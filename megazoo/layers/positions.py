@@ -1,0 +1,89 @@
+"""Position information inside attention: ALiBi (BLOOM) slopes and biases, rotary embeddings
+(RoPE, in the convention of Hugging Face LLaMA).
+
+Both take **global** quantities: ALiBi slopes are indexed by the global head number (a rank
+holding heads 8..11 of 16 asks for `alibi_slopes(16)[8:12]`), and RoPE angles by the global
+position of each token (its sequence shard's offset plus its local index).
+
+| name | shape | meaning |
+|---|---|---|
+| slopes | [heads] float32 | ALiBi slope of each head |
+| alibi bias | [heads, s_q, s_k] | -slope * abs(i - j): 0 on the diagonal, more negative further back |
+| position_ids | [s] or [b, s] int | global position of each token |
+| cos, sin | [s, b or 1, d] | rotary factors, each half of d repeated (HF's `cat((freqs, freqs))`) |
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
+    """The ALiBi slope of every head, as BLOOM defines them (float32, [num_heads]).
+
+    For n a power of two the slopes are 2^(-8k/n), k = 1..n. Otherwise the first
+    p = 2^floor(log2 n) heads take the slopes of p heads, and the remaining n - p heads take
+    every other slope of 2p heads (2^(-8k/2p) for k = 1, 3, 5, ...), as in Press et al. and
+    `transformers`' BLOOM. Computed in float64, rounded once to float32.
+    """
+    if num_heads < 1:
+        raise ValueError(f"alibi_slopes needs at least one head, got num_heads={num_heads}")
+    p = 2 ** int(math.floor(math.log2(num_heads)))
+    exponents = [8.0 * k / p for k in range(1, p + 1)]
+    exponents += [8.0 * k / (2 * p) for k in range(1, 2 * (num_heads - p), 2)]
+    slopes = torch.tensor([2.0 ** -e for e in exponents], dtype=torch.float64)
+    return slopes.to(device=device, dtype=torch.float32)
+
+
+def alibi_bias(slopes: torch.Tensor, s_q: int, s_k: int, dtype=torch.float32) -> torch.Tensor:
+    """The additive ALiBi bias -slope * |i - j| for queries i < s_q and keys j < s_k.
+
+    slopes [h] -> bias [h, s_q, s_k]. Under a causal mask this equals BLOOM's `slope * j` up to
+    a constant per query row, which softmax ignores; it is also what flash-attn computes from
+    `alibi_slopes`. Both index ranges are positions in the full (global) sequence.
+    """
+    i = torch.arange(s_q, device=slopes.device, dtype=torch.float32)[:, None]
+    j = torch.arange(s_k, device=slopes.device, dtype=torch.float32)[None, :]
+    distance = (i - j).abs_()  # [s_q, s_k]
+    return (-slopes.float()[:, None, None] * distance).to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float = 10000.0, device=None) -> torch.Tensor:
+    """theta^(-2i/d) for i < d/2 (float32, [d/2]), LLaMA's default rotary frequencies."""
+    if head_dim % 2 != 0:
+        raise ValueError(f"RoPE needs an even head dimension, got head_dim={head_dim}")
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / (theta ** exponent)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float = 10000.0,
+                 dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary factors for global positions, laid out sequence first.
+
+    position_ids [s] or [b, s] -> cos, sin [s, 1, d] or [s, b, d] (in `dtype`). Angles are
+    computed in float32 and rounded to `dtype` afterwards, as `LlamaRotaryEmbedding` does.
+    """
+    if position_ids.dim() == 1:
+        position_ids = position_ids[None, :]
+    inv_freq = rope_inv_freq(head_dim, theta, device=position_ids.device)
+    freqs = position_ids.float()[..., None] * inv_freq  # [b, s, d/2]
+    angles = torch.cat((freqs, freqs), dim=-1).transpose(0, 1)  # [s, b, d]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] over the halves of the last dimension (HF LLaMA convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [s, b, *heads, d] by cos, sin [s, b or 1, d]: x * cos + rotate_half(x) * sin."""
+    if cos.shape[0] != x.shape[0] or cos.shape[-1] != x.shape[-1]:
+        raise ValueError(f"apply_rope: cos/sin {tuple(cos.shape)} do not match x "
+                         f"{tuple(x.shape)} (expected [s, b or 1, d] with s={x.shape[0]}, "
+                         f"d={x.shape[-1]})")
+    view = (cos.shape[0], cos.shape[1]) + (1,) * (x.dim() - 3) + (cos.shape[-1],)
+    cos, sin = cos.view(view), sin.view(view)
+    return x * cos + rotate_half(x) * sin

@@ -1,0 +1,23 @@
+"""GPT, BLOOM and LLaMA: one transformer block, three configurations, any parallel layout.
+
+    from megazoo.models import ModelConfig, build_model, PRESETS
+    model = build_model("bloom-176b")                 # meta device: no memory
+    model = build_model(ModelConfig(family="llama", num_layers=2, hidden_size=64,
+                                    num_attention_heads=8, num_key_value_heads=4,
+                                    vocab_size=300), state, device="cpu", seed=0)
+    logits = model(input_ids)                          # [b, s] -> [b, s, vocab]
+    loss = model(input_ids, labels=input_ids)          # mean token loss (shifted inside)
+    loss.backward(); allreduce_gradients(model, state)
+"""
+from .bloom import BloomModel
+from .build import MODEL_CLASSES, build_model, layer_ranges, resolve_config
+from .config import ModelConfig
+from .gpt import GPTModel
+from .llama import LlamaModel
+from .model import TransformerModel
+from .params import allreduce_gradients, count_parameters, describe_parameters, full_name
+from .presets import PRESETS
+
+__all__ = ["ModelConfig", "build_model", "PRESETS", "TransformerModel", "GPTModel",
+           "BloomModel", "LlamaModel", "count_parameters", "allreduce_gradients",
+           "describe_parameters", "full_name", "layer_ranges", "resolve_config", "MODEL_CLASSES"]

@@ -1,0 +1,96 @@
+"""Parameters of a model: analytic count, full names and shard layout, gradient reduction."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..layers.sharding import full_shape, tp_dim_of
+from ..parallel.state import ParallelState
+from .config import ModelConfig
+
+
+def count_parameters(config: ModelConfig, tp: int = 1, *, padded: bool = True) -> int:
+    """Parameters of the whole model (all tp ranks and stages together), counted analytically.
+
+    The vocabulary is padded as at tensor-parallel size `tp` (`padded=False`: the real
+    vocabulary). A tied output head adds nothing. Equals the sum of numel of the one-process
+    model built at that padding.
+    """
+    h, ffn = config.hidden_size, config.ffn_hidden_size
+    kv = config.num_key_value_heads * config.head_dim
+    norm = 2 * h if config.norm == "layernorm" else h
+    attention = h * (h + 2 * kv) + h * h
+    attention += (h + 2 * kv) * config.qkv_bias + h * config.dense_bias
+    if config.activation == "swiglu":
+        mlp = 3 * h * ffn + (2 * ffn + h) * config.mlp_bias
+    else:
+        mlp = 2 * h * ffn + (ffn + h) * config.mlp_bias
+    layer = attention + mlp + 2 * norm
+    vocab = config.padded_vocab(tp) if padded else config.vocab_size
+    embedding = vocab * h + norm * config.embedding_layernorm
+    if config.position_embedding == "learned":
+        embedding += config.max_position_embeddings * h
+    head = 0 if config.tie_word_embeddings else vocab * h
+    return config.num_layers * layer + embedding + norm + head
+
+
+def full_name(name: str, param: torch.Tensor) -> str:
+    """The parameter's name in the one-process model (a tied head copy maps to the embedding)."""
+    return getattr(param, "tied_to", None) or name
+
+
+def describe_parameters(model: nn.Module, tp_size: int) -> dict[str, dict]:
+    """Per local parameter: its full name and shape and how it is sharded (for checkpoints).
+
+    Keys of each entry: full_name, full_shape, shape, tp_dim, tp_parts, tp_unpadded,
+    sequence_parallel. Everything not split over tp is replicated over tp; every parameter is
+    replicated over sp and dp.
+    """
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = dict(full_name=full_name(name, p), full_shape=full_shape(p, tp_size),
+                         shape=tuple(p.shape), tp_dim=tp_dim_of(p),
+                         tp_parts=getattr(p, "tp_parts", None),
+                         tp_unpadded=getattr(p, "tp_unpadded", None),
+                         sequence_parallel=getattr(p, "sequence_parallel", False))
+    return out
+
+
+def allreduce_gradients(model: nn.Module, state: ParallelState) -> None:
+    """Complete every gradient after backward, before the optimizer step (in place).
+
+    - sp (Ulysses): each sp rank saw different tokens of the one mean loss, so its gradients
+      are partial sums of the true one: SUM over sp.
+    - dp: each replica computed the mean loss of its own micro-batch: AVERAGE over dp.
+      Together: all-reduce (sum) over dp x sp (`state.dp_sp`), then divide by dp.
+    - tp under Megatron SP: parameters tagged `sequence_parallel` (norms, row biases) saw
+      only their rank's sequence shard: SUM over tp.
+    - pp with tied embeddings: the embedding (first stage) and its head copy (last stage) are
+      summed over `state.embedding`.
+    An engine that averages over dp x sp itself (DeepSpeed with a seq-data-parallel group)
+    gives 1/sp of the right gradient with this model's loss: scale the loss by sp for it.
+    """
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        g = p.grad
+        if state.dp_sp.size > 1:
+            dist.all_reduce(g, group=state.dp_sp.group)
+            if state.dp.size > 1:
+                g.div_(state.dp.size)
+        if getattr(p, "sequence_parallel", False) and state.tp.size > 1:
+            dist.all_reduce(g, group=state.tp.group)
+    _allreduce_tied(model, state)
+
+
+def _allreduce_tied(model: nn.Module, state: ParallelState) -> None:
+    if state.embedding.size == 1 or not getattr(model.config, "tie_word_embeddings", False):
+        return
+    weight = None
+    if getattr(model, "pre_process", False):
+        weight = model.embedding.word_embeddings.weight
+    elif getattr(model, "post_process", False):
+        weight = model.output_layer.weight
+    if weight is not None and weight.grad is not None:
+        dist.all_reduce(weight.grad, group=state.embedding.group)

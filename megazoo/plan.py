@@ -1,0 +1,308 @@
+"""Memory planner: what one training layout needs per GPU and on the host, and whether it fits.
+
+    python -m megazoo.plan --model bloom-176b --dp 8 --zero-stage 3 --offload-optimizer cpu \
+        --recompute full --micro-batch-size 1 --seq-length 2048 --gpu-memory 80 [--json]
+
+`estimate_memory(config, layout)` is a pure function returning a `MemoryEstimate` (bytes).
+The model (all of it stated, so a measurement can be compared part by part):
+
+- parameters, per GPU: the most loaded pipeline stage's share per tp rank (`stage_parameters`),
+  bf16 (2 B). ZeRO-3 divides them over Z = dp * sp (the ranks holding the same shard) and
+  adds the gathered working set: two units of full bf16 parameters (the one computing and
+  one prefetched) plus one unit's full gradient awaiting its reduce-scatter; a unit is a
+  transformer block or the embedding/head (FSDP2 `fully_shard` per block).
+- gradients: 2 B (bf16) or 4 B (fp32 accumulation) per parameter, / Z from ZeRO-2; with CPU
+  optimizer offload they are reduced through the buckets straight to host memory.
+- optimizer states: Adam in mixed precision, fp32 master + m + v = 12 B, / Z from ZeRO-1;
+  moved to the host with `--offload-optimizer cpu`, together with 4 B of fp32 gradients.
+- activations: Korthikanti et al. 2022, per layer and micro-batch, bf16:
+  s b h (34 + 5 a s / h) without parallelism; s b h (10 + 24/t + 5 a s / (h t)) with tp = t;
+  s b h / t (34 + 5 a s / h) with Megatron sequence parallelism; Ulysses divides by sp.
+  Selective recompute drops the 5 a s / h term; full recompute keeps only the block input
+  (2 s b h, / t under SP) plus one block's full activations while it is recomputed.
+  The first pipeline stage holds min(p, m) micro-batches under 1F1B, times
+  (1 + (p - 1) / (p v)) when interleaved; the last stage adds the logits (bf16 2 B plus the
+  fp32 softmax 4 B saved by the loss, per element of s b V / (t sp)). The formulas are the
+  paper's GPT block; SwiGLU and GQA blocks differ a little.
+- communication buffers: ZeRO reduce (and, for ZeRO-1/2, all-gather) buckets of 5e8
+  elements (DeepSpeed's defaults, capped at the parameters held), DDP buckets 2 x 25 MB,
+  pipeline send/receive buffers; plus 1 GiB of CUDA context and library workspaces.
+- fragmentation allowance: 10 % of everything above (allocator caching and splitting).
+
+The claim "BLOOM-176B trains on 8x A100-80GB with ZeRO-3 + CPU optimizer offload in under
+24 GB per GPU" does not hold. Optimizer offload leaves the bf16 parameters on the GPUs:
+176.2e9 x 2 B / 8 = 44 GB per GPU before anything else. With full recompute, micro-batch 1
+and 2048 tokens the planner puts the layout at about 84 GB per GPU (44 GB of parameter
+shards, 12 GB of gathered parameters, 7 GB of a gathered gradient unit, 10.5 GB of
+activations, buffers and a 10% allowance), so it does not fit even the 80 GB, and the
+offloaded fp32 master weights, Adam moments and gradients (16 B per parameter) need 2.8 TB
+of host memory on the node. Offloading the parameters too (ZeRO-Infinity,
+`--offload-params cpu`) brings the GPU to about 35 GB, bounded below by the gathered
+250,880 x 14,336 embedding (3.6e9 parameters: 7.2 GB in bf16, as much again for its
+gradient) and the 2.5e9-parameter blocks, and raises host memory to 3.2 TB.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, field
+
+from .models.build import resolve_config
+from .models.config import ModelConfig
+from .models.params import count_parameters
+
+GB = 1e9
+BUCKET_ELEMENTS = 5e8  # DeepSpeed reduce_bucket_size / allgather_bucket_size defaults
+DDP_BUCKET_BYTES = 25e6
+RUNTIME_BYTES = 2**30  # CUDA context, cuBLAS / NCCL workspaces
+FRAGMENTATION = 0.10
+
+
+@dataclass(frozen=True)
+class TrainingLayout:
+    """A parallel layout and training settings to plan for."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    sp: int = 1
+    """Ulysses sequence-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    vpp: int = 1
+    """Virtual pipeline chunks per stage (interleaved 1F1B)."""
+    dp: int = 1
+    """Data-parallel size (GPUs = tp * sp * pp * dp)."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch."""
+    seq_length: int = 2048
+    """Tokens per sequence."""
+    num_micro_batches: int | None = None
+    """Micro-batches per step; None assumes at least pp (the pipeline fills)."""
+    sequence_parallel: bool = True
+    """Megatron sequence parallelism (only matters with tp > 1)."""
+    zero_stage: int = 0
+    """ZeRO stage 0-3 over the dp * sp ranks."""
+    offload_optimizer: str = "none"
+    """"cpu" keeps fp32 master weights, Adam moments and fp32 gradients on the host."""
+    offload_params: str = "none"
+    """"cpu" (ZeRO-3 only) also keeps the bf16 parameter partitions on the host."""
+    recompute: str = "none"
+    """Activation recompute: "none", "selective" or "full"."""
+    fp32_grad_accumulation: bool = False
+    """Accumulate gradients in fp32 (4 B) instead of bf16 (2 B)."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU, in GB (1e9 bytes)."""
+    gpus_per_node: int = 8
+    """GPUs sharing one host, for the host-memory total per node."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "sp", "pp", "vpp", "dp", "micro_batch_size", "seq_length", "gpus_per_node"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.offload_optimizer not in ("none", "cpu") or self.offload_params not in ("none", "cpu"):
+            raise ValueError("offload_optimizer and offload_params must be 'none' or 'cpu'")
+        if self.offload_params == "cpu" and self.zero_stage != 3:
+            raise ValueError("offload_params=cpu needs zero_stage=3")
+        if self.offload_optimizer == "cpu" and self.zero_stage == 0:
+            raise ValueError("offload_optimizer=cpu needs zero_stage >= 1")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError("vpp > 1 needs pp > 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.sp * self.pp * self.dp
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU by part (most loaded rank), host bytes, and the verdict."""
+
+    num_parameters: int
+    """Exact parameter count of the model (vocabulary padded as at this tp)."""
+    parameters_per_gpu: int
+    """Parameters of the most loaded stage per tp rank, before ZeRO partitioning."""
+    parameters: float
+    gradients: float
+    optimizer_states: float
+    activations: float
+    communication_buffers: float
+    fragmentation: float
+    gpu_total: float
+    host_per_gpu: float
+    host_per_node: float
+    fits: bool
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def stage_parameters(config: ModelConfig, tp: int, pp: int) -> dict[str, int]:
+    """Parameters per tp rank: one block, the embedding, the head, the most loaded stage."""
+    h, ffn, kv = config.hidden_size, config.ffn_hidden_size, config.num_key_value_heads * config.head_dim
+    norm = 2 * h if config.norm == "layernorm" else h
+    mlp_mats = (3 if config.activation == "swiglu" else 2) * h * ffn
+    col_bias = (h + 2 * kv) * config.qkv_bias + (2 if config.activation == "swiglu" else 1) * ffn * config.mlp_bias
+    sharded = h * (h + 2 * kv) + h * h + mlp_mats + col_bias
+    replicated = 2 * norm + h * config.dense_bias + h * config.mlp_bias
+    block = sharded // tp + replicated
+    vocab_rows = config.padded_vocab(tp) * h // tp
+    embedding = vocab_rows + norm * config.embedding_layernorm
+    embedding += config.max_position_embeddings * h if config.position_embedding == "learned" else 0
+    head = vocab_rows if (not config.tie_word_embeddings or pp > 1) else 0
+    if config.num_layers % pp:
+        raise ValueError(f"num_layers {config.num_layers} must divide by pp={pp}")
+    layers = config.num_layers // pp * block
+    first = layers + embedding + (head + norm if pp == 1 else 0)
+    last = layers + head + norm
+    return dict(block=block, embedding=embedding, head=head, first=first, last=last,
+                stage=max(first, last))
+
+
+def activation_bytes(config: ModelConfig, layout: TrainingLayout) -> dict[str, float]:
+    """Activation bytes of one block and one micro-batch, and of the most loaded stage."""
+    s, b, h, a = layout.seq_length, layout.micro_batch_size, config.hidden_size, config.num_attention_heads
+    t, sp = layout.tp, layout.sp
+    seq_par = layout.sequence_parallel and t > 1
+    sbh = s * b * h / sp
+    base = 34 / t if seq_par else 10 + 24 / t
+    attention = 5 * a * s / (h * t)
+    full_block = sbh * (base + attention)
+    block = {"none": full_block, "selective": sbh * base,
+             "full": 2 * sbh / (t if seq_par else 1)}[layout.recompute]
+    p, v = layout.pp, layout.vpp
+    in_flight = p if layout.num_micro_batches is None else min(p, layout.num_micro_batches)
+    factor = 1 + (p - 1) / (p * v) if v > 1 else 1.0
+    per_stage = config.num_layers // p
+    working = full_block if layout.recompute == "full" else 0.0
+    logits = s * b * config.padded_vocab(t) / (t * sp) * 6
+    first = per_stage * block * in_flight * factor + working
+    last = per_stage * block + working + logits
+    total = first + logits if p == 1 else max(first, last)
+    return dict(block=block, full_block=full_block, first=first, last=last, logits=logits, total=total)
+
+
+def estimate_memory(config: ModelConfig, layout: TrainingLayout) -> MemoryEstimate:
+    """Per-GPU and host memory of training `config` in `layout` (see the module docstring)."""
+    counts = stage_parameters(config, layout.tp, layout.pp)
+    n_gpu = counts["stage"]
+    z = layout.dp * layout.sp
+    grad_b = 4 if layout.fp32_grad_accumulation else 2
+    notes = []
+    params = 2 * n_gpu / (z if layout.zero_stage == 3 else 1)
+    if layout.offload_params == "cpu":
+        params = 0.0
+    grads = grad_b * n_gpu / (z if layout.zero_stage >= 2 else 1)
+    optim = 12 * n_gpu / (z if layout.zero_stage >= 1 else 1)
+    host = 0.0
+    if layout.offload_optimizer == "cpu":
+        host += (12 + 4) * n_gpu / z
+        optim, grads = 0.0, 0.0
+        notes.append("optimizer offload: fp32 master + Adam m, v + fp32 grads (16 B/param) on host")
+    if layout.offload_params == "cpu":
+        host += 2 * n_gpu / z
+    if layout.zero_stage == 3:
+        unit = max(counts["block"], counts["embedding"], counts["head"])
+        second = sorted([counts["block"], counts["block"], counts["embedding"], counts["head"]])[-2]
+        params += 2 * (unit + second)
+        grads += grad_b * unit
+        notes.append(f"ZeRO-3 working set: 2 gathered units ({unit / 1e9:.2f}e9 + "
+                     f"{second / 1e9:.2f}e9 params, bf16) + 1 unit of full gradients")
+    comm = RUNTIME_BYTES + _comm_buffers(config, layout, n_gpu, grad_b)
+    act = activation_bytes(config, layout)["total"]
+    subtotal = params + grads + optim + act + comm
+    frag = FRAGMENTATION * subtotal
+    gpu_total = subtotal + frag
+    return MemoryEstimate(
+        num_parameters=count_parameters(config, layout.tp), parameters_per_gpu=n_gpu,
+        parameters=params, gradients=grads, optimizer_states=optim, activations=act,
+        communication_buffers=comm, fragmentation=frag, gpu_total=gpu_total,
+        host_per_gpu=host, host_per_node=host * min(layout.gpus_per_node, layout.world_size),
+        fits=gpu_total <= layout.gpu_memory_gb * GB, notes=notes)
+
+
+def _comm_buffers(config: ModelConfig, layout: TrainingLayout, n_gpu: int, grad_b: int) -> float:
+    """ZeRO / DDP buckets and pipeline send/receive buffers, in bytes."""
+    z = layout.dp * layout.sp
+    bucket = min(BUCKET_ELEMENTS, n_gpu)
+    if layout.zero_stage in (1, 2):
+        zero = bucket * grad_b + bucket * 2  # reduce bucket + all-gather bucket
+    elif layout.zero_stage == 3:
+        zero = bucket * grad_b  # reduce bucket; prefetching is in the working set
+    else:
+        zero = 2 * DDP_BUCKET_BYTES if z > 1 else 0.0
+    seq_par = layout.sequence_parallel and layout.tp > 1
+    p2p = 0.0
+    if layout.pp > 1:
+        p2p = 2 * 2 * layout.seq_length * layout.micro_batch_size * config.hidden_size / (
+            layout.sp * (layout.tp if seq_par else 1))
+    return zero + p2p
+
+
+def format_table(name: str, layout: TrainingLayout, est: MemoryEstimate) -> str:
+    """A human-readable report."""
+    rows = [("parameters", est.parameters), ("gradients", est.gradients),
+            ("optimizer states", est.optimizer_states), ("activations", est.activations),
+            ("communication buffers + runtime", est.communication_buffers),
+            ("fragmentation allowance (10%)", est.fragmentation), ("GPU total", est.gpu_total)]
+    lines = [f"{name}: {est.num_parameters:,} parameters; layout TP{layout.tp}-SP{layout.sp}-"
+             f"PP{layout.pp}-VPP{layout.vpp}-DP{layout.dp} ({layout.world_size} GPUs), ZeRO-"
+             f"{layout.zero_stage}, offload optimizer={layout.offload_optimizer} params="
+             f"{layout.offload_params}, recompute={layout.recompute}, micro-batch "
+             f"{layout.micro_batch_size} x {layout.seq_length} tokens",
+             f"  parameters per GPU before ZeRO: {est.parameters_per_gpu:,}"]
+    lines += [f"  {label:<34}{value / GB:10.2f} GB" for label, value in rows]
+    lines.append(f"  {'host memory per GPU / per node':<34}{est.host_per_gpu / GB:10.2f} GB"
+                 f" / {est.host_per_node / GB:.1f} GB")
+    verdict = "fits" if est.fits else "does NOT fit"
+    lines.append(f"  => {verdict} in {layout.gpu_memory_gb:g} GB per GPU")
+    lines += [f"  note: {n}" for n in est.notes]
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megazoo.plan", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="a preset name, e.g. bloom-176b")
+    for flag in ("tp", "sp", "pp", "vpp", "dp"):
+        p.add_argument(f"--{flag}", type=int, default=1)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--seq-length", type=int, default=None, help="default: the model's positions")
+    p.add_argument("--num-micro-batches", type=int, default=None)
+    p.add_argument("--no-sequence-parallel", action="store_true", help="Megatron SP off")
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
+    p.add_argument("--offload-optimizer", default="none", choices=("none", "cpu"))
+    p.add_argument("--offload-params", default="none", choices=("none", "cpu"))
+    p.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    p.add_argument("--fp32-grad-accumulation", action="store_true")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    config = resolve_config(args.model)
+    layout = TrainingLayout(
+        tp=args.tp, sp=args.sp, pp=args.pp, vpp=args.vpp, dp=args.dp,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length or min(config.max_position_embeddings, 2048),
+        num_micro_batches=args.num_micro_batches, sequence_parallel=not args.no_sequence_parallel,
+        zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
+        offload_params=args.offload_params, recompute=args.recompute,
+        fp32_grad_accumulation=args.fp32_grad_accumulation, gpu_memory_gb=args.gpu_memory,
+        gpus_per_node=args.gpus_per_node)
+    est = estimate_memory(config, layout)
+    if args.json:
+        print(json.dumps({"model": args.model, "layout": asdict(layout), **est.to_dict()}, indent=2))
+    else:
+        print(format_table(args.model, layout, est))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

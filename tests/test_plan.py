@@ -1,0 +1,112 @@
+"""The memory planner's arithmetic on hand-computed cases, and its command line."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megazoo.models import PRESETS, ModelConfig, count_parameters
+from megazoo.plan import (GB, RUNTIME_BYTES, TrainingLayout, activation_bytes, estimate_memory,
+                          main, stage_parameters)
+
+# A toy GPT: h=64, 2 layers, 8 heads, vocab 300 (padded 384 at tp=1, 512 at tp=2), 128 positions.
+TOY = ModelConfig(family="gpt", num_layers=2, hidden_size=64, num_attention_heads=8,
+                  vocab_size=300, max_position_embeddings=128)
+BLOCK = 12 * 64 * 64 + 13 * 64  # 49,984
+
+
+def test_stage_parameters_by_hand():
+    one = stage_parameters(TOY, tp=1, pp=1)
+    assert one["block"] == BLOCK
+    assert one["stage"] == 2 * BLOCK + 384 * 64 + 128 * 64 + 128 == count_parameters(TOY)
+    two = stage_parameters(TOY, tp=2, pp=1)
+    # sharded: 12 h^2 + qkv bias 3h + fc1 bias 4h = 49,856 / 2; replicated: 2 LN (256) + 2 row biases (128)
+    assert two["block"] == (12 * 4096 + 7 * 64) // 2 + 4 * 64 + 2 * 64
+    pipe = stage_parameters(TOY, tp=1, pp=2)
+    assert pipe["first"] == BLOCK + 384 * 64 + 128 * 64
+    assert pipe["last"] == BLOCK + 384 * 64 + 128  # tied head copy + final LayerNorm
+
+
+def test_activation_formula_matches_the_paper():
+    # s=128, b=2, h=64, a=8: s b h = 16,384; 5 a s / h = 80.
+    def act(**kw):
+        return activation_bytes(TOY, TrainingLayout(seq_length=128, micro_batch_size=2, **kw))
+    assert act()["block"] == 16384 * (34 + 80)
+    assert act(recompute="selective")["block"] == 16384 * 34
+    assert act(recompute="full")["block"] == 2 * 16384
+    assert act(tp=2, sequence_parallel=False)["block"] == 16384 * (10 + 12 + 40)
+    assert act(tp=2)["block"] == 16384 * (17 + 40)
+    assert act(sp=2)["block"] == 8192 * (34 + 80)
+    logits = 128 * 2 * 384 * 6
+    assert act()["total"] == 2 * 16384 * 114 + logits
+    # Full recompute adds one block's full activations being recomputed.
+    assert act(recompute="full")["total"] == 2 * 2 * 16384 + 16384 * 114 + logits
+    # 1F1B: the first of 2 stages holds 2 micro-batches of its 1 layer; interleaved x (1 + 1/4).
+    assert act(pp=2, dp=1)["first"] == 1 * 16384 * 114 * 2
+    toy4 = ModelConfig(family="gpt", num_layers=4, hidden_size=64, num_attention_heads=8,
+                       vocab_size=300, max_position_embeddings=128)
+    inter = activation_bytes(toy4, TrainingLayout(seq_length=128, micro_batch_size=2, pp=2, vpp=2))
+    assert inter["first"] == pytest.approx(2 * 16384 * 114 * 2 * 1.25)
+
+
+def test_mixed_precision_and_zero_bytes():
+    n = count_parameters(TOY)
+    plain = estimate_memory(TOY, TrainingLayout(seq_length=128))
+    assert (plain.parameters, plain.gradients, plain.optimizer_states) == (2 * n, 2 * n, 12 * n)
+    assert plain.communication_buffers == RUNTIME_BYTES
+    z1 = estimate_memory(TOY, TrainingLayout(seq_length=128, dp=4, zero_stage=1))
+    assert z1.optimizer_states == 12 * n / 4 and z1.gradients == 2 * n
+    z2 = estimate_memory(TOY, TrainingLayout(seq_length=128, dp=2, sp=2, zero_stage=2,
+                                             fp32_grad_accumulation=True))
+    assert z2.gradients == 4 * n / 4  # ZeRO partitions over dp * sp
+    off = estimate_memory(TOY, TrainingLayout(seq_length=128, dp=4, zero_stage=2, offload_optimizer="cpu"))
+    assert off.optimizer_states == 0 and off.host_per_gpu == 16 * n / 4
+    assert off.host_per_node == 4 * off.host_per_gpu
+    subtotal = sum(getattr(plain, k) for k in ("parameters", "gradients", "optimizer_states",
+                                               "activations", "communication_buffers"))
+    assert plain.fragmentation == pytest.approx(0.1 * subtotal)
+    assert plain.gpu_total == pytest.approx(1.1 * subtotal)
+
+
+def test_zero3_working_set():
+    n = count_parameters(TOY)
+    est = estimate_memory(TOY, TrainingLayout(seq_length=128, dp=8, zero_stage=3))
+    # Units: 2 blocks of 49,984 and the embedding (384 + 128 positions) x 64 = 32,768; the head
+    # is tied. The two largest are blocks: one computing, one prefetched.
+    assert est.parameters == 2 * n / 8 + 2 * (BLOCK + BLOCK)
+    assert est.gradients == 2 * n / 8 + 2 * BLOCK
+    big_vocab = ModelConfig(family="gpt", num_layers=2, hidden_size=64, num_attention_heads=8,
+                            vocab_size=5000, max_position_embeddings=128)  # padded 5,120
+    est = estimate_memory(big_vocab, TrainingLayout(seq_length=128, dp=8, zero_stage=3))
+    emb = 5120 * 64 + 128 * 64
+    assert est.parameters == 2 * count_parameters(big_vocab) / 8 + 2 * (emb + BLOCK)
+
+
+def test_bloom_176b_claim_is_false():
+    """'BLOOM-176B on 8x A100-80GB with ZeRO-3 + CPU optimizer offload in < 24 GB/GPU'."""
+    layout = TrainingLayout(dp=8, zero_stage=3, offload_optimizer="cpu", recompute="full",
+                            micro_batch_size=1, seq_length=2048, gpu_memory_gb=80)
+    est = estimate_memory(PRESETS["bloom-176b"], layout)
+    assert est.num_parameters == 176_247_271_424
+    assert est.parameters >= 176_247_271_424 * 2 / 8  # bf16 shards stay on the GPU: 44 GB
+    assert est.gpu_total > 24 * GB and not est.fits
+    assert est.host_per_node == pytest.approx(16 * 176_247_271_424)  # 2.8 TB of host memory
+
+
+@pytest.mark.parametrize("bad", [dict(zero_stage=4), dict(offload_params="cpu", zero_stage=2),
+                                 dict(offload_optimizer="cpu"), dict(vpp=2), dict(recompute="x")])
+def test_layout_validation(bad):
+    with pytest.raises(ValueError):
+        TrainingLayout(**bad)
+
+
+def test_cli_json_reports_exact_count(capsys):
+    assert main(["--model", "bloom-176b", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_parameters"] == 176247271424
+
+
+def test_cli_module_entry_point():
+    out = subprocess.run([sys.executable, "-m", "megazoo.plan", "--model", "bloom-176b", "--dp", "8",
+                          "--zero-stage", "3", "--offload-optimizer", "cpu", "--recompute", "full",
+                          "--gpu-memory", "80"], capture_output=True, text=True, check=True).stdout
+    assert "does NOT fit" in out and "176,247,271,424" in out
