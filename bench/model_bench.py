@@ -1,0 +1,115 @@
+"""One GPU: a training step of megazoo's GPT / BLOOM / LLaMA against Hugging Face's, same run.
+
+    python bench/model_bench.py --families gpt bloom llama --out model_bench.json
+
+Shape (../shared/BENCHMARKS.md): GPT-3 XL, h=2048, l=24, 16 heads, s=2048, B=4, V=50304;
+LLaMA with SwiGLU 5504 (same parameter count). Pure bf16 weights, fused AdamW, one step =
+forward + backward + optimizer. Each (family, implementation) runs in its own subprocess so
+peak memory is its own; the matmul ceiling is measured once, in the parent.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import gpt_flops, matmul_ceiling_tflops, print_table, time_cuda, write_json  # noqa: E402
+
+SHAPE = dict(hidden=2048, layers=24, heads=16, seq=2048, batch=4, vocab=50304, llama_ffn=5504)
+
+
+def hf_model(family: str):
+    from transformers import AutoModelForCausalLM, BloomConfig, GPT2Config, LlamaConfig
+
+    s = SHAPE
+    if family == "gpt":
+        cfg, attn = GPT2Config(n_embd=s["hidden"], n_layer=s["layers"], n_head=s["heads"],
+                               n_positions=s["seq"], vocab_size=s["vocab"]), "sdpa"
+    elif family == "bloom":
+        cfg, attn = BloomConfig(hidden_size=s["hidden"], n_layer=s["layers"], n_head=s["heads"],
+                                vocab_size=s["vocab"]), "eager"  # SDPA unsupported for BLOOM
+    else:
+        cfg, attn = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["llama_ffn"],
+                                num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                                num_key_value_heads=s["heads"], vocab_size=s["vocab"],
+                                max_position_embeddings=s["seq"]), "sdpa"
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+    model = model.to(torch.bfloat16)
+    return lambda ids: model(input_ids=ids, labels=ids).loss, model
+
+
+def megazoo_model(family: str):
+    from megazoo.models import ModelConfig, build_model
+
+    s = SHAPE
+    extra = {"ffn_hidden_size": s["llama_ffn"]} if family == "llama" else {}
+    cfg = ModelConfig(family=family, num_layers=s["layers"], hidden_size=s["hidden"],
+                      num_attention_heads=s["heads"], vocab_size=s["vocab"],
+                      max_position_embeddings=s["seq"], **extra)
+    model = build_model(cfg, state=None, device="cuda", dtype=torch.bfloat16, seed=0)
+    return lambda ids: model(ids, labels=ids), model
+
+
+def run_one(family: str, impl: str) -> dict:
+    torch.manual_seed(0)
+    loss_fn, model = (megazoo_model if impl == "megazoo" else hf_model)(family)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, SHAPE["vocab"], (SHAPE["batch"], SHAPE["seq"]), device="cuda")
+
+    def step():
+        loss = loss_fn(ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    torch.cuda.reset_peak_memory_stats()
+    seconds = time_cuda(step, warmup=3, iters=10)
+    tokens = SHAPE["batch"] * SHAPE["seq"]
+    flops = gpt_flops(SHAPE["batch"], SHAPE["seq"], SHAPE["layers"], SHAPE["hidden"], SHAPE["vocab"])
+    return dict(family=family, impl=impl, step_s=seconds, tokens_per_s=tokens / seconds,
+                model_tflops=flops / seconds / 1e12,
+                peak_gb=torch.cuda.max_memory_allocated() / 1e9,
+                params=sum(p.numel() for p in model.parameters()))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--families", nargs="+", default=["gpt", "bloom", "llama"])
+    p.add_argument("--impls", nargs="+", default=["hf", "megazoo"])
+    p.add_argument("--out", default=None)
+    p.add_argument("--run", nargs=2, metavar=("FAMILY", "IMPL"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.run:
+        print("RESULT " + json.dumps(run_one(*args.run)))
+        return
+    ceiling = matmul_ceiling_tflops()
+    rows = []
+    for family in args.families:
+        for impl in args.impls:
+            proc = subprocess.run([sys.executable, __file__, "--run", family, impl],
+                                  capture_output=True, text=True)
+            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                print(f"{family}/{impl} failed:\n{proc.stderr[-3000:]}")
+                continue
+            row = json.loads(lines[-1][7:])
+            row["mfu"] = row["model_tflops"] / ceiling
+            rows.append(row)
+        ours = [r for r in rows if r["family"] == family and r["impl"] == "megazoo"]
+        peer = [r for r in rows if r["family"] == family and r["impl"] == "hf"]
+        if ours and peer:
+            ours[0]["speedup_vs_hf"] = ours[0]["tokens_per_s"] / peer[0]["tokens_per_s"]
+    print(f"bf16 matmul ceiling: {ceiling:.0f} TFLOP/s")
+    print_table(rows, ["family", "impl", "step_s", "tokens_per_s", "model_tflops", "mfu",
+                       "peak_gb", "speedup_vs_hf"])
+    write_json(args.out, dict(ceiling_tflops=ceiling, rows=rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""Memory-mapped token datasets: ``PREFIX.bin`` (token ids) + ``PREFIX.idx`` (index).
+
+The layout follows Megatron-LM's ``MMIDIDX`` format (version 1), so files interoperate:
+
+``.idx`` (little endian)::
+
+    magic        9 bytes   b"MMIDIDX\\x00\\x00"
+    version      uint64    1
+    dtype code   uint8     8 = uint16, 4 = int32, 5 = int64
+    num_seqs     uint64    number of sequences
+    num_docs     uint64    number of document boundaries (= documents + 1)
+    sizes        int32     [num_seqs]  tokens per sequence
+    pointers     int64     [num_seqs]  byte offset of each sequence in .bin
+    doc_idx      int64     [num_docs]  sequence index where each document starts,
+                                       ending with num_seqs
+
+``.bin``: the sequences' token ids back to back, in the dtype above. The builder
+writes one sequence per document, so sequence ``i`` is document ``i``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+DTYPE_CODES: dict[int, np.dtype] = {8: np.dtype(np.uint16), 4: np.dtype(np.int32),
+                                    5: np.dtype(np.int64)}
+_HEADER = struct.Struct("<9sQBQQ")
+_REBUILD_HINT = "run tools/preprocess_data.py again to rebuild it"
+
+
+def best_dtype(vocab_size: int) -> np.dtype:
+    """Smallest token dtype for a vocabulary: uint16 below 65500 ids, else int32."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
+
+
+def _dtype_code(dtype: np.dtype) -> int:
+    """The .idx code of a token dtype; ValueError for unsupported dtypes."""
+    for code, known in DTYPE_CODES.items():
+        if known == dtype:
+            return code
+    raise ValueError(f"token dtype {dtype} is not supported; use uint16, int32 or int64 "
+                     "(best_dtype(vocab_size) picks one)")
+
+
+def data_file_paths(path_prefix: str | os.PathLike) -> tuple[Path, Path]:
+    """Return ``(PREFIX.idx, PREFIX.bin)``."""
+    prefix = str(path_prefix)
+    return Path(prefix + ".idx"), Path(prefix + ".bin")
+
+
+class IndexedDatasetBuilder:
+    """Write a dataset document by document; files appear only at :meth:`finalize`.
+
+    Data goes to temporary files next to the target, renamed into place at the end, so
+    a reader never sees a half-written dataset. Usable as a context manager: a clean
+    exit finalizes, an exception removes the temporary files.
+    """
+
+    def __init__(self, path_prefix: str | os.PathLike, dtype: np.dtype | type = np.uint16):
+        self.dtype = np.dtype(dtype)
+        self._code = _dtype_code(self.dtype)
+        self._idx_path, self._bin_path = data_file_paths(path_prefix)
+        if not self._bin_path.parent.is_dir():
+            raise FileNotFoundError(f"output directory {self._bin_path.parent} does not exist; "
+                                    "create it first")
+        suffix = f".tmp-{uuid.uuid4().hex}"
+        self._tmp_bin = self._bin_path.with_name(self._bin_path.name + suffix)
+        self._tmp_idx = self._idx_path.with_name(self._idx_path.name + suffix)
+        self._bin = open(self._tmp_bin, "wb")
+        self._sizes: list[int] = []
+        self._limits = (np.iinfo(self.dtype).min, np.iinfo(self.dtype).max)
+
+    def add_document(self, ids) -> None:
+        """Append one document (any 1-D sequence of token ids, may be empty)."""
+        if self._bin is None:
+            raise ValueError("builder already finalized or aborted; make a new one")
+        arr = np.asarray(ids)
+        if arr.ndim != 1:
+            raise ValueError(f"a document must be a 1-D list of token ids, got shape {arr.shape}")
+        if arr.size and (arr.min() < self._limits[0] or arr.max() > self._limits[1]):
+            raise ValueError(f"token ids span [{arr.min()}, {arr.max()}], outside {self.dtype}; "
+                             "build with a wider dtype (best_dtype(vocab_size))")
+        self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
+        self._sizes.append(int(arr.size))
+
+    @property
+    def num_documents(self) -> int:
+        """Documents added so far."""
+        return len(self._sizes)
+
+    def finalize(self) -> None:
+        """Write the index and move both files into place."""
+        if self._bin is None:
+            raise ValueError("builder already finalized or aborted")
+        self._bin.close()
+        self._bin = None
+        sizes = np.asarray(self._sizes, dtype=np.int64)
+        if sizes.size and sizes.max() > np.iinfo(np.int32).max:
+            self.abort()
+            raise ValueError("a document longer than 2**31-1 tokens cannot be indexed; split it")
+        pointers = np.zeros(sizes.size, dtype=np.int64)
+        np.cumsum(sizes[:-1] * self.dtype.itemsize, out=pointers[1:])
+        doc_idx = np.arange(sizes.size + 1, dtype=np.int64)
+        with open(self._tmp_idx, "wb") as f:
+            f.write(_HEADER.pack(MAGIC, VERSION, self._code, sizes.size, doc_idx.size))
+            f.write(sizes.astype("<i4").tobytes())
+            f.write(pointers.astype("<i8").tobytes())
+            f.write(doc_idx.astype("<i8").tobytes())
+        os.replace(self._tmp_bin, self._bin_path)
+        os.replace(self._tmp_idx, self._idx_path)
+
+    def abort(self) -> None:
+        """Drop everything written so far (temporary files only)."""
+        if self._bin is not None:
+            self._bin.close()
+            self._bin = None
+        for path in (self._tmp_bin, self._tmp_idx):
+            path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "IndexedDatasetBuilder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
+
+
+def _read_index(idx_path: Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:
+    """Parse and validate a .idx file; returns (dtype, sizes, pointers, doc_idx)."""
+    raw = np.memmap(idx_path, dtype=np.uint8, mode="r") if idx_path.stat().st_size else b""
+    if len(raw) < _HEADER.size:
+        raise ValueError(f"{idx_path} is truncated ({len(raw)} bytes, header needs "
+                         f"{_HEADER.size}); {_REBUILD_HINT}")
+    magic, version, code, num_seqs, num_docs = _HEADER.unpack(bytes(raw[:_HEADER.size]))
+    if magic != MAGIC:
+        raise ValueError(f"{idx_path} is not a megazoo/Megatron index (bad magic bytes); "
+                         f"{_REBUILD_HINT}")
+    if version != VERSION:
+        raise ValueError(f"{idx_path} has index version {version}, this reader knows "
+                         f"{VERSION}; {_REBUILD_HINT}")
+    if code not in DTYPE_CODES:
+        raise ValueError(f"{idx_path} has unknown dtype code {code}; {_REBUILD_HINT}")
+    expected = _HEADER.size + 12 * num_seqs + 8 * num_docs
+    if len(raw) != expected:
+        raise ValueError(f"{idx_path} has {len(raw)} bytes, its header promises {expected} "
+                         f"(truncated or corrupt); {_REBUILD_HINT}")
+    offset = _HEADER.size
+    sizes = np.frombuffer(raw, dtype="<i4", count=num_seqs, offset=offset)
+    offset += 4 * num_seqs
+    pointers = np.frombuffer(raw, dtype="<i8", count=num_seqs, offset=offset)
+    offset += 8 * num_seqs
+    doc_idx = np.frombuffer(raw, dtype="<i8", count=num_docs, offset=offset)
+    return DTYPE_CODES[code], sizes, pointers, doc_idx
+
+
+class IndexedDataset:
+    """Read-only view of ``PREFIX.bin`` / ``PREFIX.idx`` through ``numpy.memmap``.
+
+    ``ds[i]`` is sequence ``i`` (a NumPy array in the stored dtype, no copy), ``len(ds)``
+    the number of sequences, ``ds.sizes`` their lengths and ``ds.doc_idx`` the document
+    boundaries (sequence indices, ``num_documents + 1`` entries).
+    """
+
+    def __init__(self, path_prefix: str | os.PathLike):
+        self.path_prefix = str(path_prefix)
+        idx_path, bin_path = data_file_paths(path_prefix)
+        for path in (idx_path, bin_path):
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} not found; create it with "
+                                        "tools/preprocess_data.py --output-prefix "
+                                        f"{self.path_prefix}")
+        self.dtype, self._sizes, self._pointers, self._doc_idx = _read_index(idx_path)
+        self._check_consistency(bin_path)
+        nbytes = bin_path.stat().st_size
+        self._data = (np.memmap(bin_path, dtype=self.dtype, mode="r") if nbytes
+                      else np.empty(0, dtype=self.dtype))
+
+    def _check_consistency(self, bin_path: Path) -> None:
+        """Cross-check the index against itself and the .bin size (vectorised)."""
+        sizes, pointers, doc_idx = self._sizes, self._pointers, self._doc_idx
+        item = self.dtype.itemsize
+        expected_bytes = int(sizes.astype(np.int64).sum()) * item
+        actual = bin_path.stat().st_size
+        problem = None
+        if actual != expected_bytes:
+            problem = f"{bin_path} has {actual} bytes, the index expects {expected_bytes}"
+        elif sizes.size and (sizes.min() < 0 or pointers[0] != 0 or np.any(
+                np.diff(pointers) != sizes[:-1].astype(np.int64) * item)):
+            problem = "sizes and pointers of the index disagree"
+        elif (doc_idx.size == 0 or doc_idx[0] != 0 or doc_idx[-1] != sizes.size
+              or np.any(np.diff(doc_idx) < 0)):
+            problem = "document boundaries are not increasing from 0 to the sequence count"
+        if problem:
+            raise ValueError(f"dataset {self.path_prefix} is corrupt: {problem}; {_REBUILD_HINT}")
+
+    def __len__(self) -> int:
+        return int(self._sizes.size)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Tokens per sequence, int32 ``[len(self)]``."""
+        return self._sizes
+
+    @property
+    def doc_idx(self) -> np.ndarray:
+        """Document boundaries as sequence indices, int64 ``[num_documents + 1]``."""
+        return self._doc_idx
+
+    @property
+    def num_tokens(self) -> int:
+        """Total number of tokens."""
+        return int(self._data.size)
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end if None)."""
+        n = len(self)
+        if not -n <= idx < n:
+            raise IndexError(f"sequence {idx} out of range for {n} sequences")
+        idx = int(idx) % n
+        size = int(self._sizes[idx])
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"slice [{offset}, {offset + length}) outside sequence {idx} "
+                             f"of length {size}")
+        start = int(self._pointers[idx]) // self.dtype.itemsize + offset
+        return self._data[start:start + length]
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        return self.get(idx)
+
+    def __repr__(self) -> str:
+        return (f"IndexedDataset({self.path_prefix!r}, sequences={len(self)}, "
+                f"tokens={self.num_tokens}, dtype={self.dtype})")

@@ -1,0 +1,193 @@
+"""Tokenizers behind one small interface, chosen by Megatron-style ``--tokenizer-type``.
+
+* ``SentencePieceTokenizer`` -- a SentencePiece ``.model`` (train one with
+  :func:`train_sentencepiece`);
+* ``HFTokenizer`` -- a Hugging Face ``tokenizer.json`` read from a local path with the
+  ``tokenizers`` library (never downloads);
+* ``ByteLevelTokenizer`` -- UTF-8 bytes, ids 0..255, plus an end-of-document id 256.
+
+Third-party libraries are imported when a tokenizer is built, not at module import.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Iterable, Sequence
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids, with an end-of-document id appended between documents."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids (every id is ``< vocab_size``)."""
+
+    @property
+    @abstractmethod
+    def eod(self) -> int:
+        """End-of-document id."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no end-of-document id added)."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``."""
+
+
+class ByteLevelTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255 and ``eod = 256``; needs no model file."""
+
+    @property
+    def vocab_size(self) -> int:
+        return 257
+
+    @property
+    def eod(self) -> int:
+        return 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Bytes back to text; end-of-document ids are dropped, bad UTF-8 becomes U+FFFD."""
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+def _require_file(path: str | os.PathLike, what: str) -> Path:
+    """Return ``path`` as a Path, or raise FileNotFoundError naming the flag to fix."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{what} {p} not found; check --tokenizer-model")
+    return p
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model; ``eod`` is its ``</s>`` (eos) piece."""
+
+    def __init__(self, model_path: str | os.PathLike):
+        import sentencepiece
+
+        path = _require_file(model_path, "SentencePiece model")
+        self.model_path = str(path)
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=self.model_path)
+        self._eod = self._sp.eos_id()
+        if self._eod < 0:
+            raise ValueError(f"SentencePiece model {path} has no eos piece; retrain it with "
+                             "eos_id >= 0 (train_sentencepiece does)")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._sp.get_piece_size())
+
+    @property
+    def eod(self) -> int:
+        return int(self._eod)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._sp.encode(text, out_type=int))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+def train_sentencepiece(files: Iterable[str | os.PathLike], vocab_size: int,
+                        model_prefix: str | os.PathLike, *, model_type: str = "bpe",
+                        byte_fallback: bool = False, max_sentences: int = 1_000_000) -> str:
+    """Train a SentencePiece model on text files (one sentence per line); return its path.
+
+    Normalisation is the identity and whitespace is kept, so ``decode(encode(s)) == s``
+    for text made of characters seen in training (``byte_fallback=True`` extends that to
+    any text; it needs ``vocab_size > 259``). ``vocab_size`` is a soft limit: a small
+    corpus gives a smaller vocabulary instead of an error. ``max_sentences`` caps how
+    many lines are sampled, keeping training fast on large corpora.
+    """
+    import sentencepiece
+
+    paths = [str(_require_file(f, "training file")) for f in files]
+    if not paths:
+        raise ValueError("train_sentencepiece needs at least one training file")
+    if vocab_size < 8:
+        raise ValueError(f"vocab_size must be >= 8, got {vocab_size}")
+    if model_type not in ("bpe", "unigram", "char", "word"):
+        raise ValueError(f"model_type must be bpe, unigram, char or word, got {model_type!r}")
+    with open(os.devnull, "w") as devnull:
+        sentencepiece.SentencePieceTrainer.train(
+            input=paths, model_prefix=str(model_prefix), vocab_size=vocab_size,
+            model_type=model_type, character_coverage=1.0, byte_fallback=byte_fallback,
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            hard_vocab_limit=False, input_sentence_size=max_sentences,
+            shuffle_input_sentence=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+            num_threads=min(4, os.cpu_count() or 1), logstream=devnull)
+    return str(model_prefix) + ".model"
+
+
+#: Special tokens tried, in order, as the end-of-document token of an HF tokenizer.
+HF_EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<eod>")
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizer.json`` (a file, or a directory holding one)."""
+
+    def __init__(self, path: str | os.PathLike, eod_token: str | None = None):
+        import tokenizers
+
+        p = Path(path)
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        p = _require_file(p, "tokenizer.json")
+        self.path = str(p)
+        self._tok = tokenizers.Tokenizer.from_file(self.path)
+        candidates = (eod_token,) if eod_token else HF_EOD_CANDIDATES
+        for token in candidates:
+            token_id = self._tok.token_to_id(token)
+            if token_id is not None:
+                self._eod = int(token_id)
+                break
+        else:
+            raise ValueError(f"{p} has none of the end-of-document tokens {list(candidates)}; "
+                             "add one to the tokenizer or pass eod_token=")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+#: ``--tokenizer-type`` names and whether they need ``--tokenizer-model``.
+TOKENIZER_TYPES: dict[str, bool] = {
+    "SentencePieceTokenizer": True,
+    "HFTokenizer": True,
+    "ByteLevelTokenizer": False,
+}
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | os.PathLike | None = None
+                    ) -> Tokenizer:
+    """Build a tokenizer from Megatron-style ``--tokenizer-type`` / ``--tokenizer-model``."""
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of "
+                         f"{', '.join(TOKENIZER_TYPES)}")
+    if TOKENIZER_TYPES[tokenizer_type] and tokenizer_model is None:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model "
+                         "(a .model file for SentencePiece, a tokenizer.json for HF)")
+    if tokenizer_type == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "HFTokenizer":
+        return HFTokenizer(tokenizer_model)
+    if tokenizer_model is not None:
+        raise ValueError("ByteLevelTokenizer takes no --tokenizer-model; drop the flag")
+    return ByteLevelTokenizer()

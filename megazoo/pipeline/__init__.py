@@ -1,0 +1,38 @@
+"""Pipeline parallelism: schedules as pure data, a simulator, layer partitioning.
+
+``build_schedule(pp, vpp, m)`` returns one action list per rank; ``simulate`` runs it in
+simulated time (deadlock check, bubble, activation memory); ``partition_layers`` splits
+the layers over virtual stages; ``python -m megazoo.pipeline.show`` draws a timeline.
+"""
+
+from megazoo.pipeline.partition import partition_layers
+from megazoo.pipeline.schedules import (
+    Action,
+    ActionKind,
+    build_schedule,
+    interleaved_schedule,
+    no_pipeline_schedule,
+    one_f_one_b_schedule,
+    virtual_stage,
+)
+from megazoo.pipeline.simulate import (
+    PipelineDeadlockError,
+    SimulationResult,
+    TimelineEntry,
+    simulate,
+)
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "PipelineDeadlockError",
+    "SimulationResult",
+    "TimelineEntry",
+    "build_schedule",
+    "interleaved_schedule",
+    "no_pipeline_schedule",
+    "one_f_one_b_schedule",
+    "partition_layers",
+    "simulate",
+    "virtual_stage",
+]

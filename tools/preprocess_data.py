@@ -1,0 +1,175 @@
+"""Tokenize text or JSON-lines files into a megazoo/Megatron ``PREFIX.bin`` + ``PREFIX.idx``.
+
+Examples::
+
+    python tools/preprocess_data.py --input 'corpus/*.jsonl' --output-prefix data/web \\
+        --tokenizer-type HFTokenizer --tokenizer-model gpt2/tokenizer.json --append-eod
+    python tools/preprocess_data.py --input book.txt --split-lines --output-prefix data/book \\
+        --tokenizer-type ByteLevelTokenizer
+
+Inputs ending in ``.jsonl`` / ``.json`` are read one JSON object per line, taking the
+``--json-key`` field; anything else is plain text: one document per file, or one per
+line with ``--split-lines``. Empty documents are skipped (and counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import glob
+import json
+import multiprocessing
+import sys
+from pathlib import Path
+from typing import Iterator
+
+if __package__ in (None, ""):  # run as a script from a source checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megazoo.data.indexed import IndexedDatasetBuilder, best_dtype  # noqa: E402
+from megazoo.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+
+JSON_SUFFIXES = (".jsonl", ".json")
+BATCH_DOCUMENTS = 64
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line, with Megatron's flag names."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--input", nargs="+", required=True,
+                   help="input files or glob patterns (.jsonl/.json: JSON lines; else text)")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    p.add_argument("--tokenizer-type", required=True, choices=sorted(TOKENIZER_TYPES))
+    p.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece .model or HF tokenizer.json (or its directory)")
+    p.add_argument("--json-key", default="text", help="field of each JSON line to tokenize")
+    p.add_argument("--split-lines", action="store_true",
+                   help="plain text: every non-empty line is a document (default: each file)")
+    p.add_argument("--append-eod", action="store_true",
+                   help="append the end-of-document id to every document")
+    p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    return p.parse_args(argv)
+
+
+def expand_inputs(patterns: list[str]) -> list[Path]:
+    """Files named by ``patterns`` (globs expanded, order kept); error if one matches none."""
+    files: list[Path] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        matches = [m for m in matches if Path(m).is_file()]
+        if not matches:
+            raise FileNotFoundError(f"--input {pattern!r} matches no file; check the path")
+        files.extend(Path(m) for m in matches)
+    return files
+
+
+def iter_documents(files: list[Path], json_key: str, split_lines: bool) -> Iterator[str]:
+    """Yield the text of every document, file by file."""
+    for path in files:
+        if path.suffix in JSON_SUFFIXES:
+            with open(path, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                        text = record[json_key]
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        raise ValueError(f"{path}:{lineno} is not a JSON object with key "
+                                         f"{json_key!r}; fix the line or pass --json-key") from None
+                    yield str(text)
+        elif split_lines:
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    yield line.rstrip("\n")
+        else:
+            yield path.read_text(encoding="utf-8")
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_tokenizer(tokenizer_type: str, tokenizer_model: str | None):
+    """One tokenizer per (process, settings), reused across batches."""
+    return build_tokenizer(tokenizer_type, tokenizer_model)
+
+
+class Encoder:
+    """Picklable callable: a batch of texts -> a batch of token id lists."""
+
+    def __init__(self, tokenizer_type: str, tokenizer_model: str | None, append_eod: bool):
+        self.tokenizer_type = tokenizer_type
+        self.tokenizer_model = tokenizer_model
+        self.append_eod = append_eod
+
+    def __call__(self, texts: list[str]) -> list[list[int]]:
+        tok = _cached_tokenizer(self.tokenizer_type, self.tokenizer_model)
+        out = []
+        for text in texts:
+            ids = tok.encode(text) if text.strip() else []
+            if ids and self.append_eod:
+                ids.append(tok.eod)
+            out.append(ids)
+        return out
+
+
+def _batches(docs: Iterator[str], size: int) -> Iterator[list[str]]:
+    """Group documents into lists of ``size``."""
+    batch: list[str] = []
+    for doc in docs:
+        batch.append(doc)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def preprocess(args: argparse.Namespace) -> tuple[int, int, int]:
+    """Tokenize all inputs into the output files; return (documents, tokens, skipped)."""
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    files = expand_inputs(args.input)
+    out_dir = Path(args.output_prefix).parent
+    if not out_dir.is_dir():
+        raise FileNotFoundError(f"output directory {out_dir} does not exist; create it first")
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    encoder = Encoder(args.tokenizer_type, args.tokenizer_model, args.append_eod)
+    batches = _batches(iter_documents(files, args.json_key, args.split_lines), BATCH_DOCUMENTS)
+    docs = tokens = skipped = 0
+    with IndexedDatasetBuilder(args.output_prefix, best_dtype(tokenizer.vocab_size)) as builder:
+        if args.workers == 1:
+            results = map(encoder, batches)
+            pool = None
+        else:
+            pool = multiprocessing.get_context("spawn").Pool(args.workers)
+            results = pool.imap(encoder, batches)
+        try:
+            for encoded in results:
+                for ids in encoded:
+                    if not ids:
+                        skipped += 1
+                        continue
+                    builder.add_document(ids)
+                    docs += 1
+                    tokens += len(ids)
+        finally:
+            if pool is not None:
+                pool.close()
+                pool.join()
+    return docs, tokens, skipped
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: prints the counts, or one error line and exit status 1."""
+    args = parse_args(argv)
+    try:
+        docs, tokens, skipped = preprocess(args)
+    except (FileNotFoundError, ValueError, UnicodeDecodeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output_prefix}.bin/.idx: documents {docs}, tokens {tokens}, "
+          f"skipped empty documents {skipped}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
