@@ -92,7 +92,8 @@ class ParallelState:
         sizes, order = config.sizes(), config.order
         groups = {name: _new_groups(rank_groups(sizes, order, dims), rank)
                   for name, dims in GROUP_DIMS.items()}
-        embedding = _new_groups(embedding_groups(sizes, order), rank)
+        # Middle pipeline stages hold no embedding: a one-rank group of their own.
+        embedding = _new_groups(embedding_groups(sizes, order), rank, outside_ok=True)
         return cls(config, rank, world, embedding=embedding, **groups)
 
     @property
@@ -111,7 +112,7 @@ class ParallelState:
         return f"{self.config} rank {self.global_rank}"
 
 
-def _new_groups(all_groups: list[list[int]], rank: int) -> GroupInfo:
+def _new_groups(all_groups: list[list[int]], rank: int, outside_ok: bool = False) -> GroupInfo:
     """Create every group (a collective call on all ranks, same order) and keep this rank's.
 
     A group of one rank gets no process group; a group spanning the world reuses WORLD.
@@ -127,6 +128,8 @@ def _new_groups(all_groups: list[list[int]], rank: int) -> GroupInfo:
             group = dist.new_group(ranks)
         if rank in ranks:
             mine = GroupInfo(group=group, ranks=tuple(ranks), rank=ranks.index(rank))
+    if mine is None and outside_ok:
+        return GroupInfo.single(rank)
     if mine is None:
         raise RuntimeError(f"rank {rank} is in none of the groups {all_groups}")
     return mine
