@@ -11,15 +11,15 @@ returns the micro-batch's mean loss (or logits when there are no labels).
 Three phases, as the schedule's action list orders them: warm-up forwards, steady 1F1B, and
 cool-down backwards; the executor just walks the list. The loss is the mean over
 micro-batches (each micro-batch's loss is scaled by 1/m before its backward), so gradients
-equal those of the whole batch on one process. After the last backward, the tied embedding's
-gradient is all-reduced between the first and the last stage.
+equal those of the whole batch on one process once `megazoo.models.allreduce_gradients`
+has summed the partial ones: the tied embedding's two copies (first and last stage), and
+the sp / dp / Megatron-SP reductions. The executor leaves that call to the training step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from ..layers.groups import process_group
 from ..parallel.state import ParallelState
@@ -80,8 +80,6 @@ def run_pipeline(model, microbatches: list[tuple[torch.Tensor, torch.Tensor | No
             buffers.grads[key] = channel.recv(shape, dtype, ids0.device,
                                               state.pp.ranks[action.peer])
     channel.drain()
-    if not forward_only:
-        allreduce_tied_embedding_grads(model, state)
     if not state.is_last_stage:
         return None
     if microbatches[0][1] is None:
@@ -118,18 +116,3 @@ def _backward(state, key, buffers: _StageBuffers):
         backward_from_freed(out, buffers.grads.pop(key))
     else:  # the loss on the last stage
         out.backward()
-
-
-def allreduce_tied_embedding_grads(model, state: ParallelState) -> None:
-    """Sum the gradient of the tied word embedding over its first and last stage copies."""
-    if state.embedding.size == 1 or not model.config.tie_word_embeddings:
-        return
-    weights = []
-    if state.is_first_stage and model.embedding is not None:
-        weights.append(model.embedding.word_embeddings.weight)
-    if state.is_last_stage and model.output_layer is not None:
-        weights.append(model.output_layer.weight)
-    for w in weights:
-        if w.grad is None:
-            w.grad = torch.zeros_like(w)
-        dist.all_reduce(w.grad, group=process_group(state.embedding))

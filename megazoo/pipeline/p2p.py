@@ -43,7 +43,7 @@ class Channel:
 
     def send(self, tensor: torch.Tensor, dst: int, free_after: bool = False) -> None:
         """Start sending; with `free_after`, release `tensor`'s storage once it has left."""
-        payload = tensor.detach()
+        payload = tensor.detach().contiguous()
         work = dist.isend(payload, dst, group=self.group)
         self._pending.append((work, tensor, free_after))
 
