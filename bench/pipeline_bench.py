@@ -27,15 +27,23 @@ from megazoo.pipeline import build_schedule, simulate  # noqa: E402
 from megazoo.pipeline.executor import activation_shape, run_pipeline  # noqa: E402
 
 
+DEVICE = "cuda"
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def _timed(fn, iters: int) -> float:
     """Median wall seconds of fn() (synchronised, both ranks in step)."""
     times = []
     for _ in range(iters):
         dist.barrier()
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -48,17 +56,17 @@ def chunk_times(model, state, batch, seq, iters=5) -> tuple[float, float]:
     shape = activation_shape(model, batch, seq)
     fwd, bwd = [], []
     for c in range(len(model.chunks)):
-        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        x = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
         for i in range(iters + 2):
-            torch.cuda.synchronize()
+            _sync()
             t0 = time.perf_counter()
             y = x
             for layer in model.chunks[c]:  # the chunk's blocks (embedding/head not included)
                 y = model.layers[str(layer)](y)
-            torch.cuda.synchronize()
+            _sync()
             t1 = time.perf_counter()
             y.backward(torch.randn_like(y))
-            torch.cuda.synchronize()
+            _sync()
             if i >= 2:
                 fwd.append(t1 - t0)
                 bwd.append(time.perf_counter() - t1)
@@ -66,7 +74,7 @@ def chunk_times(model, state, batch, seq, iters=5) -> tuple[float, float]:
 
 
 def p2p_time(shape, iters=10) -> float:
-    buf = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    buf = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
     rank = dist.get_rank()
 
     def once():
@@ -88,17 +96,22 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8, 16])
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", default=None)
+    p.add_argument("--device", default="cuda", help="cpu: a gloo dry run of the code paths")
     args = p.parse_args()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group()
     cfg = ModelConfig(family="gpt", num_layers=args.layers, hidden_size=args.hidden,
                       num_attention_heads=args.heads, vocab_size=args.vocab,
                       max_position_embeddings=args.seq)
     rows = []
     for vpp in (1, 2):
         state = ParallelState.initialize(ParallelConfig(pp=2, vpp=vpp))
-        model = build_model(cfg, state, device="cuda", dtype=torch.bfloat16, seed=0)
+        model = build_model(cfg, state, device=DEVICE, dtype=torch.bfloat16, seed=0)
         tf, tb = chunk_times(model, state, args.micro_batch, args.seq)
-        times = torch.tensor([tf, tb], device="cuda")
+        times = torch.tensor([tf, tb], device=DEVICE)
         dist.all_reduce(times)
         tf, tb = (times / 2).tolist()  # mean over the two ranks
         t_p2p = p2p_time(activation_shape(model, args.micro_batch, args.seq))
@@ -106,7 +119,7 @@ def main() -> None:
             if vpp > 1 and m % 2:
                 continue
             g = torch.Generator().manual_seed(m)
-            batches = [(ids.cuda(), ids.cuda()) for ids in
+            batches = [(ids.to(DEVICE), ids.to(DEVICE)) for ids in
                        (torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g)
                         for _ in range(m))]
 
@@ -121,7 +134,8 @@ def main() -> None:
                              error=measured / sim.makespan - 1, bubble=sim.bubble_fraction,
                              tf_ms=tf * 1e3, tb_ms=tb * 1e3, p2p_ms=t_p2p * 1e3))
         del model
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     if dist.get_rank() == 0:
         print_table(rows, ["schedule", "m", "measured_s", "predicted_s", "error", "bubble",
                            "tf_ms", "tb_ms", "p2p_ms"])
