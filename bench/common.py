@@ -1,30 +1,54 @@
-"""Shared GPU benchmark helpers: timing with CUDA events, the measured matmul ceiling, FLOPs.
+"""Shared helpers of the benchmarks: timing (CUDA events on GPUs), the measured matmul
+ceiling, model FLOPs, tables, JSON output.
 
 Conventions (../shared/BENCHMARKS.md): warm up, then take the median of several timed steps;
 random data, never zeros; MFU against the bf16 matmul ceiling measured in the same run.
+
+Run from the repository root (`python bench/x.py` puts bench/ first on the path; the repo
+itself must be importable: `PYTHONPATH=$PWD` or an editable install).
 """
 from __future__ import annotations
 
 import json
 import statistics
+import time
 
 import torch
 
 
-def time_cuda(fn, warmup: int = 3, iters: int = 10) -> float:
-    """Median seconds of `fn()` over `iters` timed calls after `warmup` untimed ones."""
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn, device: torch.device, warmup: int = 3, iters: int = 10) -> float:
+    """Median wall time of `fn()` in milliseconds, after `warmup` untimed calls.
+
+    On CUDA each call is bracketed by CUDA events (no host overhead between launches is
+    hidden); elsewhere by perf_counter around a synchronised call.
+    """
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync(device)
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        if device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def time_cuda(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Median seconds of `fn()` on the current CUDA device (see `time_ms`)."""
+    return time_ms(fn, torch.device("cuda"), warmup, iters) / 1e3
 
 
 def matmul_ceiling_tflops(n: int = 8192, dtype=torch.bfloat16) -> float:
@@ -41,20 +65,30 @@ def gpt_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> flo
             + 6 * batch * seq * hidden * vocab)
 
 
-def write_json(path: str | None, rows) -> None:
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    """A fixed-width table of `rows` (dicts), one column per key in `columns`."""
+    cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value is None else str(value)
+
+
+def write_json(path: str | None, payload) -> None:
     if path:
         with open(path, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump(payload, f, indent=2)
+        print(f"wrote {path}")
 
 
-def print_table(rows: list[dict], columns: list[str]) -> None:
-    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
-    print("  ".join(c.ljust(widths[c]) for c in columns))
-    for r in rows:
-        print("  ".join(_fmt(r.get(c)).ljust(widths[c]) for c in columns))
-
-
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return "" if v is None else str(v)
+def environment(device: torch.device) -> dict:
+    env = {"torch": torch.__version__, "device": str(device)}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env

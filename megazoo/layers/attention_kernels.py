@@ -26,26 +26,24 @@ def flash_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def _flex_call(q, k, v, slopes, block_mask, scale, enable_gqa):
+@functools.lru_cache(maxsize=2)
+def _flex_function(compiled: bool):
     """flex_attention on [b, h, s, d] with an optional ALiBi score_mod (-slope * |i - j|).
 
-    The score_mod is defined here, inside the function that gets compiled, so that its closure
-    over `slopes` is traced as a tensor input rather than guarded on as a new function object
-    (which would recompile on every call).
+    The score_mod is defined inside the function that gets compiled, so that its closure over
+    `slopes` is traced as a tensor input rather than guarded on as a new function object
+    (which would recompile on every call). Built once per process and mode.
     """
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention as flex
 
-    score_mod = None
-    if slopes is not None:
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return score - slopes[h] * (q_idx - kv_idx).abs()
-    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                          enable_gqa=enable_gqa)
-
-
-@functools.lru_cache(maxsize=1)
-def _compiled_flex():
-    return torch.compile(_flex_call, dynamic=False)
+    def call(q, k, v, slopes, block_mask, scale, enable_gqa):
+        score_mod = None
+        if slopes is not None:
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score - slopes[h] * (q_idx - kv_idx).abs()
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                    enable_gqa=enable_gqa)
+    return torch.compile(call, dynamic=False) if compiled else call
 
 
 @functools.lru_cache(maxsize=32)
@@ -75,7 +73,7 @@ def flex_attention(q, k, v, causal, padding_mask, alibi_slopes, scale):
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
     block_mask = _block_mask(q.shape[0], k.shape[0], causal, padding_mask, q.device)
     slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()
-    fn = _compiled_flex() if q.device.type == "cuda" else _flex_call
+    fn = _flex_function(compiled=q.device.type == "cuda")
     out = fn(qb, kb, vb, slopes, block_mask, scale, q.shape[2] != k.shape[2])
     return out.permute(2, 0, 1, 3)  # [s, b, hq, d]
 

@@ -15,9 +15,14 @@ from .groups import Group, group_rank, group_size, process_group
 # ---- raw collectives (no autograd) -------------------------------------------------------
 
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Sum over the group, out of place (the input may be aliased elsewhere). No autograd."""
+    """Sum over the group, out of place (the input may be aliased elsewhere). No autograd.
+
+    A one-rank group (None, or a GroupInfo of size 1, whose `.group` is None) issues nothing:
+    passing None on to torch.distributed would mean WORLD.
+    """
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=process_group(group))
+    if group_size(group) > 1:
+        dist.all_reduce(out, group=process_group(group))
     return out
 
 

@@ -34,7 +34,6 @@ import torch.distributed as dist
 from torch import nn
 
 from .groups import Group, group_rank, group_size, process_group
-from .heads import HeadLayout
 from .init import NormalInit, default_init
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .ulysses import UlyssesAttention, check_global_inputs

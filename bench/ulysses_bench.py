@@ -1,0 +1,146 @@
+"""Ulysses attention on 2 GPUs against DeepSpeed-Ulysses' DistributedAttention, same run.
+
+    torchrun --nproc-per-node 2 bench/ulysses_bench.py --out ulysses.json
+    torchrun --nproc-per-node 2 bench/ulysses_bench.py --dry-run        # CPU, gloo, tiny
+
+32 heads x 128, batch 1, bf16, causal SDPA as the local attention on both sides; forward +
+backward at 32k, 64k and 128k tokens. Efficiency = t(1 GPU, full sequence) / (2 x t(2 GPUs)),
+where t(1 GPU) is SDPA alone on the full sequence (each rank measures it on its own GPU) and
+t(2 GPUs) the slower rank's median.
+
+Each side gets the input its projection produces: ours the fused QKV activation
+[s/2, b, 32 x 3 x 128] (per head [q, k, v], one all-to-all for all three), DeepSpeed three
+tensors q, k, v [s/2, b, 32, 128] (three all-to-alls). Before timing, both outputs are checked
+against each other on the same numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from common import environment, print_table, time_ms, write_json
+from megazoo.layers import UlyssesAttention
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqs", type=int, nargs="+", default=[32768, 65536, 131072])
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--backend", default="sdpa", help="our local attention backend (auto, sdpa, ...)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed rows")
+    p.add_argument("--dry-run", action="store_true", help="tiny float32 run on CPU with gloo")
+    p.add_argument("--out", help="write the results as JSON here (rank 0)")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.seqs, args.heads, args.head_dim, args.warmup, args.iters = [64, 128], 4, 16, 1, 2
+    return args
+
+
+def sdpa_causal_sbhd(q, k, v):
+    """The local attention both sides run: [s, b, h, d] in and out, causal SDPA."""
+    out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True)
+    return out.permute(2, 0, 1, 3)
+
+
+def deepspeed_attention(group):
+    """DeepSpeed's DistributedAttention around sdpa_causal_sbhd, or None when not installed."""
+    try:
+        import deepspeed
+        from deepspeed.sequence.layer import DistributedAttention
+    except ImportError as e:
+        print(f"deepspeed unavailable ({e}): skipping its rows")
+        return None
+    deepspeed.init_distributed(dist_backend=dist.get_backend())  # reuses the initialised group
+    # scatter_idx=2 (heads), gather_idx=0 (sequence): inputs [s/p, b, h, d], batch_dim_idx=1.
+    return DistributedAttention(sdpa_causal_sbhd, group, scatter_idx=2, gather_idx=0)
+
+
+def bench_seq(s, args, device, dtype, ds_attn) -> dict:
+    world, h, d, b = dist.get_world_size(), args.heads, args.head_dim, args.batch
+    g = torch.Generator(device=device).manual_seed(dist.get_rank())
+    qkv = torch.randn(s // world, b, h * 3 * d, device=device, dtype=dtype, generator=g)
+    grad = torch.randn(s // world, b, h * d, device=device, dtype=dtype, generator=g)
+    ours = UlyssesAttention(h, d, sp_group=dist.group.WORLD, attention_backend=args.backend)
+    qkv.requires_grad_()
+    q, k, v = (t.detach().clone().requires_grad_() for t in qkv.view(s // world, b, h, 3, d).unbind(3))
+
+    def step_ours():
+        torch.autograd.grad(ours(qkv), qkv, grad)
+
+    def step_ds():
+        torch.autograd.grad(ds_attn(q, k, v, 1), (q, k, v), grad.view(s // world, b, h, d))
+
+    row = {"seq": s}
+    with torch.no_grad():
+        y = ours(qkv)
+        if ds_attn is not None:
+            row["max_diff_vs_ds"] = (y.float() - ds_attn(q, k, v, 1).flatten(2).float()).abs().max().item()
+    dist.barrier()
+    row["ours_ms"] = _slowest(time_ms(step_ours, device, args.warmup, args.iters))
+    if ds_attn is not None:
+        dist.barrier()
+        row["ds_ms"] = _slowest(time_ms(step_ds, device, args.warmup, args.iters))
+    del qkv, q, k, v, grad
+    row["one_gpu_ms"] = _slowest(_one_gpu(s, args, device, dtype))
+    row["eff_ours"] = row["one_gpu_ms"] / (world * row["ours_ms"])
+    if "ds_ms" in row:
+        row["eff_ds"] = row["one_gpu_ms"] / (world * row["ds_ms"])
+        row["speedup_vs_ds"] = row["ds_ms"] / row["ours_ms"]
+    return row
+
+
+def _one_gpu(s, args, device, dtype) -> float:
+    """SDPA causal fwd+bwd over the full sequence on this rank's device alone."""
+    q, k, v = (torch.randn(args.batch, args.heads, s, args.head_dim, device=device, dtype=dtype)
+               .requires_grad_() for _ in range(3))
+    grad = torch.randn_like(q)
+
+    def step():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), grad)
+    return time_ms(step, device, args.warmup, args.iters)
+
+
+def _slowest(ms: float) -> float:
+    t = torch.tensor([ms], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        print("launch with: torchrun --nproc-per-node 2 bench/ulysses_bench.py [...]")
+        return 2
+    backend = "gloo" if args.dry_run else "nccl"
+    dist.init_process_group(backend)
+    rank = dist.get_rank()
+    if args.dry_run:
+        device, dtype = torch.device("cpu"), torch.float32
+    else:
+        device, dtype = torch.device("cuda", int(os.environ["LOCAL_RANK"])), torch.bfloat16
+        torch.cuda.set_device(device)
+    ds_attn = None if args.no_deepspeed else deepspeed_attention(dist.group.WORLD)
+    rows = [bench_seq(s, args, device, dtype, ds_attn) for s in args.seqs]
+    if rank == 0:
+        print_table(rows, ["seq", "one_gpu_ms", "ours_ms", "ds_ms", "eff_ours", "eff_ds",
+                           "speedup_vs_ds", "max_diff_vs_ds"])
+        write_json(args.out, {"env": environment(device), "world": dist.get_world_size(),
+                              "args": vars(args), "rows": rows})
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
