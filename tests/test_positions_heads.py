@@ -39,8 +39,9 @@ def test_rope_matches_llama(theta):
     cos, sin = rope_cos_sin(positions, d, theta)  # [s, b, d]
     torch.testing.assert_close(cos, cos_hf.transpose(0, 1), rtol=0, atol=0)
     to_sbhd = lambda t: t.permute(2, 0, 1, 3)  # noqa: E731  [b, h, s, d] -> [s, b, h, d]
-    torch.testing.assert_close(apply_rope(to_sbhd(q), cos, sin), to_sbhd(q_hf), rtol=0, atol=0)
-    torch.testing.assert_close(apply_rope(to_sbhd(k), cos, sin), to_sbhd(k_hf), rtol=0, atol=0)
+    q_rot, k_rot = apply_rope(to_sbhd(q), to_sbhd(k), cos, sin)
+    torch.testing.assert_close(q_rot, to_sbhd(q_hf), rtol=0, atol=0)
+    torch.testing.assert_close(k_rot, to_sbhd(k_hf), rtol=0, atol=0)
 
 
 def test_fused_rows_split_kv_groups():

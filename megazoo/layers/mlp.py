@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fused_linear import FusedColumnParallelLinear
+from .fusion import swiglu
 from .groups import Group
 from .linear import ColumnParallelLinear, RowParallelLinear
 
@@ -46,7 +47,7 @@ class ParallelMLP(nn.Module):
         h_shard = self.fc1(x)  # [s, b, ffn/tp] (x2 for swiglu)
         if self.activation == "swiglu":
             gate, up = self.fc1.split_output(h_shard)
-            h_shard = F.silu(gate) * up
+            h_shard = swiglu(gate, up)
         else:
             approximate = "tanh" if self.activation == "gelu" else "none"
             h_shard = F.gelu(h_shard, approximate=approximate)

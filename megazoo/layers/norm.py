@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fusion import rms_norm
 from .linear import mark_sequence_parallel
 
 
@@ -45,10 +46,7 @@ class RMSNorm(nn.Module):
             mark_sequence_parallel(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Computed in fp32 (as LLaMA does), cast back to the input's dtype.
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)  # fp32 inside, as LLaMA does
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"

@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from .fusion import rope_pair, rotate_half  # noqa: F401 (re-exported)
+
 
 def alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
     """The ALiBi slope of every head, as BLOOM defines them (float32, [num_heads]).
@@ -72,18 +74,14 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float = 10000
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] over the halves of the last dimension (HF LLaMA convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [s, b, *heads, d] by cos, sin [s, b or 1, d]: x * cos + rotate_half(x) * sin."""
-    if cos.shape[0] != x.shape[0] or cos.shape[-1] != x.shape[-1]:
-        raise ValueError(f"apply_rope: cos/sin {tuple(cos.shape)} do not match x "
-                         f"{tuple(x.shape)} (expected [s, b or 1, d] with s={x.shape[0]}, "
-                         f"d={x.shape[-1]})")
-    view = (cos.shape[0], cos.shape[1]) + (1,) * (x.dim() - 3) + (cos.shape[-1],)
-    cos, sin = cos.view(view), sin.view(view)
-    return x * cos + rotate_half(x) * sin
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k [s, b, *heads, d] by cos, sin [s, b or 1, d] (HF LLaMA convention):
+    x * cos + rotate_half(x) * sin, with rotate_half([x1, x2]) = [-x2, x1]."""
+    for x in (q, k):
+        if cos.shape[0] != x.shape[0] or cos.shape[-1] != x.shape[-1]:
+            raise ValueError(f"apply_rope: cos/sin {tuple(cos.shape)} do not match "
+                             f"{tuple(x.shape)} (expected [s, b or 1, d] with s={x.shape[0]}, "
+                             f"d={x.shape[-1]})")
+    view = (cos.shape[0], cos.shape[1]) + (1,) * (q.dim() - 3) + (cos.shape[-1],)
+    return rope_pair(q, k, cos.view(view), sin.view(view))

@@ -153,7 +153,7 @@ class UlyssesAttention(nn.Module):
             if position_ids is None:
                 position_ids = torch.arange(s, device=qkv.device)
             cos, sin = rope_cos_sin(position_ids, d, self.rope_theta, dtype=q.dtype)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(q, k, cos, sin)
         context = core_attention(q, k, v, causal=self.causal, padding_mask=padding_mask,
                                  alibi_slopes=self.slopes(qkv.device),
                                  dropout_p=self.attention_dropout if self.training else 0.0,
