@@ -167,8 +167,21 @@ def test_malformed_schedules_are_reported() -> None:
             simulate(schedule)
     with pytest.raises(ValueError, match="sends never received"):
         simulate([[Action(F, 0, 0), send], []])
-    with pytest.raises(ValueError, match="forward_time, backward_time > 0"):
+    with pytest.raises(ValueError, match="forward_time must be > 0"):
         simulate(build_schedule(2, 1, 2), forward_time=0.0)
+    with pytest.raises(ValueError, match=r"backward_time has 3 values but the schedule has 4"):
+        simulate(build_schedule(2, 2, 2), backward_time=[1.0, 2.0, 3.0])
+
+
+def test_per_stage_times() -> None:
+    """A slow last stage (the head): 1F1B's makespan is (m - 1) * (its tf + tb) plus one
+    pass of every stage, the bottleneck stage setting the steady-state pace."""
+    tf, tb = [1.0, 1.0, 1.0, 2.0], [2.0, 2.0, 2.0, 4.0]
+    for m in (4, 8, 16):
+        result = simulate(build_schedule(4, 1, m), tf, tb)
+        assert result.makespan == pytest.approx(sum(tf) + sum(tb) + (m - 1) * (2.0 + 4.0))
+        uniform = simulate(build_schedule(4, 1, m), [1.0] * 4, [2.0] * 4)
+        assert uniform.makespan == simulate(build_schedule(4, 1, m), 1.0, 2.0).makespan
 
 
 def test_out_of_order_receive_is_reported() -> None:

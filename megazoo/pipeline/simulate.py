@@ -20,6 +20,7 @@ deadlocks and :class:`PipelineDeadlockError` names each stuck rank and its next 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -85,6 +86,17 @@ def _sizes(schedule: list[list[Action]]) -> tuple[int, int]:
     return len(schedule) * (chunks + 1), mbs + 1
 
 
+def _per_stage(times, stages: int, name: str) -> list[float]:
+    """A time per virtual stage from one float or a sequence of `stages` floats (all > 0)."""
+    values = [float(times)] * stages if isinstance(times, (int, float)) else [float(t) for t in times]
+    if len(values) != stages:
+        raise ValueError(f"{name} has {len(values)} values but the schedule has {stages} "
+                         f"virtual stages (pp * vpp): give one per stage or a single number")
+    if min(values) <= 0:
+        raise ValueError(f"{name} must be > 0, got {times}")
+    return values
+
+
 class _Run:
     """Mutable state of one simulation; lives only inside :func:`simulate`.
 
@@ -92,11 +104,12 @@ class _Run:
     activation (0) or input gradient (1) produced by virtual stage ``stage``.
     """
 
-    def __init__(self, schedule: list[list[Action]], tf: float, tb: float, p2p: float):
-        self.schedule, self.tf, self.tb, self.p2p = schedule, tf, tb, p2p
+    def __init__(self, schedule: list[list[Action]], tf, tb, p2p: float):
+        self.schedule, self.p2p = schedule, p2p
         self.pp = len(schedule)
         stages, self.m = _sizes(schedule)
         self.last_stage = stages - 1
+        self.tf, self.tb = _per_stage(tf, stages, "forward_time"), _per_stage(tb, stages, "backward_time")
         self.pc = [0] * self.pp
         self.clock = [0.0] * self.pp
         self.have: list[set[int]] = [set() for _ in range(self.pp)]  # keys computed/received
@@ -145,10 +158,10 @@ class _Run:
             key = stage * m2 + 2 * action.microbatch
             if kind is _F or kind is _B:
                 if kind is _F:
-                    ready, duration, delta = not stage or key - m2 in have, tf, 1
+                    ready, duration, delta = not stage or key - m2 in have, tf[stage], 1
                 else:
                     ready = key in have and (stage == last_stage or key + m2 + 1 in have)
-                    key, duration, delta = key + 1, tb, -1
+                    key, duration, delta = key + 1, tb[stage], -1
                 if not ready or key in have:
                     self._bad_compute(rank, pc, key)
                 have.add(key)
@@ -206,20 +219,21 @@ class _Run:
 
 def simulate(
     schedule: list[list[Action]],
-    forward_time: float = 1.0,
-    backward_time: float = 2.0,
+    forward_time: float | Sequence[float] = 1.0,
+    backward_time: float | Sequence[float] = 2.0,
     p2p_time: float = 0.0,
 ) -> SimulationResult:
     """Execute ``schedule`` (one action list per rank) in simulated time.
 
-    ``forward_time`` (tf) and ``backward_time`` (tb) are per chunk per micro-batch and
+    ``forward_time`` (tf) and ``backward_time`` (tb) are per chunk per micro-batch: one
+    number for every stage, or one per virtual stage (``pp * vpp`` of them, in virtual-stage
+    order; e.g. a first stage slowed by the embedding, a last one by the head and loss).
     ``p2p_time`` is the latency of one send. Semantics are in the module docstring.
     Raises PipelineDeadlockError if the schedule cannot finish and ValueError if it is
     malformed (a compute before its inputs, an out-of-order receive, an unmatched send).
     """
-    if min(forward_time, backward_time) <= 0 or p2p_time < 0:
-        raise ValueError(f"times must be forward_time, backward_time > 0 and p2p_time >= "
-                         f"0, got {forward_time}, {backward_time}, {p2p_time}")
+    if p2p_time < 0:
+        raise ValueError(f"p2p_time must be >= 0, got {p2p_time}")
     if not schedule:
         raise ValueError("schedule has no ranks; build one with build_schedule(pp, vpp, m)")
     sim = _Run(schedule, forward_time, backward_time, p2p_time)
