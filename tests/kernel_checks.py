@@ -122,3 +122,43 @@ CHECKS = {
     "softmax": check_softmax, "layer_norm": check_layer_norm, "rms_norm": check_rms_norm,
     "bias_gelu": check_bias_gelu, "rope": check_rope,
 }
+
+#: Small cases for Triton's CPU interpreter (slow: a few thousand elements each), every dtype.
+INTERPRETER_CASES = {
+    "softmax-alibi-causal": ("softmax", dict(shape=(2, 3, 17, 17))),
+    "softmax-causal-sq<sk": ("softmax", dict(shape=(1, 2, 5, 33), alibi=False)),
+    "softmax-alibi-full": ("softmax", dict(shape=(1, 2, 7, 20), causal=False)),
+    "layer_norm-n100": ("layer_norm", dict(shape=(5, 7, 100))),
+    "layer_norm-n33-fp32weights": ("layer_norm", dict(shape=(9, 33), weight_dtype=torch.float32)),
+    "rms_norm-n100": ("rms_norm", dict(shape=(5, 7, 100))),
+    "bias_gelu-tanh": ("bias_gelu", dict(shape=(5, 7, 100))),
+    "bias_gelu-erf": ("bias_gelu", dict(shape=(3, 33), approximate="none")),
+    "rope": ("rope", dict(s=9, b=2, heads=(3,), d=16)),
+    "rope-strided-batchcos-gqa": ("rope", dict(s=5, b=2, heads=(2, 3), d=12, batch_cos=True,
+                                                strided=True)),
+}
+
+
+def run_interpreter_cases() -> dict[str, str]:
+    """Run every INTERPRETER_CASES x dtype with impl="triton" on CPU: name -> "ok" or error.
+
+    Must run in a process where TRITON_INTERPRET=1 was set before megazoo's Triton kernels
+    were imported (tests/test_kernels.py starts one).
+    """
+    results = {}
+    for case, (check, kwargs) in INTERPRETER_CASES.items():
+        for tag, dtype in DTYPES.items():
+            try:
+                CHECKS[check]("triton", "cpu", dtype, **kwargs)
+                results[f"{case}-{tag}"] = "ok"
+            except Exception as exc:  # report every case, not only the first failure
+                results[f"{case}-{tag}"] = f"{type(exc).__name__}: {exc}"
+    return results
+
+
+if __name__ == "__main__":  # python tests/kernel_checks.py: the interpreter cases as JSON
+    import json
+    import os
+
+    assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 first"
+    print(json.dumps(run_interpreter_cases()))

@@ -52,6 +52,11 @@ def first_line(exc: BaseException, limit: int = 160) -> str:
     return (lines[0] if lines else type(exc).__name__)[:limit]
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The fallbacks' math dtype: float32, or float64 for float64 inputs (gradcheck)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def interpreting() -> bool:
     """True when Triton's CPU interpreter is on (it must be set before kernels are defined)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

@@ -32,8 +32,9 @@ _APPROXIMATE = ("tanh", "none")
 
 
 def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
-    """The PyTorch fallback: F.gelu(x + bias) in float32, result in x.dtype."""
-    u = x.float() + bias.to(x.dtype).float()
+    """The PyTorch fallback: F.gelu(x + bias) in float32 (float64 for float64), result in x.dtype."""
+    f = _dispatch.compute_dtype(x)
+    u = x.to(f) + bias.to(x.dtype).to(f)
     return F.gelu(u, approximate=approximate).to(x.dtype)
 
 

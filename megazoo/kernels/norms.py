@@ -25,17 +25,18 @@ from . import _dispatch
 
 def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          eps: float = 1e-5) -> torch.Tensor:
-    """PyTorch LayerNorm over the last dim, computed in float32, returned in x.dtype."""
-    n = x.shape[-1]
-    y = F.layer_norm(x.float(), (n,), weight.float(), None if bias is None else bias.float(), eps)
+    """PyTorch LayerNorm over the last dim, computed in float32 (float64 for float64 x), returned in x.dtype."""
+    n, f = x.shape[-1], _dispatch.compute_dtype(x)
+    y = F.layer_norm(x.to(f), (n,), weight.to(f), None if bias is None else bias.to(f), eps)
     return y.to(x.dtype)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """PyTorch RMSNorm over the last dim, computed in float32, returned in x.dtype."""
-    xf = x.float()
+    """PyTorch RMSNorm over the last dim, computed in float32 (float64 for float64 x), returned in x.dtype."""
+    f = _dispatch.compute_dtype(x)
+    xf = x.to(f)
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * rstd * weight.float()).to(x.dtype)
+    return (xf * rstd * weight.to(f)).to(x.dtype)
 
 
 class _TritonNorm(torch.autograd.Function):

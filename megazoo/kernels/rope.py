@@ -63,10 +63,11 @@ def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The PyTorch fallback: x * cos + rotate_half(x) * sin in float32, result in x.dtype."""
+    """The PyTorch fallback: x * cos + rotate_half(x) * sin in float32 (float64 for float64)."""
     view = _check(x, cos, sin)
-    c, s = cos.detach().float().view(view), sin.detach().float().view(view)
-    xf = x.float()
+    f = _dispatch.compute_dtype(x)
+    c, s = cos.detach().to(f).view(view), sin.detach().to(f).view(view)
+    xf = x.to(f)
     return (xf * c + _rotate_half(xf) * s).to(x.dtype)
 
 

@@ -29,13 +29,14 @@ MAX_SK = 16384  # as triton_softmax.MAX_SK (not imported: triton may be absent)
 
 def softmax_reference(scores: torch.Tensor, scale: float, alibi_slopes: torch.Tensor | None = None,
                       causal: bool = True) -> torch.Tensor:
-    """The PyTorch fallback: float32 math with torch.softmax, result in scores.dtype."""
+    """The PyTorch fallback: float32 (float64 for float64) math, result in scores.dtype."""
     _check(scores, alibi_slopes, causal)
     sq, sk = scores.shape[-2:]
-    z = scores.float() * scale
+    f = _dispatch.compute_dtype(scores)
+    z = scores.to(f) * scale
     if alibi_slopes is not None:
-        j = torch.arange(sk, device=scores.device, dtype=torch.float32)
-        z = z + alibi_slopes.detach().float().view(-1, 1, 1) * j  # [h, 1, sk] over b, i
+        j = torch.arange(sk, device=scores.device, dtype=f)
+        z = z + alibi_slopes.detach().to(f).view(-1, 1, 1) * j  # [h, 1, sk] over b, i
     if causal:
         i = torch.arange(sq, device=scores.device)[:, None]
         j = torch.arange(sk, device=scores.device)[None, :]
