@@ -56,15 +56,16 @@ def _cases(device, dtype, small: bool) -> list[Case]:
     r = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)  # noqa: E731
     e = torch.tensor([], dtype=dtype).element_size()
     b, h, s = (1, 2, 128) if small else (4, 16, 2048)
+    s_rope = 128 if small else 4096
     tokens, hidden, ffn = (256, 1000, 2048) if small else (16384, 4096, 16384)
     heads, d = (4, 64) if small else (32, 128)
     slopes = torch.rand(h, device=device)
     scores = r(b, h, s, s)
     n_sc = scores.numel() * e
-    cos, sin = K.rope_cos_sin(torch.arange(s, device=device), d)
+    cos, sin = K.rope_cos_sin(torch.arange(s_rope, device=device), d)
     rows, cols = (tokens, hidden)
     gx = r(tokens // 2, ffn)
-    n_x, n_g, q = rows * cols * e, gx.numel() * e, r(s, b, heads, d)
+    n_x, n_g, q = rows * cols * e, gx.numel() * e, r(s_rope, b, heads, d)
 
     def softmax_case(name, alibi):
         sl = slopes if alibi else None
@@ -98,14 +99,25 @@ def _cases(device, dtype, small: bool) -> list[Case]:
         Case(f"bias_gelu tanh [{tokens // 2},{ffn}]", [gx, gb], 2, gelu_impls, 2 * n_g, 5 * n_g),
         Case(f"bias_gelu erf [{tokens // 2},{ffn}]", [gx, gb], 2, erf_impls, 2 * n_g, 5 * n_g),
         # fwd: read q, write y; bwd: read dy, write dx
-        Case(f"rope [{s},{b},{heads},{d}]", [q], 1, rope_impls, 2 * n_q, 4 * n_q),
+        Case(f"rope [{s_rope},{b},{heads},{d}]", [q], 1, rope_impls, 2 * n_q, 4 * n_q),
     ]
 
 
 def _timer(device) -> Callable:
-    """time_cuda on a GPU; a wall-clock median on CPU (dry runs only)."""
+    """Median seconds per call. GPU: calls issued back to back between CUDA events, so the
+    queue stays full and launch latency overlaps, as in training where the CPU runs ahead
+    (one call per event pair would add the Python launch time of short kernels). CPU: a
+    wall-clock median (dry runs only)."""
     if device.type == "cuda":
-        return lambda fn: time_cuda(fn, warmup=5, iters=20)
+        def gpu_time(fn):
+            once = time_cuda(fn, warmup=3, iters=3)
+            reps = max(1, min(50, int(2e-3 / once) + 1))  # >= ~2 ms of work per timed sample
+
+            def many():
+                for _ in range(reps):
+                    fn()
+            return time_cuda(many, warmup=1, iters=10) / reps
+        return gpu_time
 
     def cpu_time(fn):
         fn()

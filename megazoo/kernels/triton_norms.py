@@ -4,8 +4,8 @@ Rows of ``x2d [M, N]`` are normalised over ``N`` in float32; one program holds a
 (``BLOCK_N = next_pow2(N)``, masked, so any N works: 1000, 1539, ...). Forward saves the
 per-row ``mean`` (LayerNorm) and ``rstd`` in float32, as apex's fused norms do.
 
-Backward runs a persistent grid of ``P`` programs (a few per multiprocessor); program ``p``
-walks rows ``p*R .. p*R+R-1``, writes ``dx`` for each, and accumulates its partial ``dw``
+Backward runs ``P = M / R`` programs (about 8 per multiprocessor, ``R`` a power of two up
+to 64); program ``p`` walks rows ``p*R .. p*R+R-1``, writes ``dx`` for each, and accumulates its partial ``dw``
 (and ``db``) in registers, stored once to ``[P, N]`` float32 buffers that torch sums over
 ``P``. This keeps the weight-gradient reduction free of atomics and deterministic.
 
@@ -49,26 +49,27 @@ def _norm_fwd(X, W, B, Y, Mean, Rstd, N, eps, HAS_BIAS: tl.constexpr, RMS: tl.co
 
 
 @triton.jit
-def _norm_bwd(X, W, DY, DX, Mean, Rstd, DW, DB, M, N, rows_per_program,
-              HAS_BIAS: tl.constexpr, RMS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dx for rows [p*R, p*R+R) and this program's partial dw, db (fp32, row p of DW, DB)."""
+def _norm_bwd(X, W, DY, DX, Mean, Rstd, DW, DB, M, N, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
+              ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dx for rows [p*ROWS, p*ROWS+ROWS) and this program's partial dw, db (fp32, row p)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
-    start = pid.to(tl.int64) * rows_per_program  # int64: row * N may pass 2^31
-    end = tl.minimum(start + rows_per_program, M)
-    for row in tl.range(start, end):
-        off = row * N
-        x = tl.load(X + off + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + off + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(Rstd + row)
+    start = pid.to(tl.int64) * ROWS  # int64: row * N may pass 2^31
+    for k in range(ROWS):  # a constexpr trip count: a plain loop, also in the interpreter
+        row = start + k
+        m = cols < tl.where(row < M, N, 0)  # the row's columns, none past the last row
+        x = tl.load(X + row * N + cols, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * N + cols, mask=m, other=0.0).to(tl.float32)
+        last = tl.minimum(row, M - 1)  # rows past M: x = dy = 0, so any finite rstd will do
+        rstd = tl.load(Rstd + last)
         if RMS:
             xhat = x * rstd
         else:
-            xhat = tl.where(mask, (x - tl.load(Mean + row)) * rstd, 0.0)
+            xhat = tl.where(m, (x - tl.load(Mean + last)) * rstd, 0.0)
         wdy = w * dy
         c1 = tl.sum(xhat * wdy, axis=0) / N
         if RMS:
@@ -76,7 +77,7 @@ def _norm_bwd(X, W, DY, DX, Mean, Rstd, DW, DB, M, N, rows_per_program,
         else:
             c2 = tl.sum(wdy, axis=0) / N
             dx = (wdy - (xhat * c1 + c2)) * rstd
-        tl.store(DX + off + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=m)
         dw += dy * xhat
         if HAS_BIAS:
             db += dy
@@ -85,16 +86,15 @@ def _norm_bwd(X, W, DY, DX, Mean, Rstd, DW, DB, M, N, rows_per_program,
         tl.store(DB + pid.to(tl.int64) * N + cols, db, mask=mask)
 
 
-_norm_fwd_tuned = triton.autotune(configs=_WARP_CONFIGS, key=["N"])(_norm_fwd)
-_norm_bwd_tuned = triton.autotune(configs=_WARP_CONFIGS, key=["N"])(_norm_bwd)
+_norm_fwd_tuned = triton.autotune(configs=_WARP_CONFIGS, key=["N", "RMS", "HAS_BIAS"])(_norm_fwd)
+_norm_bwd_tuned = triton.autotune(configs=_WARP_CONFIGS, key=["N", "RMS", "HAS_BIAS", "ROWS"])(_norm_bwd)
 
 
-def _num_programs(x: torch.Tensor, rows: int) -> int:
-    """Backward grid size: 4 programs per multiprocessor on a GPU, 4 under the interpreter."""
-    if x.is_cuda:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        return max(1, min(rows, 4 * sms))
-    return max(1, min(rows, 4))
+def _rows_per_program(x: torch.Tensor, rows: int) -> int:
+    """Backward rows per program, a power of two (few compiled variants): on a GPU about
+    8 programs per multiprocessor, at most 64 rows each; 4 programs under the interpreter."""
+    programs = 8 * torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    return min(64, triton.next_power_of_2(triton.cdiv(rows, programs)))
 
 
 def norm_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -118,12 +118,11 @@ def norm_backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor,
     """(dx [M, N] in x's dtype, dw [N] fp32, db [N] fp32 or None)."""
     m, n = x2d.shape
     dx = torch.empty_like(x2d)
-    programs = _num_programs(x2d, m)
-    rows_per_program = triton.cdiv(m, programs)
+    rows_per_program = _rows_per_program(x2d, m)
     programs = triton.cdiv(m, rows_per_program)
     dw = torch.empty(programs, n, device=x2d.device, dtype=torch.float32)
     db = torch.empty(programs if has_bias else 0, n, device=x2d.device, dtype=torch.float32)
     kernel = _norm_bwd_tuned if x2d.is_cuda else _norm_bwd
-    kernel[(programs,)](x2d, weight, dy2d, dx, mean, rstd, dw, db, m, n, rows_per_program,
-                        HAS_BIAS=has_bias, RMS=rms, BLOCK_N=triton.next_power_of_2(n))
+    kernel[(programs,)](x2d, weight, dy2d, dx, mean, rstd, dw, db, m, n, HAS_BIAS=has_bias,
+                        RMS=rms, ROWS=rows_per_program, BLOCK_N=triton.next_power_of_2(n))
     return dx, dw.sum(0), (db.sum(0) if has_bias else None)
