@@ -28,7 +28,7 @@ class KernelStatus:
 
 def _probes(device: torch.device, dtype: torch.dtype) -> dict:
     """kernel name -> (call(impl) running forward + backward, unsupported reason, has_cuda)."""
-    def run(fn, *tensors):
+    def run(fn):
         out = fn()
         out.float().sum().backward()
         return out
