@@ -1,0 +1,18 @@
+"""``python -m megazoo.kernels [--device DEV]``: which implementation each fused kernel uses, and why."""
+from __future__ import annotations
+
+import argparse
+
+from .report import format_report, kernel_report
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the kernel table for a device (default: the first CUDA GPU, else CPU)."""
+    parser = argparse.ArgumentParser(prog="python -m megazoo.kernels", description=__doc__)
+    parser.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if any)")
+    args = parser.parse_args(argv)
+    print(format_report(kernel_report(args.device)))
+
+
+if __name__ == "__main__":
+    main()
