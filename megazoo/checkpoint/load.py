@@ -1,0 +1,189 @@
+"""Reading checkpoints into any layout: `CheckpointReader` (streaming, no process group),
+`load_model_weights` (into an existing model) and `load_pretrained` (build, then load).
+
+A full tensor is rebuilt from the source layout's shards with `tp_unslice`, driven by the
+metadata of the source rank's parameters (a model of that rank built on the meta device),
+and cut for the target rank with `tp_slice`; so any tp/pp/vpp loads into any other.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from ..layers.sharding import full_shape, tp_slice, tp_unslice
+from ..models import ModelConfig, build_model, full_name
+from ..parallel.state import ParallelState
+from .files import parse_dtype
+from .layout import FORMAT, METADATA_FILE, check_layout, rank_model, stored_parameters
+
+# Fields that must agree between a checkpoint and the model it is loaded into.
+SHAPE_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
+                "num_key_value_heads", "ffn_hidden_size", "vocab_size", "position_embedding",
+                "norm", "activation", "embedding_layernorm", "tie_word_embeddings", "qkv_bias",
+                "dense_bias", "mlp_bias")
+
+
+def _read_metadata(path: str) -> dict:
+    file = os.path.join(path, METADATA_FILE)
+    if not os.path.isdir(path):
+        raise ValueError(f"no checkpoint directory at {path}")
+    if not os.path.isfile(file):
+        raise ValueError(f"{path} is not a megazoo checkpoint: {METADATA_FILE} is missing")
+    try:
+        with open(file) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file} cannot be read ({exc}): the checkpoint is damaged") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{file}: format {meta.get('format') if isinstance(meta, dict) else None!r}"
+                         f" is not {FORMAT!r}")
+    return meta
+
+
+def config_from_dict(data: dict) -> ModelConfig:
+    """A ModelConfig from `ModelConfig.to_dict()` output (unknown fields are a ValueError)."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"checkpoint config has fields {unknown} this megazoo does not know: "
+                         f"update megazoo")
+    return ModelConfig(**data)
+
+
+class CheckpointReader:
+    """Lazy access to a checkpoint's full tensors, whatever layout wrote it.
+
+        reader = CheckpointReader("ckpt/")
+        reader.config, reader.layout, reader.names(), reader.aux_prefixes
+        w = reader.full_tensor("layers.0.attention.qkv.weight")        # full, unpadded
+        m = reader.full_tensor("layers.0.attention.qkv.weight", "exp_avg")
+    Each call opens only the files of the stage holding the tensor (of the tp ranks that hold
+    a distinct shard) and reads only that key.
+    """
+
+    def __init__(self, path):
+        self.path = os.path.normpath(os.fspath(path))
+        self.metadata = _read_metadata(self.path)
+        self.config = config_from_dict(self.metadata["model"])
+        lay = self.metadata["layout"]
+        self.layout = check_layout(lay["tp"], lay["pp"], lay.get("vpp", 1))
+        self.aux_prefixes = tuple(self.metadata.get("aux", ()))
+        self.dtype = parse_dtype(self.metadata.get("dtype", "float32"))
+        for name in self.metadata["files"]:
+            self._check_file(name)
+        self._stages: dict[int, list[dict]] = {}
+        self._stage_of: dict[str, int] = {}
+        for p in range(self.layout["pp"]):
+            for fname in stored_parameters(rank_model(self.config, self.layout, p, 0)):
+                self._stage_of[fname] = p
+
+    def _check_file(self, name: str) -> None:
+        file = os.path.join(self.path, name)
+        if not os.path.isfile(file):
+            raise ValueError(f"checkpoint file {file} is missing: the checkpoint is incomplete")
+        try:
+            with safe_open(file, framework="pt") as f:
+                f.keys()
+        except Exception as exc:  # safetensors raises its own error types
+            raise ValueError(f"checkpoint file {file} is damaged or truncated ({exc})") from None
+
+    def names(self) -> list[str]:
+        """Full names of every stored parameter."""
+        return list(self._stage_of)
+
+    def _source_params(self, stage: int) -> list[dict]:
+        """Per source tp rank of `stage`: {full name: meta parameter}."""
+        if stage not in self._stages:
+            self._stages[stage] = [
+                {n: p for n, (_, p) in stored_parameters(
+                    rank_model(self.config, self.layout, stage, t)).items()}
+                for t in range(self.layout["tp"])]
+        return self._stages[stage]
+
+    def _read(self, file: str, key: str) -> torch.Tensor:
+        try:
+            with safe_open(file, framework="pt") as f:
+                if key not in f.keys():
+                    raise ValueError(f"checkpoint file {file} has no tensor {key!r}")
+                return f.get_tensor(key)
+        except ValueError:
+            raise
+        except Exception as exc:
+            raise ValueError(f"checkpoint file {file}: cannot read {key!r} ({exc})") from None
+
+    def full_tensor(self, name: str, prefix: str | None = None) -> torch.Tensor:
+        """The full (one-process, unpadded) parameter `name`, or its aux tensor `prefix`."""
+        if name not in self._stage_of:
+            raise ValueError(f"{self.path} has no parameter {name!r}")
+        if prefix is not None and prefix not in self.aux_prefixes:
+            raise ValueError(f"{self.path} has no aux tensors {prefix!r}; it has {self.aux_prefixes}")
+        stage = self._stage_of[name]
+        params = [ranks[name] for ranks in self._source_params(stage)]
+        key = name if prefix is None else f"{prefix}/{name}"
+        tp = self.layout["tp"]
+        ranks = range(tp) if getattr(params[0], "tp_dim", None) is not None else range(1)
+        shards = []
+        for t in ranks:
+            file = os.path.join(self.path, f"model-pp{stage:03d}-tp{t:03d}.safetensors")
+            shard = self._read(file, key)
+            if tuple(shard.shape) != tuple(params[t].shape):
+                raise ValueError(f"checkpoint file {file}: {key!r} has shape {tuple(shard.shape)}, "
+                                 f"the layout needs {tuple(params[t].shape)}")
+            shards.append(shard)
+        return tp_unslice(shards, params[0])
+
+
+def check_config(ckpt: ModelConfig, model: ModelConfig) -> None:
+    """ValueError listing every shape-defining field where the checkpoint and model differ."""
+    diffs = [(f, getattr(ckpt, f), getattr(model, f)) for f in SHAPE_FIELDS
+             if getattr(ckpt, f) != getattr(model, f)]
+    if ckpt.position_embedding == "learned" and ckpt.max_position_embeddings != model.max_position_embeddings:
+        diffs.append(("max_position_embeddings", ckpt.max_position_embeddings,
+                      model.max_position_embeddings))
+    if diffs:
+        what = ", ".join(f"{f.replace('_', ' ').replace(' size', '')} {a}" for f, a, _ in diffs)
+        has = ", ".join(f"{b}" for _, _, b in diffs)
+        raise ValueError(f"checkpoint is a {ckpt.family} with {what}, model has {has}: "
+                         f"load it into a model built from the checkpoint's config")
+
+
+def load_model_weights(model: nn.Module, path, *, state: ParallelState | None = None,
+                       aux_prefixes=()) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """Load the checkpoint at `path` into `model`, built at any layout.
+
+    Returns (metadata, {prefix: {local parameter name: tensor shaped like it}}) for each of
+    `aux_prefixes`. No collective: each rank reads what it needs.
+    """
+    state = state or getattr(model, "state", None) or ParallelState.single()
+    reader = CheckpointReader(path)
+    check_config(reader.config, model.config)
+    missing = [a for a in aux_prefixes if a not in reader.aux_prefixes]
+    if missing:
+        raise ValueError(f"{reader.path} holds no aux tensors {missing}; it has {list(reader.aux_prefixes)}")
+    tp, rank = state.tp.size, state.tp.rank
+    aux: dict[str, dict[str, torch.Tensor]] = {a: {} for a in aux_prefixes}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            fname = full_name(name, p)
+            full = reader.full_tensor(fname)
+            if tuple(full.shape) != full_shape(p, tp):
+                raise ValueError(f"{fname}: checkpoint shape {tuple(full.shape)}, model needs "
+                                 f"{full_shape(p, tp)}")
+            p.copy_(tp_slice(full, p, rank, tp))
+            for a in aux_prefixes:
+                aux[a][name] = tp_slice(reader.full_tensor(fname, a), p, rank, tp).clone()
+    return reader.metadata, aux
+
+
+def load_pretrained(path, state: ParallelState | None = None, device="cpu",
+                    dtype: torch.dtype | None = None) -> nn.Module:
+    """Build the checkpoint's model at `state`'s layout (None: one process) and load it."""
+    reader = CheckpointReader(path)
+    model = build_model(reader.config, state, device=device, dtype=dtype or reader.dtype)
+    load_model_weights(model, path, state=state)
+    return model

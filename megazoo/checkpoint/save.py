@@ -1,0 +1,177 @@
+"""Writing checkpoints: `save_checkpoint` (collective, from a live model at its layout) and
+`write_checkpoint` (one process, any layout, fed full tensors one at a time).
+
+On disk: `megazoo.json` plus one `model-pp{p:03d}-tp{t:03d}.safetensors` per (pp, tp) rank,
+holding that rank's shards keyed by full parameter name (and `prefix/full name` for auxiliary
+tensors such as optimizer moments, sharded like their parameter).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..layers.sharding import full_shape, tp_slice
+from ..models import ModelConfig
+from ..parallel.state import ParallelState
+from .files import (SafetensorsWriter, discard, dtype_name, fresh_temp_dir, publish, temp_dir,
+                    write_json)
+from .layout import (FORMAT, METADATA_FILE, check_layout, full_shapes, layout_files, rank_file,
+                     rank_model, stored_parameters)
+
+
+def build_metadata(config: ModelConfig, layout: dict, dtype: torch.dtype, extra: dict | None,
+                   aux_dtypes: dict[str, torch.dtype]) -> dict:
+    """The contents of megazoo.json."""
+    return {"format": FORMAT, "model": config.to_dict(), "layout": dict(layout),
+            "dtype": dtype_name(dtype), "files": layout_files(layout),
+            "params": {name: {"full_shape": list(shape), "dtype": dtype_name(dtype)}
+                       for name, shape in full_shapes(config).items()},
+            "aux": list(aux_dtypes), "aux_dtypes": {k: dtype_name(v) for k, v in aux_dtypes.items()},
+            "extra": extra or {}}
+
+
+def _check_aux(model: nn.Module, aux: dict) -> None:
+    """Every aux tensor names a local parameter and has its shape (ValueError otherwise)."""
+    params = dict(model.named_parameters())
+    for prefix, tensors in aux.items():
+        if not prefix or "/" in prefix:
+            raise ValueError(f"aux prefix {prefix!r} must be a non-empty name without '/'")
+        for name, t in tensors.items():
+            if name not in params:
+                raise ValueError(f"aux[{prefix!r}] names {name!r}, which is not a parameter of "
+                                 f"this model: key aux tensors by model.named_parameters() names")
+            if tuple(t.shape) != tuple(params[name].shape):
+                raise ValueError(f"aux[{prefix!r}][{name!r}] has shape {tuple(t.shape)}, the "
+                                 f"parameter has {tuple(params[name].shape)}")
+
+
+def _write_rank_file(model: nn.Module, file: str, aux: dict) -> None:
+    """This rank's parameters (and their aux tensors) into one safetensors file."""
+    stored = stored_parameters(model)
+    tensors = {}
+    for fname, (name, p) in stored.items():
+        tensors[fname] = p
+        for prefix, by_name in aux.items():
+            if name in by_name:
+                tensors[f"{prefix}/{fname}"] = by_name[name]
+    specs = {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}
+    with SafetensorsWriter(file, specs) as writer:
+        for key, t in tensors.items():
+            writer.write(key, t)
+
+
+def _agree(ok: bool, state: ParallelState, device: torch.device) -> bool:
+    """True on every rank when `ok` is true on every rank (one all-reduce; none in one process)."""
+    if state.world_size == 1:
+        return ok
+    flag = torch.tensor([0 if ok else 1], device=device)
+    dist.all_reduce(flag)
+    return flag.item() == 0
+
+
+def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = None,
+                    extra: dict | None = None,
+                    aux: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+    """Save `model` (this rank's part of it) to the checkpoint directory `path`.
+
+    Collective: every rank of `state` calls it (state None: `model.state`, else one process).
+    Ranks with dp rank 0 and sp rank 0 write their (pp, tp) file; global rank 0 writes
+    megazoo.json and renames the temp dir into place. `aux` maps a prefix ("exp_avg") to
+    {local parameter name: tensor shaped like that parameter}. Raises on every rank if any
+    rank failed to write; the previous checkpoint at `path` is then left untouched.
+    """
+    state = state or getattr(model, "state", None) or ParallelState.single()
+    aux = aux or {}
+    _check_aux(model, aux)
+    path = os.fspath(path)
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    tmp, error = temp_dir(path), None
+    if state.global_rank == 0:
+        fresh_temp_dir(path)
+    if state.world_size > 1:
+        dist.barrier()
+    try:
+        if state.dp.rank == 0 and state.sp.rank == 0:
+            _write_rank_file(model, os.path.join(tmp, rank_file(state.pp.rank, state.tp.rank)), aux)
+        if state.global_rank == 0:
+            layout = {"tp": state.tp.size, "pp": state.pp.size, "vpp": len(model.chunks)}
+            aux_dtypes = {k: next(iter(v.values())).dtype for k, v in aux.items() if v}
+            dtype = params[0].dtype if params else torch.float32
+            meta = build_metadata(model.config, layout, dtype, extra, aux_dtypes)
+    except Exception as exc:  # reported to every rank below, then re-raised here
+        error = exc
+    if not _agree(error is None, state, device):
+        if state.global_rank == 0:
+            discard(path)
+        raise error or RuntimeError("save_checkpoint failed on another rank; see its error")
+    if state.global_rank == 0:
+        try:
+            missing = [f for f in meta["files"] if not os.path.exists(os.path.join(tmp, f))]
+            if missing:
+                raise RuntimeError(f"rank files {missing} were not written")
+            write_json(os.path.join(tmp, METADATA_FILE), meta)
+            publish(path)
+        except Exception as exc:
+            error = exc
+            discard(path)
+    if not _agree(error is None, state, device):
+        raise error or RuntimeError(f"save_checkpoint: rank 0 could not publish {path}")
+
+
+def write_checkpoint(config: ModelConfig, path, full_tensor: Callable[[str], torch.Tensor], *,
+                     tp: int = 1, pp: int = 1, vpp: int = 1, dtype: torch.dtype | None = None,
+                     extra: dict | None = None, aux_prefixes=(),
+                     aux_dtype: torch.dtype | None = None) -> None:
+    """Write a checkpoint of `config` at layout (tp, pp, vpp) in one process, streaming.
+
+    `full_tensor(full_name)` returns a full, unpadded parameter (`full_tensor(f"{prefix}/{name}")`
+    an aux tensor); each is fetched when its rank file is written, sliced, written and freed, so
+    memory holds about one full tensor. dtype None: the dtype of the first tensor fetched;
+    aux_dtype None: float32. Atomic like `save_checkpoint`.
+    """
+    layout = check_layout(tp, pp, vpp)
+    path = os.fspath(path)
+    first = rank_model(config, layout, 0, 0)  # validates heads / layers vs the layout
+    if dtype is None:
+        dtype = full_tensor(next(iter(stored_parameters(first)))).dtype
+    aux_dtype = aux_dtype or torch.float32
+    tmp = fresh_temp_dir(path)
+    try:
+        for p in range(pp):
+            for t in range(tp):
+                model = first if p == t == 0 else rank_model(config, layout, p, t)
+                _stream_rank(model, t, tp, os.path.join(tmp, rank_file(p, t)), full_tensor,
+                             dtype, tuple(aux_prefixes), aux_dtype)
+        meta = build_metadata(config, layout, dtype, extra, {a: aux_dtype for a in aux_prefixes})
+        write_json(os.path.join(tmp, METADATA_FILE), meta)
+        publish(path)
+    except BaseException:
+        discard(path)
+        raise
+
+
+def _stream_rank(model: nn.Module, tp_rank: int, tp: int, file: str, full_tensor, dtype,
+                 aux_prefixes: tuple, aux_dtype) -> None:
+    """One rank file: plan every key from the meta model, then fetch, slice and write each."""
+    stored = stored_parameters(model)
+    specs = {}
+    for fname, (_, p) in stored.items():
+        specs[fname] = (dtype, tuple(p.shape))
+        for prefix in aux_prefixes:
+            specs[f"{prefix}/{fname}"] = (aux_dtype, tuple(p.shape))
+    with SafetensorsWriter(file, specs) as writer:
+        for key in specs:
+            fname = key.split("/", 1)[-1]
+            p = stored[fname][1]
+            full = full_tensor(key)
+            expected = full_shape(p, tp)
+            if tuple(full.shape) != expected:
+                raise ValueError(f"{key}: got a tensor of shape {tuple(full.shape)}, the model "
+                                 f"config needs {expected}: the config contradicts the weights")
+            writer.write(key, tp_slice(full, p, tp_rank, tp))
+            del full
