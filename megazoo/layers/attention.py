@@ -57,6 +57,8 @@ def unsupported_reason(backend: str, req: AttentionRequest) -> str | None:
             return "FlexAttention has no attention dropout"
         if req.device_type == "cpu" and req.requires_grad:
             return "FlexAttention has no backward on CPU (torch 2.13); use sdpa or math"
+        if req.device_type == "cuda" and req.head_dim < 16:
+            return f"FlexAttention's CUDA kernel needs head_dim >= 16, got {req.head_dim}"
         return None
     if backend == "flash":
         if req.device_type != "cuda":

@@ -1,0 +1,47 @@
+"""`ZeroConfig`: the ZeRO / DeepSpeed / FSDP2 flags of `pretrain_gpt.py`.
+
+The command line is generated from this dataclass like the others (`--deepspeed`,
+`--deepspeed_config`, `--zero-stage`, `--offload-optimizer`, `--offload-param`,
+`--zero-impl`). `megazoo.training.zero` turns it into a DeepSpeed config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ZERO_IMPLS = ("none", "deepspeed", "fsdp2")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass
+class ZeroConfig:
+    """How optimizer state, gradients and parameters are sharded over data-parallel ranks."""
+
+    deepspeed: bool = False
+    """Train with DeepSpeed (Megatron-DeepSpeed's flag); implies zero_impl="deepspeed"."""
+    deepspeed_config: str | None = None
+    """Path of a DeepSpeed JSON config (ZeRO stage, offload, precision, clipping, batches)."""
+    zero_stage: int | None = None
+    """ZeRO stage 0-3; None: the JSON's value, or 0 without one."""
+    offload_optimizer: str | None = None
+    """Optimizer state offload device: "none", "cpu" or "nvme"; None: the JSON's value."""
+    offload_param: str | None = None
+    """Parameter offload device (ZeRO-3 only): "none", "cpu" or "nvme"; None: the JSON's."""
+    nvme_path: str | None = None
+    """Folder for nvme offload."""
+    zero_impl: str = "none"
+    """"none" (plain data parallel), "deepspeed", or "fsdp2" (ZeRO-3 with pipelines)."""
+
+    def __post_init__(self) -> None:
+        if self.deepspeed and self.zero_impl == "none":
+            self.zero_impl = "deepspeed"
+        if self.zero_impl not in ZERO_IMPLS:
+            raise ValueError(f"--zero-impl must be one of {ZERO_IMPLS}, got {self.zero_impl!r}")
+        for name in ("offload_optimizer", "offload_param"):
+            value = getattr(self, name)
+            if value is not None and value not in OFFLOAD_DEVICES:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {OFFLOAD_DEVICES}, "
+                                 f"got {value!r}")
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.deepspeed_config is not None and self.zero_impl != "deepspeed":
+            raise ValueError("--deepspeed_config needs --deepspeed (or --zero-impl deepspeed)")
