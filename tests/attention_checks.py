@@ -22,6 +22,8 @@ import torch.distributed as dist
 from megazoo.layers import (NormalInit, ParallelAttention, allreduce_sequence_parallel_grads,
                             sequence_shard_range, shard_sequence)
 from megazoo.layers.mappings import all_reduce
+from megazoo.layers.heads import HeadLayout
+from megazoo.layers.ulysses_overlap import UlyssesOverlapAttention, choose_num_chunks
 from megazoo.parallel import ParallelConfig, ParallelState
 
 TOL = {"cpu": dict(rtol=1e-4, atol=1e-5), "cuda": dict(rtol=2e-3, atol=2e-4)}
@@ -55,7 +57,7 @@ def _inputs(hidden, device):
     return x, grad_y, mask, positions
 
 
-def _pair(state, case, sequence_parallel, device, seed):
+def _pair(state, case, sequence_parallel, device, seed, overlap=None):
     heads, kv, pe, _, _ = CASES[case]
     hidden = heads * D
     # Large weights, so that attention scores are O(1) and a wrong position, slope or head
@@ -66,6 +68,9 @@ def _pair(state, case, sequence_parallel, device, seed):
     layer = ParallelAttention(hidden, heads, tp_group=state.tp, sp_group=state.sp,
                               sequence_parallel=sequence_parallel, **kwargs)
     ref = ParallelAttention(hidden, heads, attention_backend="math", **kwargs)
+    if overlap is not None:  # the overlapped variant in place of UlyssesAttention (no weights)
+        layer.attention = UlyssesOverlapAttention(heads, D, num_kv_heads=kv, position_embedding=pe,
+                                                  sp_group=state.sp, tp_group=state.tp, **overlap)
     rows = layer.qkv_rows().to(device)
     cols = slice(state.tp.rank * hidden // state.tp.size, (state.tp.rank + 1) * hidden // state.tp.size)
     assert torch.equal(layer.qkv.weight, ref.qkv.weight[rows]), f"{case}: qkv init is not the tp=1 rows"
@@ -78,9 +83,13 @@ def _pair(state, case, sequence_parallel, device, seed):
     return layer, ref, rows, cols
 
 
-def compare(state, case, sequence_parallel=False, device="cpu", seed=0):
-    """One layout, one case: outputs and all gradients against the tp=1 sp=1 block."""
-    layer, ref, rows, cols = _pair(state, case, sequence_parallel, device, seed)
+def compare(state, case, sequence_parallel=False, device="cpu", seed=0, overlap=None):
+    """One layout, one case: outputs and all gradients against the tp=1 sp=1 block.
+
+    overlap: None (UlyssesAttention), or the keyword arguments of UlyssesOverlapAttention
+    (e.g. {"num_chunks": 2}) to check the overlapped variant instead.
+    """
+    layer, ref, rows, cols = _pair(state, case, sequence_parallel, device, seed, overlap)
     _, _, _, padded, custom_positions = CASES[case]
     x, grad_y, mask, positions = _inputs(layer.hidden_size, device)
     mask = mask if padded else None
@@ -101,7 +110,7 @@ def compare(state, case, sequence_parallel=False, device="cpu", seed=0):
         allreduce_sequence_parallel_grads(layer, state.tp)
 
     tol = TOL[torch.device(device).type]
-    where = f"{case} at {state.config} sequence_parallel={sequence_parallel}"
+    where = f"{case} at {state.config} sequence_parallel={sequence_parallel} overlap={overlap}"
     checks = [("output", y, y_ref[local.start:local.stop]),
               ("input grad", x_local.grad, x_ref.grad[local.start:local.stop]),
               ("qkv weight grad", layer.qkv.weight.grad, ref.qkv.weight.grad[rows]),
@@ -130,6 +139,24 @@ def check_ulysses(device="cpu"):
             for megatron_sp in ((False, True) if state.tp.size > 1 else (False,)):
                 worst = max(worst, compare(state, case, megatron_sp, device))
     return worst
+
+
+def check_ulysses_overlap(device="cpu"):
+    """UlyssesOverlapAttention on the layouts of check_ulysses: automatic chunks, and 2 chunks
+    where the kv groups per rank allow it. Returns the worst difference and the chunk counts
+    each case ran with (GQA with one kv group per rank runs one chunk)."""
+    worst, chunks = 0.0, set()
+    for state in _layouts([(1, 4), (2, 2), (1, 2)], device):
+        for case in CASES:
+            heads, kv = CASES[case][:2]
+            layout = HeadLayout(heads, kv, D, state.tp.size, state.sp.size)
+            options = [{}] + ([{"num_chunks": 2}] if layout.sp_groups[0] % 2 == 0 else [])
+            for overlap in options:
+                for megatron_sp in ((False, True) if state.tp.size > 1 else (False,)):
+                    worst = max(worst, compare(state, case, megatron_sp, device, overlap=overlap))
+                    chunks.add((case, state.tp.size, state.sp.size,
+                                choose_num_chunks(layout.sp_groups[0], overlap.get("num_chunks"))))
+    return worst, sorted(chunks)
 
 
 def check_tensor_parallel(device="cpu"):

@@ -136,30 +136,53 @@ class UlyssesAttention(nn.Module):
     def forward(self, qkv: torch.Tensor, padding_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """qkv [s/sp, b, KL (GL+2) d] -> context [s/sp, b, (H/tp) d]; see the module docstring."""
-        lay, d = self.layout, self.layout.head_dim
+        qkv, s = self.send_buffer(qkv, padding_mask, position_ids)
+        qkv = all_to_all_sequence_to_heads(qkv, self.sp_group)  # [s, b, KS (GS+2) d]
+        context = self.attend(qkv, padding_mask, self.rope_factors(position_ids, s, qkv),
+                              self.slopes(qkv.device))  # [s, b, HS d]
+        return all_to_all_heads_to_sequence(context, self.sp_group)  # [s/sp, b, (H/tp) d]
+
+    def send_buffer(self, qkv: torch.Tensor, padding_mask, position_ids) -> tuple[torch.Tensor, int]:
+        """Check the inputs (ValueError, before any collective); return the features to send
+        [s/sp, b, sp KS (GS+2) d], destination after destination, and the full length s."""
+        lay = self.layout
         if qkv.dim() != 3 or qkv.shape[-1] != lay.qkv_rows_per_rank:
-            raise ValueError(f"UlyssesAttention expects the fused qkv [s/sp, b, "
+            raise ValueError(f"{type(self).__name__} expects the fused qkv [s/sp, b, "
                              f"{lay.qkv_rows_per_rank}], got {tuple(qkv.shape)}")
         s, b = qkv.shape[0] * lay.sp, qkv.shape[1]
-        check_global_inputs(s, b, padding_mask, position_ids, "UlyssesAttention")
+        check_global_inputs(s, b, padding_mask, position_ids, type(self).__name__)
         send_index = self.send_index(qkv.device)
         if send_index is not None:  # kv heads shared by several sp ranks: send copies
             qkv = qkv.index_select(-1, send_index)
-        qkv = all_to_all_sequence_to_heads(qkv, self.sp_group)  # [s, b, KS (GS+2) d]
-        ks, gs = lay.sp_groups
-        q, k, v = qkv.view(s, b, ks, gs + 2, d).split([gs, 1, 1], dim=3)
-        q, k, v = q.reshape(s, b, ks * gs, d), k.squeeze(3), v.squeeze(3)  # [s, b, heads, d]
-        if self.position_embedding == "rope":
-            if position_ids is None:
-                position_ids = torch.arange(s, device=qkv.device)
-            cos, sin = rope_cos_sin(position_ids, d, self.rope_theta, dtype=q.dtype)
-            q, k = apply_rope(q, k, cos, sin)
+        return qkv, s
+
+    def rope_factors(self, position_ids, seq_len: int, like: torch.Tensor):
+        """(cos, sin) [s, 1 or b, d] for the full sequence, or None without RoPE."""
+        if self.position_embedding != "rope":
+            return None
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=like.device)
+        return rope_cos_sin(position_ids, self.layout.head_dim, self.rope_theta, dtype=like.dtype)
+
+    def attend(self, qkv: torch.Tensor, padding_mask, rope, slopes) -> torch.Tensor:
+        """Local attention over whole kv groups of the full sequence.
+
+        qkv [s, b, kc (GS+2) d] (kc kv groups of [GS q, k, v] heads, any kc <= KS) ->
+        context [s, b, kc GS d]. rope: `rope_factors(...)` or None; slopes: the kc GS heads'
+        ALiBi slopes or None.
+        """
+        gs, d = self.layout.sp_groups[1], self.layout.head_dim
+        s, b = qkv.shape[0], qkv.shape[1]
+        kc = qkv.shape[-1] // ((gs + 2) * d)
+        q, k, v = qkv.view(s, b, kc, gs + 2, d).split([gs, 1, 1], dim=3)
+        q, k, v = q.reshape(s, b, kc * gs, d), k.squeeze(3), v.squeeze(3)  # [s, b, heads, d]
+        if rope is not None:
+            q, k = apply_rope(q, k, *rope)
         context = core_attention(q, k, v, causal=self.causal, padding_mask=padding_mask,
-                                 alibi_slopes=self.slopes(qkv.device),
+                                 alibi_slopes=slopes,
                                  dropout_p=self.attention_dropout if self.training else 0.0,
-                                 backend=self.attention_backend)  # [s, b, HS, d]
-        context = context.reshape(s, b, ks * gs * d)
-        return all_to_all_heads_to_sequence(context, self.sp_group)  # [s/sp, b, (H/tp) d]
+                                 backend=self.attention_backend)  # [s, b, kc GS, d]
+        return context.reshape(s, b, kc * gs * d)
 
     def extra_repr(self) -> str:
         lay = self.layout
