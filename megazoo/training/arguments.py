@@ -1,0 +1,146 @@
+"""The `pretrain_gpt.py` command line, generated from the config dataclasses.
+
+Every documented field becomes a flag: `train_iters` -> `--train-iters`, its docstring the
+help text, its annotation the type (bool: a switch; list: several values). `ALIASES` maps a
+field to the Megatron-LM / Megatron-DeepSpeed spellings when those differ; the first name
+is the one shown. Only flags given on the command line reach the dataclasses, so their
+defaults (and a `--model` preset's shape) hold for everything else.
+
+    args = parse_args(["--model", "gpt-125m", "--num-layers", "4", "--bf16"])
+    args.model.num_layers, args.training.bf16        # 4, True
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import dataclasses
+import inspect
+import textwrap
+import typing
+
+from ..models.config import ModelConfig
+from ..models.presets import PRESETS
+from ..parallel.config import ParallelConfig
+from .config import CheckpointConfig, DataConfig, LoggingConfig, PretrainArgs, TrainingConfig
+from .zero_config import ZeroConfig
+
+# Field -> flags, where Megatron's names differ from `--field-name`.
+ALIASES = {
+    "tp": ["--tensor-model-parallel-size", "--tp"],
+    "pp": ["--pipeline-model-parallel-size", "--pp"],
+    "sp": ["--sequence-parallel-size", "--ds-sequence-parallel-size"],
+    "vpp": ["--virtual-pipeline-model-parallel-size"],
+    "order": ["--parallel-order"],
+    "recompute": ["--recompute-granularity", "--recompute"],
+    "init_std": ["--init-method-std"],
+    "deepspeed_config": ["--deepspeed_config", "--deepspeed-config"],
+}
+# The ModelConfig fields a user may override on top of a preset (vocab comes from the data).
+MODEL_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
+                "num_key_value_heads", "ffn_hidden_size", "max_position_embeddings",
+                "make_vocab_size_divisible_by", "position_embedding", "norm", "activation",
+                "rope_theta", "init_std", "hidden_dropout", "attention_dropout", "recompute",
+                "recompute_num_layers", "attention_backend")
+PARALLEL_FIELDS = ("tp", "sp", "pp", "vpp", "sequence_parallel", "order")
+# Group name in PretrainArgs -> (dataclass, fields exposed; None: all).
+GROUPS = {
+    "model": (ModelConfig, MODEL_FIELDS),
+    "parallel": (ParallelConfig, PARALLEL_FIELDS),
+    "training": (TrainingConfig, None),
+    "data": (DataConfig, None),
+    "checkpoint": (CheckpointConfig, None),
+    "logging": (LoggingConfig, None),
+    "zero": (ZeroConfig, None),
+}
+# The model of the no-argument run: small enough to learn Python source on 2 CPU cores.
+DEFAULT_MODEL = ModelConfig(family="gpt", num_layers=4, hidden_size=128, num_attention_heads=4,
+                            max_position_embeddings=512)
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of dataclass `cls` (read from its source)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def _add_field(group, dest: str, name: str, hint, doc: str, default) -> None:
+    flags = ALIASES.get(name, ["--" + name.replace("_", "-")])
+    kwargs = dict(dest=dest, default=argparse.SUPPRESS, help=doc.replace("%", "%%"))
+    args = typing.get_args(hint)
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if typing.get_origin(hint) is list or typing.get_origin(base) is list:
+        kwargs.update(nargs="+", type=str, metavar="X")
+    elif base is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction if default is True else "store_true"
+    elif base is tuple or typing.get_origin(base) is tuple:
+        kwargs["type"] = str
+    else:
+        kwargs["type"] = base
+        kwargs["metavar"] = name.upper()
+    group.add_argument(*flags, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser: one argument group per config dataclass."""
+    parser = argparse.ArgumentParser(
+        prog="pretrain_gpt.py", description="Pre-train a GPT / BLOOM / LLaMA model "
+        "(no flags: a small GPT on Python's standard library, on CPU, in minutes).")
+    parser.add_argument("--model", dest="model_name", default=None, choices=sorted(PRESETS),
+                        help="start from this preset's shape (flags below override fields)")
+    parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int,
+                        default=argparse.SUPPRESS, help="set by launchers; read from env")
+    for group_name, (cls, names) in GROUPS.items():
+        group = parser.add_argument_group(group_name, (cls.__doc__ or "").strip())
+        hints, docs = typing.get_type_hints(cls), field_docs(cls)
+        for f in dataclasses.fields(cls):
+            if (names is None or f.name in names) and f.name in docs:
+                _add_field(group, f"{group_name}__{f.name}", f.name, hints[f.name],
+                           docs[f.name], f.default)
+    return parser
+
+
+def _given(ns: argparse.Namespace, group: str) -> dict:
+    prefix = group + "__"
+    return {k[len(prefix):]: v for k, v in vars(ns).items() if k.startswith(prefix)}
+
+
+def _model_config(ns: argparse.Namespace) -> ModelConfig:
+    base = copy.deepcopy(PRESETS[ns.model_name]) if ns.model_name else DEFAULT_MODEL
+    overrides = _given(ns, "model")
+    if "family" in overrides and overrides["family"] != base.family:
+        # A new family: its own defaults for the conventions, the preset's shape.
+        keep = {k: getattr(base, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
+                                              "max_position_embeddings")}
+        return ModelConfig(**{**keep, **overrides})
+    return dataclasses.replace(base, **overrides)
+
+
+def args_from_namespace(ns: argparse.Namespace) -> PretrainArgs:
+    """Dataclasses from parsed flags; raises ValueError saying which flag to change."""
+    model = _model_config(ns)
+    training = TrainingConfig(**_given(ns, "training"))
+    par = _given(ns, "parallel")
+    if training.num_layers_per_virtual_pipeline_stage is not None:
+        per, pp = training.num_layers_per_virtual_pipeline_stage, par.get("pp", 1)
+        if per < 1 or model.num_layers % (pp * per):
+            raise ValueError(f"--num-layers {model.num_layers} must divide by "
+                             f"--pipeline-model-parallel-size {pp} x "
+                             f"--num-layers-per-virtual-pipeline-stage {per}")
+        par["vpp"] = model.num_layers // (pp * per)
+    return PretrainArgs(model=model, parallel=ParallelConfig(**par), training=training,
+                        data=DataConfig(**_given(ns, "data")),
+                        checkpoint=CheckpointConfig(**_given(ns, "checkpoint")),
+                        logging=LoggingConfig(**_given(ns, "logging")),
+                        zero=ZeroConfig(**_given(ns, "zero")), model_name=ns.model_name)
+
+
+def parse_args(argv: list[str] | None = None) -> PretrainArgs:
+    """Parse a command line (argparse errors exit 2; bad values raise ValueError)."""
+    return args_from_namespace(build_parser().parse_args(argv))

@@ -1,0 +1,92 @@
+"""Training checkpoints: `SAVE/iter_0000100/` per iteration and a `SAVE/latest` pointer.
+
+    save_training_checkpoint(engine, save_dir, iteration, extra, state)
+    extra = load_training_checkpoint(engine, load_dir)      # restores RNGs too
+
+A checkpoint directory is written by `engine.save` (collective; `megazoo.save_checkpoint`
+publishes it atomically), with `extra` = {iteration, consumed_samples, rng, args, ...}
+plus the engine's own (optimizer step, loss scaler). Only after it is complete does rank 0
+replace `latest` (a text file holding the iteration) by write-to-temp + os.replace, so a
+crash mid-save leaves the previous checkpoint loadable and `latest` pointing at it.
+RNG states are stored as lists of ints (JSON), never pickled.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LATEST = "latest"
+
+
+def iteration_dir(save_dir: str, iteration: int) -> str:
+    return os.path.join(save_dir, f"iter_{iteration:07d}")
+
+
+def rng_state() -> dict:
+    """torch CPU, numpy and random states as JSON-able lists of ints."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_py = random.getstate()
+    return {"torch": torch.get_rng_state().tolist(),
+            "numpy": [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)],
+            "random": [version, list(internal), gauss_py]}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_py = state["random"]
+    random.setstate((version, tuple(internal), gauss_py))
+
+
+def _write_latest(save_dir: str, iteration: int) -> None:
+    tmp = os.path.join(save_dir, f".{LATEST}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(save_dir, LATEST))
+
+
+def save_training_checkpoint(engine, save_dir: str, iteration: int, extra: dict, state) -> str:
+    """Write `save_dir/iter_N` (collective), then point `latest` at it; return the path."""
+    path = iteration_dir(save_dir, iteration)
+    if state.global_rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+    if state.world_size > 1:
+        dist.barrier()
+    engine.save(path, {**extra, "iteration": iteration, "rng": rng_state()})
+    if state.global_rank == 0:
+        _write_latest(save_dir, iteration)
+    if state.world_size > 1:
+        dist.barrier()
+    return path
+
+
+def resolve_load_path(load: str) -> str:
+    """An iter_* directory as given, or `load/latest`'s; clear error if neither exists."""
+    if os.path.isfile(os.path.join(load, "megazoo.json")):
+        return load
+    latest = os.path.join(load, LATEST)
+    if not os.path.isfile(latest):
+        raise FileNotFoundError(f"--load {load}: no checkpoint there (no {LATEST} file and no "
+                                "megazoo.json); point it at a --save folder or an iter_* folder")
+    text = open(latest).read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{latest} holds {text!r}, not an iteration number: fix or delete it")
+    path = iteration_dir(load, int(text))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{latest} names iteration {text} but {path} is missing")
+    return path
+
+
+def load_training_checkpoint(engine, load: str) -> dict:
+    """Restore model, optimizer, scaler (engine) and RNG states; return the checkpoint's extra."""
+    extra = engine.load(resolve_load_path(load))
+    if "rng" in extra:
+        set_rng_state(extra["rng"])
+    return extra

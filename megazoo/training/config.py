@@ -1,0 +1,192 @@
+"""Typed configuration of a training run: one dataclass per concern, validated on creation.
+
+`pretrain_gpt.py` builds its command line from these (`megazoo.training.arguments`): a field
+`train_iters` is the flag `--train-iters`, its docstring the help; `ALIASES` gives the
+Megatron spellings where they differ. `PretrainArgs` bundles everything one run needs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..models.config import ModelConfig
+from ..parallel.config import ParallelConfig
+from .zero_config import ZeroConfig
+
+DECAY_STYLES = ("cosine", "linear", "constant")
+
+
+@dataclass
+class TrainingConfig:
+    """Batches, iterations, optimizer, schedule and precision."""
+
+    micro_batch_size: int = 8
+    """Sequences per micro-batch on one data-parallel rank."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step over all data-parallel ranks (accumulation fills it)."""
+    train_iters: int = 400
+    """Optimizer steps to train for."""
+    lr: float = 3e-3
+    """Peak learning rate (reached after the warmup)."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the decay."""
+    lr_warmup_iters: int = 30
+    """Steps of linear warmup from 0 to lr."""
+    lr_decay_style: str = "cosine"
+    """Decay after the warmup: "cosine", "linear" or "constant"."""
+    lr_decay_iters: int | None = None
+    """Step at which the decay reaches min_lr; None means train_iters."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (never applied to biases and norms, the 1-D parameters)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+    bf16: bool = False
+    """bf16 autocast for matmuls; fp32 weights, gradients and optimizer state."""
+    fp16: bool = False
+    """fp16 autocast with dynamic loss scaling; fp32 weights and optimizer state."""
+    initial_loss_scale: float = 2.0 ** 16
+    """fp16: loss scale at the start."""
+    loss_scale_window: int = 1000
+    """fp16: clean steps before the loss scale doubles."""
+    min_loss_scale: float = 1.0
+    """fp16: the loss scale never halves below this."""
+    seed: int = 1234
+    """Seed of the weights, the data order and dropout."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Interleaved pipeline: layers per virtual stage (vpp = layers / pp / this)."""
+    cpu_threads: int | None = None
+    """torch.set_num_threads on CPU; None keeps torch's default."""
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "global_batch_size", "train_iters"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= --min-lr <= --lr, got --lr {self.lr} --min-lr {self.min_lr}")
+        if self.lr_warmup_iters < 0:
+            raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        if self.lr_decay_style not in DECAY_STYLES:
+            raise ValueError(f"--lr-decay-style must be one of {DECAY_STYLES}, "
+                             f"got {self.lr_decay_style!r}")
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 exclude each other: pass one of them")
+        if self.clip_grad < 0 or self.weight_decay < 0:
+            raise ValueError("--clip-grad and --weight-decay must be >= 0")
+        if not 1.0 <= self.min_loss_scale <= self.initial_loss_scale or self.loss_scale_window < 1:
+            raise ValueError("need 1 <= --min-loss-scale <= --initial-loss-scale and "
+                             "--loss-scale-window >= 1")
+
+    @property
+    def decay_iters(self) -> int:
+        return self.lr_decay_iters or self.train_iters
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from."""
+
+    data_path: list[str] | None = None
+    """Dataset prefixes (PREFIX.bin/.idx), or weight-prefix pairs "0.3 a 0.7 b" to blend;
+    None: the default corpus (Python's standard library sources, prepared once)."""
+    split: str = "969,30,1"
+    """Train/valid/test proportions of the documents."""
+    tokenizer_type: str | None = None
+    """SentencePieceTokenizer, HFTokenizer or ByteLevelTokenizer (default run: SentencePiece)."""
+    tokenizer_model: str | None = None
+    """SentencePiece .model or HF tokenizer.json matching the data."""
+    seq_length: int = 128
+    """Tokens per training sequence."""
+    data_cache_path: str = "data_cache"
+    """Folder for the default corpus, its tokenizer and the dataset index files."""
+    default_corpus_mb: float = 6.0
+    """Default corpus: megabytes of standard-library source to use."""
+    default_vocab_size: int = 2048
+    """Default corpus: vocabulary of the SentencePiece BPE trained on it."""
+
+    def __post_init__(self) -> None:
+        if self.seq_length < 1:
+            raise ValueError(f"--seq-length must be >= 1, got {self.seq_length}")
+        if self.data_path is not None and self.tokenizer_type is None:
+            raise ValueError("--data-path needs --tokenizer-type (and --tokenizer-model) "
+                             "naming the tokenizer the data was made with")
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    save: str | None = "checkpoints"
+    """Folder of checkpoints (iter_0000100/ ... and `latest`); "" or None: do not save."""
+    load: str | None = None
+    """Resume from this folder's `latest` checkpoint (or from an iter_* folder)."""
+    save_interval: int | None = None
+    """Save every this many iterations (and at the end); None: only at the end."""
+
+    def __post_init__(self) -> None:
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ValueError(f"--save-interval must be >= 1, got {self.save_interval}")
+
+
+@dataclass
+class LoggingConfig:
+    """What is printed and recorded."""
+
+    log_interval: int = 10
+    """Log every this many iterations."""
+    eval_interval: int = 100
+    """Validation loss every this many iterations (and at the end)."""
+    eval_iters: int = 10
+    """Global batches of validation data per evaluation."""
+    log_json: str | None = None
+    """Also write every log line as a JSON object to this file."""
+    tensorboard_dir: str | None = None
+    """TensorBoard event folder (when tensorboard is installed)."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device for MFU; None: measure a bf16 matmul once (GPU only)."""
+    eval_only: bool = False
+    """With --load: print the validation loss and exit."""
+    generate_tokens: int = 80
+    """Tokens of the sample generated at the end (0: none)."""
+    prompt: str = "def "
+    """Prompt of the sample generated at the end."""
+    progress: bool = True
+    """Show a tqdm progress bar (rank 0)."""
+
+    def __post_init__(self) -> None:
+        for name in ("log_interval", "eval_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        if self.eval_iters < 0 or self.generate_tokens < 0:
+            raise ValueError("--eval-iters and --generate-tokens must be >= 0")
+
+
+@dataclass
+class PretrainArgs:
+    """Everything one `pretrain_gpt.py` run needs (what engines receive as `config`)."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    model_name: str | None = None
+    """The --model preset, if one was given."""
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict (stored in checkpoints)."""
+        from dataclasses import asdict
+        out = {k: asdict(getattr(self, k)) for k in
+               ("model", "parallel", "training", "data", "checkpoint", "logging", "zero")}
+        out["model_name"] = self.model_name
+        return out
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")

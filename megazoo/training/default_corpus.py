@@ -1,0 +1,77 @@
+"""The default run's data: Python's standard-library sources, tokenized once and cached.
+
+Every machine with Python has them, so `python pretrain_gpt.py` needs no download:
+
+1. pick `.py` files of `sysconfig.get_paths()["stdlib"]` (not site-packages) in an order
+   fixed by a hash of their relative path, until `megabytes` of text;
+2. train a SentencePiece BPE of `vocab_size` pieces on them (byte fallback on, so any
+   text round-trips);
+3. tokenize each file as one document (end-of-document id appended) into
+   `CACHE/stdlib-<key>/corpus.bin/.idx` with `megazoo.data.IndexedDatasetBuilder`.
+
+Everything is written under temporary names and renamed, so an interrupted preparation is
+redone, never half-used. Returns the data prefix and the tokenizer model path.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from pathlib import Path
+
+from ..data import IndexedDatasetBuilder, SentencePieceTokenizer, best_dtype, train_sentencepiece
+
+
+def stdlib_files(megabytes: float) -> list[Path]:
+    """Standard-library .py files (site-packages excluded), hash-ordered, up to `megabytes`."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py")
+             if "site-packages" not in p.parts and "dist-packages" not in p.parts and p.is_file()]
+    files.sort(key=lambda p: hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest())
+    chosen, total, budget = [], 0, int(megabytes * 1e6)
+    for path in files:
+        size = path.stat().st_size
+        if 0 < size <= 200_000 and total < budget:
+            chosen.append(path)
+            total += size
+    if not chosen:
+        raise FileNotFoundError(f"no .py files under {root}: pass --data-path with your own data")
+    return chosen
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None
+
+
+def prepare_default_corpus(cache_dir: str, megabytes: float, vocab_size: int,
+                           log=print) -> tuple[str, str]:
+    """Build (or reuse) the cached corpus; return (data prefix, SentencePiece model path)."""
+    key = hashlib.sha1(f"{sysconfig.get_paths()['stdlib']}|{megabytes}|{vocab_size}|v1"
+                       .encode()).hexdigest()[:10]
+    folder = Path(cache_dir) / f"stdlib-{key}"
+    prefix, model = folder / "corpus", folder / "tokenizer.model"
+    if model.is_file() and Path(str(prefix) + ".idx").is_file():
+        return str(prefix), str(model)
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = [t for t in (_read(p) for p in stdlib_files(megabytes)) if t and t.strip()]
+    log(f"preparing the default corpus: {len(texts)} standard-library files, "
+        f"{sum(map(len, texts)) / 1e6:.1f} M characters -> {folder}")
+    text_file = folder / f"train_text.{os.getpid()}.txt"
+    text_file.write_text("\n".join(texts), encoding="utf-8")
+    tmp_prefix = folder / f"tok.{os.getpid()}"
+    try:
+        path = train_sentencepiece([text_file], vocab_size, tmp_prefix, byte_fallback=True,
+                                   max_sentences=300_000)
+        tokenizer = SentencePieceTokenizer(path)
+        with IndexedDatasetBuilder(prefix, best_dtype(tokenizer.vocab_size)) as builder:
+            for text in texts:
+                builder.add_document(tokenizer.encode(text) + [tokenizer.eod])
+        os.replace(path, model)
+    finally:
+        text_file.unlink(missing_ok=True)
+        for leftover in folder.glob(f"tok.{os.getpid()}.*"):
+            leftover.unlink()
+    return str(prefix), str(model)

@@ -1,0 +1,112 @@
+"""Training metrics: the log line, JSON lines, TensorBoard, FLOPs and MFU, memory.
+
+Model FLOPs per iteration (Megatron's formula, Narayanan et al. 2021, with the logit layer),
+for B sequences of s tokens, l layers, width h, vocabulary V:
+
+    F = 72 B s l h^2 (1 + s / (6 h)) + 6 B s h V
+
+TFLOP/s = F / seconds per iteration / 1e12, summed over all devices; MFU divides the
+per-device rate by `--peak-tflops`, or by a bf16 matmul ceiling measured once at start
+(GPU only; on CPU MFU is not reported).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+
+
+def flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward), see the module docstring."""
+    return (72.0 * batch * seq * layers * hidden ** 2 * (1.0 + seq / (6.0 * hidden))
+            + 6.0 * batch * seq * hidden * vocab)
+
+
+def measure_peak_tflops(device: torch.device, n: int = 8192, repeats: int = 10) -> float | None:
+    """A bf16 matmul's achieved TFLOP/s on `device` (None on CPU: no MFU there)."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(2):
+        a @ b
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    torch.cuda.synchronize(device)
+    return 2.0 * n ** 3 * repeats / (time.perf_counter() - start) / 1e12
+
+
+def host_rss_gb() -> float:
+    """Peak resident memory of this process, GB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1e9 if sys.platform == "darwin" else 1e6)
+
+
+class MetricsLogger:
+    """Formats, prints (rank 0) and records metrics; `write` takes a dict of numbers."""
+
+    def __init__(self, logging_cfg, device: torch.device, is_rank0: bool, print_fn=print):
+        self.cfg, self.device, self.is_rank0, self.print = logging_cfg, device, is_rank0, print_fn
+        self.json_file = self.tb = None
+        if is_rank0 and logging_cfg.log_json:
+            folder = os.path.dirname(os.path.abspath(logging_cfg.log_json))
+            os.makedirs(folder, exist_ok=True)
+            self.json_file = open(logging_cfg.log_json, "a")
+        if is_rank0 and logging_cfg.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(logging_cfg.tensorboard_dir)
+            except ImportError:
+                print_fn("tensorboard is not installed: --tensorboard-dir ignored")
+        self.peak = logging_cfg.peak_tflops
+        if self.peak is None:
+            self.peak = measure_peak_tflops(device)
+
+    def memory(self) -> dict:
+        out = {"host_rss_gb": round(host_rss_gb(), 3)}
+        if self.device.type == "cuda":
+            out["gpu_max_allocated_gb"] = round(torch.cuda.max_memory_allocated(self.device) / 1e9, 3)
+        return out
+
+    def throughput(self, flops: float, seconds: float, world: int, tokens: int) -> dict:
+        out = {"tokens_per_s": tokens / seconds}
+        if self.device.type == "cuda":
+            tflops = flops / seconds / 1e12
+            out["tflops"] = tflops
+            if self.peak:
+                out["mfu"] = tflops / world / self.peak
+        return out
+
+    def write(self, record: dict, show: bool = True) -> None:
+        """One log record (rank 0): printed as a line, appended as JSON, sent to TensorBoard."""
+        if not self.is_rank0:
+            return
+        if show:
+            self.print(" | ".join(_fmt(k, v) for k, v in record.items()))
+        if self.json_file is not None:
+            self.json_file.write(json.dumps(record) + "\n")
+            self.json_file.flush()
+        if self.tb is not None and "iteration" in record:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "iteration" and v == v:
+                    self.tb.add_scalar(k, v, record["iteration"])
+
+    def close(self) -> None:
+        if self.json_file is not None:
+            self.json_file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _fmt(key: str, value) -> str:
+    if isinstance(value, float):
+        if key in ("lr",):
+            return f"{key} {value:.3e}"
+        return f"{key} {value:.4g}" if abs(value) < 1e5 else f"{key} {value:.3e}"
+    return f"{key} {value}"

@@ -1,0 +1,119 @@
+"""The training run behind `pretrain_gpt.py`: setup (checked on every rank), loop, summary.
+
+    main(argv) -> exit status    # 0 done, 2 bad input ("error: ..." and no traceback)
+
+Setup validates everything before the first step: the layout against the world size, the
+batch sizes, the data files, the tokenizer against the data, a checkpoint against the
+model. Any of these raises a ValueError / FileNotFoundError on every rank, which `main`
+turns into one "error: ..." line and exit status 2.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..models import build_model
+from ..models.parts import check_sequence_length
+from ..parallel.state import ParallelState
+from .arguments import parse_args
+from .checkpoint import load_training_checkpoint, save_training_checkpoint
+from .config import PretrainArgs
+from .data import TrainData, build_data, resolve_data_source, unigram_entropy
+from .engine import Engine, build_engine
+from .logging import MetricsLogger
+
+USER_ERRORS = (ValueError, FileNotFoundError)
+
+
+@dataclass
+class Run:
+    """What setup produces: everything the loop needs."""
+
+    args: PretrainArgs
+    state: ParallelState
+    data: TrainData
+    engine: Engine
+    logger: MetricsLogger
+    start_iteration: int
+    entropy: float
+    owns_process_group: bool
+
+
+def _barrier(state: ParallelState):
+    return (lambda: dist.barrier()) if state.world_size > 1 else (lambda: None)
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def setup(args: PretrainArgs, print_fn=print) -> Run:
+    """Initialise ranks, data, model, engine (and resume); raise USER_ERRORS on bad input."""
+    if args.training.cpu_threads:
+        torch.set_num_threads(args.training.cpu_threads)
+    owns = not dist.is_initialized()
+    state = ParallelState.initialize(args.parallel)
+    rank0 = state.global_rank == 0
+    log = print_fn if rank0 else (lambda *a, **k: None)
+    check_sequence_length(args.data.seq_length, state)
+    if args.model.position_embedding == "learned" and \
+            args.data.seq_length > args.model.max_position_embeddings:
+        raise ValueError(f"--seq-length {args.data.seq_length} exceeds "
+                         f"--max-position-embeddings {args.model.max_position_embeddings}")
+    resolve_data_source(args, rank0, _barrier(state), log)
+    eval_samples = args.logging.eval_iters * args.training.global_batch_size
+    data = build_data(args, state, eval_samples)
+    entropy = unigram_entropy(data.prefixes, data.tokenizer.vocab_size)
+    device = _device()
+    model = build_model(args.model, state, device=device, seed=args.training.seed)
+    engine = build_engine(args, model, state)
+    start = 0
+    if args.checkpoint.load:
+        extra = load_training_checkpoint(engine, args.checkpoint.load)
+        start = int(extra.get("iteration", 0))
+        log(f"resumed from {args.checkpoint.load} at iteration {start}")
+    elif args.logging.eval_only:
+        raise ValueError("--eval-only needs --load DIR (the checkpoint to evaluate)")
+    logger = MetricsLogger(args.logging, device, rank0, print_fn=log)
+    return Run(args, state, data, engine, logger, start, entropy, owns)
+
+
+def evaluate(run: Run) -> float | None:
+    """Mean validation loss over --eval-iters global batches (None without valid data)."""
+    iters = run.args.logging.eval_iters
+    if run.data.valid is None or iters == 0:
+        return None
+    losses = [run.engine.eval_loss(run.data.valid_batch(i, run.state)) for i in range(iters)]
+    return sum(losses) / len(losses)
+
+
+def main(argv: list[str] | None = None, print_fn=print) -> int:
+    """Parse, set up, train; return the exit status (2 for bad input)."""
+    from .train import train  # the loop itself
+
+    try:
+        args = parse_args(argv)
+        run = setup(args, print_fn)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.logging.eval_only:
+            loss = evaluate(run)
+            run.logger.write({"iteration": run.start_iteration, "valid_loss": loss})
+        else:
+            train(run, print_fn)
+    finally:
+        run.logger.close()
+        if run.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

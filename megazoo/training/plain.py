@@ -1,0 +1,177 @@
+"""`PlainEngine`: data parallel by all-reduce, with tp / sp / pp from the model itself.
+
+One `train_step` = forward/backward over the step's micro-batches (pp = 1: a loop, each loss
+scaled by 1/m; pp > 1: `megazoo.pipeline.executor.run_pipeline`), then
+`allreduce_gradients` (dp mean, sp sum, Megatron-SP and tied-embedding sums), the fp16
+overflow check (every rank skips together), the global-norm clip, the learning rate of this
+step and AdamW.
+
+Precision: weights, gradients and AdamW moments are fp32 in every mode; bf16 / fp16 run the
+forward and backward under `torch.autocast`. So the fp32 weights *are* the master weights:
+no second copy to keep in sync, checkpoints and resharding see one dtype, and the other
+engines (DeepSpeed, FSDP2) receive the same fp32 model. The cost is fp32 weights in memory
+(4 bytes per parameter instead of 2 + 4 split across a bf16 model and fp32 masters, which
+matters only for models that do not fit anyway without ZeRO).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..models.params import allreduce_gradients
+from ..parallel.state import ParallelState
+from ..pipeline.executor import run_pipeline
+from .config import PretrainArgs
+from .engine import Engine, StepResult
+from .optim import build_optimizer, clip_gradients, global_grad_norm
+from .scaler import DynamicLossScaler
+from .schedule import learning_rate
+
+AUX_PREFIXES = ("exp_avg", "exp_avg_sq")
+
+
+class _ScaledLossStage:
+    """The model as `run_pipeline` sees it, with the last stage's loss multiplied by `scale`
+    (fp16 loss scaling inside the pipeline's own backward)."""
+
+    def __init__(self, model, scale: float):
+        self._model, self._scale = model, scale
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, *args, **kwargs):
+        out = self._model(*args, **kwargs)
+        if kwargs.get("labels") is not None or (len(args) > 1 and args[1] is not None):
+            if out.dim() == 0:
+                return out * self._scale
+        return out
+
+
+class PlainEngine(Engine):
+    """Plain data-parallel engine: `PlainEngine(model, state, config)` (config: PretrainArgs)."""
+
+    def __init__(self, model: torch.nn.Module, state: ParallelState, config: PretrainArgs):
+        self.model, self.state, self.config = model, state, config
+        self.cfg = config.training
+        self.optimizer = build_optimizer(model, self.cfg)
+        self.scaler = (DynamicLossScaler(self.cfg.initial_loss_scale, self.cfg.loss_scale_window,
+                                         self.cfg.min_loss_scale) if self.cfg.fp16 else None)
+        self.steps = 0  # optimizer steps taken (skipped ones included): drives the schedule
+        self.device = next(model.parameters()).device
+
+    # -- forward / backward -------------------------------------------------------------
+    def autocast(self):
+        dtype = torch.bfloat16 if self.cfg.bf16 else torch.float16 if self.cfg.fp16 else None
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def _forward_backward(self, micro_batches, scale: float) -> torch.Tensor:
+        """Mean loss over the micro-batches (unscaled; this replica, every stage)."""
+        m = len(micro_batches)
+        if self.state.pp.size > 1:
+            pairs = [(b["input_ids"], b["labels"]) for b in micro_batches]
+            stage = _ScaledLossStage(self.model, scale) if scale != 1.0 else self.model
+            with self.autocast():
+                loss = run_pipeline(stage, pairs, self.state)
+            loss = (loss / scale) if loss is not None else None
+            return self._from_last_stage(loss)
+        total = torch.zeros((), device=self.device)
+        for b in micro_batches:
+            with self.autocast():
+                loss = self.model(b["input_ids"], labels=b["labels"])
+            (loss.float() * (scale / m)).backward()
+            total += loss.detach().float() / m
+        return total
+
+    def _from_last_stage(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """The last pipeline stage's loss on every stage (a sum over pp of zeros and it)."""
+        out = torch.zeros((), device=self.device) if loss is None else loss.detach().float().reshape(())
+        if self.state.pp.size > 1:
+            dist.all_reduce(out, group=self.state.pp.group)
+        return out
+
+    def _dp_mean(self, loss: torch.Tensor) -> float:
+        if self.state.dp.size > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss, group=self.state.dp.group)
+            loss /= self.state.dp.size
+        return float(loss)
+
+    # -- Engine interface ---------------------------------------------------------------
+    def train_step(self, micro_batches) -> StepResult:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = learning_rate(self.steps, self.cfg)
+        self.steps += 1
+        scale = self.scaler.scale if self.scaler else 1.0
+        loss = self._dp_mean(self._forward_backward(micro_batches, scale))
+        allreduce_gradients(self.model, self.state)
+        if self.scaler is not None:
+            found_inf = self.scaler.unscale_and_check(self.model)
+            self.scaler.update(found_inf)
+            if found_inf:
+                self.optimizer.zero_grad(set_to_none=True)
+                return StepResult(loss, math.nan, lr, self.scaler.scale, skipped=True)
+        norm = global_grad_norm(self.model, self.state)
+        clip_gradients(self.model, norm, self.cfg.clip_grad)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        return StepResult(loss, norm, lr, self.scaler.scale if self.scaler else None)
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches) -> float:
+        self.model.eval()
+        if self.state.pp.size > 1:
+            pairs = [(b["input_ids"], b["labels"]) for b in micro_batches]
+            with self.autocast():
+                loss = run_pipeline(self.model, pairs, self.state, forward_only=True)
+            return self._dp_mean(self._from_last_stage(loss))
+        total = torch.zeros((), device=self.device)
+        for b in micro_batches:
+            with self.autocast():
+                total += self.model(b["input_ids"], labels=b["labels"]).float() / len(micro_batches)
+        return self._dp_mean(total)
+
+    def save(self, path: str, extra: dict) -> None:
+        from ..checkpoint import save_checkpoint
+
+        named = dict(self.model.named_parameters())
+        aux = {prefix: {} for prefix in AUX_PREFIXES}
+        for name, p in named.items():
+            st = self.optimizer.state.get(p, {})
+            for prefix in AUX_PREFIXES:
+                aux[prefix][name] = st[prefix] if prefix in st else torch.zeros_like(p)
+        engine = {"steps": self.steps, "adam_step": self._adam_step(),
+                  "scaler": self.scaler.state_dict() if self.scaler else None}
+        save_checkpoint(self.model, path, state=self.state, extra={**extra, "engine": engine},
+                        aux=aux)
+
+    def _adam_step(self) -> int:
+        for st in self.optimizer.state.values():
+            return int(st["step"])
+        return 0
+
+    def load(self, path: str) -> dict:
+        from ..checkpoint import load_model_weights
+
+        meta, aux = load_model_weights(self.model, path, state=self.state,
+                                       aux_prefixes=AUX_PREFIXES)
+        extra = meta.get("extra") or {}
+        engine = extra.get("engine", {})
+        self.steps = int(engine.get("steps", 0))
+        step = int(engine.get("adam_step", 0))
+        if step > 0:
+            for name, p in self.model.named_parameters():
+                self.optimizer.state[p] = {
+                    "step": torch.tensor(float(step)),
+                    "exp_avg": aux["exp_avg"][name].to(p.device, p.dtype).contiguous(),
+                    "exp_avg_sq": aux["exp_avg_sq"][name].to(p.device, p.dtype).contiguous()}
+        if self.scaler is not None and engine.get("scaler"):
+            self.scaler.load_state_dict(engine["scaler"])
+        return extra

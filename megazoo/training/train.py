@@ -1,0 +1,118 @@
+"""The training loop: steps, progress bar, logs, evaluation, checkpoints, final sample."""
+from __future__ import annotations
+
+import math
+import time
+
+from .checkpoint import save_training_checkpoint
+from .generate import generate
+from .logging import flops_per_iteration
+
+
+class _Progress:
+    """A tqdm bar on rank 0 (if enabled and installed); log lines go through it."""
+
+    def __init__(self, run, print_fn):
+        self.bar, self.print = None, print_fn
+        cfg = run.args
+        if run.state.global_rank == 0 and cfg.logging.progress:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=cfg.training.train_iters, initial=run.start_iteration,
+                                unit="it", dynamic_ncols=True)
+                run.logger.print = self.bar.write
+            except ImportError:
+                pass
+
+    def update(self, loss: float, tokens_per_s: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _save(run, iteration: int) -> None:
+    save_dir = run.args.checkpoint.save
+    extra = {"consumed_samples": iteration * run.args.training.global_batch_size,
+             "args": run.args.to_dict()}
+    path = save_training_checkpoint(run.engine, save_dir, iteration, extra, run.state)
+    run.logger.print(f"saved checkpoint {path}")
+
+
+def _log_record(run, iteration, result, seconds, steps) -> dict:
+    a, t = run.args, run.args.training
+    tokens = t.global_batch_size * a.data.seq_length * steps
+    flops = steps * flops_per_iteration(t.global_batch_size, a.data.seq_length,
+                                        a.model.num_layers, a.model.hidden_size,
+                                        a.model.padded_vocab(1))
+    record = {"iteration": iteration, "loss": result.loss, "lr": result.lr,
+              "grad_norm": result.grad_norm}
+    if result.loss_scale is not None:
+        record["loss_scale"] = result.loss_scale
+    if result.skipped:
+        record["skipped"] = True
+    record.update(run.logger.throughput(flops, seconds, run.state.world_size, tokens))
+    record.update(run.logger.memory())
+    return record
+
+
+def train(run, print_fn=print) -> dict:
+    """Train from run.start_iteration to --train-iters; return the final numbers."""
+    from .loop import evaluate
+
+    a, log = run.args, run.args.logging
+    tokens_per_iter = a.training.global_batch_size * a.data.seq_length
+    run.logger.print(f"{run.state} | model {a.model.family} L{a.model.num_layers} "
+                     f"h{a.model.hidden_size} vocab {a.model.vocab_size} | "
+                     f"unigram entropy of the data {run.entropy:.3f} nats/token")
+    progress, losses = _Progress(run, print_fn), []
+    valid = None
+    start = window_start = time.perf_counter()
+    window_steps = 0
+    for it in range(run.start_iteration, a.training.train_iters):
+        step_start = time.perf_counter()
+        result = run.engine.train_step(run.data.train_batch(it, run.state))
+        losses.append(result.loss)
+        window_steps += 1
+        progress.update(result.loss, tokens_per_iter / (time.perf_counter() - step_start))
+        n = it + 1
+        if n % log.log_interval == 0:
+            run.logger.write(_log_record(run, n, result, time.perf_counter() - window_start,
+                                         window_steps))
+            window_start, window_steps = time.perf_counter(), 0
+        if n % log.eval_interval == 0 or n == a.training.train_iters:
+            valid = evaluate(run)
+            if valid is not None:
+                run.logger.write({"iteration": n, "valid_loss": valid})
+        if a.checkpoint.save and (n == a.training.train_iters or (
+                a.checkpoint.save_interval and n % a.checkpoint.save_interval == 0)):
+            _save(run, n)
+    progress.close()
+    elapsed = time.perf_counter() - start
+    return _summary(run, losses, valid, elapsed, print_fn)
+
+
+def _summary(run, losses, valid, elapsed, print_fn) -> dict:
+    a = run.args
+    steps = len(losses)
+    tail = losses[-max(1, min(10, steps)):] if losses else [math.nan]
+    train_loss = sum(tail) / len(tail)
+    tok_s = steps * a.training.global_batch_size * a.data.seq_length / max(elapsed, 1e-9)
+    out = {"train_loss": train_loss, "valid_loss": valid, "unigram_entropy": run.entropy,
+           "tokens_per_s": tok_s, "seconds": elapsed, "losses": losses}
+    if a.logging.generate_tokens and run.state.pp.size == 1:
+        text = generate(run.engine.model, run.data.tokenizer, a.logging.prompt,
+                        a.logging.generate_tokens, top_k=1, max_context=a.data.seq_length)
+        run.logger.print("sample (greedy):\n" + text)
+    if valid is not None:
+        gap = run.entropy - valid
+        run.logger.print(
+            f"done: {steps} steps in {elapsed:.0f} s, {tok_s:,.0f} tokens/s | train loss "
+            f"{train_loss:.3f}, valid loss {valid:.3f} nats/token: {gap:.3f} below the unigram "
+            f"entropy {run.entropy:.3f} ({100 * gap / run.entropy:.0f}% lower)")
+    else:
+        run.logger.print(f"done: {steps} steps in {elapsed:.0f} s, train loss {train_loss:.3f}")
+    return out

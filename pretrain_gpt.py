@@ -1,0 +1,15 @@
+"""Pre-train a GPT / BLOOM / LLaMA model with Megatron-style flags.
+
+    python pretrain_gpt.py                        # small GPT on Python's stdlib, CPU, minutes
+    torchrun --nproc-per-node 2 pretrain_gpt.py --tensor-model-parallel-size 2
+    python pretrain_gpt.py --help                 # every flag, generated from the configs
+
+The flags come from the dataclasses in `megazoo/training/config.py` (plus ModelConfig,
+ParallelConfig and ZeroConfig); the run itself is `megazoo.training.loop.main`.
+"""
+import sys
+
+from megazoo.training.loop import main
+
+if __name__ == "__main__":
+    sys.exit(main())
