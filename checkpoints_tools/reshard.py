@@ -1,0 +1,17 @@
+"""megazoo checkpoint at any layout -> the same checkpoint at another layout (aux tensors too).
+    python checkpoints_tools/reshard.py --load O --out O2 --tp N --pp M [--vpp V]
+
+Errors (unsupported model, config contradicting weights, missing or truncated files, a layout
+that does not fit the model) print one line and exit with code 2, writing nothing.
+The logic lives in megazoo.convert; this script only parses the command line.
+"""
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script from a source checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megazoo.convert.cli import reshard_main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(reshard_main())

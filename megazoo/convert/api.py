@@ -1,0 +1,143 @@
+"""The three conversions: Hugging Face -> megazoo, megazoo -> Hugging Face, megazoo -> megazoo.
+
+Each validates everything it can from headers and configs before writing (key sets, every
+HF tensor shape against the shape the config implies, the target layout), streams tensor by
+tensor, and writes into a temp dir renamed into place, so a failure leaves no partial output.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..checkpoint import CheckpointReader, dtype_name, write_checkpoint
+from ..checkpoint.files import discard, fresh_temp_dir, publish, write_json
+from ..checkpoint.layout import full_shapes, rank_model
+from ..models import ModelConfig
+from .common import Adapter, Rule
+from .bloom import ADAPTER as BLOOM
+from .gpt2 import ADAPTER as GPT2
+from .hf_io import HFReader, HFWriter, read_hf_config
+from .llama import ADAPTER as LLAMA
+
+ADAPTERS = {a.model_type: a for a in (GPT2, BLOOM, LLAMA)}
+BY_FAMILY = {a.family: a for a in ADAPTERS.values()}
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # carried through `extra`
+
+
+def adapter_for(model_type: str) -> Adapter:
+    """The adapter of an HF model_type ("gpt2", "bloom", "llama")."""
+    if model_type not in ADAPTERS:
+        raise ValueError(f"unsupported model_type {model_type!r}: supported are "
+                         f"{', '.join(sorted(ADAPTERS))}")
+    return ADAPTERS[model_type]
+
+
+def hf_shapes(cfg: ModelConfig, rules: list[Rule]) -> dict[str, tuple[int, ...]]:
+    """The HF key -> shape the config implies (each rule's to_hf run on meta tensors)."""
+    full = full_shapes(cfg)
+    names = [r.name for r in rules]
+    if sorted(names) != sorted(full) or len(set(names)) != len(names):
+        raise AssertionError(f"key map covers {len(names)} parameters, the model has {len(full)}: "
+                             f"{sorted(set(names) ^ set(full))[:4]}")
+    out = {}
+    for rule in rules:
+        tensors = rule.to_hf(torch.empty(full[rule.name], device="meta"))
+        assert len(tensors) == len(rule.hf_keys), rule.name
+        out.update({k: tuple(t.shape) for k, t in zip(rule.hf_keys, tensors)})
+    return out
+
+
+def check_hf_weights(reader: HFReader, adapter: Adapter, cfg: ModelConfig,
+                     expected: dict[str, tuple[int, ...]]) -> None:
+    """Key sets equal (up to ignorable keys) and every shape as the config implies."""
+    missing = sorted(set(expected) - reader.keys)
+    unexpected = sorted(k for k in reader.keys - set(expected) if not adapter.ignored(k))
+    if missing or unexpected:
+        raise ValueError(f"HF weights do not match the {adapter.model_type} key map "
+                         f"({len(expected)} keys expected, {len(reader.keys)} found): missing "
+                         f"{missing[:3]}, unexpected {unexpected[:3]}")
+    for key, shape in expected.items():
+        if reader.shape(key) != shape:
+            raise ValueError(f"config.json contradicts the weights: {key} has shape "
+                             f"{reader.shape(key)}, the config (hidden_size {cfg.hidden_size}, "
+                             f"{cfg.num_attention_heads} heads, vocab {cfg.vocab_size}) implies {shape}")
+
+
+def hf_to_megazoo(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int = 1,
+                  dtype: torch.dtype | None = None) -> ModelConfig:
+    """Convert the HF model in `hf_dir` to a megazoo checkpoint at layout (tp, pp, vpp)."""
+    hf_dir, out = os.fspath(hf_dir), os.fspath(out)
+    hf = read_hf_config(hf_dir)
+    adapter = adapter_for(hf.get("model_type"))
+    cfg = adapter.config_from_hf(hf)
+    rules = adapter.rules(cfg)
+    expected = hf_shapes(cfg, rules)
+    reader = HFReader(hf_dir, adapter.prefix)
+    check_hf_weights(reader, adapter, cfg, expected)
+    rank_model(cfg, {"tp": tp, "pp": pp, "vpp": vpp}, 0, 0)  # layout errors before writing
+    by_name = {r.name: r for r in rules}
+
+    def full_tensor(name: str) -> torch.Tensor:
+        rule = by_name[name]
+        return rule.from_hf([reader.get(k) for k in rule.hf_keys])
+
+    tokens = {k: hf[k] for k in TOKEN_IDS if hf.get(k) is not None}
+    write_checkpoint(cfg, out, full_tensor, tp=tp, pp=pp, vpp=vpp, dtype=dtype,
+                     extra={"converted_from": adapter.model_type, "hf_token_ids": tokens})
+    return cfg
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype, tokens: dict | None = None) -> dict:
+    """config.json for `cfg` (ValueError when HF has no such architecture); `tokens`: the
+    bos/eos/pad ids an HF conversion recorded (None: HF's defaults, valid only for small ids)."""
+    if cfg.family not in BY_FAMILY:
+        raise ValueError(f"family {cfg.family!r} has no Hugging Face adapter")
+    adapter = BY_FAMILY[cfg.family]
+    return {"architectures": [adapter.architecture], "model_type": adapter.model_type,
+            **adapter.config_to_hf(cfg), "dtype": dtype_name(dtype), "use_cache": True,
+            **{k: None for k in TOKEN_IDS}, **(tokens or {})}
+
+
+def megazoo_to_hf(load, out, *, dtype: torch.dtype | None = None,
+                  max_shard_bytes: int = 5 * 2**30) -> dict:
+    """Write the megazoo checkpoint `load` (any layout) as an HF model directory `out`."""
+    load, out = os.fspath(load), os.fspath(out)
+    reader = CheckpointReader(load)
+    cfg, dtype = reader.config, dtype or reader.dtype
+    config = hf_config(cfg, dtype, (reader.metadata.get("extra") or {}).get("hf_token_ids"))
+    rules = BY_FAMILY[cfg.family].rules(cfg)
+    expected = hf_shapes(cfg, rules)
+    tmp = fresh_temp_dir(out)
+    try:
+        writer = HFWriter(tmp, {k: (dtype, s) for k, s in expected.items()}, max_shard_bytes)
+        for rule in rules:
+            tensors = rule.to_hf(reader.full_tensor(rule.name))
+            for key, t in zip(rule.hf_keys, tensors):
+                assert tuple(t.shape) == expected[key], (key, t.shape, expected[key])
+                writer.write(key, t)
+        writer.close()
+        write_json(os.path.join(tmp, "config.json"), config)
+        publish(out)
+    except BaseException:
+        discard(out)
+        raise
+    return config
+
+
+def reshard(load, out, *, tp: int = 1, pp: int = 1, vpp: int = 1,
+            dtype: torch.dtype | None = None) -> None:
+    """Rewrite checkpoint `load` at layout (tp, pp, vpp) into `out`, aux tensors included."""
+    reader = CheckpointReader(load)
+    meta = reader.metadata
+    aux_dtypes = {meta.get("aux_dtypes", {}).get(a, "float32") for a in reader.aux_prefixes}
+    aux_dtype = getattr(torch, aux_dtypes.pop()) if len(aux_dtypes) == 1 else torch.float32
+
+    def full_tensor(key: str) -> torch.Tensor:
+        prefix, _, name = key.rpartition("/")
+        return reader.full_tensor(name, prefix or None)
+
+    write_checkpoint(reader.config, out, full_tensor, tp=tp, pp=pp, vpp=vpp,
+                     dtype=dtype or reader.dtype, extra=meta.get("extra"),
+                     aux_prefixes=reader.aux_prefixes, aux_dtype=aux_dtype)
+

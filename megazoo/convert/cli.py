@@ -1,0 +1,77 @@
+"""Command lines of checkpoints_tools/: argument parsing and one-line errors (exit code 2)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from ..checkpoint.files import parse_dtype
+
+
+def _layout_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1,
+                        help="tensor-parallel size of the written checkpoint")
+    parser.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=1,
+                        help="pipeline-parallel size of the written checkpoint")
+    parser.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline rank")
+    parser.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: as stored)")
+
+
+def _run(action, argv) -> int:
+    """Run `action(args)`; a ValueError or OSError becomes one line on stderr and exit code 2."""
+    try:
+        start = time.perf_counter()
+        message = action(argv)
+        print(f"{message} in {time.perf_counter() - start:.1f} s")
+        return 0
+    except (ValueError, OSError) as exc:
+        print("error: " + " ".join(str(exc).split()), file=sys.stderr)
+        return 2
+
+
+def hf_to_megazoo_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Convert a Hugging Face model (gpt2, bloom, "
+                                                 "llama; safetensors) to a megazoo checkpoint.")
+    parser.add_argument("--hf-dir", required=True, help="directory with config.json + safetensors")
+    parser.add_argument("--out", required=True, help="megazoo checkpoint directory to write")
+    _layout_args(parser)
+    args = parser.parse_args(argv)
+
+    def action(_):
+        from .api import hf_to_megazoo
+        dtype = parse_dtype(args.dtype) if args.dtype else None
+        cfg = hf_to_megazoo(args.hf_dir, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, dtype=dtype)
+        return f"wrote {args.out}: {cfg.family} {cfg.num_layers} layers, tp={args.tp} pp={args.pp}"
+    return _run(action, args)
+
+
+def megazoo_to_hf_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Convert a megazoo checkpoint (any layout) to a "
+                                                 "Hugging Face model directory.")
+    parser.add_argument("--load", required=True, help="megazoo checkpoint directory")
+    parser.add_argument("--out", required=True, help="Hugging Face directory to write")
+    parser.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: as stored)")
+    args = parser.parse_args(argv)
+
+    def action(_):
+        from .api import megazoo_to_hf
+        dtype = parse_dtype(args.dtype) if args.dtype else None
+        config = megazoo_to_hf(args.load, args.out, dtype=dtype)
+        return f"wrote {args.out}: {config['architectures'][0]}"
+    return _run(action, args)
+
+
+def reshard_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Rewrite a megazoo checkpoint at another "
+                                                 "tp/pp/vpp layout (optimizer aux tensors included).")
+    parser.add_argument("--load", required=True, help="megazoo checkpoint directory")
+    parser.add_argument("--out", required=True, help="checkpoint directory to write")
+    _layout_args(parser)
+    args = parser.parse_args(argv)
+
+    def action(_):
+        from .api import reshard
+        dtype = parse_dtype(args.dtype) if args.dtype else None
+        reshard(args.load, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, dtype=dtype)
+        return f"wrote {args.out} at tp={args.tp} pp={args.pp} vpp={args.vpp}"
+    return _run(action, args)

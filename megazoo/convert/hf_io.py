@@ -1,0 +1,140 @@
+"""Hugging Face checkpoint files, lazily: read tensor by tensor, write shard by shard.
+
+Reading: `model.safetensors` or `model.safetensors.index.json` (+ its shards). Only headers
+are parsed up front (names, shapes); each tensor is read when asked, with the file opened for
+that read only, so the memory map never keeps the whole model resident. `pytorch_model.bin`
+is refused: megazoo reads nothing with pickle.
+
+Writing: tensors go into `model-0000i-of-0000n.safetensors` files of at most
+`max_shard_bytes` (one `model.safetensors` when it fits), planned from shapes before any data
+exists and streamed with `SafetensorsWriter`; an index json maps keys to files when sharded.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from ..checkpoint.files import SafetensorsWriter, write_json
+
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    file = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(file):
+        raise ValueError(f"{hf_dir} has no config.json: not a Hugging Face model directory")
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file} cannot be read ({exc})") from None
+
+
+class HFReader:
+    """Names, shapes and (lazily) tensors of a Hugging Face safetensors checkpoint."""
+
+    def __init__(self, hf_dir: str, prefix: str = ""):
+        self.dir = hf_dir
+        files = self._files()
+        self.file_of: dict[str, str] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
+        for name in files:
+            path = os.path.join(hf_dir, name)
+            if not os.path.isfile(path):
+                raise ValueError(f"HF shard {path} is missing")
+            try:
+                with safe_open(path, framework="pt") as f:
+                    for key in f.keys():
+                        sl = f.get_slice(key)
+                        self.file_of[key], self.shapes[key] = path, tuple(sl.get_shape())
+                        self.dtypes[key] = sl.get_dtype()
+            except Exception as exc:  # safetensors' own error types
+                raise ValueError(f"HF shard {path} is damaged or truncated ({exc})") from None
+        self.alias = {}
+        if prefix and not any(k.startswith(prefix) for k in self.file_of):
+            # a bare base model (the hub's gpt2): keys lack the "transformer." prefix
+            self.alias = {prefix + k: k for k in self.file_of if not k.startswith("lm_head.")}
+        aliased = set(self.alias.values())
+        self.keys = set(self.alias) | {k for k in self.file_of if k not in aliased}
+
+    def _files(self) -> list[str]:
+        index = os.path.join(self.dir, INDEX)
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, KeyError, json.JSONDecodeError) as exc:
+                raise ValueError(f"{index} cannot be read ({exc})") from None
+            return sorted(set(weight_map.values()))
+        if os.path.isfile(os.path.join(self.dir, SINGLE)):
+            return [SINGLE]
+        if any(n.endswith(".bin") for n in os.listdir(self.dir)):
+            raise ValueError(f"{self.dir} holds only pickle (.bin) weights: re-save them as "
+                             f"safetensors (save_pretrained(..., safe_serialization=True))")
+        raise ValueError(f"HF weights are missing: {self.dir} has no {SINGLE} nor {INDEX}")
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.shapes[self.alias.get(key, key)]
+
+    def get(self, key: str) -> torch.Tensor:
+        real = self.alias.get(key, key)
+        file = self.file_of[real]
+        try:
+            with safe_open(file, framework="pt") as f:
+                return f.get_tensor(real)
+        except Exception as exc:
+            raise ValueError(f"HF shard {file}: cannot read {real!r} ({exc})") from None
+
+
+def plan_shards(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                max_shard_bytes: int) -> list[list[str]]:
+    """Consecutive keys grouped into files of at most max_shard_bytes (a bigger tensor alone)."""
+    groups, size = [[]], 0
+    for key, (dtype, shape) in specs.items():
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += nbytes
+    return groups
+
+
+class HFWriter:
+    """Write planned tensors in order into HF-style safetensors shards (plus index if >1)."""
+
+    def __init__(self, out_dir: str, specs: dict, max_shard_bytes: int = 5 * 2**30):
+        self.dir, self.specs = out_dir, specs
+        groups = plan_shards(specs, max_shard_bytes)
+        n = len(groups)
+        self.names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                                               for i in range(n)]
+        self.file_index = {k: i for i, g in enumerate(groups) for k in g}
+        self.groups, self.current, self.writer = groups, -1, None
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        i = self.file_index[key]
+        if i != self.current:
+            self._close()
+            self.current = i
+            self.writer = SafetensorsWriter(os.path.join(self.dir, self.names[i]),
+                                            {k: self.specs[k] for k in self.groups[i]})
+        self.writer.write(key, tensor)
+
+    def _close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    def close(self) -> None:
+        self._close()
+        if len(self.names) > 1:
+            total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
+                        for d, s in self.specs.values())
+            write_json(os.path.join(self.dir, INDEX), {
+                "metadata": {"total_size": total},
+                "weight_map": {k: self.names[i] for k, i in self.file_index.items()}})
