@@ -1,0 +1,141 @@
+"""The DeepSpeed config of a run: the user's JSON, the `--zero-*` flags and the training args.
+
+    ds = build_ds_config(args, state)   # a dict for deepspeed.initialize(config=...)
+
+Sources, merged key by key:
+- `--deepspeed_config ds_config.json` (the file Megatron-DeepSpeed users already have);
+- the ZeRO flags (`ZeroConfig`: `--zero-stage`, `--offload-optimizer`, `--offload-param`,
+  `--nvme-path`): None means "not given", so the JSON's value (or DeepSpeed's default) holds;
+- the training args (`TrainingConfig`: micro / global batch size, `--clip-grad`, `--bf16`,
+  `--fp16`, loss-scale settings): these always have a value, because the data loader and the
+  schedule are built from them before the engine exists.
+
+A key the JSON sets to a value other than what the flags say is an error naming both
+(`"auto"` in the JSON, as in Hugging Face's DeepSpeed integration, means "take the flag's").
+Batch sizes are checked against each other and the data-parallel size: DeepSpeed's
+`train_batch_size = micro * accumulation * dp`, where dp is our dp (not dp x sp: sp ranks see
+pieces of the same sequences).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+AUTO = "auto"
+
+
+def load_ds_json(path: str) -> dict:
+    """The JSON object in `path`; a clear error if it is missing or not a JSON object."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--deepspeed_config {path}: no such file")
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--deepspeed_config {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--deepspeed_config {path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _merge(ds: dict, keys: tuple[str, ...], value, flag: str, source: str) -> None:
+    """Set ds[k0][k1]... = value unless the JSON already holds a different (non-auto) value."""
+    node = ds
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"{source}: {'.'.join(keys[:-1])} must be a JSON object")
+    old = node.get(keys[-1], AUTO)
+    if old != AUTO and old != value and not (_num(old) and _num(value) and float(old) == float(value)):
+        raise ValueError(f"{source} sets {'.'.join(keys)} = {old!r} but {flag} gives {value!r}: "
+                         f"make them agree (change the flag or the JSON, or put \"auto\" in the JSON)")
+    node[keys[-1]] = value
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _zero_flags(ds: dict, zero, source: str) -> None:
+    if zero.zero_stage is not None:
+        _merge(ds, ("zero_optimization", "stage"), zero.zero_stage, "--zero-stage", source)
+    for name, key in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
+        device = getattr(zero, name)
+        if device is not None:
+            _merge(ds, ("zero_optimization", key, "device"), device,
+                   f"--{name.replace('_', '-')}", source)
+    zo = ds.setdefault("zero_optimization", {})
+    zo.setdefault("stage", 0)
+    for key in ("offload_optimizer", "offload_param"):
+        section = zo.get(key)
+        if isinstance(section, dict) and section.get("device") == "nvme":
+            if zero.nvme_path is not None:
+                _merge(ds, ("zero_optimization", key, "nvme_path"), zero.nvme_path,
+                       "--nvme-path", source)
+            if not section.get("nvme_path"):
+                raise ValueError(f"{key} to nvme needs a folder: pass --nvme-path DIR or set "
+                                 f"zero_optimization.{key}.nvme_path in the JSON")
+
+
+def _precision(ds: dict, training, source: str) -> None:
+    _merge(ds, ("bf16", "enabled"), bool(training.bf16), "--bf16" if training.bf16 else
+           "the absence of --bf16", source)
+    _merge(ds, ("fp16", "enabled"), bool(training.fp16), "--fp16" if training.fp16 else
+           "the absence of --fp16", source)
+    if training.fp16:
+        fp16 = ds["fp16"]
+        fp16.setdefault("loss_scale", 0)  # dynamic
+        fp16.setdefault("initial_scale_power", int(round(_log2(training.initial_loss_scale))))
+        fp16.setdefault("loss_scale_window", training.loss_scale_window)
+        fp16.setdefault("min_loss_scale", training.min_loss_scale)
+
+
+def _log2(x: float) -> float:
+    import math
+    return math.log2(x)
+
+
+def _batches(ds: dict, training, dp: int, source: str) -> None:
+    micro, glob = training.micro_batch_size, training.global_batch_size
+    if glob % (micro * dp):
+        raise ValueError(f"--global-batch-size {glob} must divide by --micro-batch-size {micro} "
+                         f"x data-parallel size {dp}: change one of them")
+    _merge(ds, ("train_micro_batch_size_per_gpu",), micro, f"--micro-batch-size {micro}", source)
+    _merge(ds, ("train_batch_size",), glob, f"--global-batch-size {glob}", source)
+    _merge(ds, ("gradient_accumulation_steps",), glob // (micro * dp),
+           f"--global-batch-size {glob} / (--micro-batch-size {micro} x dp {dp})", source)
+
+
+def build_ds_config(args, dp: int) -> dict:
+    """The DeepSpeed config dict of `args` (`args.zero`, `args.training`) at data-parallel
+    size `dp`. Pure: no file is written and no collective is issued."""
+    zero, training = args.zero, args.training
+    source = "DeepSpeed config"
+    ds: dict = {}
+    if zero.deepspeed_config:
+        ds = copy.deepcopy(load_ds_json(zero.deepspeed_config))
+        source = f"--deepspeed_config {zero.deepspeed_config}"
+    _zero_flags(ds, zero, source)
+    _precision(ds, training, source)
+    _merge(ds, ("gradient_clipping",), float(training.clip_grad), f"--clip-grad {training.clip_grad}",
+           source)
+    _batches(ds, training, dp, source)
+    for key in ("optimizer", "scheduler"):
+        if key in ds:
+            raise ValueError(f"{source} has an \"{key}\" section: megazoo builds AdamW and the "
+                             "learning-rate schedule from --lr, --weight-decay, --lr-* flags; "
+                             f"remove \"{key}\" from the JSON")
+    ds.setdefault("steps_per_print", 2 ** 31 - 1)  # megazoo logs; DeepSpeed stays quiet
+    ds.setdefault("wall_clock_breakdown", False)
+    return ds
+
+
+def offload_device(ds: dict, key: str = "offload_optimizer") -> str:
+    """"none", "cpu" or "nvme": where the config offloads the optimizer (or parameters)."""
+    section = ds.get("zero_optimization", {}).get(key) or {}
+    return section.get("device", "none") or "none"
+
+
+def zero_stage(ds: dict) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))

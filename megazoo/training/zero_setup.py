@@ -1,0 +1,132 @@
+"""What `DeepSpeedEngine` prepares before `deepspeed.initialize`: groups, tags, hooks, AdamW.
+
+- `ZeroMPU`: `DeepSpeedMPU` whose one-rank groups are real one-rank process groups.
+  `ParallelState` stores `group=None` for a group of one rank, and DeepSpeed reads None as
+  the *world* group (so at tp=2, dp=1 it would partition ZeRO state over the two tp ranks
+  and average their gradients). Only built when the world has more than one rank.
+- `tag_tensor_parallel`: DeepSpeed counts a parameter in the gradient norm on every tp rank
+  only when it carries `tensor_model_parallel=True` (else only on tp rank 0); megazoo marks
+  tp shards with `tp_dim`, so the tag is derived from it.
+- `sum_sequence_parallel_grads`: Megatron-SP parameters (`sequence_parallel=True`: norms,
+  row-parallel biases) saw only their tp rank's sequence shard. A tensor hook sums each of
+  their gradients over tp as autograd produces it, before it is accumulated into `.grad`
+  and before DeepSpeed's reduction hooks (which run after accumulation) see it; summing per
+  micro-batch equals summing the accumulated gradient. Hook order is the same on every tp
+  rank (same graph), so the collectives match.
+- `build_optimizer`: Megatron's two AdamW groups (no decay on 1-D parameters);
+  DeepSpeedCPUAdam when the optimizer is offloaded and its C++ op builds, else torch AdamW
+  (then `zero_force_ds_cpu_optimizer` is turned off in the config).
+- `use_accelerator_of`: DeepSpeed's accelerator matching the model's device (its CPU
+  accelerator for CPU models, so gloo CI needs no `DS_ACCELERATOR` variable).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..layers.sharding import tp_dim_of
+from ..parallel.mpu import _NAMES, DeepSpeedMPU
+from ..parallel.state import ParallelState
+from .ds_config import offload_device
+from .optim import param_groups
+
+log = logging.getLogger(__name__)
+
+
+class ZeroMPU(DeepSpeedMPU):
+    """`DeepSpeedMPU` with a real process group for every one-rank group (see module doc)."""
+
+    def __init__(self, state: ParallelState):
+        super().__init__(state)
+        self._self_group = None
+        if state.world_size > 1:  # collective: every rank creates every one-rank group
+            for rank in range(state.world_size):
+                group = dist.new_group([rank])
+                if rank == state.global_rank:
+                    self._self_group = group
+
+    def group_of(self, attr: str):
+        info = getattr(self.state, attr)
+        return info.group if info.group is not None else self._self_group
+
+    def get_data_parallel_group_ranks(self):
+        return list(self.state.dp.ranks)
+
+    def get_slice_parallel_group(self):
+        return self.group_of("tp")
+
+
+for _prefix, _attr in _NAMES.items():
+    setattr(ZeroMPU, f"get_{_prefix}_group", lambda self, _a=_attr: self.group_of(_a))
+
+
+def tag_tensor_parallel(model: nn.Module, state: ParallelState) -> None:
+    """Mark tp shards `tensor_model_parallel` for DeepSpeed's gradient norm."""
+    for p in model.parameters():
+        p.tensor_model_parallel = state.tp.size > 1 and tp_dim_of(p) is not None
+        if getattr(p, "tp_index", None) is not None and state.tp.size > 1:
+            log.warning("a GQA parameter with kv rows replicated over tp: DeepSpeed's "
+                        "gradient norm counts those rows once per holder")
+
+
+def sum_sequence_parallel_grads(model: nn.Module, state: ParallelState) -> list:
+    """Hook every Megatron-SP parameter so its gradient is summed over tp; return handles."""
+    if state.tp.size == 1 or not state.config.sequence_parallel:
+        return []
+    group = state.tp.group
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    return [p.register_hook(hook) for p in model.parameters()
+            if p.requires_grad and getattr(p, "sequence_parallel", False)]
+
+
+def cpu_adam_available() -> bool:
+    """Whether DeepSpeedCPUAdam's C++ op loads (JIT-builds with g++ on first use)."""
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        CPUAdamBuilder().load(verbose=False)
+        return True
+    except Exception as exc:  # no compiler, wrong toolchain, missing headers
+        log.warning("DeepSpeedCPUAdam unavailable (%s); using torch AdamW", exc)
+        return False
+
+
+def build_optimizer(model: nn.Module, training, ds: dict, cpu_adam: bool | None = None):
+    """AdamW over `param_groups`; DeepSpeedCPUAdam when the optimizer is offloaded.
+
+    `cpu_adam` None: use it when offloading and it loads. Mutates `ds` when falling back to
+    torch AdamW under offload (DeepSpeed refuses a foreign optimizer there by default)."""
+    groups = param_groups(model, training.weight_decay)
+    kwargs = dict(lr=training.lr, betas=(training.adam_beta1, training.adam_beta2),
+                  eps=training.adam_eps)
+    offload = offload_device(ds) != "none"
+    if cpu_adam is None:
+        cpu_adam = offload and cpu_adam_available()
+    if cpu_adam:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    if offload:
+        ds["zero_force_ds_cpu_optimizer"] = False
+    return torch.optim.AdamW(groups, foreach=False, **kwargs)
+
+
+def use_accelerator_of(device: torch.device) -> None:
+    """Point DeepSpeed at the accelerator of `device` (CPU models: its CPU accelerator)."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if device.type == "cpu" and get_accelerator().device_name() != "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())
+    elif device.type != "cpu" and get_accelerator().device_name() == "cpu":
+        raise ValueError(f"the model is on {device} but DeepSpeed selected its CPU accelerator: "
+                         "unset DS_ACCELERATOR=cpu or build the model on the CPU")

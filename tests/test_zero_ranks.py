@@ -1,0 +1,123 @@
+"""Rank-side code of the ZeRO / FSDP2 tests (no tests here; `test_zero.py`, `test_fsdp.py`
+spawn these functions on gloo ranks).
+
+Every run builds the same tiny GPT with the same seed, feeds each data-parallel rank its own
+deterministic micro-batches, and records per step (loss, grad norm). The reference is
+`PlainEngine` (allreduce_gradients, global-norm clip, torch AdamW) on the same layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megazoo.models import ModelConfig, build_model
+from megazoo.parallel import ParallelConfig, ParallelState
+from megazoo.training.config import PretrainArgs, TrainingConfig
+from megazoo.training.zero_config import ZeroConfig
+
+VOCAB, B, S, M = 128, 2, 16, 2  # vocab, micro-batch, sequence, micro-batches per step
+
+
+def model_config(num_layers: int = 2) -> ModelConfig:
+    return ModelConfig(family="gpt", num_layers=num_layers, hidden_size=32,
+                       num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=S)
+
+
+def make_args(par: ParallelConfig, dp: int, num_layers: int = 2, **zero) -> PretrainArgs:
+    # Warmup of 2 steps then cosine: the lr changes every step, so a schedule bug shows.
+    training = TrainingConfig(micro_batch_size=B, global_batch_size=B * M * dp, train_iters=6,
+                              lr=1e-2, min_lr=1e-3, lr_warmup_iters=2, weight_decay=0.1,
+                              clip_grad=1.0, seed=7)
+    return PretrainArgs(model=model_config(num_layers), parallel=par, training=training,
+                        zero=ZeroConfig(**zero))
+
+
+def batches(step: int, state: ParallelState) -> list[dict]:
+    """The micro-batches of data-parallel rank `state.dp.rank` for optimizer step `step`
+    (two alternating batches per rank, so the loss falls visibly within a few steps)."""
+    g = torch.Generator().manual_seed(1000 * (step % 2) + state.dp.rank)
+    out = []
+    for _ in range(M):
+        ids = torch.randint(0, VOCAB, (B, S), generator=g)
+        out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
+def state_for(par: ParallelConfig) -> ParallelState:
+    return ParallelState.initialize(par)
+
+
+def train(engine, state, steps: range) -> list[tuple[float, float]]:
+    out = []
+    for step in steps:
+        r = engine.train_step(batches(step, state))
+        out.append((r.loss, r.grad_norm))
+    return out
+
+
+def plain_run(par: ParallelConfig, steps: int = 3, num_layers: int = 2):
+    from megazoo.training.plain import PlainEngine
+
+    state = state_for(par)
+    args = make_args(par, state.dp.size, num_layers)
+    model = build_model(args.model, state, device="cpu", seed=args.training.seed)
+    return train(PlainEngine(model, state, args), state, range(steps))
+
+
+def deepspeed_engine(par: ParallelConfig, cpu_adam=None, **zero):
+    from megazoo.training.zero import DeepSpeedEngine
+
+    state = state_for(par)
+    args = make_args(par, state.dp.size, deepspeed=True, **zero)
+    model = build_model(args.model, state, device="cpu", seed=args.training.seed)
+    return DeepSpeedEngine(model, state, args, cpu_adam=cpu_adam), state
+
+
+def deepspeed_runs(par: ParallelConfig, runs: list[dict], steps: int = 3) -> dict:
+    """{name: [(loss, norm)] } for the plain reference and each ZeRO config of `runs`."""
+    out = {"plain": plain_run(par, steps)}
+    for run in runs:
+        run = dict(run)
+        name = run.pop("name")
+        engine, state = deepspeed_engine(par, **run)
+        out[name] = train(engine, state, range(steps))
+        out[name + ":cpu_adam"] = engine.uses_cpu_adam
+    return out
+
+
+def deepspeed_save(par: ParallelConfig, path: str, run: dict) -> dict:
+    """Train steps 0-1, save, train steps 2-3; also the eval loss on a fixed batch at save."""
+    engine, state = deepspeed_engine(par, **run)
+    first = train(engine, state, range(2))
+    engine.save(path, {"iteration": 2, "note": "test"})
+    probe = engine.eval_loss(batches(99, state))
+    return {"first": first, "probe": probe, "after": train(engine, state, range(2, 4))}
+
+
+def deepspeed_resume(par: ParallelConfig, path: str, run: dict) -> dict:
+    engine, state = deepspeed_engine(par, **run)
+    extra = engine.load(path)
+    return {"extra": extra, "after": train(engine, state, range(2, 4)),
+            "steps": engine.steps}
+
+
+def fsdp_runs(par: ParallelConfig, runs: list[dict], steps: int = 3, num_layers: int = 4) -> dict:
+    """Plain pipeline reference and FSDP2Engine runs of `runs` on the same layout."""
+    from megazoo.training.fsdp import FSDP2Engine
+
+    out = {"plain": plain_run(par, steps, num_layers)}
+    for run in runs:
+        run = dict(run)
+        name = run.pop("name")
+        cpu_offload = run.pop("cpu_offload", False)
+        state = state_for(par)
+        args = make_args(par, state.dp.size, num_layers, zero_impl="fsdp2", zero_stage=3, **run)
+        model = build_model(args.model, state, device="cpu", seed=args.training.seed)
+        engine = FSDP2Engine(model, state, args, cpu_offload=cpu_offload)
+        out[name] = train(engine, state, range(steps))
+    return out
+
+
+def with_sp(par: ParallelConfig, **changes) -> ParallelConfig:
+    return dataclasses.replace(par, **changes)
