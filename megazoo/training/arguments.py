@@ -19,7 +19,7 @@ import inspect
 import textwrap
 import typing
 
-from ..models.config import ModelConfig
+from ..models.config import ModelConfig, _default_ffn
 from ..models.presets import PRESETS
 from ..parallel.config import ParallelConfig
 from .config import CheckpointConfig, DataConfig, LoggingConfig, PretrainArgs, TrainingConfig
@@ -119,6 +119,12 @@ def _model_config(ns: argparse.Namespace) -> ModelConfig:
         keep = {k: getattr(base, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
                                               "max_position_embeddings")}
         return ModelConfig(**{**keep, **overrides})
+    # Derived fields follow the fields they derive from unless given (or set apart).
+    if "num_key_value_heads" not in overrides and base.num_key_value_heads == base.num_attention_heads:
+        overrides.setdefault("num_key_value_heads", None)
+    if "ffn_hidden_size" not in overrides and \
+            base.ffn_hidden_size == _default_ffn(base.hidden_size, base.activation):
+        overrides["ffn_hidden_size"] = None
     return dataclasses.replace(base, **overrides)
 
 

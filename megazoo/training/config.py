@@ -59,6 +59,8 @@ class TrainingConfig:
     """Seed of the weights, the data order and dropout."""
     num_layers_per_virtual_pipeline_stage: int | None = None
     """Interleaved pipeline: layers per virtual stage (vpp = layers / pp / this)."""
+    exit_interval: int | None = None
+    """Stop (after saving, when --save is set) once the iteration divides by this."""
     cpu_threads: int | None = None
     """torch.set_num_threads on CPU; None keeps torch's default."""
 

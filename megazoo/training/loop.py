@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -96,24 +95,31 @@ def evaluate(run: Run) -> float | None:
     return sum(losses) / len(losses)
 
 
-def main(argv: list[str] | None = None, print_fn=print) -> int:
-    """Parse, set up, train; return the exit status (2 for bad input)."""
+def run_training(argv: list[str] | None = None, print_fn=print) -> dict:
+    """Parse, set up and train (or evaluate); return the summary (losses, valid loss, ...).
+
+    Bad input raises USER_ERRORS before any step, on every rank.
+    """
     from .train import train  # the loop itself
 
+    run = setup(parse_args(argv), print_fn)
     try:
-        args = parse_args(argv)
-        run = setup(args, print_fn)
-    except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        if args.logging.eval_only:
+        if run.args.logging.eval_only:
             loss = evaluate(run)
             run.logger.write({"iteration": run.start_iteration, "valid_loss": loss})
-        else:
-            train(run, print_fn)
+            return {"valid_loss": loss, "losses": []}
+        return train(run, print_fn)
     finally:
         run.logger.close()
         if run.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None, print_fn=print) -> int:
+    """Command-line entry point: 0 when done; "error: ..." and 2 for bad input."""
+    try:
+        run_training(argv, print_fn)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -60,7 +60,7 @@ class PlainEngine(Engine):
         self.optimizer = build_optimizer(model, self.cfg)
         self.scaler = (DynamicLossScaler(self.cfg.initial_loss_scale, self.cfg.loss_scale_window,
                                          self.cfg.min_loss_scale) if self.cfg.fp16 else None)
-        self.steps = 0  # optimizer steps taken (skipped ones included): drives the schedule
+        self.steps = 0  # optimizer steps taken (fp16-skipped ones not, as in Megatron): the schedule's clock
         self.device = next(model.parameters()).device
 
     # -- forward / backward -------------------------------------------------------------
@@ -107,7 +107,6 @@ class PlainEngine(Engine):
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         lr = learning_rate(self.steps, self.cfg)
-        self.steps += 1
         scale = self.scaler.scale if self.scaler else 1.0
         loss = self._dp_mean(self._forward_backward(micro_batches, scale))
         allreduce_gradients(self.model, self.state)
@@ -122,6 +121,7 @@ class PlainEngine(Engine):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        self.steps += 1
         return StepResult(loss, norm, lr, self.scaler.scale if self.scaler else None)
 
     @torch.no_grad()

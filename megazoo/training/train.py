@@ -68,7 +68,7 @@ def train(run, print_fn=print) -> dict:
     run.logger.print(f"{run.state} | model {a.model.family} L{a.model.num_layers} "
                      f"h{a.model.hidden_size} vocab {a.model.vocab_size} | "
                      f"unigram entropy of the data {run.entropy:.3f} nats/token")
-    progress, losses = _Progress(run, print_fn), []
+    progress, losses, steps = _Progress(run, print_fn), [], []
     valid = None
     start = window_start = time.perf_counter()
     window_steps = 0
@@ -76,6 +76,7 @@ def train(run, print_fn=print) -> dict:
         step_start = time.perf_counter()
         result = run.engine.train_step(run.data.train_batch(it, run.state))
         losses.append(result.loss)
+        steps.append(result)
         window_steps += 1
         progress.update(result.loss, tokens_per_iter / (time.perf_counter() - step_start))
         n = it + 1
@@ -87,12 +88,17 @@ def train(run, print_fn=print) -> dict:
             valid = evaluate(run)
             if valid is not None:
                 run.logger.write({"iteration": n, "valid_loss": valid})
-        if a.checkpoint.save and (n == a.training.train_iters or (
+        stop = bool(a.training.exit_interval) and n % a.training.exit_interval == 0
+        if a.checkpoint.save and (n == a.training.train_iters or stop or (
                 a.checkpoint.save_interval and n % a.checkpoint.save_interval == 0)):
             _save(run, n)
+        if stop:
+            break
     progress.close()
     elapsed = time.perf_counter() - start
-    return _summary(run, losses, valid, elapsed, print_fn)
+    out = _summary(run, losses, valid, elapsed, print_fn)
+    out["steps"] = steps
+    return out
 
 
 def _summary(run, losses, valid, elapsed, print_fn) -> dict:
@@ -109,10 +115,11 @@ def _summary(run, losses, valid, elapsed, print_fn) -> dict:
         run.logger.print("sample (greedy):\n" + text)
     if valid is not None:
         gap = run.entropy - valid
+        where = "below" if gap >= 0 else "ABOVE"
         run.logger.print(
             f"done: {steps} steps in {elapsed:.0f} s, {tok_s:,.0f} tokens/s | train loss "
-            f"{train_loss:.3f}, valid loss {valid:.3f} nats/token: {gap:.3f} below the unigram "
-            f"entropy {run.entropy:.3f} ({100 * gap / run.entropy:.0f}% lower)")
+            f"{train_loss:.3f}, valid loss {valid:.3f} nats/token: {abs(gap):.3f} {where} the "
+            f"unigram entropy {run.entropy:.3f} of the data ({abs(100 * gap / run.entropy):.0f}%)")
     else:
         run.logger.print(f"done: {steps} steps in {elapsed:.0f} s, train loss {train_loss:.3f}")
     return out

@@ -1,0 +1,127 @@
+"""Optimisation pieces: weight-decay groups, LR schedule, loss scaler, global grad norm.
+
+The grad norm is checked on gloo at tp=2 and pp=2 against the one-process model's norm
+(same seed, so every rank holds a slice of the same weights). Tolerance 1e-5 relative: the
+layouts sum the same float32 squares in a different order.
+"""
+import math
+
+import pytest
+import torch
+
+from megazoo.models import ModelConfig, allreduce_gradients, build_model
+from megazoo.parallel import ParallelConfig, ParallelState
+from megazoo.testing import run_distributed
+from megazoo.training.config import TrainingConfig
+from megazoo.training.optim import clip_gradients, global_grad_norm, param_groups
+from megazoo.training.scaler import DynamicLossScaler
+from megazoo.training.schedule import learning_rate
+
+GPT = ModelConfig(family="gpt", num_layers=2, hidden_size=32, num_attention_heads=4,
+                  vocab_size=100, max_position_embeddings=32)
+LLAMA_GQA = ModelConfig(family="llama", num_layers=2, hidden_size=32, num_attention_heads=4,
+                        num_key_value_heads=1, ffn_hidden_size=64, vocab_size=100)
+
+
+def test_weight_decay_skips_one_dimensional_parameters():
+    model = build_model(GPT, device="cpu")
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.ndim == 2 for p in decay["params"])
+    assert all(p.ndim == 1 for p in no_decay["params"])
+    assert any("bias" in names[id(p)] for p in no_decay["params"])
+    assert any("norm" in names[id(p)] for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_schedule_values():
+    cfg = TrainingConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=4, train_iters=14)
+    assert [learning_rate(s, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert learning_rate(4, cfg) == pytest.approx(1.0)
+    assert learning_rate(9, cfg) == pytest.approx(0.55)  # cosine half way: (1 + 0.1) / 2
+    assert learning_rate(14, cfg) == pytest.approx(0.1)
+    assert learning_rate(100, cfg) == pytest.approx(0.1)
+    lin = TrainingConfig(lr=1.0, min_lr=0.0, lr_warmup_iters=0, lr_decay_style="linear",
+                         train_iters=10)
+    assert [learning_rate(s, lin) for s in (0, 5, 10)] == pytest.approx([1.0, 0.5, 0.0])
+    const = TrainingConfig(lr=0.3, min_lr=0.0, lr_warmup_iters=2, lr_decay_style="constant")
+    assert [learning_rate(s, const) for s in (0, 1, 2, 500)] == pytest.approx([0.15, 0.3, 0.3, 0.3])
+
+
+def test_scaler_skips_backs_off_and_grows():
+    p = torch.nn.Parameter(torch.ones(3))
+    model = torch.nn.Module()
+    model.p = p
+    scaler = DynamicLossScaler(initial_scale=8.0, window=2, min_scale=2.0)
+    p.grad = torch.tensor([8.0, 16.0, 24.0])
+    assert not scaler.unscale_and_check(model)
+    assert torch.equal(p.grad, torch.tensor([1.0, 2.0, 3.0]))  # unscaled
+    scaler.update(False)
+    assert scaler.scale == 8.0
+    scaler.update(False)
+    assert scaler.scale == 16.0  # two clean steps: doubled
+    p.grad = torch.tensor([1.0, math.inf, 0.0])
+    assert scaler.unscale_and_check(model)
+    scaler.update(True)
+    assert scaler.scale == 8.0 and scaler.clean_steps == 0
+    for _ in range(5):
+        scaler.update(True)
+    assert scaler.scale == 2.0  # never below min_scale
+    p.grad = torch.tensor([math.nan, 0.0, 0.0])
+    assert scaler.unscale_and_check(model)
+    restored = DynamicLossScaler()
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.scale == 2.0
+
+
+def test_clip_scales_to_max_norm():
+    model = torch.nn.Linear(3, 2)
+    model.weight.grad = torch.full((2, 3), 2.0)
+    model.bias.grad = torch.full((2,), 2.0)
+    norm = global_grad_norm(model, ParallelState.single())
+    assert norm == pytest.approx(math.sqrt(8 * 4.0))
+    clip_gradients(model, norm, 1.0)
+    assert global_grad_norm(model, ParallelState.single()) == pytest.approx(1.0, rel=1e-5)
+
+
+def _ids():
+    return torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(3))
+
+
+def _norm(config, tp=1, pp=1):
+    """Grad norm after one backward at layout tp x pp (called on every rank)."""
+    from megazoo.pipeline.executor import run_pipeline
+
+    state = (ParallelState.initialize(ParallelConfig(tp=tp, pp=pp)) if tp * pp > 1
+             else ParallelState.single())
+    model = build_model(config, state, device="cpu", seed=0)
+    ids = _ids()
+    if pp > 1:
+        run_pipeline(model, [(ids, ids)], state)
+    else:
+        model(ids, labels=ids).backward()
+    allreduce_gradients(model, state)
+    return global_grad_norm(model, state)
+
+
+def _reference_norm(config):
+    model = build_model(config, device="cpu", seed=0)
+    model(_ids(), labels=_ids()).backward()
+    return math.sqrt(sum(float(p.grad.square().sum()) for p in model.parameters()))
+
+
+def _norms_at_tp2_and_pp2():
+    return [_norm(GPT, tp=2), _norm(LLAMA_GQA, tp=2), _norm(GPT, pp=2)]
+
+
+def test_grad_norm_one_process_equals_plain_norm():
+    assert _norm(GPT) == pytest.approx(_reference_norm(GPT), rel=1e-6)
+
+
+def test_grad_norm_tp2_and_pp2_equal_one_process():
+    """GPT at tp=2 (replicated norms/biases once), LLaMA with 1 kv head at tp=2 (the kv rows
+    both ranks hold counted once), GPT at pp=2 (stages summed, tied head copy skipped)."""
+    ref = [_reference_norm(GPT), _reference_norm(LLAMA_GQA), _reference_norm(GPT)]
+    for rank_norms in run_distributed(_norms_at_tp2_and_pp2, 2, timeout=120):
+        assert rank_norms == pytest.approx(ref, rel=1e-5)

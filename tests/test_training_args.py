@@ -1,0 +1,80 @@
+"""pretrain_gpt.py's parser: flags generated from the config dataclasses, aliases, presets."""
+import pytest
+
+from megazoo.models import PRESETS
+from megazoo.training.arguments import DEFAULT_MODEL, build_parser, field_docs, parse_args
+from megazoo.training.config import TrainingConfig
+
+
+def test_megatron_flags_reach_the_configs():
+    a = parse_args(["--num-layers", "4", "--hidden-size", "96", "--num-attention-heads", "6",
+                    "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+                    "--train-iters", "7", "--lr", "1e-3", "--min-lr", "1e-4",
+                    "--lr-warmup-iters", "2", "--lr-decay-style", "linear",
+                    "--weight-decay", "0.01", "--clip-grad", "0.5", "--bf16",
+                    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                    "--sequence-parallel", "--recompute-granularity", "selective",
+                    "--save", "ck", "--load", "ck", "--save-interval", "5",
+                    "--eval-interval", "3", "--eval-iters", "2", "--log-interval", "1",
+                    "--seed", "7", "--split", "98,2,0", "--local_rank", "3"])
+    assert (a.model.num_layers, a.model.hidden_size, a.model.num_attention_heads) == (4, 96, 6)
+    assert a.model.recompute == "selective"
+    t = a.training
+    assert (t.micro_batch_size, t.global_batch_size, t.train_iters, t.lr, t.min_lr) == \
+        (2, 8, 7, 1e-3, 1e-4)
+    assert (t.lr_warmup_iters, t.lr_decay_style, t.weight_decay, t.clip_grad, t.bf16, t.seed) == \
+        (2, "linear", 0.01, 0.5, True, 7)
+    assert (a.parallel.tp, a.parallel.pp, a.parallel.sequence_parallel) == (2, 2, True)
+    assert (a.checkpoint.save, a.checkpoint.load, a.checkpoint.save_interval) == ("ck", "ck", 5)
+    assert (a.logging.eval_interval, a.logging.eval_iters, a.logging.log_interval) == (3, 2, 1)
+    assert (a.data.seq_length, a.data.split) == (64, "98,2,0")
+
+
+def test_aliases_and_zero_flags():
+    a = parse_args(["--ds-sequence-parallel-size", "2", "--deepspeed", "--deepspeed_config",
+                    "ds.json", "--zero-stage", "2", "--offload-optimizer", "cpu"])
+    assert a.parallel.sp == 2
+    assert (a.zero.zero_impl, a.zero.deepspeed_config, a.zero.zero_stage,
+            a.zero.offload_optimizer) == ("deepspeed", "ds.json", 2, "cpu")
+    assert parse_args(["--sequence-parallel-size", "4"]).parallel.sp == 4
+    assert parse_args(["--data-path", "0.3", "a", "0.7", "b", "--tokenizer-type",
+                       "ByteLevelTokenizer"]).data.data_path == ["0.3", "a", "0.7", "b"]
+
+
+def test_preset_with_overrides_and_default_model():
+    a = parse_args(["--model", "llama-7b", "--num-layers", "2"])
+    ref = PRESETS["llama-7b"]
+    assert a.model.num_layers == 2 and a.model.hidden_size == ref.hidden_size
+    assert a.model.activation == "swiglu" and a.model.ffn_hidden_size == ref.ffn_hidden_size
+    assert PRESETS["llama-7b"].num_layers == 32  # the preset itself is untouched
+    assert parse_args([]).model == DEFAULT_MODEL
+    assert parse_args(["--model", "gpt-125m", "--family", "bloom"]).model.position_embedding \
+        == "alibi"
+
+
+def test_virtual_pipeline_from_layers_per_stage():
+    a = parse_args(["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+                    "--num-layers-per-virtual-pipeline-stage", "2"])
+    assert a.parallel.vpp == 2
+    with pytest.raises(ValueError, match="num-layers-per-virtual-pipeline-stage"):
+        parse_args(["--num-layers", "6", "--pipeline-model-parallel-size", "2",
+                    "--num-layers-per-virtual-pipeline-stage", "2"])
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--bf16", "--fp16"], "--fp16"),
+    (["--lr-decay-style", "exp"], "--lr-decay-style"),
+    (["--lr", "1e-4", "--min-lr", "1e-3"], "--min-lr"),
+    (["--data-path", "x"], "--tokenizer-type"),
+    (["--zero-stage", "5"], "--zero-stage"),
+])
+def test_bad_values_name_the_flag(argv, flag):
+    with pytest.raises(ValueError, match=flag):
+        parse_args(argv)
+
+
+def test_help_comes_from_field_docstrings():
+    docs = field_docs(TrainingConfig)
+    assert docs["global_batch_size"].startswith("Sequences per optimizer step")
+    text = build_parser().format_help()
+    assert "--tensor-model-parallel-size" in text and "Sequences per optimizer step" in text
