@@ -59,3 +59,21 @@ def test_zero_stages_match_plain_dp2():
     assert results[0]["zero2_offload:cpu_adam"] is True
     assert results[0]["zero1_offload_torch:cpu_adam"] is False
     assert results[0]["plain"] == results[1]["plain"]  # the same value on every rank
+
+
+TP_SP_LAYOUTS = [
+    (ParallelConfig(tp=2, sequence_parallel=True),
+     [{"name": "zero2", "zero_stage": 2}, {"name": "zero3_offload", "zero_stage": 3,
+                                           "offload_optimizer": "cpu"}]),
+    (ParallelConfig(sp=2),
+     [{"name": "zero1_offload", "zero_stage": 1, "offload_optimizer": "cpu"},
+      {"name": "zero3", "zero_stage": 3}]),
+]
+
+
+def test_zero_with_tp_and_ulysses_sp():
+    """4 ranks: tp=2 + Megatron SP x dp=2, then Ulysses sp=2 x dp=2 (ZeRO over dp x sp)."""
+    results = run_distributed(ranks.deepspeed_layouts, 4, TP_SP_LAYOUTS, timeout=TIMEOUT)
+    for r in results:
+        for (par, runs), layout in zip(TP_SP_LAYOUTS, r):
+            assert_close_runs(layout, [run["name"] for run in runs], str(par))

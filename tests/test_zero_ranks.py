@@ -121,3 +121,8 @@ def fsdp_runs(par: ParallelConfig, runs: list[dict], steps: int = 3, num_layers:
 
 def with_sp(par: ParallelConfig, **changes) -> ParallelConfig:
     return dataclasses.replace(par, **changes)
+
+
+def deepspeed_layouts(layouts: list[tuple[ParallelConfig, list[dict]]], steps: int = 3) -> list:
+    """`deepspeed_runs` for several layouts in one process group (one spawn)."""
+    return [deepspeed_runs(par, runs, steps) for par, runs in layouts]

@@ -5,12 +5,14 @@
 
 ZeRO partitions over our `dp_sp` group (DeepSpeed's "sequence data parallel" group, from
 `ZeroMPU(state)`); tensor-parallel shards stay shards (DeepSpeed's "model parallel" group is
-our tp). Gradient scaling: each Ulysses rank holds a partial sum of the true gradient of the
-one mean loss; DeepSpeed 0.19 reduces over dp x sp and divides by dp x sp / sp = dp when its
-mpu reports a sequence-parallel size > 1, which is exactly `allreduce_gradients`' "sum over
-sp, mean over dp" -- so the loss is *not* rescaled here (older DeepSpeed divided by dp x sp;
-the sp test against the plain engine guards this). Megatron-SP parameters get their tp sum
-from a gradient hook (`zero_setup.sum_sequence_parallel_grads`).
+our tp). Gradient scaling under Ulysses: each sp rank holds a partial sum of the true gradient
+of the one mean loss, which needs "sum over sp, mean over dp" (`allreduce_gradients`).
+DeepSpeed 0.19.8's ZeRO-1/2 divide their dp x sp reduction by dp x sp / sp = dp: right as
+is. Its ZeRO-3 path (measured here on gloo at sp=2 with dp=1 and dp=2) leaves gradients at
+1/sp of that, the case `allreduce_gradients`' docstring warns about: for stage 3 the backward
+loss is multiplied by sp (`grad_scale`). The sp tests against the plain engine guard both.
+Megatron-SP parameters get their tp sum from a gradient hook
+(`zero_setup.sum_sequence_parallel_grads`).
 
 DeepSpeed has no place in our pipeline schedules (it only pipelines through its own
 PipelineEngine, and refuses ZeRO-2/3 there): pp > 1 is a ValueError pointing at
@@ -83,6 +85,8 @@ class DeepSpeedEngine(Engine):
         self.model = self.ds.module
         self.device = device
         self.steps = 0  # optimizer steps taken (skipped included): drives the schedule
+        stage3_sp = zero_stage(self.ds_config) == 3 and state.sp.size > 1
+        self.grad_scale = float(state.sp.size) if stage3_sp else 1.0  # see the module doc
 
     # -- helpers ------------------------------------------------------------------------
     @property
@@ -120,7 +124,7 @@ class DeepSpeedEngine(Engine):
         total = torch.zeros((), device=self.device)
         for b in micro_batches:
             loss = self.ds(b["input_ids"], labels=b["labels"])
-            self.ds.backward(loss)  # DeepSpeed scales by 1 / accumulation
+            self.ds.backward(loss * self.grad_scale)  # DeepSpeed scales by 1 / accumulation
             self.ds.step()          # steps the optimizer at the accumulation boundary
             total += loss.detach().float() / len(micro_batches)
         skipped = self.ds.skipped_steps != skipped_before

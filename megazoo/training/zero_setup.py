@@ -4,6 +4,11 @@
   `ParallelState` stores `group=None` for a group of one rank, and DeepSpeed reads None as
   the *world* group (so at tp=2, dp=1 it would partition ZeRO state over the two tp ranks
   and average their gradients). Only built when the world has more than one rank.
+  Its "data parallel" *group* is our dp x sp group (its size stays dp): ZeRO-3 partitions
+  parameters over `mpu.get_data_parallel_group()` but reduces their gradients over the
+  sequence-data-parallel group, and DeepSpeed's own Ulysses mpu has no data-parallel group
+  (world = dp x sp there). With the dp group, ZeRO-3 + sp partitioned over dp only and
+  produced wrong gradients (caught by the sp test against the plain engine).
 - `tag_tensor_parallel`: DeepSpeed counts a parameter in the gradient norm on every tp rank
   only when it carries `tensor_model_parallel=True` (else only on tp rank 0); megazoo marks
   tp shards with `tp_dim`, so the tag is derived from it.
@@ -59,7 +64,7 @@ class ZeroMPU(DeepSpeedMPU):
         return self.group_of("tp")
 
 
-for _prefix, _attr in _NAMES.items():
+for _prefix, _attr in {**_NAMES, "data_parallel": "dp_sp"}.items():
     setattr(ZeroMPU, f"get_{_prefix}_group", lambda self, _a=_attr: self.group_of(_a))
 
 
@@ -67,7 +72,9 @@ def tag_tensor_parallel(model: nn.Module, state: ParallelState) -> None:
     """Mark tp shards `tensor_model_parallel` for DeepSpeed's gradient norm."""
     for p in model.parameters():
         p.tensor_model_parallel = state.tp.size > 1 and tp_dim_of(p) is not None
-        if getattr(p, "tp_index", None) is not None and state.tp.size > 1:
+        index = getattr(p, "tp_index", None)
+        if index is not None and state.tp.size > 1 and \
+                sum(len(index(r)) for r in range(state.tp.size)) > p.tp_full_size:
             log.warning("a GQA parameter with kv rows replicated over tp: DeepSpeed's "
                         "gradient norm counts those rows once per holder")
 
