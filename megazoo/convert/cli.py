@@ -22,7 +22,7 @@ def _run(action, argv) -> int:
     try:
         start = time.perf_counter()
         message = action(argv)
-        print(f"{message} in {time.perf_counter() - start:.1f} s")
+        print(f"{message} in {time.perf_counter() - start:.2f} s")
         return 0
     except (ValueError, OSError) as exc:
         print("error: " + " ".join(str(exc).split()), file=sys.stderr)
