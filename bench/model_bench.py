@@ -6,6 +6,12 @@ Shape (../shared/BENCHMARKS.md): GPT-3 XL, h=2048, l=24, 16 heads, s=2048, B=4, 
 LLaMA with SwiGLU 5504 (same parameter count). Pure bf16 weights, fused AdamW, one step =
 forward + backward + optimizer. Each (family, implementation) runs in its own subprocess so
 peak memory is its own; the matmul ceiling is measured once, in the parent.
+
+`--impls megazoo-kernels` is megazoo with its norms and GeLU routed through the csrc/Triton
+kernels of `megazoo.kernels` instead of the torch.compile'd chains of `layers/fusion.py`
+(LayerNorm: F.layer_norm), the end-to-end check of whether wiring a kernel in wins:
+
+    python bench/model_bench.py --families gpt llama --impls megazoo megazoo-kernels
 """
 from __future__ import annotations
 
@@ -56,9 +62,27 @@ def megazoo_model(family: str):
     return lambda ids: model(ids, labels=ids), model
 
 
+def use_fused_kernels() -> None:
+    """Route megazoo's LayerNorm, RMSNorm and GeLU through megazoo.kernels (this process only)."""
+    from megazoo import kernels
+    from megazoo.layers import mlp, norm
+
+    norm.LayerNorm.forward = lambda self, x: kernels.layer_norm(x, self.weight, self.bias, self.eps)
+    norm.rms_norm = kernels.rms_norm
+    zero_bias = {}
+
+    def gelu(x, approximate="none"):
+        key = (x.shape[-1], x.dtype, x.device)
+        bias = zero_bias.setdefault(key, torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device))
+        return kernels.bias_gelu(x, bias, approximate=approximate)
+    mlp.F = type("F", (), {"gelu": staticmethod(gelu)})
+
+
 def run_one(family: str, impl: str) -> dict:
     torch.manual_seed(0)
-    loss_fn, model = (megazoo_model if impl == "megazoo" else hf_model)(family)
+    if impl == "megazoo-kernels":
+        use_fused_kernels()
+    loss_fn, model = (hf_model if impl == "hf" else megazoo_model)(family)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, SHAPE["vocab"], (SHAPE["batch"], SHAPE["seq"]), device="cuda")
 
@@ -101,10 +125,10 @@ def main() -> None:
             row = json.loads(lines[-1][7:])
             row["mfu"] = row["model_tflops"] / ceiling
             rows.append(row)
-        ours = [r for r in rows if r["family"] == family and r["impl"] == "megazoo"]
         peer = [r for r in rows if r["family"] == family and r["impl"] == "hf"]
-        if ours and peer:
-            ours[0]["speedup_vs_hf"] = ours[0]["tokens_per_s"] / peer[0]["tokens_per_s"]
+        for ours in [r for r in rows if r["family"] == family and r["impl"] != "hf"]:
+            if peer:
+                ours["speedup_vs_hf"] = ours["tokens_per_s"] / peer[0]["tokens_per_s"]
     print(f"bf16 matmul ceiling: {ceiling:.0f} TFLOP/s")
     print_table(rows, ["family", "impl", "step_s", "tokens_per_s", "model_tflops", "mfu",
                        "peak_gb", "speedup_vs_hf"])
