@@ -15,15 +15,17 @@ The model (all of it stated, so a measurement can be compared part by part):
   optimizer offload they are reduced through the buckets straight to host memory.
 - optimizer states: Adam in mixed precision, fp32 master + m + v = 12 B, / Z from ZeRO-1;
   moved to the host with `--offload-optimizer cpu`, together with 4 B of fp32 gradients.
-- activations: Korthikanti et al. 2022, per layer and micro-batch, bf16:
-  s b h (34 + 5 a s / h) without parallelism; s b h (10 + 24/t + 5 a s / (h t)) with tp = t;
-  s b h / t (34 + 5 a s / h) with Megatron sequence parallelism; Ulysses divides by sp.
-  Selective recompute drops the 5 a s / h term; full recompute keeps only the block input
-  (2 s b h, / t under SP) plus one block's full activations while it is recomputed.
+- activations: what megazoo's block saves for the backward, tensor by tensor
+  (`megazoo/plan_activations.py`; GPT at tp = 1: 32 s b h bytes per block, no s x s term:
+  attention is a fused kernel and dropout is 0). Megatron sequence parallelism divides the
+  norm inputs by t; Ulysses divides everything by sp. Selective recompute drops RoPE's
+  rotated q, k and the attention output's extra copy; full recompute keeps only the block
+  input (2 s b h, / t under SP) plus one block's full activations while it is recomputed.
   The first pipeline stage holds min(p, m) micro-batches under 1F1B, times
-  (1 + (p - 1) / (p v)) when interleaved; the last stage adds the logits (bf16 2 B plus the
-  fp32 softmax 4 B saved by the loss, per element of s b V / (t sp)). The formulas are the
-  paper's GPT block; SwiGLU and GQA blocks differ a little.
+  (1 + (p - 1) / (p v)) when interleaved; the last stage adds the final norm and head inputs
+  and the loss's peak: bf16 logits, their fp32 copy and fp32 exp together (10 B per element
+  of s b V / (t sp)). (Korthikanti et al.'s s b h (34 + 5 a s / h) describes a block that
+  stores the softmax; it overestimated ours several times over for "none".)
 - communication buffers: ZeRO reduce (and, for ZeRO-1/2, all-gather) buckets of 5e8
   elements (DeepSpeed's defaults, capped at the parameters held), DDP buckets 2 x 25 MB,
   pipeline send/receive buffers; plus 1 GiB of CUDA context and library workspaces.
@@ -32,8 +34,8 @@ The model (all of it stated, so a measurement can be compared part by part):
 The claim "BLOOM-176B trains on 8x A100-80GB with ZeRO-3 + CPU optimizer offload in under
 24 GB per GPU" does not hold. Optimizer offload leaves the bf16 parameters on the GPUs:
 176.2e9 x 2 B / 8 = 44 GB per GPU before anything else. With full recompute, micro-batch 1
-and 2048 tokens the planner puts the layout at about 84 GB per GPU (44 GB of parameter
-shards, 12 GB of gathered parameters, 7 GB of a gathered gradient unit, 10.5 GB of
+and 2048 tokens the planner puts the layout at about 83.5 GB per GPU (44 GB of parameter
+shards, 12 GB of gathered parameters, 7 GB of a gathered gradient unit, 10.4 GB of
 activations, buffers and a 10% allowance), so it does not fit even the 80 GB, and the
 offloaded fp32 master weights, Adam moments and gradients (16 B per parameter) need 2.8 TB
 of host memory on the node. Offloading the parameters too (ZeRO-Infinity,
@@ -50,6 +52,7 @@ from dataclasses import asdict, dataclass, field
 from .models.build import resolve_config
 from .models.config import ModelConfig
 from .models.params import count_parameters
+from .plan_activations import activation_bytes, block_coefficients  # noqa: F401 (re-exported)
 
 GB = 1e9
 BUCKET_ELEMENTS = 5e8  # DeepSpeed reduce_bucket_size / allgather_bucket_size defaults
@@ -137,8 +140,16 @@ class MemoryEstimate:
     fits: bool
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def allocated(self) -> float:
+        """What `torch.cuda.max_memory_allocated` should show: gpu_total without the
+        fragmentation allowance (the allocator's cache, seen in memory_reserved) and without
+        the CUDA context and library workspaces (outside the caching allocator)."""
+        return (self.parameters + self.gradients + self.optimizer_states + self.activations
+                + self.communication_buffers - RUNTIME_BYTES)
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "allocated": self.allocated}
 
 
 def stage_parameters(config: ModelConfig, tp: int, pp: int) -> dict[str, int]:
@@ -161,29 +172,6 @@ def stage_parameters(config: ModelConfig, tp: int, pp: int) -> dict[str, int]:
     last = layers + head + norm
     return dict(block=block, embedding=embedding, head=head, first=first, last=last,
                 stage=max(first, last))
-
-
-def activation_bytes(config: ModelConfig, layout: TrainingLayout) -> dict[str, float]:
-    """Activation bytes of one block and one micro-batch, and of the most loaded stage."""
-    s, b, h, a = layout.seq_length, layout.micro_batch_size, config.hidden_size, config.num_attention_heads
-    t, sp = layout.tp, layout.sp
-    seq_par = layout.sequence_parallel and t > 1
-    sbh = s * b * h / sp
-    base = 34 / t if seq_par else 10 + 24 / t
-    attention = 5 * a * s / (h * t)
-    full_block = sbh * (base + attention)
-    block = {"none": full_block, "selective": sbh * base,
-             "full": 2 * sbh / (t if seq_par else 1)}[layout.recompute]
-    p, v = layout.pp, layout.vpp
-    in_flight = p if layout.num_micro_batches is None else min(p, layout.num_micro_batches)
-    factor = 1 + (p - 1) / (p * v) if v > 1 else 1.0
-    per_stage = config.num_layers // p
-    working = full_block if layout.recompute == "full" else 0.0
-    logits = s * b * config.padded_vocab(t) / (t * sp) * 6
-    first = per_stage * block * in_flight * factor + working
-    last = per_stage * block + working + logits
-    total = first + logits if p == 1 else max(first, last)
-    return dict(block=block, full_block=full_block, first=first, last=last, logits=logits, total=total)
 
 
 def estimate_memory(config: ModelConfig, layout: TrainingLayout) -> MemoryEstimate:

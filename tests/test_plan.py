@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from megazoo.models import PRESETS, ModelConfig, count_parameters
-from megazoo.plan import (GB, RUNTIME_BYTES, TrainingLayout, activation_bytes, estimate_memory,
-                          main, stage_parameters)
+from megazoo.plan import (GB, RUNTIME_BYTES, TrainingLayout, activation_bytes, block_coefficients,
+                          estimate_memory, main, stage_parameters)
 
 # A toy GPT: h=64, 2 layers, 8 heads, vocab 300 (padded 384 at tp=1, 512 at tp=2), 128 positions.
 TOY = ModelConfig(family="gpt", num_layers=2, hidden_size=64, num_attention_heads=8,
@@ -27,26 +27,53 @@ def test_stage_parameters_by_hand():
     assert pipe["last"] == BLOCK + 384 * 64 + 128  # tied head copy + final LayerNorm
 
 
-def test_activation_formula_matches_the_paper():
-    # s=128, b=2, h=64, a=8: s b h = 16,384; 5 a s / h = 80.
+def test_activation_formula_counts_our_block():
+    """Per block, what our block saves (plan_activations.py's table), not the paper's
+    s b h (34 + 5 a s / h): our attention is a fused kernel (no s x s softmax kept) and
+    dropout is 0 (no masks). TOY is a GPT block: h=64, ffn=256, MHA, learned positions."""
+    # s=128, b=2, h=64: s b h = 16,384. tp=1: norms 4 + matmul inputs 4 + qkv 6 + dense
+    # input 2 + MLP 8 + 8 = 32.
     def act(**kw):
         return activation_bytes(TOY, TrainingLayout(seq_length=128, micro_batch_size=2, **kw))
-    assert act()["block"] == 16384 * (34 + 80)
-    assert act(recompute="selective")["block"] == 16384 * 34
+    assert act()["block"] == 16384 * 32
+    assert act(recompute="selective")["block"] == 16384 * 32  # no RoPE, no extra copy: same
     assert act(recompute="full")["block"] == 2 * 16384
-    assert act(tp=2, sequence_parallel=False)["block"] == 16384 * (10 + 12 + 40)
-    assert act(tp=2)["block"] == 16384 * (17 + 40)
-    assert act(sp=2)["block"] == 8192 * (34 + 80)
-    logits = 128 * 2 * 384 * 6
-    assert act()["total"] == 2 * 16384 * 114 + logits
+    # tp=2 without SP: norms and matmul inputs full (8), the rest (24) halved.
+    assert act(tp=2, sequence_parallel=False)["block"] == 16384 * (8 + 12)
+    # tp=2 with SP: norm inputs halved (2), matmul inputs gathered (4), the rest halved (12).
+    assert act(tp=2)["block"] == 16384 * (2 + 4 + 12)
+    # sp=2: everything per s/2 tokens, plus the all-to-all's copy of the attention output.
+    assert act(sp=2)["block"] == 8192 * (32 + 2)
+    logits = 128 * 2 * 384 * 10  # bf16 logits + fp32 copy + fp32 exp in the loss's forward
+    post = 16384 * 4  # final norm input + head input
+    assert act()["logits"] == logits and act()["post"] == post
+    assert act()["total"] == 2 * 16384 * 32 + post + logits
     # Full recompute adds one block's full activations being recomputed.
-    assert act(recompute="full")["total"] == 2 * 2 * 16384 + 16384 * 114 + logits
+    assert act(recompute="full")["total"] == 2 * 2 * 16384 + 16384 * 32 + post + logits
     # 1F1B: the first of 2 stages holds 2 micro-batches of its 1 layer; interleaved x (1 + 1/4).
-    assert act(pp=2, dp=1)["first"] == 1 * 16384 * 114 * 2
+    assert act(pp=2, dp=1)["first"] == 1 * 16384 * 32 * 2
     toy4 = ModelConfig(family="gpt", num_layers=4, hidden_size=64, num_attention_heads=8,
                        vocab_size=300, max_position_embeddings=128)
     inter = activation_bytes(toy4, TrainingLayout(seq_length=128, micro_batch_size=2, pp=2, vpp=2))
-    assert inter["first"] == pytest.approx(2 * 16384 * 114 * 2 * 1.25)
+    assert inter["first"] == pytest.approx(2 * 16384 * 32 * 2 * 1.25)
+
+
+def test_activation_terms_of_llama_and_bloom():
+    """RoPE adds the rotated q, k; SwiGLU keeps gate, up and its output; ALiBi (FlexAttention)
+    an extra copy of the attention output; BLOOM the embedding LayerNorm's input."""
+    llama = ModelConfig(family="llama", num_layers=1, hidden_size=64, num_attention_heads=8,
+                        num_key_value_heads=2, ffn_hidden_size=192, vocab_size=300,
+                        max_position_embeddings=128)
+    parts = block_coefficients(llama, 1, 1, False, "none")
+    # kv = 2 heads x 8 = 16: qkv 2 (64 + 32) / 64 = 3, rope 2 (64 + 16) / 64 = 2.5, MLP 6 x 3.
+    assert parts == dict(norm_inputs=4, matmul_inputs=4, qkv=3, rope=2.5, dense_input=2,
+                         dense_copy=0, mlp=18)
+    assert block_coefficients(llama, 1, 1, False, "selective")["rope"] == 0
+    bloom = ModelConfig(family="bloom", num_layers=1, hidden_size=64, num_attention_heads=8,
+                        vocab_size=300, max_position_embeddings=128)
+    assert sum(block_coefficients(bloom, 1, 1, False, "none").values()) == 34
+    est = activation_bytes(bloom, TrainingLayout(seq_length=128, micro_batch_size=2))
+    assert est["post"] == 16384 * (4 + 2)
 
 
 def test_mixed_precision_and_zero_bytes():
@@ -66,6 +93,8 @@ def test_mixed_precision_and_zero_bytes():
                                                "activations", "communication_buffers"))
     assert plain.fragmentation == pytest.approx(0.1 * subtotal)
     assert plain.gpu_total == pytest.approx(1.1 * subtotal)
+    # What max_memory_allocated is compared with: no allowance, no CUDA context.
+    assert plain.allocated == pytest.approx(subtotal - RUNTIME_BYTES)
 
 
 def test_zero3_working_set():
