@@ -30,8 +30,9 @@ CASES = [("gpt", 1, 1, 2, 2, 1), ("llama", 2, 1, 1, 2, 2), ("bloom", 1, 2, 2, 1,
 
 
 def tiny(family: str, **extra) -> ModelConfig:
-    kv = 2 if family == "llama" else None
-    return ModelConfig(family=family, num_layers=4, hidden_size=32, num_attention_heads=4,
+    """4 layers, h 32, 4 heads; "llama" has 2 kv heads, "llama-mqa" one (replicated over tp)."""
+    kv = {"llama": 2, "llama-mqa": 1}.get(family)
+    return ModelConfig(family=family.split("-")[0], num_layers=4, hidden_size=32, num_attention_heads=4,
                        num_key_value_heads=kv, vocab_size=VOCAB, max_position_embeddings=16,
                        **extra)
 
@@ -99,9 +100,36 @@ def _check_case(case, root: str) -> list[str]:
     return errors
 
 
+def _check_crash(root: str) -> list[str]:
+    """Rank 3 fails mid-write while saving over a checkpoint: every rank raises, the old
+    checkpoint stays, no temp dir is left."""
+    cfg, path = tiny("gpt"), os.path.join(root, "crash")
+    state = ParallelState.initialize(ParallelConfig(tp=2, pp=2))
+    save_checkpoint(build_model(cfg, state, device="cpu", seed=0), path, state=state)
+    newer = build_model(cfg, state, device="cpu", seed=1)
+    real_write, errors = ckpt_files.SafetensorsWriter.write, []
+
+    def failing_write(self, key, tensor):
+        raise OSError("disk full (simulated)")
+
+    if state.global_rank == 3:
+        ckpt_files.SafetensorsWriter.write = failing_write
+    try:
+        save_checkpoint(newer, path, state=state)
+        errors.append(f"rank {state.global_rank}: a failed save did not raise")
+    except (OSError, RuntimeError):
+        pass
+    finally:
+        ckpt_files.SafetensorsWriter.write = real_write
+    ref = build_model(cfg, None, device="cpu", seed=0)
+    if not torch.equal(load_pretrained(path)(ids()), ref(ids())) or os.path.exists(path + ".tmp"):
+        errors.append(f"rank {state.global_rank}: the previous checkpoint was damaged")
+    return errors
+
+
 def check_save_and_reshard(root: str) -> list[str]:
-    """Rank side: every case of CASES on a 4-rank world (dp fills the rest)."""
-    return [e for case in CASES for e in _check_case(case, root)]
+    """Rank side: every case of CASES on a 4-rank world (dp fills the rest), then a crash."""
+    return [e for case in CASES for e in _check_case(case, root)] + _check_crash(root)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +141,8 @@ def saved(tmp_path_factory):
 
 def test_save_at_layout_load_at_other_layout(saved):
     """(tp, pp) saves (1,1) (2,1) (1,2) (2,2) -> loads at other tp/pp/vpp: weights and aux
-    exact, logits exact at one process and within TOL in parallel."""
+    exact, logits exact at one process and within TOL in parallel; a rank failing mid-save
+    makes every rank raise and keeps the previous checkpoint."""
     root, errors = saved
     assert errors == [], "\n".join(errors[:30])
     for case in CASES:
@@ -136,7 +165,7 @@ def test_reader_full_tensor_equals_one_process_parameter(saved):
             assert torch.equal(reader.full_tensor(n, "exp_avg"), aux_full[n]), n
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "llama-mqa"])
 def test_write_checkpoint_tp2_pp2_loads_as_one_process_model(tmp_path, family):
     cfg = tiny(family)
     ref = build_model(cfg, None, device="cpu", seed=0)
@@ -146,6 +175,9 @@ def test_write_checkpoint_tp2_pp2_loads_as_one_process_model(tmp_path, family):
     assert meta["format"] == "megazoo-checkpoint-1" and len(meta["files"]) == 4
     loaded = load_pretrained(tmp_path / "c")
     assert torch.equal(loaded(ids()), ref(ids()))
+    reader = CheckpointReader(tmp_path / "c")
+    for name, t in weights.items():
+        assert torch.equal(reader.full_tensor(name), t), name
 
 
 def _one_process_checkpoint(path, seed=0, **cfg_extra):
@@ -203,14 +235,20 @@ def test_missing_or_truncated_shard_is_a_clear_error(tmp_path):
     shard.unlink()
     with pytest.raises(ValueError, match="model-pp000-tp001.safetensors is missing"):
         CheckpointReader(tmp_path / "c")
+    os.rename(tmp_path / "c", tmp_path / "c.old")  # as a crash between the two renames leaves it
+    with pytest.raises(ValueError, match="previous checkpoint at .*c.old"):
+        CheckpointReader(tmp_path / "c")
     with pytest.raises(ValueError, match="not a megazoo checkpoint"):
         CheckpointReader(tmp_path)
 
 
 def test_bad_layout_or_aux_fails_before_writing(tmp_path):
     model = build_model(tiny("gpt"), None, device="cpu")
+    moments = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
     with pytest.raises(ValueError, match="not a parameter of this model"):
-        save_checkpoint(model, tmp_path / "c", aux={"m": {"nope": torch.zeros(1)}})
+        save_checkpoint(model, tmp_path / "c", aux={"m": {**moments, "nope": torch.zeros(1)}})
+    with pytest.raises(ValueError, match="lacks parameters"):
+        save_checkpoint(model, tmp_path / "c", aux={"m": {"final_norm.weight": torch.zeros(32)}})
     with pytest.raises(ValueError, match="num_heads \\(4\\) is not divisible by tp"):
         write_checkpoint(tiny("gpt"), tmp_path / "c", lambda n: None, tp=3)
     assert os.listdir(tmp_path) == []

@@ -31,7 +31,9 @@ SHAPE_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
 def _read_metadata(path: str) -> dict:
     file = os.path.join(path, METADATA_FILE)
     if not os.path.isdir(path):
-        raise ValueError(f"no checkpoint directory at {path}")
+        hint = (f" (an interrupted save left the previous checkpoint at {path}.old: rename it back)"
+                if os.path.isdir(path + ".old") else "")
+        raise ValueError(f"no checkpoint directory at {path}{hint}")
     if not os.path.isfile(file):
         raise ValueError(f"{path} is not a megazoo checkpoint: {METADATA_FILE} is missing")
     try:

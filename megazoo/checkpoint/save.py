@@ -35,11 +35,17 @@ def build_metadata(config: ModelConfig, layout: dict, dtype: torch.dtype, extra:
 
 
 def _check_aux(model: nn.Module, aux: dict) -> None:
-    """Every aux tensor names a local parameter and has its shape (ValueError otherwise)."""
+    """Every aux tensor names a local parameter and has its shape, and every stored parameter
+    has one (load and reshard expect them all) (ValueError otherwise)."""
     params = dict(model.named_parameters())
+    needed = {name for name, _ in stored_parameters(model).values()}
     for prefix, tensors in aux.items():
         if not prefix or "/" in prefix:
             raise ValueError(f"aux prefix {prefix!r} must be a non-empty name without '/'")
+        missing = sorted(needed - set(tensors))
+        if missing:
+            raise ValueError(f"aux[{prefix!r}] lacks parameters {missing[:3]} ({len(missing)} "
+                             f"in all): give a tensor for every parameter")
         for name, t in tensors.items():
             if name not in params:
                 raise ValueError(f"aux[{prefix!r}] names {name!r}, which is not a parameter of "
@@ -64,13 +70,25 @@ def _write_rank_file(model: nn.Module, file: str, aux: dict) -> None:
             writer.write(key, t)
 
 
-def _agree(ok: bool, state: ParallelState, device: torch.device) -> bool:
-    """True on every rank when `ok` is true on every rank (one all-reduce; none in one process)."""
-    if state.world_size == 1:
-        return ok
-    flag = torch.tensor([0 if ok else 1], device=device)
-    dist.all_reduce(flag)
-    return flag.item() == 0
+def _collectively(step: Callable[[], object], state: ParallelState, device: torch.device,
+                  path: str) -> object:
+    """Run `step()` on this rank, then agree (one all-reduce, which also synchronises): if
+    it raised on any rank, rank 0 removes the temp dir and every rank raises."""
+    result, error = None, None
+    try:
+        result = step()
+    except Exception as exc:  # reported to every rank below, then re-raised here
+        error = exc
+    failed = error is not None
+    if state.world_size > 1:
+        flag = torch.tensor([int(failed)], device=device)
+        dist.all_reduce(flag)
+        failed = flag.item() > 0
+    if failed:
+        if state.global_rank == 0:
+            discard(path)
+        raise error or RuntimeError(f"saving {path} failed on another rank; see its error")
+    return result
 
 
 def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = None,
@@ -79,10 +97,10 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
     """Save `model` (this rank's part of it) to the checkpoint directory `path`.
 
     Collective: every rank of `state` calls it (state None: `model.state`, else one process).
-    Ranks with dp rank 0 and sp rank 0 write their (pp, tp) file; global rank 0 writes
-    megazoo.json and renames the temp dir into place. `aux` maps a prefix ("exp_avg") to
-    {local parameter name: tensor shaped like that parameter}. Raises on every rank if any
-    rank failed to write; the previous checkpoint at `path` is then left untouched.
+    Ranks with dp rank 0 and sp rank 0 write their (pp, tp) file into `path + ".tmp"`; global
+    rank 0 writes megazoo.json and renames the temp dir into place. `aux` maps a prefix
+    ("exp_avg") to {local parameter name: tensor shaped like that parameter}, for every
+    parameter. Raises on every rank if any rank failed; `path` is then left as it was.
     """
     state = state or getattr(model, "state", None) or ParallelState.single()
     aux = aux or {}
@@ -90,37 +108,31 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
     path = os.fspath(path)
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
-    tmp, error = temp_dir(path), None
-    if state.global_rank == 0:
-        fresh_temp_dir(path)
-    if state.world_size > 1:
-        dist.barrier()
-    try:
+    lead, tmp = state.global_rank == 0, temp_dir(path)
+    _collectively(lambda: fresh_temp_dir(path) if lead else None, state, device, path)
+
+    def write() -> dict | None:
         if state.dp.rank == 0 and state.sp.rank == 0:
             _write_rank_file(model, os.path.join(tmp, rank_file(state.pp.rank, state.tp.rank)), aux)
-        if state.global_rank == 0:
-            layout = {"tp": state.tp.size, "pp": state.pp.size, "vpp": len(model.chunks)}
-            aux_dtypes = {k: next(iter(v.values())).dtype for k, v in aux.items() if v}
-            dtype = params[0].dtype if params else torch.float32
-            meta = build_metadata(model.config, layout, dtype, extra, aux_dtypes)
-    except Exception as exc:  # reported to every rank below, then re-raised here
-        error = exc
-    if not _agree(error is None, state, device):
-        if state.global_rank == 0:
-            discard(path)
-        raise error or RuntimeError("save_checkpoint failed on another rank; see its error")
-    if state.global_rank == 0:
-        try:
-            missing = [f for f in meta["files"] if not os.path.exists(os.path.join(tmp, f))]
-            if missing:
-                raise RuntimeError(f"rank files {missing} were not written")
-            write_json(os.path.join(tmp, METADATA_FILE), meta)
-            publish(path)
-        except Exception as exc:
-            error = exc
-            discard(path)
-    if not _agree(error is None, state, device):
-        raise error or RuntimeError(f"save_checkpoint: rank 0 could not publish {path}")
+        if not lead:
+            return None
+        layout = {"tp": state.tp.size, "pp": state.pp.size, "vpp": len(model.chunks)}
+        aux_dtypes = {k: next(iter(v.values())).dtype for k, v in aux.items() if v}
+        dtype = params[0].dtype if params else torch.float32
+        return build_metadata(model.config, layout, dtype, extra, aux_dtypes)
+
+    meta = _collectively(write, state, device, path)
+
+    def finish() -> None:
+        if not lead:
+            return
+        missing = [f for f in meta["files"] if not os.path.exists(os.path.join(tmp, f))]
+        if missing:
+            raise RuntimeError(f"rank files {missing} were not written")
+        write_json(os.path.join(tmp, METADATA_FILE), meta)
+        publish(path)
+
+    _collectively(finish, state, device, path)
 
 
 def write_checkpoint(config: ModelConfig, path, full_tensor: Callable[[str], torch.Tensor], *,
