@@ -1,0 +1,153 @@
+"""`FSDP2Engine`: ZeRO-3 with our pipeline schedules, through PyTorch FSDP2 (`fully_shard`).
+
+    engine = FSDP2Engine(model, state, args)       # --zero-impl fsdp2
+    result = engine.train_step(micro_batches)
+
+DeepSpeed refuses ZeRO-2/3 under pipeline parallelism; FSDP2 composes with it because each
+FSDP2 unit only hooks its own forward and backward. Each pipeline rank shards its stage over
+the dp x sp group (`fsdp_parts.shard_stage`), and `megazoo.pipeline.executor.run_pipeline`
+drives the micro-batches exactly as in the plain engine.
+
+Across micro-batches. With `reshard_after_forward=True` (the default, ZeRO-3 memory) each
+block all-gathers its parameters for every micro-batch's forward and again for its backward,
+and reduce-scatters its gradient after every micro-batch's backward into the sharded
+gradient, which FSDP2 accumulates. Gradient sync is left on for every micro-batch: under a
+1F1B schedule the last backward of a chunk is interleaved with other micro-batches' forwards,
+and the executor offers no hook to flip `set_requires_gradient_sync` just before it; turning
+sync off would hold unsharded gradients (ZeRO-1 memory) until a manual reduce. The cost is
+m reduce-scatters per block per step instead of one. `reshard_after_forward=False` keeps the
+gathered parameters from forward to backward (ZeRO-2-like memory, half the all-gathers).
+
+Precision: fp32, or bf16 compute through FSDP2's MixedPrecisionPolicy (fp32 sharded master
+weights, fp32 gradient reduction). fp16 (needs loss scaling) is not supported here.
+CPU offload: `CPUOffloadPolicy` keeps sharded parameters, gradients and AdamW state on the host.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.state import ParallelState
+from ..pipeline.executor import run_pipeline
+from .engine import Engine, StepResult
+from .fsdp_parts import clip_, complete_gradients, grad_norm, shard_mesh, shard_stage
+from .optim import param_groups
+from .schedule import learning_rate
+
+
+def check_args(args, state: ParallelState) -> None:
+    zero, cfg = args.zero, args.training
+    if zero.zero_stage not in (None, 3):
+        raise ValueError(f"--zero-impl fsdp2 shards parameters (ZeRO-3); got --zero-stage "
+                         f"{zero.zero_stage}: pass --zero-stage 3 or use --deepspeed")
+    if zero.offload_optimizer == "nvme" or zero.offload_param == "nvme":
+        raise ValueError("--zero-impl fsdp2 offloads to cpu only: use --offload-optimizer cpu "
+                         "or --deepspeed for nvme")
+    if cfg.fp16:
+        raise ValueError("--zero-impl fsdp2 has no fp16 loss scaling: use --bf16, or --deepspeed")
+    if getattr(zero, "deepspeed_config", None):
+        raise ValueError("--deepspeed_config is read by the DeepSpeed engine, not by fsdp2")
+    per_step = cfg.micro_batch_size * state.dp.size
+    if cfg.global_batch_size % per_step:
+        raise ValueError(f"--global-batch-size {cfg.global_batch_size} must divide by "
+                         f"--micro-batch-size {cfg.micro_batch_size} x dp {state.dp.size}")
+
+
+class FSDP2Engine(Engine):
+    """`FSDP2Engine(model, state, args, *, cpu_offload=None, reshard_after_forward=True)`.
+
+    `args`: `.training` (TrainingConfig) and `.zero` (ZeroConfig). `cpu_offload` None: on
+    when `--offload-optimizer cpu` or `--offload-param cpu` (FSDP2 offloads both together).
+    """
+
+    def __init__(self, model: torch.nn.Module, state: ParallelState, args, *,
+                 cpu_offload: bool | None = None, reshard_after_forward: bool = True):
+        check_args(args, state)
+        self.state, self.args, self.cfg = state, args, args.training
+        if cpu_offload is None:
+            cpu_offload = "cpu" in (args.zero.offload_optimizer, args.zero.offload_param)
+        self.device = next(model.parameters()).device
+        mesh = shard_mesh(state, self.device)
+        shard_stage(model, mesh, device=self.device, bf16=self.cfg.bf16, cpu_offload=cpu_offload,
+                    reshard_after_forward=reshard_after_forward)
+        self.model, self.cpu_offload = model, cpu_offload
+        self.optimizer = torch.optim.AdamW(
+            param_groups(model, self.cfg.weight_decay), lr=self.cfg.lr,
+            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), eps=self.cfg.adam_eps,
+            foreach=False)
+        self.steps = 0
+
+    # -- forward / backward -------------------------------------------------------------
+    def _forward_backward(self, micro_batches) -> torch.Tensor:
+        """Mean loss over the micro-batches on every stage (the last stage's, shared)."""
+        m = len(micro_batches)
+        if self.state.pp.size > 1:
+            pairs = [(b["input_ids"], b["labels"]) for b in micro_batches]
+            loss = run_pipeline(self.model, pairs, self.state, dtype=self._activation_dtype())
+        else:
+            loss = torch.zeros((), device=self.device)
+            for b in micro_batches:
+                out = self.model(b["input_ids"], labels=b["labels"])
+                (out.float() / m).backward()
+                loss += out.detach().float() / m
+        return self._from_last_stage(loss)
+
+    def _activation_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.cfg.bf16 else torch.float32
+
+    def _from_last_stage(self, loss) -> torch.Tensor:
+        out = torch.zeros((), device=self.device) if loss is None else \
+            loss.detach().float().reshape(()).to(self.device)
+        if self.state.pp.size > 1:
+            dist.all_reduce(out, group=self.state.pp.group)
+        return out
+
+    def _dp_mean(self, loss: torch.Tensor) -> float:
+        if self.state.dp.size > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss, group=self.state.dp.group)
+            loss /= self.state.dp.size
+        return float(loss)
+
+    # -- Engine interface ---------------------------------------------------------------
+    def train_step(self, micro_batches) -> StepResult:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = learning_rate(self.steps, self.cfg)
+        self.steps += 1
+        loss = self._dp_mean(self._forward_backward(micro_batches))
+        complete_gradients(self.model, self.state)
+        norm = grad_norm(self.model, self.state)
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepResult(loss, norm, lr, None, skipped=True)
+        clip_(self.model, norm, self.cfg.clip_grad)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        return StepResult(loss, norm, lr)
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches) -> float:
+        self.model.eval()
+        if self.state.pp.size > 1:
+            pairs = [(b["input_ids"], b["labels"]) for b in micro_batches]
+            loss = run_pipeline(self.model, pairs, self.state, forward_only=True,
+                                dtype=self._activation_dtype())
+            return self._dp_mean(self._from_last_stage(loss))
+        total = torch.zeros((), device=self.device)
+        for b in micro_batches:
+            total += self.model(b["input_ids"], labels=b["labels"]).float() / len(micro_batches)
+        return self._dp_mean(total)
+
+    def save(self, path: str, extra: dict) -> None:
+        from .fsdp_checkpoint import save_fsdp
+
+        save_fsdp(self, path, extra)
+
+    def load(self, path: str) -> dict:
+        from .fsdp_checkpoint import load_fsdp
+
+        return load_fsdp(self, path)

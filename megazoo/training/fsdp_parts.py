@@ -1,0 +1,136 @@
+"""Pieces of `FSDP2Engine`: the mesh, the sharding of a stage, gradient completion and norm.
+
+Sharding. Each transformer block of the stage (every chunk's blocks) is its own FSDP2 unit,
+and the stage object itself (embedding, final norm, head) the root unit, all over one
+1-D mesh made of our `dp_sp` group: every rank that holds the same tp shard of the same
+pipeline stage. FSDP2 shards each parameter along dim 0 over that mesh; tp shards stay shards.
+
+Gradient scaling. FSDP2's reduce-scatter averages over the mesh (dp x sp). The right
+reduction is "sum over sp, mean over dp" (`allreduce_gradients`), so after the whole step's
+backward passes the local gradient shards are multiplied by sp (FSDP2's
+`set_gradient_divide_factor(dp)` would do it inside the reduce-scatter, but it needs
+ReduceOp.PREMUL_SUM, which gloo lacks). Then:
+- Megatron-SP parameters (`sequence_parallel`) sum their local gradient shards over tp
+  (tp ranks holding the same dp_sp index hold the same rows of the same gradient, and the
+  reduce-scatter is linear, so summing shards equals summing the full gradients);
+- with pp > 1 and tied embeddings, the embedding (first stage) and its head copy (last
+  stage) sum their shards over `state.embedding` (both are sharded identically: same shape,
+  same mesh size, same dp_sp index on both ends of the group).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..layers.sharding import tp_dim_of
+from ..parallel.state import ParallelState
+
+
+def one_rank_groups(state: ParallelState):
+    """A process group holding only this rank (collective: every rank creates every one)."""
+    mine = None
+    for rank in range(state.world_size):
+        group = dist.new_group([rank])
+        if rank == state.global_rank:
+            mine = group
+    return mine
+
+
+def shard_mesh(state: ParallelState, device: torch.device):
+    """The 1-D device mesh over `state.dp_sp` (a one-rank group when dp x sp = 1)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not dist.is_initialized():
+        raise ValueError("FSDP2 needs torch.distributed initialised: launch with torchrun "
+                         "(or ParallelState.initialize under MASTER_ADDR / WORLD_SIZE)")
+    group = state.dp_sp.group if state.dp_sp.group is not None else one_rank_groups(state)
+    return DeviceMesh.from_group(group, device.type)
+
+
+def shard_stage(model: nn.Module, mesh, *, device: torch.device, bf16: bool,
+                cpu_offload: bool, reshard_after_forward: bool) -> None:
+    """fully_shard every block, then the stage root (in place; see the module docstring)."""
+    from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
+                                        fully_shard)
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if bf16 else MixedPrecisionPolicy()
+    # Pinned host memory needs an accelerator; on CPU-only ranks plain memory is the same.
+    offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if cpu_offload else OffloadPolicy()
+    kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload,
+                  reshard_after_forward=reshard_after_forward)
+    tags = {name: dict(vars(p)) for name, p in model.named_parameters()}
+    for block in model.layers.values():
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    # FSDP2 swaps every parameter for a new DTensor one: carry megazoo's shard tags over
+    # (tp_dim, sequence_parallel, tied_to, ...), which the gradient code and checkpoints read.
+    for name, p in model.named_parameters():
+        for key, value in tags[name].items():
+            if not hasattr(p, key):
+                setattr(p, key, value)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (or the tensor itself)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def complete_gradients(model: nn.Module, state: ParallelState) -> None:
+    """sp scaling, Megatron-SP tp sums and the tied-embedding sum, on the local shards."""
+    if state.sp.size > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                local(p.grad).mul_(state.sp.size)
+    if state.tp.size > 1 and state.config.sequence_parallel:
+        for p in model.parameters():
+            if p.grad is not None and getattr(p, "sequence_parallel", False):
+                dist.all_reduce(local(p.grad), group=state.tp.group)
+    if state.embedding.size == 1 or not getattr(model.config, "tie_word_embeddings", False):
+        return
+    weight = None
+    if model.pre_process:
+        weight = model.embedding.word_embeddings.weight
+    elif model.post_process:
+        weight = model.output_layer.weight
+    if weight is not None:
+        grad = weight.grad
+        if grad is None:  # this stage never used it this step: contribute zeros
+            grad = torch.zeros_like(local(weight))
+            dist.all_reduce(grad, group=state.embedding.group)
+        else:
+            dist.all_reduce(local(grad), group=state.embedding.group)
+
+
+def grad_norm(model: nn.Module, state: ParallelState) -> float:
+    """Global L2 norm: each rank's shards of what it counts, summed over the world.
+
+    Counted: tp-sharded parameters on every tp rank, replicated ones on tp rank 0, never the
+    tied head copy; the dp_sp shards are disjoint pieces and the stages disjoint layers, so a
+    world sum counts every element of the one-process model once (GQA kv rows replicated
+    over tp are the exception: counted once per holder)."""
+    total = torch.zeros((), dtype=torch.float32)
+    for p in model.parameters():
+        if p.grad is None or getattr(p, "tied_to", None):
+            continue
+        if tp_dim_of(p) is None and state.tp.rank != 0:
+            continue
+        total += local(p.grad).float().square().sum().cpu()
+    device = next(model.parameters()).device
+    total = total.to(local(next(model.parameters())).device if device.type != "meta" else "cpu")
+    if state.world_size > 1:
+        dist.all_reduce(total)
+    value = float(total)
+    return math.sqrt(value) if math.isfinite(value) else value
+
+
+def clip_(model: nn.Module, norm: float, max_norm: float) -> None:
+    if max_norm <= 0 or not math.isfinite(norm) or norm <= max_norm:
+        return
+    factor = max_norm / (norm + 1e-6)
+    for p in model.parameters():
+        if p.grad is not None:
+            local(p.grad).mul_(factor)
