@@ -28,6 +28,13 @@ collectives on a background thread (tests).
 Chunks are whole kv groups, so k must divide KS (the kv groups per rank after the split);
 `num_chunks=None` picks the largest divisor of KS up to 4. With one kv group per rank (GQA
 with few kv heads) k = 1: the same results, without overlap.
+
+Memory: the same as UlyssesAttention (each chunk's attention keeps what the kernel keeps;
+together they keep what one call over all heads keeps). Not for use under activation
+checkpointing (block.py's selective recompute): the per-chunk graphs live on the Function's
+context, outside checkpoint's saved-tensor hooks' bookkeeping. ParallelAttention and the
+models still build UlyssesAttention; use this class where the attention is built directly
+(bench/ulysses_bench.py) until the model takes an attention class.
 """
 from __future__ import annotations
 
