@@ -92,6 +92,10 @@ def test_crash_mid_save_keeps_previous_checkpoint(data, tmp_path, monkeypatch):
     assert np.isfinite(out["valid_loss"])
 
 
+FP16 = ("--fp16", "--train-iters", "2", "--lr-decay-iters", "6", "--micro-batch-size", "1")
+FP16_PP = FP16 + ("--pipeline-model-parallel-size", "2")
+
+
 def _two_rank_run(argv_sets):
     return [run_training(argv) for argv in argv_sets]
 
@@ -104,9 +108,13 @@ def test_tp2_and_pp2_match_one_rank_and_tp1_checkpoint_loads_at_tp2(data, refere
             tiny_argv(data, "--pipeline-model-parallel-size", "2", "--train-iters", "3",
                       "--lr-decay-iters", "6", "--micro-batch-size", "1"),
             tiny_argv(data, "--tensor-model-parallel-size", "2", "--load", str(save),
-                      "--eval-only")]
+                      "--eval-only"),
+            tiny_argv(data, *FP16_PP)]
+    ref_fp16 = run_training(tiny_argv(data, *FP16))["losses"]
     for rank_out in run_distributed(_two_rank_run, 2, runs, timeout=240):
-        tp2, pp2, tp2_eval = rank_out
+        tp2, pp2, tp2_eval, pp2_fp16 = rank_out
+        # fp16 loss scaling inside the pipeline's own backward; fp16 rounding: 1e-3
+        assert pp2_fp16["losses"] == pytest.approx(ref_fp16, rel=1e-3)
         assert tp2["losses"] == pytest.approx(ref["losses"][:3], rel=1e-5)
         assert pp2["losses"] == pytest.approx(ref["losses"][:3], rel=1e-5)
         assert tp2_eval["valid_loss"] == pytest.approx(ref_valid, rel=1e-5)
@@ -124,6 +132,12 @@ def test_fp16_overflow_skips_steps_and_backs_off(data):
         if clean == 2:
             scale, clean = scale * 2, 0
         assert s.loss_scale == scale and np.isnan(s.grad_norm) == s.skipped
+
+
+def test_bf16_autocast_trains_close_to_fp32(data, reference):
+    """bf16 matmuls (8-bit mantissa) over fp32 weights: the first losses within 2%."""
+    out = run_training(tiny_argv(data, "--bf16", "--train-iters", "3", "--lr-decay-iters", "6"))
+    assert out["losses"] == pytest.approx(reference[0]["losses"][:3], rel=2e-2)
 
 
 def test_skipped_fp16_step_leaves_weights_untouched(data):

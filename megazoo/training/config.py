@@ -23,7 +23,7 @@ class TrainingConfig:
     """Sequences per micro-batch on one data-parallel rank."""
     global_batch_size: int = 16
     """Sequences per optimizer step over all data-parallel ranks (accumulation fills it)."""
-    train_iters: int = 400
+    train_iters: int = 500
     """Optimizer steps to train for."""
     lr: float = 3e-3
     """Peak learning rate (reached after the warmup)."""
@@ -138,7 +138,7 @@ class CheckpointConfig:
 class LoggingConfig:
     """What is printed and recorded."""
 
-    log_interval: int = 10
+    log_interval: int = 50
     """Log every this many iterations."""
     eval_interval: int = 100
     """Validation loss every this many iterations (and at the end)."""

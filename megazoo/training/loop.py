@@ -48,11 +48,12 @@ def _barrier(state: ParallelState):
 
 
 def _device() -> torch.device:
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
+    """This rank's accelerator (LOCAL_RANK) when there is one, else the CPU."""
+    if not torch.accelerator.is_available():
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.accelerator.set_device_index(index)
+    return torch.device(torch.accelerator.current_accelerator().type, index)
 
 
 def setup(args: PretrainArgs, print_fn=print) -> Run:
@@ -79,6 +80,10 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     if args.checkpoint.load:
         extra = load_training_checkpoint(engine, args.checkpoint.load)
         start = int(extra.get("iteration", 0))
+        consumed = int(extra.get("consumed_samples", start * args.training.global_batch_size))
+        if consumed != start * args.training.global_batch_size:
+            raise ValueError(f"the checkpoint consumed {consumed} samples in {start} iterations; "
+                             f"resume with --global-batch-size {consumed // max(start, 1)}")
         log(f"resumed from {args.checkpoint.load} at iteration {start}")
     elif args.logging.eval_only:
         raise ValueError("--eval-only needs --load DIR (the checkpoint to evaluate)")
