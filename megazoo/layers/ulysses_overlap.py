@@ -30,9 +30,10 @@ Chunks are whole kv groups, so k must divide KS (the kv groups per rank after th
 with few kv heads) k = 1: the same results, without overlap.
 
 Memory: the same as UlyssesAttention (each chunk's attention keeps what the kernel keeps;
-together they keep what one call over all heads keeps). Not for use under activation
-checkpointing (block.py's selective recompute): the per-chunk graphs live on the Function's
-context, outside checkpoint's saved-tensor hooks' bookkeeping. ParallelAttention and the
+together they keep what one call over all heads keeps). Untested under activation
+checkpointing (block.py's selective recompute wraps the attention in non-reentrant
+checkpoint, whose saved-tensor hooks would see the per-chunk graphs this Function keeps on
+its context): do not wrap it in checkpoint before that is tested. ParallelAttention and the
 models still build UlyssesAttention; use this class where the attention is built directly
 (bench/ulysses_bench.py) until the model takes an attention class.
 """
