@@ -77,3 +77,44 @@ def test_zero_with_tp_and_ulysses_sp():
     for r in results:
         for (par, runs), layout in zip(TP_SP_LAYOUTS, r):
             assert_close_runs(layout, [run["name"] for run in runs], str(par))
+
+
+TP2 = ParallelConfig(tp=2)
+ZERO3_OFFLOAD = {"zero_stage": 3, "offload_optimizer": "cpu"}
+ZERO1 = {"zero_stage": 1}
+
+
+def _convert(load, out, *flags):
+    script = os.path.join(os.path.dirname(__file__), "..", "checkpoints_tools", "zero_to_megazoo.py")
+    proc = subprocess.run([sys.executable, script, "--load", load, "--out", out, *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_save_resume_and_convert(tmp_path):
+    """tp=2 x dp=2 (4 ranks): ZeRO-3 + CPU offload and ZeRO-1 save at step 2; a fresh process
+    group resumes ZeRO-3 and repeats steps 3-4 (rtol 1e-5: the same computation from the
+    same restored state); both checkpoints convert to megazoo checkpoints whose one-process
+    loss equals the engine's eval loss at save time (rtol 1e-5: fp32 masters, same math)."""
+    z3, z1 = str(tmp_path / "z3"), str(tmp_path / "z1")
+    saved = run_distributed(ranks.deepspeed_save_many, 4,
+                            [(TP2, z3, ZERO3_OFFLOAD), (TP2, z1, ZERO1)], timeout=TIMEOUT)[0]
+    with open(os.path.join(z3, "megazoo.json")) as f:
+        meta = json.load(f)
+    assert meta["format"] == "megazoo-deepspeed-1" and meta["extra"]["note"] == "test"
+    resumed = run_distributed(ranks.deepspeed_resume, 4, TP2, z3, ZERO3_OFFLOAD,
+                              timeout=TIMEOUT)[0]
+    assert resumed["extra"]["iteration"] == 2 and resumed["steps"] == 4
+    for (l0, n0), (l1, n1) in zip(saved[0]["after"], resumed["after"]):
+        assert l1 == pytest.approx(l0, rel=1e-5) and n1 == pytest.approx(n0, rel=1e-5)
+    for job, path in zip(saved, (z3, z1)):
+        _convert(path, path + "_mz")
+        assert ranks.one_process_probe(path + "_mz", 2) == pytest.approx(job["probe"], rel=1e-5)
+
+
+def test_convert_rejects_plain_folder(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..",
+                           "checkpoints_tools", "zero_to_megazoo.py"), "--load", str(tmp_path),
+                           "--out", str(tmp_path / "o")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "megazoo.json is missing" in proc.stderr

@@ -126,3 +126,23 @@ def with_sp(par: ParallelConfig, **changes) -> ParallelConfig:
 def deepspeed_layouts(layouts: list[tuple[ParallelConfig, list[dict]]], steps: int = 3) -> list:
     """`deepspeed_runs` for several layouts in one process group (one spawn)."""
     return [deepspeed_runs(par, runs, steps) for par, runs in layouts]
+
+
+def deepspeed_save_many(jobs: list[tuple[ParallelConfig, str, dict]]) -> list[dict]:
+    return [deepspeed_save(par, path, run) for par, path, run in jobs]
+
+
+def one_process_probe(path: str, dp: int) -> float:
+    """Loss of a megazoo checkpoint (one process) on `batches(99)` of each dp rank, averaged
+    like DeepSpeedEngine.eval_loss."""
+    from types import SimpleNamespace
+
+    import megazoo
+
+    model = megazoo.load_pretrained(path, state=None, device="cpu")
+    losses = []
+    with torch.no_grad():
+        for r in range(dp):
+            mbs = batches(99, SimpleNamespace(dp=SimpleNamespace(rank=r)))
+            losses += [float(model(b["input_ids"], labels=b["labels"])) / len(mbs) for b in mbs]
+    return sum(losses) / dp
