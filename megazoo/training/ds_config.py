@@ -67,6 +67,10 @@ def _zero_flags(ds: dict, zero, source: str) -> None:
                    f"--{name.replace('_', '-')}", source)
     zo = ds.setdefault("zero_optimization", {})
     zo.setdefault("stage", 0)
+    param_dev = (zo.get("offload_param") or {}).get("device", "none")
+    if param_dev not in (None, "none") and zo["stage"] != 3:
+        raise ValueError(f"parameter offload ({param_dev}) needs ZeRO stage 3, but the stage is "
+                         f"{zo['stage']}: pass --zero-stage 3 or drop --offload-param")
     for key in ("offload_optimizer", "offload_param"):
         section = zo.get(key)
         if isinstance(section, dict) and section.get("device") == "nvme":

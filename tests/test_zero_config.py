@@ -1,0 +1,92 @@
+"""DeepSpeed config merging (`megazoo.training.ds_config`), without processes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megazoo.models import ModelConfig
+from megazoo.parallel import ParallelConfig
+from megazoo.training.config import PretrainArgs, TrainingConfig
+from megazoo.training.ds_config import build_ds_config
+from megazoo.training.zero_config import ZeroConfig
+
+
+def args(tmp_path=None, ds: dict | None = None, training=None, **zero):
+    if ds is not None:
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps(ds))
+        zero["deepspeed_config"] = str(path)
+    zero.setdefault("deepspeed", True)
+    training = training or TrainingConfig(micro_batch_size=4, global_batch_size=32)
+    return PretrainArgs(model=ModelConfig(), parallel=ParallelConfig(), training=training,
+                        zero=ZeroConfig(**zero))
+
+
+def test_flags_only():
+    ds = build_ds_config(args(zero_stage=3, offload_optimizer="cpu"), dp=2)
+    assert ds["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["train_batch_size"] == 32
+    assert ds["gradient_accumulation_steps"] == 4 and ds["gradient_clipping"] == 1.0
+    assert ds["bf16"] == {"enabled": False} and ds["fp16"] == {"enabled": False}
+
+
+def test_json_and_agreeing_flags(tmp_path):
+    user = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto",
+            "train_batch_size": 32, "gradient_clipping": 1.0,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
+                                                                    "pin_memory": True},
+                                  "overlap_comm": True}}
+    training = TrainingConfig(micro_batch_size=4, global_batch_size=32, bf16=True)
+    ds = build_ds_config(args(tmp_path, user, training, zero_stage=2), dp=2)
+    zo = ds["zero_optimization"]
+    assert zo["stage"] == 2 and zo["overlap_comm"] and zo["offload_optimizer"]["pin_memory"]
+    assert ds["gradient_accumulation_steps"] == 4 and ds["bf16"]["enabled"] is True
+
+
+@pytest.mark.parametrize("user, zero, words", [
+    ({"zero_optimization": {"stage": 1}}, {"zero_stage": 3}, ["stage = 1", "--zero-stage", "3"]),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+     {"offload_optimizer": "cpu"}, ["'nvme'", "--offload-optimizer", "'cpu'"]),
+    ({"train_micro_batch_size_per_gpu": 2}, {}, ["= 2", "--micro-batch-size 4"]),
+    ({"train_batch_size": 64}, {}, ["= 64", "--global-batch-size 32"]),
+    ({"gradient_accumulation_steps": 8}, {}, ["= 8", "dp 2"]),
+    ({"gradient_clipping": 0.5}, {}, ["= 0.5", "--clip-grad 1.0"]),
+    ({"bf16": {"enabled": True}}, {}, ["bf16.enabled = True", "--bf16"]),
+    ({"optimizer": {"type": "Adam"}}, {}, ["optimizer", "remove"]),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, {},
+     ["--nvme-path"]),
+    ({}, {"zero_stage": 2, "offload_param": "cpu"}, ["stage 3", "2"]),
+])
+def test_conflicts_name_both_values(tmp_path, user, zero, words):
+    with pytest.raises(ValueError) as err:
+        build_ds_config(args(tmp_path, user, **zero), dp=2)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def test_bad_json_and_batch_sizes(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        build_ds_config(args(deepspeed_config=str(bad)), dp=1)
+    with pytest.raises(ValueError, match="no such file"):
+        build_ds_config(args(deepspeed_config=str(tmp_path / "missing.json")), dp=1)
+    with pytest.raises(ValueError, match="must divide by"):
+        build_ds_config(args(), dp=3)
+
+
+def test_engines_refuse_bad_layouts_before_collectives():
+    from megazoo.parallel.state import ParallelState
+    from megazoo.training.fsdp import check_args
+    from megazoo.training.zero import check_layout
+
+    state = ParallelState.single(ParallelConfig())
+    with pytest.raises(ValueError, match="zero-impl fsdp2"):
+        check_layout(type("S", (), {"pp": type("G", (), {"size": 2})()})())
+    with pytest.raises(ValueError, match="--zero-stage 3"):
+        check_args(args(zero_impl="fsdp2", deepspeed=False, zero_stage=2), state)
+    with pytest.raises(ValueError, match="fp16"):
+        check_args(args(training=TrainingConfig(fp16=True), zero_impl="fsdp2",
+                        deepspeed=False), state)
