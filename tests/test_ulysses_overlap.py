@@ -61,3 +61,12 @@ def _same_as_plain(chunks):
 
 def test_overlap_equals_plain_ulysses_sp2():
     assert all(run_distributed(_same_as_plain, 2, 4, timeout=60))
+
+
+# On 2 GPUs: sp = 2, NCCL (the asynchronous all-to-alls on the communication stream, the case
+# the overlap is for), the auto backend; tolerances of attention_checks for CUDA.
+@pytest.mark.gpu(count=2)
+def test_overlap_matches_single_process_nccl():
+    results = run_distributed(attention_checks.check_ulysses_overlap, 2, "cuda", timeout=600,
+                              backend="nccl")
+    assert max(w for w, _ in results) < 2e-3
