@@ -2,7 +2,8 @@
 
 4 ranks, 4-layer GPT, 2 micro-batches per step, 3 steps, same seed and batches:
 pp=2 x dp=2 (with and without CPU offload), pp=2 x Ulysses sp=2 (sharded over dp x sp),
-pp=2 x tp=2 with Megatron SP (tp sums of SP gradients; dp x sp = 1, a one-rank mesh).
+pp=2 x tp=2 with Megatron SP (tp sums of SP gradients; dp x sp = 1, a one-rank mesh);
+save / load, also into PlainEngine.
 
 Tolerance: fp32 throughout; FSDP2 reduce-scatters flat shards where the plain engine
 all-reduces whole gradients, and sums the norm in another order: rounding only. Losses agree
@@ -25,12 +26,21 @@ LAYOUTS = [
 ]
 
 
-def fsdp_layouts(layouts):
-    return [ranks.fsdp_runs(par, runs) for par, runs in layouts]
+def fsdp_layouts(layouts, path):
+    return [ranks.fsdp_runs(par, runs) for par, runs in layouts], \
+        ranks.fsdp_save_resume(ParallelConfig(pp=2), path)
 
 
-def test_fsdp2_pipeline_matches_plain():
-    results = run_distributed(fsdp_layouts, 4, LAYOUTS, timeout=300)
-    for r in results:
-        for (par, runs), layout in zip(LAYOUTS, r):
+def test_fsdp2_pipeline_matches_plain_and_resumes(tmp_path):
+    """One 4-rank spawn: the layouts above, then save / load at pp=2 x dp=2 (with CPU
+    offload when saving): a fresh FSDP2 engine and a PlainEngine loading the checkpoint
+    repeat steps 3-4 of the run that saved it (rtol 1e-5: same state, same math)."""
+    results = run_distributed(fsdp_layouts, 4, LAYOUTS, str(tmp_path / "ck"), timeout=300)
+    for layouts, resume in results:
+        for (par, runs), layout in zip(LAYOUTS, layouts):
             assert_close_runs(layout, [run["name"] for run in runs], str(par))
+        assert resume["extra"]["iteration"] == 2
+        for name in ("resumed", "plain"):
+            for (l0, n0), (l1, n1) in zip(resume["after"], resume[name]):
+                assert l1 == pytest.approx(l0, rel=1e-5), (name, l1, l0)
+                assert n1 == pytest.approx(n0, rel=1e-5), (name, n1, n0)

@@ -146,3 +146,29 @@ def one_process_probe(path: str, dp: int) -> float:
             mbs = batches(99, SimpleNamespace(dp=SimpleNamespace(rank=r)))
             losses += [float(model(b["input_ids"], labels=b["labels"])) / len(mbs) for b in mbs]
     return sum(losses) / dp
+
+
+def fsdp_engine(par: ParallelConfig, num_layers: int = 4, **kw):
+    from megazoo.training.fsdp import FSDP2Engine
+
+    state = state_for(par)
+    args = make_args(par, state.dp.size, num_layers, zero_impl="fsdp2", zero_stage=3)
+    model = build_model(args.model, state, device="cpu", seed=args.training.seed)
+    return FSDP2Engine(model, state, args, **kw), state, args
+
+
+def fsdp_save_resume(par: ParallelConfig, path: str) -> dict:
+    """FSDP2: steps 0-1, save, steps 2-3; a new engine (fresh model) loads and repeats 2-3;
+    PlainEngine loads the same checkpoint and repeats 2-3 too."""
+    from megazoo.training.plain import PlainEngine
+
+    engine, state, _ = fsdp_engine(par, cpu_offload=True)
+    train(engine, state, range(2))
+    engine.save(path, {"iteration": 2})
+    after = train(engine, state, range(2, 4))
+    fresh, state, args = fsdp_engine(par)
+    extra = fresh.load(path)
+    plain = PlainEngine(build_model(args.model, state, device="cpu", seed=123), state, args)
+    plain.load(path)
+    return {"after": after, "resumed": train(fresh, state, range(2, 4)),
+            "plain": train(plain, state, range(2, 4)), "extra": extra}

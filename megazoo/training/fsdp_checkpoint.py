@@ -1,0 +1,82 @@
+"""FSDP2Engine checkpoints: ordinary megazoo checkpoints (safetensors + megazoo.json).
+
+`save_fsdp` all-gathers each parameter and AdamW moment over the dp x sp mesh
+(`DTensor.full_tensor`, collective), puts them into a meta-built twin of the stage (same
+names and tp shard tags), and calls `megazoo.checkpoint.save_checkpoint` with the moments as
+aux tensors `exp_avg` / `exp_avg_sq` -- the same contents as `PlainEngine.save`, so either
+engine resumes the other's checkpoints, and any layout loads the weights. `load_fsdp` loads
+into a CPU twin with `load_model_weights` and copies each rank's dim-0 shard into the FSDP2
+parameters and fresh AdamW state (no communication: every rank slices the full tensor).
+Memory: one full stage (plus moments) per rank while saving or loading.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..models import build_model
+from .fsdp_parts import local
+
+AUX = ("exp_avg", "exp_avg_sq")
+
+
+def _retag(model: torch.nn.Module, tags: dict) -> None:
+    for name, p in model.named_parameters():
+        for key, value in tags[name].items():
+            if not hasattr(p, key):
+                setattr(p, key, value)
+
+
+def _full(t) -> torch.Tensor:
+    return t.full_tensor().cpu() if hasattr(t, "full_tensor") else t.detach().cpu()
+
+
+def _adam_step(optimizer) -> int:
+    for st in optimizer.state.values():
+        return int(st["step"])
+    return 0
+
+
+def save_fsdp(engine, path: str, extra: dict) -> None:
+    from ..checkpoint import save_checkpoint
+
+    model, state, opt = engine.model, engine.state, engine.optimizer
+    weights, aux = {}, {prefix: {} for prefix in AUX}
+    for name, p in model.named_parameters():  # same order on every rank: matched gathers
+        weights[name] = _full(p)
+        st = opt.state.get(p, {})
+        for prefix in AUX:
+            aux[prefix][name] = _full(st[prefix]) if prefix in st else torch.zeros_like(weights[name])
+    twin = build_model(model.config, state, device="meta")
+    tags = {n: dict(vars(p)) for n, p in twin.named_parameters()}
+    twin.load_state_dict(weights, assign=True)
+    _retag(twin, tags)
+    meta = {"steps": engine.steps, "adam_step": _adam_step(opt), "scaler": None}
+    save_checkpoint(twin, path, state=state, extra={**extra, "engine": meta}, aux=aux)
+
+
+def _shard_like(full: torch.Tensor, p):
+    """This rank's FSDP2 shard of `full`, as a DTensor placed like `p` (no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(local(p).device, local(p).dtype), p.device_mesh,
+                             p.placements, src_data_rank=None)
+
+
+def load_fsdp(engine, path: str) -> dict:
+    from ..checkpoint import load_model_weights
+
+    model, state, opt = engine.model, engine.state, engine.optimizer
+    twin = build_model(model.config, state, device="cpu")
+    meta, aux = load_model_weights(twin, path, state=state, aux_prefixes=AUX)
+    extra = meta.get("extra") or {}
+    info = extra.get("engine", {})
+    step = int(info.get("adam_step", 0))
+    full = dict(twin.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local(p).copy_(local(_shard_like(full[name], p)))
+            if step > 0:
+                opt.state[p] = {"step": torch.tensor(float(step)),
+                                **{prefix: _shard_like(aux[prefix][name], p) for prefix in AUX}}
+    engine.steps = int(info.get("steps", 0))
+    return extra
