@@ -46,7 +46,7 @@ class ZeroMPU(DeepSpeedMPU):
 
     def __init__(self, state: ParallelState):
         super().__init__(state)
-        self._self_group = None
+        self._self_group = dist.group.WORLD  # a world of one rank
         if state.world_size > 1:  # collective: every rank creates every one-rank group
             for rank in range(state.world_size):
                 group = dist.new_group([rank])
@@ -66,6 +66,21 @@ class ZeroMPU(DeepSpeedMPU):
 
 for _prefix, _attr in {**_NAMES, "data_parallel": "dp_sp"}.items():
     setattr(ZeroMPU, f"get_{_prefix}_group", lambda self, _a=_attr: self.group_of(_a))
+
+
+def ensure_process_group(state: ParallelState, device: torch.device) -> None:
+    """DeepSpeed needs torch.distributed even on one process: a one-rank group when none
+    exists (a plain `python pretrain_gpt.py --deepspeed`)."""
+    if dist.is_initialized():
+        return
+    if state.world_size > 1:
+        raise ValueError("torch.distributed is not initialised but the state has "
+                         f"{state.world_size} ranks: build the ParallelState after init")
+    import tempfile
+
+    store = tempfile.NamedTemporaryFile(prefix="megazoo_ds_store_", delete=False).name
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"file://{store}", rank=0, world_size=1)
 
 
 def tag_tensor_parallel(model: nn.Module, state: ParallelState) -> None:
