@@ -15,7 +15,8 @@ gradient, which FSDP2 accumulates. Gradient sync is left on for every micro-batc
 1F1B schedule the last backward of a chunk is interleaved with other micro-batches' forwards,
 and the executor offers no hook to flip `set_requires_gradient_sync` just before it; turning
 sync off would hold unsharded gradients (ZeRO-1 memory) until a manual reduce. The cost is
-m reduce-scatters per block per step instead of one. `reshard_after_forward=False` keeps the
+m reduce-scatters per block per step instead of one. Without a pipeline (pp = 1) the engine
+syncs only on the last micro-batch. `reshard_after_forward=False` keeps the
 gathered parameters from forward to backward (ZeRO-2-like memory, half the all-gathers).
 
 Precision: fp32, or bf16 compute through FSDP2's MixedPrecisionPolicy (fp32 sharded master
@@ -56,18 +57,21 @@ def check_args(args, state: ParallelState) -> None:
 
 
 class FSDP2Engine(Engine):
-    """`FSDP2Engine(model, state, args, *, cpu_offload=None, reshard_after_forward=True)`.
+    """`FSDP2Engine(model, state, args, *, cpu_offload=None, reshard_after_forward=None)`.
 
     `args`: `.training` (TrainingConfig) and `.zero` (ZeroConfig). `cpu_offload` None: on
-    when `--offload-optimizer cpu` or `--offload-param cpu` (FSDP2 offloads both together).
+    when `--offload-optimizer cpu` or `--offload-param cpu` (FSDP2 offloads both together);
+    `reshard_after_forward` None: `args.zero.fsdp_reshard_after_forward`.
     """
 
     def __init__(self, model: torch.nn.Module, state: ParallelState, args, *,
-                 cpu_offload: bool | None = None, reshard_after_forward: bool = True):
+                 cpu_offload: bool | None = None, reshard_after_forward: bool | None = None):
         check_args(args, state)
         self.state, self.args, self.cfg = state, args, args.training
         if cpu_offload is None:
             cpu_offload = "cpu" in (args.zero.offload_optimizer, args.zero.offload_param)
+        if reshard_after_forward is None:
+            reshard_after_forward = getattr(args.zero, "fsdp_reshard_after_forward", True)
         self.device = next(model.parameters()).device
         mesh = shard_mesh(state, self.device)
         shard_stage(model, mesh, device=self.device, bf16=self.cfg.bf16, cpu_offload=cpu_offload,
@@ -88,7 +92,10 @@ class FSDP2Engine(Engine):
             loss = run_pipeline(self.model, pairs, self.state, dtype=self._activation_dtype())
         else:
             loss = torch.zeros((), device=self.device)
-            for b in micro_batches:
+            for i, b in enumerate(micro_batches):
+                # No pipeline: the last micro-batch's backward is known, so reduce-scatter
+                # only there (earlier ones accumulate unsharded gradients locally).
+                self.model.set_requires_gradient_sync(i == m - 1)
                 out = self.model(b["input_ids"], labels=b["labels"])
                 (out.float() / m).backward()
                 loss += out.detach().float() / m

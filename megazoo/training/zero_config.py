@@ -30,6 +30,9 @@ class ZeroConfig:
     """Folder for nvme offload."""
     zero_impl: str = "none"
     """"none" (plain data parallel), "deepspeed", or "fsdp2" (ZeRO-3 with pipelines)."""
+    fsdp_reshard_after_forward: bool = True
+    """fsdp2: free gathered parameters after each forward (ZeRO-3 memory); with
+    --no-fsdp-reshard-after-forward they stay until the backward (fewer all-gathers)."""
 
     def __post_init__(self) -> None:
         if self.deepspeed and self.zero_impl == "none":
