@@ -50,12 +50,17 @@ DP_RUNS = [
 ]
 
 
-def test_zero_stages_match_plain_dp2():
-    """dp=2: ZeRO-1/2/3, CPU offload with DeepSpeedCPUAdam and with torch AdamW."""
-    results = run_distributed(ranks.deepspeed_runs, 2, ParallelConfig(), DP_RUNS,
-                              timeout=TIMEOUT)
+def test_zero_stages_match_plain_dp2(tmp_path):
+    """dp=2: ZeRO-1/2/3, CPU offload with DeepSpeedCPUAdam and with torch AdamW, and a user
+    JSON (ZeRO-2, tiny buckets so gradients cross bucket boundaries, "auto" batch size)."""
+    user = {"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 1000,
+                                  "allgather_bucket_size": 1000},
+            "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 1.0}
+    (tmp_path / "ds.json").write_text(json.dumps(user))
+    runs = DP_RUNS + [{"name": "json_zero2", "deepspeed_config": str(tmp_path / "ds.json")}]
+    results = run_distributed(ranks.deepspeed_runs, 2, ParallelConfig(), runs, timeout=TIMEOUT)
     for r in results:
-        assert_close_runs(r, [run["name"] for run in DP_RUNS], "dp=2")
+        assert_close_runs(r, [run["name"] for run in runs], "dp=2")
     assert results[0]["zero2_offload:cpu_adam"] is True
     assert results[0]["zero1_offload_torch:cpu_adam"] is False
     assert results[0]["plain"] == results[1]["plain"]  # the same value on every rank
