@@ -42,7 +42,7 @@ from ..parallel.state import ParallelState
 from .ds_config import build_ds_config, offload_device, zero_stage
 from .engine import Engine, StepResult
 from .schedule import learning_rate
-from .zero_setup import (ZeroMPU, build_optimizer, ensure_process_group,
+from .zero_setup import (ZeroMPU, build_optimizer, check_nvme, ensure_process_group,
                          sum_sequence_parallel_grads, tag_tensor_parallel, use_accelerator_of)
 
 DS_FORMAT = "megazoo-deepspeed-1"
@@ -74,6 +74,7 @@ class DeepSpeedEngine(Engine):
         if zero_stage(self.ds_config) == 0 and offload_device(self.ds_config) != "none":
             raise ValueError("optimizer offload needs ZeRO stage 1-3: pass --zero-stage")
         use_accelerator_of(device)
+        check_nvme(self.ds_config)
         ensure_process_group(state, device)
         import deepspeed
 

@@ -83,6 +83,18 @@ def ensure_process_group(state: ParallelState, device: torch.device) -> None:
                             init_method=f"file://{store}", rank=0, world_size=1)
 
 
+def check_nvme(ds: dict) -> None:
+    """NVMe offload needs DeepSpeed's async_io op (libaio): say so before any collective."""
+    zo = ds.get("zero_optimization", {})
+    if not any((zo.get(k) or {}).get("device") == "nvme" for k in ("offload_optimizer", "offload_param")):
+        return
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        raise ValueError("nvme offload needs DeepSpeed's async_io op, which cannot build here "
+                         "(install libaio-dev, e.g. apt-get install libaio-dev), or offload to cpu")
+
+
 def tag_tensor_parallel(model: nn.Module, state: ParallelState) -> None:
     """Mark tp shards `tensor_model_parallel` for DeepSpeed's gradient norm."""
     for p in model.parameters():
