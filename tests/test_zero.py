@@ -97,13 +97,14 @@ def _convert(load, out, *flags):
 
 
 def test_save_resume_and_convert(tmp_path):
-    """tp=2 x dp=2 (4 ranks): ZeRO-3 + CPU offload and ZeRO-1 save at step 2; a fresh process
-    group resumes ZeRO-3 and repeats steps 3-4 (rtol 1e-5: the same computation from the
-    same restored state); both checkpoints convert to megazoo checkpoints whose one-process
-    loss equals the engine's eval loss at save time (rtol 1e-5: fp32 masters, same math)."""
-    z3, z1 = str(tmp_path / "z3"), str(tmp_path / "z1")
-    saved = run_distributed(ranks.deepspeed_save_many, 4,
-                            [(TP2, z3, ZERO3_OFFLOAD), (TP2, z1, ZERO1)], timeout=TIMEOUT)[0]
+    """4 ranks: ZeRO-3 + CPU offload and ZeRO-1 at tp=2 x dp=2, ZeRO-2 at Ulysses sp=2 x dp=2,
+    each saved at step 2; a fresh process group resumes the ZeRO-3 one and repeats steps 3-4
+    (rtol 1e-5: the same computation from the same restored state); all three convert to
+    megazoo checkpoints whose one-process loss equals the engine's eval loss at save time
+    (rtol 1e-5: fp32 masters, the same math in one process)."""
+    z3, z1, z2 = str(tmp_path / "z3"), str(tmp_path / "z1"), str(tmp_path / "z2sp")
+    jobs = [(TP2, z3, ZERO3_OFFLOAD), (TP2, z1, ZERO1), (ParallelConfig(sp=2), z2, {"zero_stage": 2})]
+    saved = run_distributed(ranks.deepspeed_save_many, 4, jobs, timeout=TIMEOUT)[0]
     with open(os.path.join(z3, "megazoo.json")) as f:
         meta = json.load(f)
     assert meta["format"] == "megazoo-deepspeed-1" and meta["extra"]["note"] == "test"
@@ -112,7 +113,7 @@ def test_save_resume_and_convert(tmp_path):
     assert resumed["extra"]["iteration"] == 2 and resumed["steps"] == 4
     for (l0, n0), (l1, n1) in zip(saved[0]["after"], resumed["after"]):
         assert l1 == pytest.approx(l0, rel=1e-5) and n1 == pytest.approx(n0, rel=1e-5)
-    for job, path in zip(saved, (z3, z1)):
+    for job, path in zip(saved, (z3, z1, z2)):
         _convert(path, path + "_mz")
         assert ranks.one_process_probe(path + "_mz", 2) == pytest.approx(job["probe"], rel=1e-5)
 
