@@ -35,8 +35,9 @@ def assert_close_runs(results: dict, names, what=""):
     for name in names:
         got = results[name]
         for step, ((l0, n0), (l1, n1)) in enumerate(zip(ref, got)):
-            assert l1 == pytest.approx(l0, rel=LOSS_RTOL), f"{what} {name} step {step} loss {l1} vs plain {l0}"
-            assert n1 == pytest.approx(n0, rel=NORM_RTOL), f"{what} {name} step {step} grad norm {n1} vs plain {n0}"
+            where = f"{what} {name} step {step}"
+            assert l1 == pytest.approx(l0, rel=LOSS_RTOL), f"{where}: loss {l1} vs plain {l0}"
+            assert n1 == pytest.approx(n0, rel=NORM_RTOL), f"{where}: grad norm {n1} vs plain {n0}"
 
 
 DP_RUNS = [

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 
 AUTO = "auto"
@@ -47,7 +48,8 @@ def _merge(ds: dict, keys: tuple[str, ...], value, flag: str, source: str) -> No
         if not isinstance(node, dict):
             raise ValueError(f"{source}: {'.'.join(keys[:-1])} must be a JSON object")
     old = node.get(keys[-1], AUTO)
-    if old != AUTO and old != value and not (_num(old) and _num(value) and float(old) == float(value)):
+    same_number = _num(old) and _num(value) and float(old) == float(value)
+    if old != AUTO and old != value and not same_number:
         raise ValueError(f"{source} sets {'.'.join(keys)} = {old!r} but {flag} gives {value!r}: "
                          f"make them agree (change the flag or the JSON, or put \"auto\" in the JSON)")
     node[keys[-1]] = value
@@ -60,11 +62,11 @@ def _num(x) -> bool:
 def _zero_flags(ds: dict, zero, source: str) -> None:
     if zero.zero_stage is not None:
         _merge(ds, ("zero_optimization", "stage"), zero.zero_stage, "--zero-stage", source)
-    for name, key in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
-        device = getattr(zero, name)
+    for key in ("offload_optimizer", "offload_param"):
+        device = getattr(zero, key)
         if device is not None:
             _merge(ds, ("zero_optimization", key, "device"), device,
-                   f"--{name.replace('_', '-')}", source)
+                   f"--{key.replace('_', '-')}", source)
     zo = ds.setdefault("zero_optimization", {})
     zo.setdefault("stage", 0)
     param_dev = (zo.get("offload_param") or {}).get("device", "none")
@@ -90,14 +92,9 @@ def _precision(ds: dict, training, source: str) -> None:
     if training.fp16:
         fp16 = ds["fp16"]
         fp16.setdefault("loss_scale", 0)  # dynamic
-        fp16.setdefault("initial_scale_power", int(round(_log2(training.initial_loss_scale))))
+        fp16.setdefault("initial_scale_power", int(round(math.log2(training.initial_loss_scale))))
         fp16.setdefault("loss_scale_window", training.loss_scale_window)
         fp16.setdefault("min_loss_scale", training.min_loss_scale)
-
-
-def _log2(x: float) -> float:
-    import math
-    return math.log2(x)
 
 
 def _batches(ds: dict, training, dp: int, source: str) -> None:

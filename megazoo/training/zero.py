@@ -161,10 +161,10 @@ class DeepSpeedEngine(Engine):
 
     def load(self, path: str) -> dict:
         meta = read_ds_metadata(path)
-        layout = meta["layout"]
-        if layout["tp"] != self.state.tp.size or layout["sp"] * layout["dp"] != self.state.dp_sp.size:
-            raise ValueError(f"{path} was saved at tp={layout['tp']}, dp x sp={layout['dp'] * layout['sp']}; "
-                             f"this run has tp={self.state.tp.size}, dp x sp={self.state.dp_sp.size}: "
+        saved = (meta["layout"]["tp"], meta["layout"]["dp"] * meta["layout"]["sp"])
+        here = (self.state.tp.size, self.state.dp_sp.size)
+        if saved != here:  # DeepSpeed's partitions are tied to the tp and dp x sp sizes
+            raise ValueError(f"{path} was saved at (tp, dp x sp) = {saved}, this run has {here}: "
                              "resume with the same layout, or convert it with "
                              "checkpoints_tools/zero_to_megazoo.py and load the weights")
         loaded, _ = self.ds.load_checkpoint(path, tag=meta["tag"])
