@@ -1,9 +1,9 @@
 """FSDP2Engine (ZeRO-3 under our pipeline schedules) on gloo against PlainEngine.
 
 4 ranks, 4-layer GPT, 2 micro-batches per step, 3 steps, same seed and batches:
-pp=2 x dp=2 (with and without CPU offload), pp=2 x Ulysses sp=2 (sharded over dp x sp),
+pp=2 x dp=2 (with and without CPU offload, reducing every micro-batch or once per chunk), pp=2 x Ulysses sp=2 (sharded over dp x sp),
 pp=2 x tp=2 with Megatron SP (tp sums of SP gradients; dp x sp = 1, a one-rank mesh);
-pp=2 x vpp=2 (interleaved) x dp=2; no pipeline (dp=4, sync on the last micro-batch only);
+pp=2 x vpp=2 (interleaved) x dp=2, both reduction modes; no pipeline (dp=4, sync on the last micro-batch only);
 save / load, also into PlainEngine.
 
 Tolerance: fp32 throughout; FSDP2 reduce-scatters flat shards where the plain engine
@@ -21,10 +21,13 @@ from megazoo.testing import run_distributed
 from test_zero import assert_close_runs
 
 LAYOUTS = [
-    (ParallelConfig(pp=2), [{"name": "fsdp"}, {"name": "fsdp_offload", "cpu_offload": True}]),
+    (ParallelConfig(pp=2), [{"name": "fsdp"}, {"name": "fsdp_offload", "cpu_offload": True},
+                            {"name": "fsdp_reduce_once", "reduce_every_microbatch": False}]),
     (ParallelConfig(pp=2, sp=2), [{"name": "fsdp"}]),
     (ParallelConfig(pp=2, tp=2, sequence_parallel=True), [{"name": "fsdp"}]),
-    (ParallelConfig(pp=2, vpp=2), [{"name": "fsdp_interleaved"}]),
+    (ParallelConfig(pp=2, vpp=2), [{"name": "fsdp_interleaved"},
+                                   {"name": "fsdp_interleaved_reduce_once",
+                                    "reduce_every_microbatch": False}]),
     (ParallelConfig(), [{"name": "fsdp_no_pipeline"}]),
 ]
 

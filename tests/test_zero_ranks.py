@@ -111,10 +111,11 @@ def fsdp_runs(par: ParallelConfig, runs: list[dict], steps: int = 3, num_layers:
         run = dict(run)
         name = run.pop("name")
         cpu_offload = run.pop("cpu_offload", False)
+        fsdp_flags = {k: run.pop(k) for k in list(run) if k.startswith("reduce_every")}
         state = state_for(par)
         args = make_args(par, state.dp.size, num_layers, zero_impl="fsdp2", zero_stage=3, **run)
         model = build_model(args.model, state, device="cpu", seed=args.training.seed)
-        engine = FSDP2Engine(model, state, args, cpu_offload=cpu_offload)
+        engine = FSDP2Engine(model, state, args, cpu_offload=cpu_offload, **fsdp_flags)
         out[name] = train(engine, state, range(steps))
     return out
 

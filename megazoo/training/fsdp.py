@@ -13,10 +13,12 @@ block all-gathers its parameters for every micro-batch's forward and again for i
 and reduce-scatters its gradient after every micro-batch's backward into the sharded
 gradient, which FSDP2 accumulates. Gradient sync is left on for every micro-batch: under a
 1F1B schedule the last backward of a chunk is interleaved with other micro-batches' forwards,
-and the executor offers no hook to flip `set_requires_gradient_sync` just before it; turning
-sync off would hold unsharded gradients (ZeRO-1 memory) until a manual reduce. The cost is
-m reduce-scatters per block per step instead of one. Without a pipeline (pp = 1) the engine
-syncs only on the last micro-batch. `reshard_after_forward=False` keeps the
+so by default gradient sync stays on for every micro-batch: m reduce-scatters per block per
+step, sharded gradients only (ZeRO-3 memory). `--no-fsdp-reduce-every-microbatch` wraps the
+stage in `fsdp_parts.SyncOnLastMicroBatch`, which flips `set_requires_gradient_sync` from a
+pre-hook on each chunk output's grad_fn, so only each chunk's last backward reduce-scatters
+(unsharded gradients held meanwhile, m times fewer reduce-scatters). Without a pipeline
+(pp = 1) the engine syncs only on the last micro-batch. `reshard_after_forward=False` keeps the
 gathered parameters from forward to backward (ZeRO-2-like memory, half the all-gathers).
 
 Precision: fp32, or bf16 compute through FSDP2's MixedPrecisionPolicy (fp32 sharded master
@@ -33,7 +35,8 @@ import torch.distributed as dist
 from ..parallel.state import ParallelState
 from ..pipeline.executor import run_pipeline
 from .engine import Engine, StepResult
-from .fsdp_parts import clip_, complete_gradients, grad_norm, shard_mesh, shard_stage
+from .fsdp_parts import (SyncOnLastMicroBatch, clip_, complete_gradients, grad_norm, shard_mesh,
+                         shard_stage)
 from .optim import param_groups
 from .schedule import learning_rate
 
@@ -61,17 +64,21 @@ class FSDP2Engine(Engine):
 
     `args`: `.training` (TrainingConfig) and `.zero` (ZeroConfig). `cpu_offload` None: on
     when `--offload-optimizer cpu` or `--offload-param cpu` (FSDP2 offloads both together);
-    `reshard_after_forward` None: `args.zero.fsdp_reshard_after_forward`.
+    `reshard_after_forward` / `reduce_every_microbatch` None: `args.zero.fsdp_*`.
     """
 
     def __init__(self, model: torch.nn.Module, state: ParallelState, args, *,
-                 cpu_offload: bool | None = None, reshard_after_forward: bool | None = None):
+                 cpu_offload: bool | None = None, reshard_after_forward: bool | None = None,
+                 reduce_every_microbatch: bool | None = None):
         check_args(args, state)
         self.state, self.args, self.cfg = state, args, args.training
         if cpu_offload is None:
             cpu_offload = "cpu" in (args.zero.offload_optimizer, args.zero.offload_param)
         if reshard_after_forward is None:
             reshard_after_forward = getattr(args.zero, "fsdp_reshard_after_forward", True)
+        if reduce_every_microbatch is None:
+            reduce_every_microbatch = getattr(args.zero, "fsdp_reduce_every_microbatch", True)
+        self.reduce_every_microbatch = reduce_every_microbatch
         self.device = next(model.parameters()).device
         mesh = shard_mesh(state, self.device)
         shard_stage(model, mesh, device=self.device, bf16=self.cfg.bf16, cpu_offload=cpu_offload,
@@ -89,7 +96,10 @@ class FSDP2Engine(Engine):
         m = len(micro_batches)
         if self.state.pp.size > 1:
             pairs = [(b["input_ids"], b["labels"]) for b in micro_batches]
-            loss = run_pipeline(self.model, pairs, self.state, dtype=self._activation_dtype())
+            stage = self.model if self.reduce_every_microbatch else \
+                SyncOnLastMicroBatch(self.model, m)
+            loss = run_pipeline(stage, pairs, self.state, dtype=self._activation_dtype())
+            self.model.set_requires_gradient_sync(True)  # back to the default for the next step
         else:
             loss = torch.zeros((), device=self.device)
             for i, b in enumerate(micro_batches):
@@ -99,6 +109,7 @@ class FSDP2Engine(Engine):
                 out = self.model(b["input_ids"], labels=b["labels"])
                 (out.float() / m).backward()
                 loss += out.detach().float() / m
+            self.model.set_requires_gradient_sync(True)
         return self._from_last_stage(loss)
 
     def _activation_dtype(self) -> torch.dtype:

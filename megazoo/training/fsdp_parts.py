@@ -134,3 +134,39 @@ def clip_(model: nn.Module, norm: float, max_norm: float) -> None:
     for p in model.parameters():
         if p.grad is not None:
             local(p.grad).mul_(factor)
+
+
+class SyncOnLastMicroBatch:
+    """The stage as `run_pipeline` sees it, reducing gradients once per chunk and step.
+
+    Each chunk's forward on micro-batch i puts a pre-hook on its output's grad_fn; the hook
+    runs first in that output's backward and sets FSDP2's `requires_gradient_sync` of the
+    chunk's blocks and of the stage root to `i == m - 1`. Schedules run a chunk's backwards
+    in micro-batch order, so the last one (m - 1) is the one that reduce-scatters; the earlier
+    ones accumulate unsharded gradients (the memory of a ZeRO-2 step, for m times fewer
+    reduce-scatters). The root's own parameters (embedding, head) receive their last
+    contribution in a micro-batch m - 1 backward as well, which reduces whatever they hold.
+    """
+
+    def __init__(self, model: nn.Module, num_microbatches: int):
+        self._model, self._m = model, num_microbatches
+        self._seen: dict[int, int] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, *args, chunk: int = 0, **kwargs):
+        out = self._model(*args, chunk=chunk, **kwargs)
+        i = self._seen.get(chunk, 0)
+        self._seen[chunk] = i + 1
+        if torch.is_grad_enabled() and out is not None and out.grad_fn is not None:
+            units = [self._model.layers[str(k)] for k in self._model.chunks[chunk]]
+            sync = i == self._m - 1
+            out.grad_fn.register_prehook(lambda grads: _set_sync(units, self._model, sync))
+        return out
+
+
+def _set_sync(units, root, sync: bool) -> None:
+    for unit in units:
+        unit.set_requires_gradient_sync(sync, recurse=False)
+    root.set_requires_gradient_sync(sync, recurse=False)

@@ -33,6 +33,10 @@ class ZeroConfig:
     fsdp_reshard_after_forward: bool = True
     """fsdp2: free gathered parameters after each forward (ZeRO-3 memory); with
     --no-fsdp-reshard-after-forward they stay until the backward (fewer all-gathers)."""
+    fsdp_reduce_every_microbatch: bool = True
+    """fsdp2 with pp > 1: reduce-scatter gradients after every micro-batch (sharded gradients
+    only); with --no-fsdp-reduce-every-microbatch once per chunk after its last micro-batch
+    (unsharded gradients held meanwhile, m times fewer reduce-scatters)."""
 
     def __post_init__(self) -> None:
         if self.deepspeed and self.zero_impl == "none":
