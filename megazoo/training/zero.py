@@ -73,6 +73,8 @@ class DeepSpeedEngine(Engine):
         device = next(model.parameters()).device
         if zero_stage(self.ds_config) == 0 and offload_device(self.ds_config) != "none":
             raise ValueError("optimizer offload needs ZeRO stage 1-3: pass --zero-stage")
+        if device.type == "cpu" and self.cfg.fp16:
+            raise ValueError("DeepSpeed's CPU accelerator has no fp16: on CPU use --bf16 or fp32")
         use_accelerator_of(device)
         check_nvme(self.ds_config)
         ensure_process_group(state, device)
