@@ -90,3 +90,13 @@ def test_engines_refuse_bad_layouts_before_collectives():
     with pytest.raises(ValueError, match="fp16"):
         check_args(args(training=TrainingConfig(fp16=True), zero_impl="fsdp2",
                         deepspeed=False), state)
+
+
+def test_training_values_from_json(tmp_path):
+    from megazoo.training.ds_config import training_values_from_json
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "train_batch_size": "auto",
+                                "gradient_clipping": 0.5, "bf16": {"enabled": True}}))
+    assert training_values_from_json(str(path)) == {"micro_batch_size": 2, "clip_grad": 0.5,
+                                                    "bf16": True}

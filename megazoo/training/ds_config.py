@@ -132,6 +132,26 @@ def build_ds_config(args, dp: int) -> dict:
     return ds
 
 
+def training_values_from_json(path: str) -> dict:
+    """TrainingConfig fields a DeepSpeed JSON states ({"micro_batch_size": 4, ...}).
+
+    For the argument parser: fill the training flags the user did not give from the JSON, so
+    `--deepspeed_config ds.json` alone agrees with itself ("auto" and absent keys are left
+    out). A flag given explicitly still wins and then must agree (`build_ds_config`)."""
+    ds = load_ds_json(path)
+    keys = {"micro_batch_size": ("train_micro_batch_size_per_gpu",),
+            "global_batch_size": ("train_batch_size",), "clip_grad": ("gradient_clipping",),
+            "bf16": ("bf16", "enabled"), "fp16": ("fp16", "enabled")}
+    out = {}
+    for field, path_keys in keys.items():
+        node = ds
+        for k in path_keys:
+            node = node.get(k, AUTO) if isinstance(node, dict) else AUTO
+        if node != AUTO:
+            out[field] = node
+    return out
+
+
 def offload_device(ds: dict, key: str = "offload_optimizer") -> str:
     """"none", "cpu" or "nvme": where the config offloads the optimizer (or parameters)."""
     section = ds.get("zero_optimization", {}).get(key) or {}
