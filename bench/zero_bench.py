@@ -221,6 +221,8 @@ def two_gpu(dry: bool, warmup: int, iters: int) -> list[dict]:
     from megazoo.parallel import ParallelConfig
 
     shape = TINY if dry else SHAPE
+    if torch.cuda.is_available():  # each rank measures its own GPU's ceiling
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     ceiling = None if dry else matmul_ceiling_tflops()
     flops = gpt_flops(shape["batch"], shape["seq"], shape["layers"], shape["hidden"], shape["vocab"])
     rows = []
