@@ -23,7 +23,7 @@ class TrainingConfig:
     """Sequences per micro-batch on one data-parallel rank."""
     global_batch_size: int = 16
     """Sequences per optimizer step over all data-parallel ranks (accumulation fills it)."""
-    train_iters: int = 500
+    train_iters: int = 800
     """Optimizer steps to train for."""
     lr: float = 3e-3
     """Peak learning rate (reached after the warmup)."""
@@ -140,7 +140,7 @@ class LoggingConfig:
 
     log_interval: int = 50
     """Log every this many iterations."""
-    eval_interval: int = 100
+    eval_interval: int = 200
     """Validation loss every this many iterations (and at the end)."""
     eval_iters: int = 10
     """Global batches of validation data per evaluation."""
@@ -154,8 +154,10 @@ class LoggingConfig:
     """With --load: print the validation loss and exit."""
     generate_tokens: int = 80
     """Tokens of the sample generated at the end (0: none)."""
-    prompt: str = "def "
+    prompt: str = "def"
     """Prompt of the sample generated at the end."""
+    generate_top_k: int = 10
+    """Sample among the k most likely tokens (1: greedy)."""
     progress: bool = True
     """Show a tqdm progress bar (rank 0)."""
 
