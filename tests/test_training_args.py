@@ -66,6 +66,7 @@ def test_virtual_pipeline_from_layers_per_stage():
     (["--lr-decay-style", "exp"], "--lr-decay-style"),
     (["--lr", "1e-4", "--min-lr", "1e-3"], "--min-lr"),
     (["--data-path", "x"], "--tokenizer-type"),
+    (["--tokenizer-type", "ByteLevelTokenizer"], "--data-path"),
     (["--zero-stage", "5"], "--zero-stage"),
 ])
 def test_bad_values_name_the_flag(argv, flag):

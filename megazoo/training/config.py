@@ -113,6 +113,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.seq_length < 1:
             raise ValueError(f"--seq-length must be >= 1, got {self.seq_length}")
+        if self.data_path is None and (self.tokenizer_type or self.tokenizer_model):
+            raise ValueError("--tokenizer-type/--tokenizer-model need --data-path: the default "
+                             "corpus comes with its own tokenizer")
         if self.data_path is not None and self.tokenizer_type is None:
             raise ValueError("--data-path needs --tokenizer-type (and --tokenizer-model) "
                              "naming the tokenizer the data was made with")

@@ -108,5 +108,5 @@ def _fmt(key: str, value) -> str:
     if isinstance(value, float):
         if key in ("lr",):
             return f"{key} {value:.3e}"
-        return f"{key} {value:.4g}" if abs(value) < 1e5 else f"{key} {value:.3e}"
+        return f"{key} {value:.4g}" if abs(value) < 1e3 else f"{key} {value:,.0f}"
     return f"{key} {value}"

@@ -56,11 +56,23 @@ def _device() -> torch.device:
     return torch.device(torch.accelerator.current_accelerator().type, index)
 
 
+def _one_rank_group_for_zero(args: PretrainArgs) -> None:
+    """DeepSpeed and FSDP2 need torch.distributed even in a plain one-process run (no
+    launcher): give them a one-rank group (an in-memory store, no port) and the LOCAL_RANK
+    DeepSpeed insists on."""
+    if args.zero.zero_impl == "none" or dist.is_initialized() or \
+            int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)
+
+
 def setup(args: PretrainArgs, print_fn=print) -> Run:
     """Initialise ranks, data, model, engine (and resume); raise USER_ERRORS on bad input."""
     if args.training.cpu_threads:
         torch.set_num_threads(args.training.cpu_threads)
     owns = not dist.is_initialized()
+    _one_rank_group_for_zero(args)
     state = ParallelState.initialize(args.parallel)
     rank0 = state.global_rank == 0
     log = print_fn if rank0 else (lambda *a, **k: None)

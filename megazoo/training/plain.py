@@ -160,13 +160,17 @@ class PlainEngine(Engine):
     def load(self, path: str) -> dict:
         from ..checkpoint import load_model_weights
 
-        meta, aux = load_model_weights(self.model, path, state=self.state,
-                                       aux_prefixes=AUX_PREFIXES)
+        from ..checkpoint.load import CheckpointReader
+
+        # Weights-only checkpoints (converted from HF, say) start a fresh optimizer.
+        stored = set(CheckpointReader(path).aux_prefixes)
+        prefixes = AUX_PREFIXES if stored.issuperset(AUX_PREFIXES) else ()
+        meta, aux = load_model_weights(self.model, path, state=self.state, aux_prefixes=prefixes)
         extra = meta.get("extra") or {}
         engine = extra.get("engine", {})
         self.steps = int(engine.get("steps", 0))
         step = int(engine.get("adam_step", 0))
-        if step > 0:
+        if step > 0 and prefixes:
             for name, p in self.model.named_parameters():
                 self.optimizer.state[p] = {
                     "step": torch.tensor(float(step)),
