@@ -1,5 +1,6 @@
 """End-to-end runs of pretrain_gpt.py on tiny byte-level data: exact resume, crash mid-save,
-other layouts (tp=2, pp=2 on gloo, and loading a tp=1 checkpoint at tp=2), fp16 skips.
+other layouts on gloo (tp=2, pp=2, Ulysses sp=2, Megatron SP, dp=2, and a tp=1 checkpoint
+loaded at tp=2), fp16 skips, bf16, bad input.
 
 Tolerances: a resumed run repeats the uninterrupted one bit for bit (same CPU kernels, same
 order). Other layouts sum the same float32 numbers in another order (tp splits matmuls and
@@ -100,7 +101,7 @@ def _two_rank_run(argv_sets):
     return [run_training(argv) for argv in argv_sets]
 
 
-def test_tp2_and_pp2_match_one_rank_and_tp1_checkpoint_loads_at_tp2(data, reference):
+def test_two_rank_layouts_match_one_rank_and_tp1_checkpoint_loads_at_tp2(data, reference):
     ref, save = reference
     ref_valid = run_training(tiny_argv(data, "--load", str(save), "--eval-only"))["valid_loss"]
     runs = [tiny_argv(data, "--tensor-model-parallel-size", "2", "--train-iters", "3",
@@ -110,9 +111,15 @@ def test_tp2_and_pp2_match_one_rank_and_tp1_checkpoint_loads_at_tp2(data, refere
             tiny_argv(data, "--tensor-model-parallel-size", "2", "--load", str(save),
                       "--eval-only"),
             tiny_argv(data, *FP16_PP)]
+    others = [tiny_argv(data, *flags, "--train-iters", "3", "--lr-decay-iters", "6")
+              for flags in (("--sequence-parallel-size", "2"),
+                            ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+                            ())]  # Ulysses sp=2, Megatron SP at tp=2, dp=2
     ref_fp16 = run_training(tiny_argv(data, *FP16))["losses"]
-    for rank_out in run_distributed(_two_rank_run, 2, runs, timeout=240):
-        tp2, pp2, tp2_eval, pp2_fp16 = rank_out
+    for rank_out in run_distributed(_two_rank_run, 2, runs + others, timeout=240):
+        tp2, pp2, tp2_eval, pp2_fp16 = rank_out[:4]
+        for other in rank_out[4:]:
+            assert other["losses"] == pytest.approx(ref["losses"][:3], rel=1e-5)
         # fp16 loss scaling inside the pipeline's own backward; fp16 rounding: 1e-3
         assert pp2_fp16["losses"] == pytest.approx(ref_fp16, rel=1e-3)
         assert tp2["losses"] == pytest.approx(ref["losses"][:3], rel=1e-5)
