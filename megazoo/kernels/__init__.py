@@ -19,14 +19,14 @@ Nothing compiled is imported by ``import megazoo.kernels``: Triton kernels load 
 call on a GPU, the CUDA extension on the first bias_gelu call on a GPU.
 """
 from .gelu import bias_gelu, bias_gelu_reference
-from .norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
+from .norms import fused_norm_runs, layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from .report import kernel_report
 from .rope import apply_rope, apply_rope_qk, rope_cos_sin, rope_reference
 from .softmax import scaled_masked_softmax, softmax_reference
 
 __all__ = [
     "scaled_masked_softmax", "layer_norm", "rms_norm", "bias_gelu", "apply_rope", "apply_rope_qk",
-    "rope_cos_sin", "kernel_report",
+    "rope_cos_sin", "kernel_report", "fused_norm_runs",
     "softmax_reference", "layer_norm_reference", "rms_norm_reference", "bias_gelu_reference",
     "rope_reference",
 ]

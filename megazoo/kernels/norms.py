@@ -81,6 +81,11 @@ def _pick(x: torch.Tensor, impl: str | None) -> str:
     return _dispatch.pick(x, impl, unsupported=unsupported(x))
 
 
+def fused_norm_runs(x: torch.Tensor) -> bool:
+    """True when layer_norm / rms_norm would run the Triton kernel on x (not the fallback)."""
+    return x.is_cuda and _pick(x, None) == "triton"
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                eps: float = 1e-5, *, impl: str | None = None) -> torch.Tensor:
     """LayerNorm of x [..., N] over N with weight, bias [N]; result in x.dtype.
