@@ -76,12 +76,14 @@ class TrainData:
     prefixes: list[str]
     micro_batch_size: int
     global_batch_size: int
+    device: torch.device = torch.device("cpu")
+    """Where the micro-batches go (the model's device)."""
 
     def _batch(self, dataset, start: int, state: ParallelState) -> list[dict]:
         per_rank = self.global_batch_size // state.dp.size
         first = start + state.dp.rank * per_rank
         rows = np.stack([dataset[first + i] for i in range(per_rank)])
-        tokens = torch.from_numpy(rows[:, :-1].astype(np.int64))  # [per_rank, s]
+        tokens = torch.from_numpy(rows[:, :-1].astype(np.int64)).to(self.device)  # [per_rank, s]
         return [{"input_ids": mb, "labels": mb} for mb in tokens.split(self.micro_batch_size)]
 
     def train_batch(self, iteration: int, state: ParallelState) -> list[dict]:

@@ -85,7 +85,7 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     eval_samples = args.logging.eval_iters * args.training.global_batch_size
     data = build_data(args, state, eval_samples)
     entropy = unigram_entropy(data.prefixes, data.tokenizer.vocab_size)
-    device = _device()
+    device = data.device = _device()
     model = build_model(args.model, state, device=device, seed=args.training.seed)
     engine = build_engine(args, model, state)
     start = 0
