@@ -30,12 +30,14 @@ def test_megatron_flags_reach_the_configs():
     assert (a.data.seq_length, a.data.split) == (64, "98,2,0")
 
 
-def test_aliases_and_zero_flags():
+def test_aliases_and_zero_flags(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text("{}")
     a = parse_args(["--ds-sequence-parallel-size", "2", "--deepspeed", "--deepspeed_config",
-                    "ds.json", "--zero-stage", "2", "--offload-optimizer", "cpu"])
+                    str(ds), "--zero-stage", "2", "--offload-optimizer", "cpu"])
     assert a.parallel.sp == 2
     assert (a.zero.zero_impl, a.zero.deepspeed_config, a.zero.zero_stage,
-            a.zero.offload_optimizer) == ("deepspeed", "ds.json", 2, "cpu")
+            a.zero.offload_optimizer) == ("deepspeed", str(ds), 2, "cpu")
     assert parse_args(["--sequence-parallel-size", "4"]).parallel.sp == 4
     assert parse_args(["--data-path", "0.3", "a", "0.7", "b", "--tokenizer-type",
                        "ByteLevelTokenizer"]).data.data_path == ["0.3", "a", "0.7", "b"]

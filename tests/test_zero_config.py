@@ -100,3 +100,60 @@ def test_training_values_from_json(tmp_path):
                                 "gradient_clipping": 0.5, "bf16": {"enabled": True}}))
     assert training_values_from_json(str(path)) == {"micro_batch_size": 2, "clip_grad": 0.5,
                                                     "bf16": True}
+
+
+def _parse_with_json(tmp_path, ds: dict, *flags: str):
+    from megazoo.training.arguments import parse_args
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    return parse_args(["--deepspeed", "--deepspeed_config", str(path), *flags])
+
+
+USER_JSON = {"train_micro_batch_size_per_gpu": 4, "train_batch_size": 32,
+             "gradient_clipping": 0.5, "bf16": {"enabled": True},
+             "zero_optimization": {"stage": 2}}
+
+
+def test_json_fills_training_flags_not_given(tmp_path, monkeypatch):
+    """The parser's defaults (micro 8, global 16, clip 1.0, fp32) all disagree with the JSON:
+    the JSON wins for every flag not on the command line, and the config then merges."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    t = _parse_with_json(tmp_path, USER_JSON).training
+    assert (t.micro_batch_size, t.global_batch_size, t.clip_grad, t.bf16, t.fp16) == \
+        (4, 32, 0.5, True, False)
+    a = _parse_with_json(tmp_path, USER_JSON)
+    ds = build_ds_config(a, dp=2)
+    assert ds["gradient_accumulation_steps"] == 4 and ds["zero_optimization"]["stage"] == 2
+    # Explicit flags that agree with the JSON are fine.
+    a = _parse_with_json(tmp_path, USER_JSON, "--micro-batch-size", "4", "--bf16",
+                         "--global-batch-size", "32", "--clip-grad", "0.5")
+    assert build_ds_config(a, dp=2)["train_micro_batch_size_per_gpu"] == 4
+
+
+@pytest.mark.parametrize("flags, words", [
+    (("--micro-batch-size", "8"), ["= 4", "--micro-batch-size 8"]),
+    (("--global-batch-size", "64"), ["= 32", "--global-batch-size 64"]),
+    (("--clip-grad", "1.0"), ["= 0.5", "--clip-grad 1.0"]),
+])
+def test_given_flag_disagreeing_with_json_names_both(tmp_path, monkeypatch, flags, words):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    a = _parse_with_json(tmp_path, USER_JSON, *flags)
+    with pytest.raises(ValueError) as err:
+        build_ds_config(a, dp=2)
+    for word in words + ["ds.json"]:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def test_global_batch_from_accumulation_steps_and_world(tmp_path, monkeypatch):
+    """train_batch_size = micro x gradient_accumulation_steps x dp, dp from the launch."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}
+    a = _parse_with_json(tmp_path, ds, "--tensor-model-parallel-size", "2")  # dp = 4
+    assert (a.training.micro_batch_size, a.training.global_batch_size) == (2, 24)
+    assert build_ds_config(a, dp=4)["gradient_accumulation_steps"] == 3
+    a = _parse_with_json(tmp_path, {"train_batch_size": 48, "gradient_accumulation_steps": 3})
+    assert (a.training.micro_batch_size, a.training.global_batch_size) == (2, 48)  # dp = 8
+    a = _parse_with_json(tmp_path, ds, "--global-batch-size", "16")  # given: kept, then checked
+    with pytest.raises(ValueError, match="gradient_accumulation_steps = 3"):
+        build_ds_config(a, dp=8)

@@ -4,7 +4,9 @@ Every documented field becomes a flag: `train_iters` -> `--train-iters`, its doc
 help text, its annotation the type (bool: a switch; list: several values). `ALIASES` maps a
 field to the Megatron-LM / Megatron-DeepSpeed spellings when those differ; the first name
 is the one shown. Only flags given on the command line reach the dataclasses, so their
-defaults (and a `--model` preset's shape) hold for everything else.
+defaults (and a `--model` preset's shape) hold for everything else; with
+`--deepspeed_config ds.json`, the JSON's batch sizes, clipping and precision come before
+those defaults (a flag given explicitly must agree with the JSON).
 
     args = parse_args(["--model", "gpt-125m", "--num-layers", "4", "--bf16"])
     args.model.num_layers, args.training.bf16        # 4, True
@@ -16,13 +18,17 @@ import ast
 import copy
 import dataclasses
 import inspect
+import os
 import textwrap
 import typing
+
+import torch.distributed as dist
 
 from ..models.config import ModelConfig, _default_ffn
 from ..models.presets import PRESETS
 from ..parallel.config import ParallelConfig
 from .config import CheckpointConfig, DataConfig, LoggingConfig, PretrainArgs, TrainingConfig
+from .ds_config import training_defaults_from_json
 from .zero_config import ZeroConfig
 
 # Field -> flags, where Megatron's names differ from `--field-name`.
@@ -128,11 +134,34 @@ def _model_config(ns: argparse.Namespace) -> ModelConfig:
     return dataclasses.replace(base, **overrides)
 
 
+def _data_parallel_size(par: dict) -> int | None:
+    """dp of this launch (the world ParallelState.initialize will see); None if it does not fit."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
+        int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        return ParallelConfig(**par).resolve(world).dp
+    except ValueError:
+        return None  # setup raises the layout error, with the world at hand
+
+
+def _training_fields(ns: argparse.Namespace, zero: ZeroConfig, par: dict) -> dict:
+    """The training flags given, plus what --deepspeed_config states for those not given (a
+    given flag that disagrees with the JSON is `build_ds_config`'s error, naming both)."""
+    given = _given(ns, "training")
+    if not zero.deepspeed_config:
+        return given
+    default_micro = TrainingConfig.__dataclass_fields__["micro_batch_size"].default
+    json_values = training_defaults_from_json(zero.deepspeed_config, given,
+                                              _data_parallel_size(par), default_micro)
+    return {**json_values, **given}
+
+
 def args_from_namespace(ns: argparse.Namespace) -> PretrainArgs:
     """Dataclasses from parsed flags; raises ValueError saying which flag to change."""
     model = _model_config(ns)
-    training = TrainingConfig(**_given(ns, "training"))
+    zero = ZeroConfig(**_given(ns, "zero"))
     par = _given(ns, "parallel")
+    training = TrainingConfig(**_training_fields(ns, zero, par))
     if training.num_layers_per_virtual_pipeline_stage is not None:
         per, pp = training.num_layers_per_virtual_pipeline_stage, par.get("pp", 1)
         if per < 1 or model.num_layers % (pp * per):
@@ -144,7 +173,7 @@ def args_from_namespace(ns: argparse.Namespace) -> PretrainArgs:
                         data=DataConfig(**_given(ns, "data")),
                         checkpoint=CheckpointConfig(**_given(ns, "checkpoint")),
                         logging=LoggingConfig(**_given(ns, "logging")),
-                        zero=ZeroConfig(**_given(ns, "zero")), model_name=ns.model_name)
+                        zero=zero, model_name=ns.model_name)
 
 
 def parse_args(argv: list[str] | None = None) -> PretrainArgs:

@@ -132,6 +132,20 @@ def build_ds_config(args, dp: int) -> dict:
     return ds
 
 
+def _lookup(ds: dict, keys: tuple[str, ...]):
+    """ds[k0][k1]..., or AUTO where a key is absent."""
+    node = ds
+    for k in keys:
+        node = node.get(k, AUTO) if isinstance(node, dict) else AUTO
+    return node
+
+
+JSON_TRAINING_KEYS = {"micro_batch_size": ("train_micro_batch_size_per_gpu",),
+                      "global_batch_size": ("train_batch_size",),
+                      "clip_grad": ("gradient_clipping",),
+                      "bf16": ("bf16", "enabled"), "fp16": ("fp16", "enabled")}
+
+
 def training_values_from_json(path: str) -> dict:
     """TrainingConfig fields a DeepSpeed JSON states ({"micro_batch_size": 4, ...}).
 
@@ -139,16 +153,29 @@ def training_values_from_json(path: str) -> dict:
     `--deepspeed_config ds.json` alone agrees with itself ("auto" and absent keys are left
     out). A flag given explicitly still wins and then must agree (`build_ds_config`)."""
     ds = load_ds_json(path)
-    keys = {"micro_batch_size": ("train_micro_batch_size_per_gpu",),
-            "global_batch_size": ("train_batch_size",), "clip_grad": ("gradient_clipping",),
-            "bf16": ("bf16", "enabled"), "fp16": ("fp16", "enabled")}
-    out = {}
-    for field, path_keys in keys.items():
-        node = ds
-        for k in path_keys:
-            node = node.get(k, AUTO) if isinstance(node, dict) else AUTO
-        if node != AUTO:
-            out[field] = node
+    return {field: value for field, keys in JSON_TRAINING_KEYS.items()
+            if (value := _lookup(ds, keys)) != AUTO}
+
+
+def training_defaults_from_json(path: str, given: dict, dp: int | None,
+                                default_micro: int) -> dict:
+    """The TrainingConfig fields missing from `given` (the flags on the command line) that the
+    JSON at `path` determines: its own values, then DeepSpeed's rule
+    train_batch_size = micro x gradient_accumulation_steps x dp for whichever of the micro
+    and global batch sizes neither the flags nor the JSON set (`default_micro` stands in for
+    a micro batch size nobody gave). `dp` None (the layout does not fit the world yet):
+    nothing is derived from gradient_accumulation_steps; `build_ds_config` checks later."""
+    stated = training_values_from_json(path)
+    out = {k: v for k, v in stated.items() if k not in given}
+    gas = _lookup(load_ds_json(path), ("gradient_accumulation_steps",))
+    if not _num(gas) or dp is None:
+        return out
+    known = {**stated, **given}
+    if "global_batch_size" not in known:
+        micro = known.get("micro_batch_size", default_micro)
+        out["global_batch_size"] = int(micro) * int(gas) * dp
+    elif "micro_batch_size" not in known:
+        out["micro_batch_size"] = max(1, int(known["global_batch_size"]) // (int(gas) * dp))
     return out
 
 
