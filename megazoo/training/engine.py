@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -53,6 +54,32 @@ class Engine:
     def load(self, path: str) -> dict:
         """Restore model, optimizer, scheduler and scaler from `path`; return its `extra`."""
         raise NotImplementedError
+
+
+def last_stage_loss(loss: torch.Tensor | None, state, device) -> torch.Tensor:
+    """The last pipeline stage's loss on every stage, a float32 scalar on `device`.
+
+    Stages without a loss (`None`) contribute zeros to a sum over the pp group; collective
+    over pp when it has more than one rank.
+    """
+    out = torch.zeros((), device=device) if loss is None else \
+        loss.detach().float().reshape(()).to(device)
+    if state.pp.size > 1:
+        dist.all_reduce(out, group=state.pp.group)
+    return out
+
+
+def dp_mean(loss: torch.Tensor, state) -> float:
+    """A scalar loss averaged over the data-parallel ranks, as a Python float.
+
+    Collective over dp when it has more than one rank; the caller's tensor is not modified.
+    """
+    loss = loss.detach().float().reshape(())
+    if state.dp.size > 1:
+        loss = loss.clone()
+        dist.all_reduce(loss, group=state.dp.group)
+        loss /= state.dp.size
+    return float(loss)
 
 
 def build_engine(args, model: torch.nn.Module, state) -> Engine:

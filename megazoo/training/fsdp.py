@@ -30,11 +30,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from ..parallel.state import ParallelState
 from ..pipeline.executor import run_pipeline
-from .engine import Engine, StepResult
+from .engine import Engine, StepResult, dp_mean, last_stage_loss
 from .fsdp_parts import (SyncOnLastMicroBatch, clip_, complete_gradients, grad_norm, shard_mesh,
                          shard_stage)
 from .optim import param_groups
@@ -110,24 +109,10 @@ class FSDP2Engine(Engine):
                 (out.float() / m).backward()
                 loss += out.detach().float() / m
             self.model.set_requires_gradient_sync(True)
-        return self._from_last_stage(loss)
+        return last_stage_loss(loss, self.state, self.device)
 
     def _activation_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.cfg.bf16 else torch.float32
-
-    def _from_last_stage(self, loss) -> torch.Tensor:
-        out = torch.zeros((), device=self.device) if loss is None else \
-            loss.detach().float().reshape(()).to(self.device)
-        if self.state.pp.size > 1:
-            dist.all_reduce(out, group=self.state.pp.group)
-        return out
-
-    def _dp_mean(self, loss: torch.Tensor) -> float:
-        if self.state.dp.size > 1:
-            loss = loss.clone()
-            dist.all_reduce(loss, group=self.state.dp.group)
-            loss /= self.state.dp.size
-        return float(loss)
 
     # -- Engine interface ---------------------------------------------------------------
     def train_step(self, micro_batches) -> StepResult:
@@ -135,7 +120,7 @@ class FSDP2Engine(Engine):
         self.optimizer.zero_grad(set_to_none=True)
         lr = learning_rate(self.steps, self.cfg)
         self.steps += 1
-        loss = self._dp_mean(self._forward_backward(micro_batches))
+        loss = dp_mean(self._forward_backward(micro_batches), self.state)
         complete_gradients(self.model, self.state)
         norm = grad_norm(self.model, self.state)
         if not math.isfinite(norm):
@@ -154,11 +139,11 @@ class FSDP2Engine(Engine):
             pairs = [(b["input_ids"], b["labels"]) for b in micro_batches]
             loss = run_pipeline(self.model, pairs, self.state, forward_only=True,
                                 dtype=self._activation_dtype())
-            return self._dp_mean(self._from_last_stage(loss))
+            return dp_mean(last_stage_loss(loss, self.state, self.device), self.state)
         total = torch.zeros((), device=self.device)
         for b in micro_batches:
             total += self.model(b["input_ids"], labels=b["labels"]).float() / len(micro_batches)
-        return self._dp_mean(total)
+        return dp_mean(total, self.state)
 
     def save(self, path: str, extra: dict) -> None:
         from .fsdp_checkpoint import save_fsdp

@@ -19,13 +19,12 @@ import contextlib
 import math
 
 import torch
-import torch.distributed as dist
 
 from ..models.params import allreduce_gradients
 from ..parallel.state import ParallelState
 from ..pipeline.executor import run_pipeline
 from .config import PretrainArgs
-from .engine import Engine, StepResult
+from .engine import Engine, StepResult, dp_mean, last_stage_loss
 from .optim import build_optimizer, clip_gradients, global_grad_norm
 from .scaler import DynamicLossScaler
 from .schedule import learning_rate
@@ -79,7 +78,7 @@ class PlainEngine(Engine):
             with self.autocast():
                 loss = run_pipeline(stage, pairs, self.state)
             loss = (loss / scale) if loss is not None else None
-            return self._from_last_stage(loss)
+            return last_stage_loss(loss, self.state, self.device)
         total = torch.zeros((), device=self.device)
         for b in micro_batches:
             with self.autocast():
@@ -88,27 +87,13 @@ class PlainEngine(Engine):
             total += loss.detach().float() / m
         return total
 
-    def _from_last_stage(self, loss: torch.Tensor | None) -> torch.Tensor:
-        """The last pipeline stage's loss on every stage (a sum over pp of zeros and it)."""
-        out = torch.zeros((), device=self.device) if loss is None else loss.detach().float().reshape(())
-        if self.state.pp.size > 1:
-            dist.all_reduce(out, group=self.state.pp.group)
-        return out
-
-    def _dp_mean(self, loss: torch.Tensor) -> float:
-        if self.state.dp.size > 1:
-            loss = loss.clone()
-            dist.all_reduce(loss, group=self.state.dp.group)
-            loss /= self.state.dp.size
-        return float(loss)
-
     # -- Engine interface ---------------------------------------------------------------
     def train_step(self, micro_batches) -> StepResult:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         lr = learning_rate(self.steps, self.cfg)
         scale = self.scaler.scale if self.scaler else 1.0
-        loss = self._dp_mean(self._forward_backward(micro_batches, scale))
+        loss = dp_mean(self._forward_backward(micro_batches, scale), self.state)
         allreduce_gradients(self.model, self.state)
         if self.scaler is not None:
             found_inf = self.scaler.unscale_and_check(self.model)
@@ -131,12 +116,12 @@ class PlainEngine(Engine):
             pairs = [(b["input_ids"], b["labels"]) for b in micro_batches]
             with self.autocast():
                 loss = run_pipeline(self.model, pairs, self.state, forward_only=True)
-            return self._dp_mean(self._from_last_stage(loss))
+            return dp_mean(last_stage_loss(loss, self.state, self.device), self.state)
         total = torch.zeros((), device=self.device)
         for b in micro_batches:
             with self.autocast():
                 total += self.model(b["input_ids"], labels=b["labels"]).float() / len(micro_batches)
-        return self._dp_mean(total)
+        return dp_mean(total, self.state)
 
     def save(self, path: str, extra: dict) -> None:
         from ..checkpoint import save_checkpoint

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ..parallel.state import ParallelState
 from .ds_config import build_ds_config, offload_device, zero_stage
-from .engine import Engine, StepResult
+from .engine import Engine, StepResult, dp_mean
 from .schedule import learning_rate
 from .zero_setup import (ZeroMPU, build_optimizer, check_nvme, ensure_process_group,
                          sum_sequence_parallel_grads, tag_tensor_parallel, use_accelerator_of)
@@ -103,13 +103,6 @@ class DeepSpeedEngine(Engine):
                              f"accumulates {self.accumulation} per step (global batch / "
                              "(micro batch x dp)): pass that many")
 
-    def _dp_mean(self, loss: torch.Tensor) -> float:
-        loss = loss.detach().float().reshape(()).clone()
-        if self.state.dp.size > 1:
-            dist.all_reduce(loss, group=self.state.dp.group)
-            loss /= self.state.dp.size
-        return float(loss)
-
     def _loss_scale(self) -> float | None:
         if not self.cfg.fp16:
             return None
@@ -134,7 +127,7 @@ class DeepSpeedEngine(Engine):
         skipped = self.ds.skipped_steps != skipped_before
         norm = self.ds.get_global_grad_norm()
         norm = math.nan if skipped or norm is None else float(norm)
-        return StepResult(self._dp_mean(total), norm, lr, self._loss_scale(), skipped=skipped)
+        return StepResult(dp_mean(total, self.state), norm, lr, self._loss_scale(), skipped=skipped)
 
     @torch.no_grad()
     def eval_loss(self, micro_batches) -> float:
@@ -142,7 +135,7 @@ class DeepSpeedEngine(Engine):
         total = torch.zeros((), device=self.device)
         for b in micro_batches:
             total += self.ds(b["input_ids"], labels=b["labels"]).float() / len(micro_batches)
-        return self._dp_mean(total)
+        return dp_mean(total, self.state)
 
     def save(self, path: str, extra: dict) -> None:
         """DeepSpeed's files under `path/zero/`, then `path/megazoo.json` (rank 0)."""
