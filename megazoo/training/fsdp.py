@@ -34,9 +34,8 @@ import torch
 from ..parallel.state import ParallelState
 from ..pipeline.executor import run_pipeline
 from .engine import Engine, StepResult, dp_mean, last_stage_loss
-from .fsdp_parts import (SyncOnLastMicroBatch, clip_, complete_gradients, grad_norm, shard_mesh,
-                         shard_stage)
-from .optim import param_groups
+from .fsdp_parts import SyncOnLastMicroBatch, complete_gradients, grad_norm, shard_mesh, shard_stage
+from .optim import clip_gradients, param_groups
 from .schedule import learning_rate
 
 
@@ -126,7 +125,7 @@ class FSDP2Engine(Engine):
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             return StepResult(loss, norm, lr, None, skipped=True)
-        clip_(self.model, norm, self.cfg.clip_grad)
+        clip_gradients(self.model, norm, self.cfg.clip_grad)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()

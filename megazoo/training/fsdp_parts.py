@@ -27,6 +27,7 @@ from torch import nn
 
 from ..layers.sharding import tp_dim_of
 from ..parallel.state import ParallelState
+from .optim import local
 
 
 def one_rank_groups(state: ParallelState):
@@ -72,11 +73,6 @@ def shard_stage(model: nn.Module, mesh, *, device: torch.device, bf16: bool,
         for key, value in tags[name].items():
             if not hasattr(p, key):
                 setattr(p, key, value)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (or the tensor itself)."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def complete_gradients(model: nn.Module, state: ParallelState) -> None:
@@ -125,15 +121,6 @@ def grad_norm(model: nn.Module, state: ParallelState) -> float:
         dist.all_reduce(total)
     value = float(total)
     return math.sqrt(value) if math.isfinite(value) else value
-
-
-def clip_(model: nn.Module, norm: float, max_norm: float) -> None:
-    if max_norm <= 0 or not math.isfinite(norm) or norm <= max_norm:
-        return
-    factor = max_norm / (norm + 1e-6)
-    for p in model.parameters():
-        if p.grad is not None:
-            local(p.grad).mul_(factor)
 
 
 class SyncOnLastMicroBatch:

@@ -83,11 +83,18 @@ def global_grad_norm(model: nn.Module, state: ParallelState) -> float:
     return math.sqrt(float(total)) if math.isfinite(float(total)) else float(total)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (or the tensor itself)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def clip_gradients(model: nn.Module, norm: float, max_norm: float) -> None:
-    """Scale every gradient by max_norm / norm when the norm exceeds max_norm (> 0)."""
+    """Scale every gradient by max_norm / norm when the norm exceeds max_norm (> 0).
+
+    A DTensor gradient (FSDP2) is scaled on its local shard."""
     if max_norm <= 0 or not math.isfinite(norm) or norm <= max_norm:
         return
     factor = max_norm / (norm + 1e-6)
     for p in model.parameters():
         if p.grad is not None:
-            p.grad.mul_(factor)
+            local(p.grad).mul_(factor)
