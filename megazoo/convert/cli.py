@@ -14,7 +14,16 @@ def _layout_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=1,
                         help="pipeline-parallel size of the written checkpoint")
     parser.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline rank")
+    _dtype_arg(parser)
+
+
+def _dtype_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: as stored)")
+
+
+def _dtype(args):
+    """The torch dtype `--dtype` names, or None (keep the stored one)."""
+    return parse_dtype(args.dtype) if args.dtype else None
 
 
 def _run(action, argv) -> int:
@@ -39,8 +48,8 @@ def hf_to_megazoo_main(argv=None) -> int:
 
     def action(_):
         from .api import hf_to_megazoo
-        dtype = parse_dtype(args.dtype) if args.dtype else None
-        cfg = hf_to_megazoo(args.hf_dir, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, dtype=dtype)
+        cfg = hf_to_megazoo(args.hf_dir, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp,
+                            dtype=_dtype(args))
         return f"wrote {args.out}: {cfg.family} {cfg.num_layers} layers, tp={args.tp} pp={args.pp}"
     return _run(action, args)
 
@@ -50,13 +59,12 @@ def megazoo_to_hf_main(argv=None) -> int:
                                                  "Hugging Face model directory.")
     parser.add_argument("--load", required=True, help="megazoo checkpoint directory")
     parser.add_argument("--out", required=True, help="Hugging Face directory to write")
-    parser.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: as stored)")
+    _dtype_arg(parser)
     args = parser.parse_args(argv)
 
     def action(_):
         from .api import megazoo_to_hf
-        dtype = parse_dtype(args.dtype) if args.dtype else None
-        config = megazoo_to_hf(args.load, args.out, dtype=dtype)
+        config = megazoo_to_hf(args.load, args.out, dtype=_dtype(args))
         return f"wrote {args.out}: {config['architectures'][0]}"
     return _run(action, args)
 
@@ -71,7 +79,6 @@ def reshard_main(argv=None) -> int:
 
     def action(_):
         from .api import reshard
-        dtype = parse_dtype(args.dtype) if args.dtype else None
-        reshard(args.load, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, dtype=dtype)
+        reshard(args.load, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, dtype=_dtype(args))
         return f"wrote {args.out} at tp={args.tp} pp={args.pp} vpp={args.vpp}"
     return _run(action, args)
