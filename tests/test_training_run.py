@@ -7,7 +7,6 @@ order). Other layouts sum the same float32 numbers in another order (tp splits m
 the vocabulary softmax), so their losses agree to 1e-5 relative, not exactly.
 """
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -125,6 +124,30 @@ def test_two_rank_layouts_match_one_rank_and_tp1_checkpoint_loads_at_tp2(data, r
         assert tp2["losses"] == pytest.approx(ref["losses"][:3], rel=1e-5)
         assert pp2["losses"] == pytest.approx(ref["losses"][:3], rel=1e-5)
         assert tp2_eval["valid_loss"] == pytest.approx(ref_valid, rel=1e-5)
+
+
+def _stop_and_resume(runs):
+    """Per (argv, save): 4 uninterrupted iterations, then stop at 2 and resume to 4."""
+    out = []
+    for argv, save in runs:
+        full = run_training(argv)["losses"]
+        first = run_training([*argv, "--save", save, "--exit-interval", "2"])["losses"]
+        rest = run_training([*argv, "--save", save, "--load", save])["losses"]
+        out.append((full, first, rest))
+    return out
+
+
+def test_two_rank_stop_and_resume_is_exact_at_tp2_and_pp2(data, tmp_path):
+    """Resuming at tp=2 and at pp=2 (2 micro-batches through the schedule) repeats the
+    uninterrupted run bit for bit, like tp=1 (the same kernels in the same order)."""
+    four = ("--train-iters", "4", "--eval-interval", "2", "--hidden-dropout", "0.1")
+    runs = [(tiny_argv(data, "--tensor-model-parallel-size", "2", *four), str(tmp_path / "tp")),
+            (tiny_argv(data, "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
+                       *four), str(tmp_path / "pp"))]
+    for rank_out in run_distributed(_stop_and_resume, 2, runs, timeout=240):
+        for (full, first, rest), layout in zip(rank_out, ("tp=2", "pp=2")):
+            assert len(full) == 4 and (len(first), len(rest)) == (2, 2), layout
+            assert first + rest == full, layout  # bit for bit
 
 
 def test_fp16_overflow_skips_steps_and_backs_off(data):

@@ -20,7 +20,7 @@ from ..models import build_model
 from ..models.parts import check_sequence_length
 from ..parallel.state import ParallelState
 from .arguments import parse_args
-from .checkpoint import load_training_checkpoint, save_training_checkpoint
+from .checkpoint import load_training_checkpoint
 from .config import PretrainArgs
 from .data import TrainData, build_data, resolve_data_source, unigram_entropy
 from .engine import Engine, build_engine
