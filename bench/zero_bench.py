@@ -59,7 +59,7 @@ def model_config(shape: dict, recompute: str = "none"):
 
 
 def run_args(shape: dict, par, *, dp: int, bf16: bool, offload_param: str = "none",
-             offload_optimizer: str = "cpu", recompute: str = "none"):
+             offload_optimizer: str = "cpu", recompute: str = "none", ratio: float = 1.0):
     from megazoo.training.config import PretrainArgs, TrainingConfig
     from megazoo.training.zero_config import ZeroConfig
 
@@ -67,18 +67,20 @@ def run_args(shape: dict, par, *, dp: int, bf16: bool, offload_param: str = "non
                               lr=3e-4, min_lr=3e-4, lr_warmup_iters=0, lr_decay_style="constant",
                               weight_decay=0.0, clip_grad=1.0, bf16=bf16)
     zero = ZeroConfig(deepspeed=True, zero_stage=3, offload_optimizer=offload_optimizer,
-                      offload_param=offload_param)
+                      offload_param=offload_param,
+                      offload_optimizer_ratio=None if ratio == 1.0 else ratio)
     return PretrainArgs(model=model_config(shape, recompute), parallel=par, training=training,
                         zero=zero)
 
 
 def plan(shape: dict, *, tp=1, sp=1, offload_optimizer="cpu", offload_param="none",
-         recompute="none", gpu_gb=80.0) -> dict:
+         recompute="none", gpu_gb=80.0, ratio=1.0) -> dict:
     from megazoo.plan import TrainingLayout, estimate_memory
 
     layout = TrainingLayout(tp=tp, sp=sp, micro_batch_size=shape["batch"], seq_length=shape["seq"],
                             zero_stage=3, offload_optimizer=offload_optimizer,
-                            offload_params=offload_param, recompute=recompute, gpu_memory_gb=gpu_gb)
+                            offload_params=offload_param, offload_ratio=ratio,
+                            recompute=recompute, gpu_memory_gb=gpu_gb)
     est = estimate_memory(model_config(shape, recompute), layout)
     return {"plan_gpu_gb": est.gpu_total / 1e9, "plan_alloc_gb": est.allocated / 1e9,
             "plan_host_gb": est.host_per_gpu / 1e9, "plan_fits": est.fits,
@@ -183,17 +185,22 @@ def worker(kind: str, dry: bool, warmup: int, iters: int) -> dict:
     return {**out, **plan(shape)}
 
 
+RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)  # ZeRO-3 partial offload: fraction on the host
+
+
 def pick_largest(dry: bool, gpu_gb: float, host_gb: float) -> tuple[dict, str, dict]:
-    """The first candidate (largest first) the planner fits, without parameter offload if
-    possible. Host budget: --host-gb (pass less than the machine has, to leave room for the
-    OS, Python and pinned staging buffers)."""
+    """The first candidate (largest first) the planner fits: the whole optimizer on the host
+    if it fits there, else the largest fraction of it that does (the rest on the GPU), and
+    parameter offload only as the last resort. Host budget: --host-gb (pass less than the
+    machine has, to leave room for the OS, Python and pinned staging buffers)."""
     for name, layers, hidden, heads in (TINY_LARGEST if dry else LARGEST):
         shape = dict(hidden=hidden, layers=layers, heads=heads, seq=64 if dry else 2048,
                      batch=1, vocab=512 if dry else 50304)
-        for offload_param in ("none", "cpu"):
-            p = plan(shape, offload_param=offload_param, recompute="full", gpu_gb=gpu_gb)
+        for offload_param, ratio in [("none", r) for r in RATIOS] + [("cpu", 1.0)]:
+            p = plan(shape, offload_param=offload_param, recompute="full", gpu_gb=gpu_gb,
+                     ratio=ratio)
             if p["plan_fits"] and p["plan_host_gb"] <= host_gb:
-                return shape, offload_param, {"name": name, **p}
+                return shape, offload_param, {"name": name, "offload_ratio": ratio, **p}
     raise SystemExit(f"no candidate fits {gpu_gb} GB GPU + {host_gb} GB host")
 
 
@@ -202,11 +209,11 @@ def largest(dry: bool, gpu_gb: float, host_gb: float, steps: int) -> dict:
 
     shape, offload_param, planned = pick_largest(dry, gpu_gb, host_gb)
     print(f"planner picked {planned['name']} ({planned['params'] / 1e9:.2f}e9 params), "
-          f"offload_param={offload_param}: plan {planned['plan_gpu_gb']:.1f} GB GPU, "
+          f"offload_param={offload_param}, optimizer on the host {planned['offload_ratio']:.0%}: plan {planned['plan_gpu_gb']:.1f} GB GPU, "
           f"{planned['plan_host_gb']:.1f} GB host", flush=True)
     state = init_state(ParallelConfig())
     args = run_args(shape, ParallelConfig(), dp=1, bf16=not dry, offload_param=offload_param,
-                    recompute="full")
+                    recompute="full", ratio=planned["offload_ratio"])
     step = megazoo_step(shape, state, args)
     out = measure(step, warmup=0, iters=steps)
     for i, loss in enumerate(out["losses"]):

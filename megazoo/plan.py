@@ -87,6 +87,9 @@ class TrainingLayout:
     """ZeRO stage 0-3 over the dp * sp ranks."""
     offload_optimizer: str = "none"
     """"cpu" keeps fp32 master weights, Adam moments and fp32 gradients on the host."""
+    offload_ratio: float = 1.0
+    """With offload_optimizer="cpu" (ZeRO-3 partial offload): the fraction of those 16 B per
+    parameter on the host; the rest stays on the GPU."""
     offload_params: str = "none"
     """"cpu" (ZeRO-3 only) also keeps the bf16 parameter partitions on the host."""
     recompute: str = "none"
@@ -110,6 +113,9 @@ class TrainingLayout:
             raise ValueError("offload_params=cpu needs zero_stage=3")
         if self.offload_optimizer == "cpu" and self.zero_stage == 0:
             raise ValueError("offload_optimizer=cpu needs zero_stage >= 1")
+        if not 0.0 < self.offload_ratio <= 1.0 or (self.offload_ratio < 1.0 and self.zero_stage != 3):
+            raise ValueError(f"offload_ratio must be in (0, 1], below 1 only with zero_stage=3; "
+                             f"got {self.offload_ratio}")
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
         if self.vpp > 1 and self.pp == 1:
@@ -188,9 +194,10 @@ def estimate_memory(config: ModelConfig, layout: TrainingLayout) -> MemoryEstima
     optim = 12 * n_gpu / (z if layout.zero_stage >= 1 else 1)
     host = 0.0
     if layout.offload_optimizer == "cpu":
-        host += (12 + 4) * n_gpu / z
-        optim, grads = 0.0, 0.0
-        notes.append("optimizer offload: fp32 master + Adam m, v + fp32 grads (16 B/param) on host")
+        host += (12 + 4) * n_gpu / z * layout.offload_ratio
+        optim, grads = (12 + 4) * n_gpu / z * (1.0 - layout.offload_ratio), 0.0
+        notes.append("optimizer offload: fp32 master + Adam m, v + fp32 grads (16 B/param), "
+                     f"{layout.offload_ratio:.0%} of them on the host")
     if layout.offload_params == "cpu":
         host += 2 * n_gpu / z
     if layout.zero_stage == 3:
@@ -264,6 +271,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
     p.add_argument("--offload-optimizer", default="none", choices=("none", "cpu"))
     p.add_argument("--offload-params", default="none", choices=("none", "cpu"))
+    p.add_argument("--offload-ratio", type=float, default=1.0,
+                   help="ZeRO-3 partial optimizer offload: fraction on the host")
     p.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     p.add_argument("--fp32-grad-accumulation", action="store_true")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU")
@@ -281,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         seq_length=args.seq_length or min(config.max_position_embeddings, 2048),
         num_micro_batches=args.num_micro_batches, sequence_parallel=not args.no_sequence_parallel,
         zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
-        offload_params=args.offload_params, recompute=args.recompute,
+        offload_params=args.offload_params, offload_ratio=args.offload_ratio,
+        recompute=args.recompute,
         fp32_grad_accumulation=args.fp32_grad_accumulation, gpu_memory_gb=args.gpu_memory,
         gpus_per_node=args.gpus_per_node)
     est = estimate_memory(config, layout)

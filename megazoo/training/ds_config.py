@@ -67,8 +67,15 @@ def _zero_flags(ds: dict, zero, source: str) -> None:
         if device is not None:
             _merge(ds, ("zero_optimization", key, "device"), device,
                    f"--{key.replace('_', '-')}", source)
+    if zero.offload_optimizer_ratio is not None:
+        _merge(ds, ("zero_optimization", "offload_optimizer", "ratio"), zero.offload_optimizer_ratio,
+               "--offload-optimizer-ratio", source)
     zo = ds.setdefault("zero_optimization", {})
     zo.setdefault("stage", 0)
+    ratio = (zo.get("offload_optimizer") or {}).get("ratio", 1.0)
+    if ratio != 1.0 and zo["stage"] != 3:
+        raise ValueError(f"a partial optimizer offload (ratio {ratio}) needs ZeRO stage 3, but the "
+                         f"stage is {zo['stage']}: pass --zero-stage 3 or drop the ratio")
     param_dev = (zo.get("offload_param") or {}).get("device", "none")
     if param_dev not in (None, "none") and zo["stage"] != 3:
         raise ValueError(f"parameter offload ({param_dev}) needs ZeRO stage 3, but the stage is "

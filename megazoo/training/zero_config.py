@@ -24,6 +24,9 @@ class ZeroConfig:
     """ZeRO stage 0-3; None: the JSON's value, or 0 without one."""
     offload_optimizer: str | None = None
     """Optimizer state offload device: "none", "cpu" or "nvme"; None: the JSON's value."""
+    offload_optimizer_ratio: float | None = None
+    """ZeRO-3 partial offload: the fraction of optimizer state (fp32 master, Adam moments, fp32
+    gradients) kept on the CPU, the rest on the GPU; None: the JSON's value, or all of it."""
     offload_param: str | None = None
     """Parameter offload device (ZeRO-3 only): "none", "cpu" or "nvme"; None: the JSON's."""
     nvme_path: str | None = None
@@ -48,6 +51,9 @@ class ZeroConfig:
             if value is not None and value not in OFFLOAD_DEVICES:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {OFFLOAD_DEVICES}, "
                                  f"got {value!r}")
+        ratio = self.offload_optimizer_ratio
+        if ratio is not None and not 0.0 < ratio <= 1.0:
+            raise ValueError(f"--offload-optimizer-ratio must be in (0, 1], got {ratio}")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.deepspeed_config is not None and self.zero_impl != "deepspeed":
