@@ -1,6 +1,6 @@
-"""End-to-end runs of pretrain_gpt.py on tiny byte-level data: exact resume, crash mid-save,
-other layouts on gloo (tp=2, pp=2, Ulysses sp=2, Megatron SP, dp=2, and a tp=1 checkpoint
-loaded at tp=2), fp16 skips, bf16, bad input.
+"""End-to-end runs of pretrain_gpt.py on tiny byte-level data: exact resume (also at tp=2 and
+pp=2 with dropout), crash mid-save, other layouts on gloo (tp=2, pp=2, Ulysses sp=2, Megatron
+SP, dp=2, and a tp=1 checkpoint loaded at tp=2), fp16 skips, bf16, bad input.
 
 Tolerances: a resumed run repeats the uninterrupted one bit for bit (same CPU kernels, same
 order). Other layouts sum the same float32 numbers in another order (tp splits matmuls and

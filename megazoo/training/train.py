@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 import time
 
+import torch
+
 from .checkpoint import save_training_checkpoint
 from .generate import generate
 from .logging import flops_per_iteration
@@ -32,6 +34,16 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def seed_step(seed: int, iteration: int, state) -> None:
+    """Seed torch's generators for step `iteration` (0-based) from (--seed, pipeline stage,
+    iteration) alone: dropout masks then depend on nothing that ran before in the process, and
+    a run resumed at iteration N draws on every rank what the uninterrupted run drew (a
+    checkpoint's RNG state is rank 0's, which another stage or tp rank did not have). Stages
+    get their own streams (Megatron's seed + 100 x pp rank); the tp, sp and dp ranks of a stage
+    share one, so activations replicated over tp get identical masks."""
+    torch.manual_seed(((seed + 100 * state.pp.rank) * 1_000_003 + iteration) % 2 ** 63)
 
 
 def _save(run, iteration: int) -> None:
@@ -74,6 +86,7 @@ def train(run, print_fn=print) -> dict:
     window_steps = 0
     for it in range(run.start_iteration, a.training.train_iters):
         step_start = time.perf_counter()
+        seed_step(a.training.seed, it, run.state)
         result = run.engine.train_step(run.data.train_batch(it, run.state))
         losses.append(result.loss)
         steps.append(result)
