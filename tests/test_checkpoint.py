@@ -252,3 +252,30 @@ def test_bad_layout_or_aux_fails_before_writing(tmp_path):
     with pytest.raises(ValueError, match="num_heads \\(4\\) is not divisible by tp"):
         write_checkpoint(tiny("gpt"), tmp_path / "c", lambda n: None, tp=3)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("family", ["gpt", "bloom", "llama"])
+def test_load_pretrained_skips_init_and_gives_identical_logits(tmp_path, family, monkeypatch):
+    """load_pretrained builds on the meta device and allocates without the random init (no
+    NormalInit fills a real tensor), keeps every parameter's sharding attributes, and its
+    logits equal the saved model's bit for bit. No model has buffers to recompute (RoPE and
+    ALiBi factors are made in each forward); one with a buffer is not materialised."""
+    from megazoo.checkpoint.load import can_materialize
+    from megazoo.layers.init import NormalInit
+
+    saved = build_model(tiny(family), None, device="cpu", seed=5)
+    save_checkpoint(saved, tmp_path / "c")
+    filled = []
+    fill = NormalInit.fill_
+    monkeypatch.setattr(NormalInit, "fill_", lambda self, shard, *a: (
+        filled.append(shard.device.type), fill(self, shard, *a))[1])
+    loaded = load_pretrained(tmp_path / "c")
+    assert filled and set(filled) == {"meta"}
+    assert torch.equal(loaded(ids()), saved(ids()))
+    for (name, p), (_, q) in zip(loaded.named_parameters(), saved.named_parameters(), strict=True):
+        assert p.device.type == "cpu" and vars(p).keys() == vars(q).keys(), name
+        assert torch.equal(real(p.detach(), p, 0), real(q.detach(), q, 0)), name
+    assert next(loaded.buffers(), None) is None and can_materialize(build_model(tiny(family)))
+    with_buffer = torch.nn.Linear(2, 2, device="meta")
+    with_buffer.register_buffer("cache", torch.zeros(2, device="meta"))
+    assert not can_materialize(with_buffer)

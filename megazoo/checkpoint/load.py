@@ -1,5 +1,6 @@
 """Reading checkpoints into any layout: `CheckpointReader` (streaming, no process group),
-`load_model_weights` (into an existing model) and `load_pretrained` (build, then load).
+`load_model_weights` (into an existing model) and `load_pretrained` (build on the meta device,
+allocate without init, load).
 
 A full tensor is rebuilt from the source layout's shards with `tp_unslice`, driven by the
 metadata of the source rank's parameters (a model of that rank built on the meta device),
@@ -182,10 +183,43 @@ def load_model_weights(model: nn.Module, path, *, state: ParallelState | None = 
     return reader.metadata, aux
 
 
+def can_materialize(model: nn.Module) -> bool:
+    """Whether `materialize` keeps `model` intact: no buffers (not in checkpoints; none of our
+    models has one: RoPE and ALiBi factors are computed in each forward) and no parameter
+    shared by two modules (to_empty would give each module its own copy)."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    return len({id(p) for _, p in named}) == len(named) and next(model.buffers(), None) is None
+
+
+def materialize(model: nn.Module, device) -> nn.Module:
+    """`model` (built on the meta device) allocated on `device`, uninitialised, by
+    `to_empty`, keeping each parameter's sharding attributes (tp_dim, tp_unpadded, tp_index,
+    tied_to, ...), which the fresh Parameters of to_empty would drop. Every element is
+    garbage until loaded."""
+    if not can_materialize(model):
+        raise ValueError("materialize: the model has buffers or shared parameters, which "
+                         "to_empty would leave uninitialised or untie: build it on its device")
+    attributes = {name: dict(vars(p)) for name, p in model.named_parameters()}
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        p.__dict__.update(attributes[name])
+    return model
+
+
 def load_pretrained(path, state: ParallelState | None = None, device="cpu",
                     dtype: torch.dtype | None = None) -> nn.Module:
-    """Build the checkpoint's model at `state`'s layout (None: one process) and load it."""
+    """Build the checkpoint's model at `state`'s layout (None: one process) and load it.
+
+    The model is built on the meta device and allocated on `device` without running the
+    weight initialisation (`materialize`); loading then overwrites every parameter (vocabulary
+    padding rows with zeros), so the cost is reading the files, not a random init. A model
+    `materialize` cannot take is built on `device` with its initialisation, as before."""
     reader = CheckpointReader(path)
-    model = build_model(reader.config, state, device=device, dtype=dtype or reader.dtype)
+    dtype = dtype or reader.dtype
+    model = build_model(reader.config, state, device="meta", dtype=dtype)
+    if can_materialize(model):
+        materialize(model, device)
+    else:
+        model = build_model(reader.config, state, device=device, dtype=dtype)
     load_model_weights(model, path, state=state)
     return model
