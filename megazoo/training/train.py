@@ -122,15 +122,13 @@ def _summary(run, losses, valid, elapsed, print_fn) -> dict:
     tok_s = steps * a.training.global_batch_size * a.data.seq_length / max(elapsed, 1e-9)
     out = {"train_loss": train_loss, "valid_loss": valid, "unigram_entropy": run.entropy,
            "tokens_per_s": tok_s, "seconds": elapsed, "losses": losses}
-    if a.logging.generate_tokens and run.state.pp.size == 1:
+    if a.logging.generate_tokens:
         k = a.logging.generate_top_k
         text = generate(run.engine.model, run.data.tokenizer, a.logging.prompt,
                         a.logging.generate_tokens, top_k=k, temperature=0.8,
                         seed=a.training.seed, max_context=a.data.seq_length)
         how = "greedy" if k == 1 else f"top-{k} sampling, temperature 0.8"
         run.logger.print(f"sample ({how}):\n{text}")
-    elif a.logging.generate_tokens:
-        run.logger.print("no sample: generation needs pp=1 (load the checkpoint with pp=1)")
     if valid is not None:
         gap = run.entropy - valid
         where = "below" if gap >= 0 else "ABOVE"
