@@ -30,6 +30,14 @@ The model (all of it stated, so a measurement can be compared part by part):
   elements (DeepSpeed's defaults, capped at the parameters held), DDP buckets 2 x 25 MB,
   pipeline send/receive buffers; plus 1 GiB of CUDA context and library workspaces.
 - fragmentation allowance: 10 % of everything above (allocator caching and splitting).
+- host memory with optimizer offload: the 16 B above (times the offloaded fraction with
+  ZeRO-3 partial offload); under ZeRO-3 also what DeepSpeed 0.19.8's stage3.py keeps there:
+  the flat buffer of partitioned gradients in the accumulation dtype (2 B for every
+  parameter, `grad_partitions_flat_buffer`), the fp32 gradient buffer of the largest
+  sub-group (<= 1e9 elements) allocated while the optimizer states initialise (a peak), and
+  3.2 GB of process runtime (the residual of the runs below). Peak RSS measured on GPUs vs
+  predicted: gpt-1.3b 30.6 vs 30.9 GB, 7.46B with 60% offloaded 93.9 vs 93.8 GB, gpt-1.3b
+  at tp = 2 17.8 vs 17.7 GB per rank (bench/README.md). ZeRO-1/2 count the 16 B only.
 
 The claim "BLOOM-176B trains on 8x A100-80GB with ZeRO-3 + CPU optimizer offload in under
 24 GB per GPU" does not hold. Optimizer offload leaves the bf16 parameters on the GPUs:
@@ -38,18 +46,16 @@ and 2048 tokens the planner puts the layout at about 83.5 GB per GPU (44 GB of p
 shards, 12 GB of gathered parameters, 7 GB of a gathered gradient unit, 10.4 GB of
 activations, buffers and a 10% allowance), so it does not fit even the 80 GB, and the
 offloaded fp32 master weights, Adam moments and gradients (16 B per parameter) need 2.8 TB
-of host memory on the node. Offloading the parameters too (ZeRO-Infinity,
-`--offload-params cpu`) brings the GPU to about 35 GB, bounded below by the gathered
+of host memory on the node, 3.2 TB with DeepSpeed's buffers and runtime. Offloading the
+parameters too (ZeRO-Infinity, `--offload-params cpu`) brings the GPU to about 35 GB,
+bounded below by the gathered
 250,880 x 14,336 embedding (3.6e9 parameters: 7.2 GB in bf16, as much again for its
-gradient) and the 2.5e9-parameter blocks, and raises host memory to 3.2 TB.
+gradient) and the 2.5e9-parameter blocks, and raises host memory to 3.6 TB.
 """
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import asdict, dataclass, field
 
-from .models.build import resolve_config
 from .models.config import ModelConfig
 from .models.params import count_parameters
 from .plan_activations import activation_bytes, block_coefficients  # noqa: F401 (re-exported)
@@ -58,6 +64,8 @@ GB = 1e9
 BUCKET_ELEMENTS = 5e8  # DeepSpeed reduce_bucket_size / allgather_bucket_size defaults
 DDP_BUCKET_BYTES = 25e6
 RUNTIME_BYTES = 2**30  # CUDA context, cuBLAS / NCCL workspaces
+SUB_GROUP_ELEMENTS = 1e9  # DeepSpeed ZeRO-3 sub_group_size default
+HOST_RUNTIME_BYTES = 3.2e9  # host side of an offloading process: Python, torch, CUDA, DeepSpeed
 FRAGMENTATION = 0.10
 
 
@@ -200,6 +208,8 @@ def estimate_memory(config: ModelConfig, layout: TrainingLayout) -> MemoryEstima
                      f"{layout.offload_ratio:.0%} of them on the host")
     if layout.offload_params == "cpu":
         host += 2 * n_gpu / z
+    if layout.offload_optimizer == "cpu" and layout.zero_stage == 3:
+        host += grad_b * n_gpu / z + 4 * min(n_gpu / z, SUB_GROUP_ELEMENTS) + HOST_RUNTIME_BYTES
     if layout.zero_stage == 3:
         unit = max(counts["block"], counts["embedding"], counts["head"])
         second = sorted([counts["block"], counts["block"], counts["embedding"], counts["head"]])[-2]
@@ -238,68 +248,11 @@ def _comm_buffers(config: ModelConfig, layout: TrainingLayout, n_gpu: int, grad_
     return zero + p2p
 
 
-def format_table(name: str, layout: TrainingLayout, est: MemoryEstimate) -> str:
-    """A human-readable report."""
-    rows = [("parameters", est.parameters), ("gradients", est.gradients),
-            ("optimizer states", est.optimizer_states), ("activations", est.activations),
-            ("communication buffers + runtime", est.communication_buffers),
-            ("fragmentation allowance (10%)", est.fragmentation), ("GPU total", est.gpu_total)]
-    lines = [f"{name}: {est.num_parameters:,} parameters; layout TP{layout.tp}-SP{layout.sp}-"
-             f"PP{layout.pp}-VPP{layout.vpp}-DP{layout.dp} ({layout.world_size} GPUs), ZeRO-"
-             f"{layout.zero_stage}, offload optimizer={layout.offload_optimizer} params="
-             f"{layout.offload_params}, recompute={layout.recompute}, micro-batch "
-             f"{layout.micro_batch_size} x {layout.seq_length} tokens",
-             f"  parameters per GPU before ZeRO: {est.parameters_per_gpu:,}"]
-    lines += [f"  {label:<34}{value / GB:10.2f} GB" for label, value in rows]
-    lines.append(f"  {'host memory per GPU / per node':<34}{est.host_per_gpu / GB:10.2f} GB"
-                 f" / {est.host_per_node / GB:.1f} GB")
-    verdict = "fits" if est.fits else "does NOT fit"
-    lines.append(f"  => {verdict} in {layout.gpu_memory_gb:g} GB per GPU")
-    lines += [f"  note: {n}" for n in est.notes]
-    return "\n".join(lines)
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megazoo.plan", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="a preset name, e.g. bloom-176b")
-    for flag in ("tp", "sp", "pp", "vpp", "dp"):
-        p.add_argument(f"--{flag}", type=int, default=1)
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--seq-length", type=int, default=None, help="default: the model's positions")
-    p.add_argument("--num-micro-batches", type=int, default=None)
-    p.add_argument("--no-sequence-parallel", action="store_true", help="Megatron SP off")
-    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
-    p.add_argument("--offload-optimizer", default="none", choices=("none", "cpu"))
-    p.add_argument("--offload-params", default="none", choices=("none", "cpu"))
-    p.add_argument("--offload-ratio", type=float, default=1.0,
-                   help="ZeRO-3 partial optimizer offload: fraction on the host")
-    p.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
-    p.add_argument("--fp32-grad-accumulation", action="store_true")
-    p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    config = resolve_config(args.model)
-    layout = TrainingLayout(
-        tp=args.tp, sp=args.sp, pp=args.pp, vpp=args.vpp, dp=args.dp,
-        micro_batch_size=args.micro_batch_size,
-        seq_length=args.seq_length or min(config.max_position_embeddings, 2048),
-        num_micro_batches=args.num_micro_batches, sequence_parallel=not args.no_sequence_parallel,
-        zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
-        offload_params=args.offload_params, offload_ratio=args.offload_ratio,
-        recompute=args.recompute,
-        fp32_grad_accumulation=args.fp32_grad_accumulation, gpu_memory_gb=args.gpu_memory,
-        gpus_per_node=args.gpus_per_node)
-    est = estimate_memory(config, layout)
-    if args.json:
-        print(json.dumps({"model": args.model, "layout": asdict(layout), **est.to_dict()}, indent=2))
-    else:
-        print(format_table(args.model, layout, est))
-    return 0
+    """`python -m megazoo.plan ...`: the command line, which lives in plan_cli.py."""
+    from .plan_cli import main as cli_main
+
+    return cli_main(argv)
 
 
 if __name__ == "__main__":
