@@ -7,9 +7,10 @@ LLaMA with SwiGLU 5504 (same parameter count). Pure bf16 weights, fused AdamW, o
 forward + backward + optimizer. Each (family, implementation) runs in its own subprocess so
 peak memory is its own; the matmul ceiling is measured once, in the parent.
 
-`--impls megazoo-kernels` is megazoo with its norms and GeLU routed through the csrc/Triton
-kernels of `megazoo.kernels` instead of the torch.compile'd chains of `layers/fusion.py`
-(LayerNorm: F.layer_norm), the end-to-end check of whether wiring a kernel in wins:
+`--impls megazoo-kernels` is megazoo with its GeLU routed through the fused bias+GeLU kernel
+of `megazoo.kernels` instead of F.gelu, the end-to-end check of whether wiring it in wins.
+(The norms made the same check on 2026-11-23 against F.layer_norm and the compiled RMSNorm,
+won, and now run the Triton kernels on CUDA by default, `layers/norm.py`.)
 
     python bench/model_bench.py --families gpt llama --impls megazoo megazoo-kernels
 """
@@ -63,12 +64,10 @@ def megazoo_model(family: str):
 
 
 def use_fused_kernels() -> None:
-    """Route megazoo's LayerNorm, RMSNorm and GeLU through megazoo.kernels (this process only)."""
+    """Route megazoo's GeLU through megazoo.kernels.bias_gelu (this process only)."""
     from megazoo import kernels
-    from megazoo.layers import mlp, norm
+    from megazoo.layers import mlp
 
-    norm.LayerNorm.forward = lambda self, x: kernels.layer_norm(x, self.weight, self.bias, self.eps)
-    norm.rms_norm = kernels.rms_norm
     zero_bias = {}
 
     def gelu(x, approximate="none"):
