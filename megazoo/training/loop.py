@@ -63,8 +63,9 @@ def _one_rank_group_for_zero(args: PretrainArgs) -> None:
     if args.zero.zero_impl == "none" or dist.is_initialized() or \
             int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return
-    os.environ.setdefault("LOCAL_RANK", "0")
-    dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)
+    from .zero_setup import init_one_rank_group
+
+    init_one_rank_group()
 
 
 def setup(args: PretrainArgs, print_fn=print) -> Run:

@@ -77,7 +77,7 @@ class DeepSpeedEngine(Engine):
             raise ValueError("DeepSpeed's CPU accelerator has no fp16: on CPU use --bf16 or fp32")
         use_accelerator_of(device)
         check_nvme(self.ds_config)
-        ensure_process_group(state, device)
+        ensure_process_group(state)
         import deepspeed
 
         tag_tensor_parallel(model, state)

@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -68,19 +69,23 @@ for _prefix, _attr in {**_NAMES, "data_parallel": "dp_sp"}.items():
     setattr(ZeroMPU, f"get_{_prefix}_group", lambda self, _a=_attr: self.group_of(_a))
 
 
-def ensure_process_group(state: ParallelState, device: torch.device) -> None:
-    """DeepSpeed needs torch.distributed even on one process: a one-rank group when none
-    exists (a plain `python pretrain_gpt.py --deepspeed`)."""
+def init_one_rank_group() -> None:
+    """A one-rank torch.distributed group (in-memory store: no port, no file) and the
+    LOCAL_RANK DeepSpeed insists on. DeepSpeed and FSDP2 need torch.distributed even in a
+    plain one-process run with no launcher."""
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)
+
+
+def ensure_process_group(state: ParallelState) -> None:
+    """A one-rank group when none exists (a plain `python pretrain_gpt.py --deepspeed`, or
+    the engine built directly)."""
     if dist.is_initialized():
         return
     if state.world_size > 1:
         raise ValueError("torch.distributed is not initialised but the state has "
                          f"{state.world_size} ranks: build the ParallelState after init")
-    import tempfile
-
-    store = tempfile.NamedTemporaryFile(prefix="megazoo_ds_store_", delete=False).name
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"file://{store}", rank=0, world_size=1)
+    init_one_rank_group()
 
 
 def check_nvme(ds: dict) -> None:
