@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..pipeline.executor import run_pipeline
+
 
 @dataclass
 class StepResult:
@@ -54,6 +56,19 @@ class Engine:
     def load(self, path: str) -> dict:
         """Restore model, optimizer, scheduler and scaler from `path`; return its `extra`."""
         raise NotImplementedError
+
+
+def mean_eval_loss(model, micro_batches, state, device, *, dtype=None) -> float:
+    """Forward-only mean loss of `micro_batches` (through the pipeline schedule when pp > 1),
+    averaged over dp; the same on every rank. The caller sets eval mode, no_grad, autocast."""
+    if state.pp.size > 1:
+        pairs = [(b["input_ids"], b["labels"]) for b in micro_batches]
+        loss = run_pipeline(model, pairs, state, forward_only=True, dtype=dtype)
+        return dp_mean(last_stage_loss(loss, state, device), state)
+    total = torch.zeros((), device=device)
+    for b in micro_batches:
+        total += model(b["input_ids"], labels=b["labels"]).float() / len(micro_batches)
+    return dp_mean(total, state)
 
 
 def last_stage_loss(loss: torch.Tensor | None, state, device) -> torch.Tensor:

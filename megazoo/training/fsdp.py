@@ -33,7 +33,7 @@ import torch
 
 from ..parallel.state import ParallelState
 from ..pipeline.executor import run_pipeline
-from .engine import Engine, StepResult, dp_mean, last_stage_loss
+from .engine import Engine, StepResult, dp_mean, last_stage_loss, mean_eval_loss
 from .fsdp_parts import SyncOnLastMicroBatch, complete_gradients, grad_norm, shard_mesh, shard_stage
 from .optim import clip_gradients, param_groups
 from .schedule import learning_rate
@@ -134,15 +134,8 @@ class FSDP2Engine(Engine):
     @torch.no_grad()
     def eval_loss(self, micro_batches) -> float:
         self.model.eval()
-        if self.state.pp.size > 1:
-            pairs = [(b["input_ids"], b["labels"]) for b in micro_batches]
-            loss = run_pipeline(self.model, pairs, self.state, forward_only=True,
-                                dtype=self._activation_dtype())
-            return dp_mean(last_stage_loss(loss, self.state, self.device), self.state)
-        total = torch.zeros((), device=self.device)
-        for b in micro_batches:
-            total += self.model(b["input_ids"], labels=b["labels"]).float() / len(micro_batches)
-        return dp_mean(total, self.state)
+        return mean_eval_loss(self.model, micro_batches, self.state, self.device,
+                              dtype=self._activation_dtype())
 
     def save(self, path: str, extra: dict) -> None:
         from .fsdp_checkpoint import save_fsdp

@@ -24,7 +24,7 @@ from ..models.params import allreduce_gradients
 from ..parallel.state import ParallelState
 from ..pipeline.executor import run_pipeline
 from .config import PretrainArgs
-from .engine import Engine, StepResult, dp_mean, last_stage_loss
+from .engine import Engine, StepResult, dp_mean, last_stage_loss, mean_eval_loss
 from .optim import build_optimizer, clip_gradients, global_grad_norm
 from .scaler import DynamicLossScaler
 from .schedule import learning_rate
@@ -112,16 +112,8 @@ class PlainEngine(Engine):
     @torch.no_grad()
     def eval_loss(self, micro_batches) -> float:
         self.model.eval()
-        if self.state.pp.size > 1:
-            pairs = [(b["input_ids"], b["labels"]) for b in micro_batches]
-            with self.autocast():
-                loss = run_pipeline(self.model, pairs, self.state, forward_only=True)
-            return dp_mean(last_stage_loss(loss, self.state, self.device), self.state)
-        total = torch.zeros((), device=self.device)
-        for b in micro_batches:
-            with self.autocast():
-                total += self.model(b["input_ids"], labels=b["labels"]).float() / len(micro_batches)
-        return dp_mean(total, self.state)
+        with self.autocast():
+            return mean_eval_loss(self.model, micro_batches, self.state, self.device)
 
     def save(self, path: str, extra: dict) -> None:
         from ..checkpoint import save_checkpoint

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ..parallel.state import ParallelState
 from .ds_config import build_ds_config, offload_device, zero_stage
-from .engine import Engine, StepResult, dp_mean
+from .engine import Engine, StepResult, dp_mean, mean_eval_loss
 from .schedule import learning_rate
 from .zero_setup import (ZeroMPU, build_optimizer, check_nvme, ensure_process_group,
                          sum_sequence_parallel_grads, tag_tensor_parallel, use_accelerator_of)
@@ -132,10 +132,7 @@ class DeepSpeedEngine(Engine):
     @torch.no_grad()
     def eval_loss(self, micro_batches) -> float:
         self.ds.eval()
-        total = torch.zeros((), device=self.device)
-        for b in micro_batches:
-            total += self.ds(b["input_ids"], labels=b["labels"]).float() / len(micro_batches)
-        return dp_mean(total, self.state)
+        return mean_eval_loss(self.ds, micro_batches, self.state, self.device)  # pp is 1 here
 
     def save(self, path: str, extra: dict) -> None:
         """DeepSpeed's files under `path/zero/`, then `path/megazoo.json` (rank 0)."""
