@@ -47,6 +47,9 @@ LARGEST = [("gpt-13b", 40, 5120, 40), ("gpt-7.5b", 36, 4096, 32), ("gpt-7.1b", 3
            ("gpt-6.7b", 32, 4096, 32), ("gpt-2.7b", 32, 2560, 32)]
 TINY_LARGEST = [("tiny-l4", 4, 64, 4), ("tiny-l2", 2, 64, 4)]
 RESULT = "RESULT "
+# megazoo under DeepSpeed, megazoo under FSDP2 (ZeRO-3 + CPU offload; "-keep": gathered
+# parameters kept from forward to backward, --no-fsdp-reshard-after-forward), the peer last.
+IMPLS = ("megazoo", "fsdp2", "fsdp2-keep", "hf")
 
 
 def model_config(shape: dict, recompute: str = "none"):
@@ -123,6 +126,19 @@ def megazoo_step(shape, state, args):
     return lambda: engine.train_step([{"input_ids": ids, "labels": ids}]).loss
 
 
+def fsdp2_step(shape, state, args, reshard_after_forward=True):
+    """megazoo under FSDP2Engine: ZeRO-3 with CPUOffloadPolicy (sharded fp32 parameters,
+    gradients and AdamW state on the host; torch's fused CPU AdamW)."""
+    from megazoo.models import build_model
+    from megazoo.training.fsdp import FSDP2Engine
+
+    model = build_model(args.model, state, device=device(), seed=0)
+    engine = FSDP2Engine(model, state, args, cpu_offload=True,
+                         reshard_after_forward=reshard_after_forward)
+    ids = batch(shape, device())
+    return lambda: engine.train_step([{"input_ids": ids, "labels": ids}]).loss
+
+
 def hf_step(shape, state, args):
     import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -179,7 +195,9 @@ def worker(kind: str, dry: bool, warmup: int, iters: int) -> dict:
     shape = TINY if dry else SHAPE
     state = init_state(ParallelConfig())
     args = run_args(shape, ParallelConfig(), dp=1, bf16=not dry)
-    step = (megazoo_step if kind == "megazoo" else hf_step)(shape, state, args)
+    builders = {"megazoo": megazoo_step, "hf": hf_step, "fsdp2": fsdp2_step,
+                "fsdp2-keep": lambda *a: fsdp2_step(*a, reshard_after_forward=False)}
+    step = builders[kind](shape, state, args)
     out = {"impl": kind, **measure(step, warmup, iters)}
     out["tokens_s"] = shape["batch"] * shape["seq"] / out["step_s"]
     return {**out, **plan(shape)}
@@ -260,9 +278,10 @@ def run_child(argv: list[str], launcher: list[str] | None = None) -> list[dict]:
 def compare(dry: bool, warmup: int, iters: int) -> list[dict]:
     flags = ["--dry-run"] if dry else []
     rows = []
-    for kind in ("megazoo", "hf"):
+    for kind in IMPLS:
         rows += run_child(["--worker", kind, "--warmup", str(warmup), "--iters", str(iters), *flags])
-    rows[0]["ratio"] = rows[0]["tokens_s"] / rows[1]["tokens_s"]
+    for row in rows:
+        row["ratio"] = row["tokens_s"] / rows[-1]["tokens_s"]
     return rows
 
 
@@ -271,7 +290,7 @@ def main(argv=None) -> int:
     p.add_argument("--largest", action="store_true")
     p.add_argument("--two-gpu", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, all modes")
-    p.add_argument("--worker", choices=("megazoo", "hf"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--steps", type=int, default=6, help="--largest: training steps")

@@ -56,11 +56,14 @@ class _FusedQKVInit:
             local += rows
 
 
-class _SumReplicatedKV:
-    """Gradient hook: sum the k/v rows' gradient over the tp ranks holding the same kv head.
+class SumReplicatedKV:
+    """Sum the k/v rows' gradient over the tp ranks holding the same kv head.
 
-    The local shard is [GL q heads, k, v] (one kv group, number `group`); the k/v rows of every
-    rank go to slot `group` of a [K, 2d, ...] buffer that is all-reduced over tp.
+    The local shard is [GL q heads, k, v] (one kv group, number `kv_group`); the k/v rows of
+    every rank go to slot `kv_group` of a [K, 2d, ...] buffer that is all-reduced over tp.
+    A tensor hook on the fused QKV parameters (`__call__`, the whole local gradient); an
+    engine that replaces the parameters (FSDP2) finds it as `param.sum_replicated_kv` and
+    calls `sum_rows` on its shard of the gradient after backward.
     """
 
     def __init__(self, group: Group, num_kv_heads: int, kv_group: int, q_rows: int):
@@ -68,11 +71,18 @@ class _SumReplicatedKV:
         self.kv_group, self.q_rows = kv_group, q_rows
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        kv = grad[self.q_rows:]  # [2d, ...]
-        slots = grad.new_zeros((self.num_kv_heads,) + tuple(kv.shape))
+        grad = grad.clone()
+        self.sum_rows(grad, 0)
+        return grad
+
+    def sum_rows(self, rows: torch.Tensor, start: int) -> None:
+        """In place: `rows` are the local rows start, start + 1, ... of the gradient. Every tp
+        rank must call it with the same `start` and row count (a collective)."""
+        kv = rows[max(self.q_rows - start, 0):]
+        slots = kv.new_zeros((self.num_kv_heads,) + tuple(kv.shape))
         slots[self.kv_group] = kv
         dist.all_reduce(slots, group=process_group(self.group))
-        return torch.cat([grad[:self.q_rows], slots[self.kv_group]])
+        kv.copy_(slots[self.kv_group])
 
 
 class ParallelAttention(nn.Module):
@@ -118,7 +128,9 @@ class ParallelAttention(nn.Module):
             q_rows = layout.tp_groups[1] * head_dim
             kv_group = layout.first_head(tp_rank) // layout.group_size
             for p in self.qkv.parameters():
-                p.register_hook(_SumReplicatedKV(tp_group, layout.num_kv_heads, kv_group, q_rows))
+                p.sum_replicated_kv = SumReplicatedKV(tp_group, layout.num_kv_heads, kv_group,
+                                                      q_rows)
+                p.register_hook(p.sum_replicated_kv)
 
     def qkv_rows(self) -> torch.Tensor:
         """The rows of the tp=1 fused QKV weight (and bias) this rank holds, in local order."""

