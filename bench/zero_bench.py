@@ -1,17 +1,22 @@
 """ZeRO-3 + CPU optimizer offload: megazoo under DeepSpeedEngine vs DeepSpeed + HF GPT2, the
 largest GPT one GPU trains, and tp=2 / sp=2 on two GPUs; planner predictions beside each.
 
-    python bench/zero_bench.py [--out zero.json]           # 1 GPU: megazoo vs HF GPT2
+    python bench/zero_bench.py [--out zero.json]           # 1 GPU: megazoo (DeepSpeed, FSDP2) vs HF GPT2
     python bench/zero_bench.py --largest                   # 1 GPU: the planner's largest GPT
     torchrun --nproc-per-node 2 bench/zero_bench.py --two-gpu
     python bench/zero_bench.py --dry-run                   # all three on CPU, tiny model
 
 Shape (../shared/BENCHMARKS.md): GPT-3 XL, h=2048, l=24, 16 heads, s=2048, micro-batch 4,
-V=50304; bf16, ZeRO-3, optimizer offloaded to the CPU (DeepSpeedCPUAdam), one micro-batch per
-step. Both implementations get the same DeepSpeed config (`megazoo.training.ds_config`) and
-each runs in its own subprocess, so peak GPU memory and host RSS are its own. Reported:
-tokens/s (median step after warm-up), the ratio megazoo / HF (target >= 1.3), peak GPU memory
-allocated and reserved, peak host RSS, and `megazoo.plan.estimate_memory` for the layout.
+V=50304; bf16, ZeRO-3, optimizer offloaded to the CPU, one micro-batch per step, gradient
+clipping 1.0. Rows, each in its own subprocess (peak GPU memory and host RSS are its own):
+"megazoo" = our model under DeepSpeedEngine (DeepSpeedCPUAdam); "fsdp2" = our model under
+FSDP2Engine with CPUOffloadPolicy (fp32 parameters, gradients and AdamW state on the host,
+torch's fused CPU AdamW, clipping folded into it); "fsdp2-keep" = the same with the gathered
+parameters kept from forward to backward (--no-fsdp-reshard-after-forward); "hf" = the peer,
+DeepSpeed + Hugging Face GPT2 with the same DeepSpeed config (`megazoo.training.ds_config`).
+Reported: tokens/s (median step after warm-up), the ratio to the peer (target >= 1.3), peak
+GPU memory allocated and reserved, peak host RSS, and `megazoo.plan.estimate_memory` for the
+layout (zero_impl="fsdp2" for the FSDP2 rows). `bench/offload_probe.py` breaks a step down.
 
 `--largest` asks the planner for the largest candidate GPT (full recompute, micro-batch 1,
 ZeRO-3 + CPU optimizer offload, parameter offload only if needed) that fits --gpu-gb of GPU
@@ -77,13 +82,13 @@ def run_args(shape: dict, par, *, dp: int, bf16: bool, offload_param: str = "non
 
 
 def plan(shape: dict, *, tp=1, sp=1, offload_optimizer="cpu", offload_param="none",
-         recompute="none", gpu_gb=80.0, ratio=1.0) -> dict:
+         recompute="none", gpu_gb=80.0, ratio=1.0, zero_impl="deepspeed") -> dict:
     from megazoo.plan import TrainingLayout, estimate_memory
 
     layout = TrainingLayout(tp=tp, sp=sp, micro_batch_size=shape["batch"], seq_length=shape["seq"],
                             zero_stage=3, offload_optimizer=offload_optimizer,
                             offload_params=offload_param, offload_ratio=ratio,
-                            recompute=recompute, gpu_memory_gb=gpu_gb)
+                            zero_impl=zero_impl, recompute=recompute, gpu_memory_gb=gpu_gb)
     est = estimate_memory(model_config(shape, recompute), layout)
     return {"plan_gpu_gb": est.gpu_total / 1e9, "plan_alloc_gb": est.allocated / 1e9,
             "plan_host_gb": est.host_per_gpu / 1e9, "plan_fits": est.fits,
@@ -200,7 +205,7 @@ def worker(kind: str, dry: bool, warmup: int, iters: int) -> dict:
     step = builders[kind](shape, state, args)
     out = {"impl": kind, **measure(step, warmup, iters)}
     out["tokens_s"] = shape["batch"] * shape["seq"] / out["step_s"]
-    return {**out, **plan(shape)}
+    return {**out, **plan(shape, zero_impl="fsdp2" if kind.startswith("fsdp2") else "deepspeed")}
 
 
 RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)  # ZeRO-3 partial offload: fraction on the host

@@ -38,6 +38,10 @@ The model (all of it stated, so a measurement can be compared part by part):
   3.2 GB of process runtime (the residual of the runs below). Peak RSS measured on GPUs vs
   predicted: gpt-1.3b 30.6 vs 30.9 GB, 7.46B with 60% offloaded 93.9 vs 93.8 GB, gpt-1.3b
   at tp = 2 17.8 vs 17.7 GB per rank (bench/README.md). ZeRO-1/2 count the 16 B only.
+- `zero_impl="fsdp2"` (ZeRO-3 through FSDP2): no DeepSpeed buckets; its CPU offload keeps
+  fp32 parameters, gradients and Adam m, v on the host (16 B per parameter) and only the
+  gathered working set on the GPU, plus 2.5 GB of host runtime (fitted to one run: gpt-1.3b,
+  23.5 GB measured; GPU 17.4 GB measured vs 17.6 predicted).
 
 The claim "BLOOM-176B trains on 8x A100-80GB with ZeRO-3 + CPU optimizer offload in under
 24 GB per GPU" does not hold. Optimizer offload leaves the bf16 parameters on the GPUs:
@@ -66,6 +70,7 @@ DDP_BUCKET_BYTES = 25e6
 RUNTIME_BYTES = 2**30  # CUDA context, cuBLAS / NCCL workspaces
 SUB_GROUP_ELEMENTS = 1e9  # DeepSpeed ZeRO-3 sub_group_size default
 HOST_RUNTIME_BYTES = 3.2e9  # host side of an offloading process: Python, torch, CUDA, DeepSpeed
+FSDP2_HOST_RUNTIME_BYTES = 2.5e9  # the same without DeepSpeed (one run: gpt-1.3b, 23.5 GB)
 FRAGMENTATION = 0.10
 
 
@@ -100,6 +105,8 @@ class TrainingLayout:
     parameter on the host; the rest stays on the GPU."""
     offload_params: str = "none"
     """"cpu" (ZeRO-3 only) also keeps the bf16 parameter partitions on the host."""
+    zero_impl: str = "deepspeed"
+    """"deepspeed" or "fsdp2" (ZeRO-3 only; its CPU offload moves the parameters as well)."""
     recompute: str = "none"
     """Activation recompute: "none", "selective" or "full"."""
     fp32_grad_accumulation: bool = False
@@ -124,6 +131,11 @@ class TrainingLayout:
         if not 0.0 < self.offload_ratio <= 1.0 or (self.offload_ratio < 1.0 and self.zero_stage != 3):
             raise ValueError(f"offload_ratio must be in (0, 1], below 1 only with zero_stage=3; "
                              f"got {self.offload_ratio}")
+        if self.zero_impl not in ("deepspeed", "fsdp2"):
+            raise ValueError(f"zero_impl must be 'deepspeed' or 'fsdp2', got {self.zero_impl!r}")
+        if self.zero_impl == "fsdp2" and (self.zero_stage != 3 or self.offload_ratio != 1.0):
+            raise ValueError("zero_impl='fsdp2' is ZeRO-3 and offloads all or nothing: pass "
+                             "zero_stage=3 and no offload_ratio")
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
         if self.vpp > 1 and self.pp == 1:
@@ -196,7 +208,9 @@ def estimate_memory(config: ModelConfig, layout: TrainingLayout) -> MemoryEstima
     grad_b = 4 if layout.fp32_grad_accumulation else 2
     notes = []
     params = 2 * n_gpu / (z if layout.zero_stage == 3 else 1)
-    if layout.offload_params == "cpu":
+    fsdp2_offload = layout.zero_impl == "fsdp2" and "cpu" in (layout.offload_optimizer,
+                                                              layout.offload_params)
+    if layout.offload_params == "cpu" or fsdp2_offload:
         params = 0.0
     grads = grad_b * n_gpu / (z if layout.zero_stage >= 2 else 1)
     optim = 12 * n_gpu / (z if layout.zero_stage >= 1 else 1)
@@ -206,9 +220,13 @@ def estimate_memory(config: ModelConfig, layout: TrainingLayout) -> MemoryEstima
         optim, grads = (12 + 4) * n_gpu / z * (1.0 - layout.offload_ratio), 0.0
         notes.append("optimizer offload: fp32 master + Adam m, v + fp32 grads (16 B/param), "
                      f"{layout.offload_ratio:.0%} of them on the host")
-    if layout.offload_params == "cpu":
+    if fsdp2_offload:  # CPUOffloadPolicy: fp32 params, fp32 grads, Adam m and v on the host
+        optim, grads, host = 0.0, 0.0, 16 * n_gpu / z + FSDP2_HOST_RUNTIME_BYTES
+        notes = [n for n in notes if not n.startswith("optimizer offload")]
+        notes.append("FSDP2 CPU offload: fp32 parameters, gradients, Adam m and v on the host")
+    elif layout.offload_params == "cpu":
         host += 2 * n_gpu / z
-    if layout.offload_optimizer == "cpu" and layout.zero_stage == 3:
+    if layout.offload_optimizer == "cpu" and layout.zero_stage == 3 and not fsdp2_offload:
         host += grad_b * n_gpu / z + 4 * min(n_gpu / z, SUB_GROUP_ELEMENTS) + HOST_RUNTIME_BYTES
     if layout.zero_stage == 3:
         unit = max(counts["block"], counts["embedding"], counts["head"])
@@ -234,7 +252,9 @@ def _comm_buffers(config: ModelConfig, layout: TrainingLayout, n_gpu: int, grad_
     """ZeRO / DDP buckets and pipeline send/receive buffers, in bytes."""
     z = layout.dp * layout.sp
     bucket = min(BUCKET_ELEMENTS, n_gpu)
-    if layout.zero_stage in (1, 2):
+    if layout.zero_impl == "fsdp2":
+        zero = 0.0  # no buckets: each unit reduce-scatters its own gradient (working set)
+    elif layout.zero_stage in (1, 2):
         zero = bucket * grad_b + bucket * 2  # reduce bucket + all-gather bucket
     elif layout.zero_stage == 3:
         zero = bucket * grad_b  # reduce bucket; prefetching is in the working set

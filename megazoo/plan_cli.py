@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 
 from .models.build import resolve_config
@@ -44,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-params", default="none", choices=("none", "cpu"))
     p.add_argument("--offload-ratio", type=float, default=1.0,
                    help="ZeRO-3 partial optimizer offload: fraction on the host")
+    p.add_argument("--zero-impl", default="deepspeed", choices=("deepspeed", "fsdp2"))
     p.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     p.add_argument("--fp32-grad-accumulation", action="store_true")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU")
@@ -55,17 +57,21 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     config = resolve_config(args.model)
-    layout = TrainingLayout(
-        tp=args.tp, sp=args.sp, pp=args.pp, vpp=args.vpp, dp=args.dp,
-        micro_batch_size=args.micro_batch_size,
-        seq_length=args.seq_length or min(config.max_position_embeddings, 2048),
-        num_micro_batches=args.num_micro_batches, sequence_parallel=not args.no_sequence_parallel,
-        zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
-        offload_params=args.offload_params, offload_ratio=args.offload_ratio,
-        recompute=args.recompute,
-        fp32_grad_accumulation=args.fp32_grad_accumulation, gpu_memory_gb=args.gpu_memory,
-        gpus_per_node=args.gpus_per_node)
-    est = estimate_memory(config, layout)
+    try:
+        layout = TrainingLayout(
+            tp=args.tp, sp=args.sp, pp=args.pp, vpp=args.vpp, dp=args.dp,
+            micro_batch_size=args.micro_batch_size,
+            seq_length=args.seq_length or min(config.max_position_embeddings, 2048),
+            num_micro_batches=args.num_micro_batches, sequence_parallel=not args.no_sequence_parallel,
+            zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
+            offload_params=args.offload_params, offload_ratio=args.offload_ratio,
+            zero_impl=args.zero_impl, recompute=args.recompute,
+            fp32_grad_accumulation=args.fp32_grad_accumulation, gpu_memory_gb=args.gpu_memory,
+            gpus_per_node=args.gpus_per_node)
+        est = estimate_memory(config, layout)
+    except ValueError as exc:  # a layout that cannot be: say what, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps({"model": args.model, "layout": asdict(layout), **est.to_dict()}, indent=2))
     else:

@@ -124,11 +124,33 @@ def test_bloom_176b_claim_is_false():
     assert est.host_per_node == pytest.approx(8 * (16 * per_gpu + deepspeed))
 
 
+def test_fsdp2_offload_moves_parameters_and_has_no_buckets():
+    """FSDP2's CPUOffloadPolicy: 16 B per parameter on the host (fp32 params, grads, m, v) and
+    only the ZeRO-3 working set on the GPU; DeepSpeed keeps the bf16 shards and its buckets."""
+    n = count_parameters(TOY)
+    kw = dict(seq_length=128, dp=4, zero_stage=3, offload_optimizer="cpu")
+    ds = estimate_memory(TOY, TrainingLayout(**kw))
+    fsdp = estimate_memory(TOY, TrainingLayout(**kw, zero_impl="fsdp2"))
+    assert fsdp.parameters == 2 * (BLOCK + BLOCK) and ds.parameters == 2 * n / 4 + fsdp.parameters
+    assert fsdp.optimizer_states == 0 and fsdp.gradients == 2 * BLOCK
+    assert fsdp.communication_buffers == RUNTIME_BYTES < ds.communication_buffers
+    assert fsdp.host_per_gpu == pytest.approx(16 * n / 4 + 2.5e9)
+
+
 @pytest.mark.parametrize("bad", [dict(zero_stage=4), dict(offload_params="cpu", zero_stage=2),
-                                 dict(offload_optimizer="cpu"), dict(vpp=2), dict(recompute="x")])
+                                 dict(offload_optimizer="cpu"), dict(vpp=2), dict(recompute="x"),
+                                 dict(zero_impl="fsdp2", zero_stage=2), dict(zero_impl="zero"),
+                                 dict(zero_impl="fsdp2", zero_stage=3, offload_optimizer="cpu",
+                                      offload_ratio=0.5)])
 def test_layout_validation(bad):
     with pytest.raises(ValueError):
         TrainingLayout(**bad)
+
+
+def test_cli_bad_layout_is_one_line_exit_2(capsys):
+    assert main(["--model", "gpt-1.3b", "--offload-optimizer", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "zero_stage" in err and "Traceback" not in err
 
 
 def test_cli_json_reports_exact_count(capsys):
