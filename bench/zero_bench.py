@@ -247,7 +247,8 @@ def largest(dry: bool, gpu_gb: float, host_gb: float, steps: int) -> dict:
 
 
 def two_gpu(dry: bool, warmup: int, iters: int) -> list[dict]:
-    """tp=2 (ZeRO-3 + CPU offload), then sp=2 (ZeRO-3, optimizer on the GPU)."""
+    """tp=2 (ZeRO-3 + CPU offload), sp=2 (ZeRO-3, optimizer on the GPU) under DeepSpeed, then
+    tp=2 with FSDP2's ZeRO-3 + CPU offload."""
     from megazoo.parallel import ParallelConfig
 
     shape = TINY if dry else SHAPE
@@ -256,19 +257,23 @@ def two_gpu(dry: bool, warmup: int, iters: int) -> list[dict]:
     ceiling = None if dry else matmul_ceiling_tflops()
     flops = gpt_flops(shape["batch"], shape["seq"], shape["layers"], shape["hidden"], shape["vocab"])
     rows = []
-    for name, par, offload in (("tp2+offload", ParallelConfig(tp=2), "cpu"),
-                               ("sp2", ParallelConfig(sp=2), "none")):
+    for name, par, offload, impl in (("tp2+offload", ParallelConfig(tp=2), "cpu", "deepspeed"),
+                                     ("sp2", ParallelConfig(sp=2), "none", "deepspeed"),
+                                     ("tp2+offload fsdp2", ParallelConfig(tp=2), "cpu", "fsdp2")):
         gc.collect()  # the previous layout's engine: its memory must not count here
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         state = init_state(par)
         args = run_args(shape, par, dp=1, bf16=not dry, offload_optimizer=offload)
-        out = measure(megazoo_step(shape, state, args), warmup, iters)
+        step = (fsdp2_step if impl == "fsdp2" else megazoo_step)(shape, state, args)
+        out = measure(step, warmup, iters)
         tflops = flops / out["step_s"] / 1e12  # one replica's work, shared by the 2 GPUs
         rows.append({"layout": name, **out, "tokens_s": shape["batch"] * shape["seq"] / out["step_s"],
                      "tflops_per_gpu": tflops / 2,
                      "mfu": None if ceiling is None else tflops / 2 / ceiling,
-                     **plan(shape, tp=par.tp, sp=par.sp, offload_optimizer=offload)})
+                     **plan(shape, tp=par.tp, sp=par.sp, offload_optimizer=offload,
+                            zero_impl=impl)})
     return rows
 
 
