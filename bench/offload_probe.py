@@ -106,9 +106,7 @@ def step(kind):
         ids = zb.batch(shape, zb.device())
         fwd = lambda: eng(ids, labels=ids)  # noqa: E731
     else:
-        zb.hf_step(shape, state, args)  # builds; grab the engine through deepspeed's globals
-        import gc
-        eng = next(o for o in gc.get_objects() if type(o).__name__ == "DeepSpeedEngine")
+        eng = zb.hf_engine(shape, state, args)
         ids = zb.batch(shape, zb.device())
         fwd = lambda: eng(input_ids=ids, labels=ids).loss  # noqa: E731
     rows = []

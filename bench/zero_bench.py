@@ -144,7 +144,8 @@ def fsdp2_step(shape, state, args, reshard_after_forward=True):
     return lambda: engine.train_step([{"input_ids": ids, "labels": ids}]).loss
 
 
-def hf_step(shape, state, args):
+def hf_engine(shape, state, args):
+    """The peer: DeepSpeed around Hugging Face GPT2 of the same shape, same DeepSpeed config."""
     import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from transformers import AutoModelForCausalLM, GPT2Config
@@ -162,6 +163,11 @@ def hf_step(shape, state, args):
     ds = build_ds_config(args, state.dp.size)
     opt = DeepSpeedCPUAdam(model.parameters(), lr=args.training.lr, adamw_mode=True)
     eng, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds, mpu=ZeroMPU(state))
+    return eng
+
+
+def hf_step(shape, state, args):
+    eng = hf_engine(shape, state, args)
     ids = batch(shape, device())
 
     def step():

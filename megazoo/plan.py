@@ -208,26 +208,25 @@ def estimate_memory(config: ModelConfig, layout: TrainingLayout) -> MemoryEstima
     grad_b = 4 if layout.fp32_grad_accumulation else 2
     notes = []
     params = 2 * n_gpu / (z if layout.zero_stage == 3 else 1)
-    fsdp2_offload = layout.zero_impl == "fsdp2" and "cpu" in (layout.offload_optimizer,
-                                                              layout.offload_params)
-    if layout.offload_params == "cpu" or fsdp2_offload:
-        params = 0.0
     grads = grad_b * n_gpu / (z if layout.zero_stage >= 2 else 1)
     optim = 12 * n_gpu / (z if layout.zero_stage >= 1 else 1)
     host = 0.0
-    if layout.offload_optimizer == "cpu":
-        host += (12 + 4) * n_gpu / z * layout.offload_ratio
-        optim, grads = (12 + 4) * n_gpu / z * (1.0 - layout.offload_ratio), 0.0
-        notes.append("optimizer offload: fp32 master + Adam m, v + fp32 grads (16 B/param), "
-                     f"{layout.offload_ratio:.0%} of them on the host")
-    if fsdp2_offload:  # CPUOffloadPolicy: fp32 params, fp32 grads, Adam m and v on the host
-        optim, grads, host = 0.0, 0.0, 16 * n_gpu / z + FSDP2_HOST_RUNTIME_BYTES
-        notes = [n for n in notes if not n.startswith("optimizer offload")]
+    if layout.zero_impl == "fsdp2" and "cpu" in (layout.offload_optimizer, layout.offload_params):
+        # CPUOffloadPolicy: only the working set (below) stays on the GPU
+        params = grads = optim = 0.0
+        host = 16 * n_gpu / z + FSDP2_HOST_RUNTIME_BYTES
         notes.append("FSDP2 CPU offload: fp32 parameters, gradients, Adam m and v on the host")
-    elif layout.offload_params == "cpu":
-        host += 2 * n_gpu / z
-    if layout.offload_optimizer == "cpu" and layout.zero_stage == 3 and not fsdp2_offload:
-        host += grad_b * n_gpu / z + 4 * min(n_gpu / z, SUB_GROUP_ELEMENTS) + HOST_RUNTIME_BYTES
+    else:
+        if layout.offload_params == "cpu":
+            params, host = 0.0, 2 * n_gpu / z
+        if layout.offload_optimizer == "cpu":
+            host += (12 + 4) * n_gpu / z * layout.offload_ratio
+            optim, grads = (12 + 4) * n_gpu / z * (1.0 - layout.offload_ratio), 0.0
+            notes.append("optimizer offload: fp32 master + Adam m, v + fp32 grads (16 B/param), "
+                         f"{layout.offload_ratio:.0%} of them on the host")
+            if layout.zero_stage == 3:  # DeepSpeed's host-side buffers and runtime
+                host += (grad_b * n_gpu / z + 4 * min(n_gpu / z, SUB_GROUP_ELEMENTS)
+                         + HOST_RUNTIME_BYTES)
     if layout.zero_stage == 3:
         unit = max(counts["block"], counts["embedding"], counts["head"])
         second = sorted([counts["block"], counts["block"], counts["embedding"], counts["head"]])[-2]

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.state import ParallelState
-from .optim import fsdp_rows, local
+from .optim import fsdp_rows, local, on_comm_device
 
 
 def one_rank_groups(state: ParallelState):
@@ -73,17 +73,6 @@ def shard_stage(model: nn.Module, mesh, *, device: torch.device, bf16: bool,
                 setattr(p, key, value)
 
 
-def _on_comm_device(t: torch.Tensor, op) -> None:
-    """Run the in-place collective `op` on `t`, through the GPU when `t` is an offloaded
-    host tensor and the process group is NCCL."""
-    if t.device.type == "cpu" and dist.get_backend() == "nccl":
-        moved = t.to(torch.cuda.current_device())
-        op(moved)
-        t.copy_(moved)
-    else:
-        op(t)
-
-
 def complete_gradients(model: nn.Module, state: ParallelState) -> None:
     """sp scaling, Megatron-SP tp sums, the tp sum of replicated GQA kv rows (FSDP2's
     parameters drop the tensor hook that does it outside FSDP2) and the tied-embedding sum,
@@ -97,11 +86,11 @@ def complete_gradients(model: nn.Module, state: ParallelState) -> None:
             if p.grad is None:
                 continue
             if state.config.sequence_parallel and getattr(p, "sequence_parallel", False):
-                _on_comm_device(local(p.grad), lambda t: dist.all_reduce(t, group=state.tp.group))
+                on_comm_device(local(p.grad), lambda t: dist.all_reduce(t, group=state.tp.group))
             kv = getattr(p, "sum_replicated_kv", None)  # GQA kv rows held by several tp ranks
             if kv is not None:
                 rows = fsdp_rows(p, local(p.grad)) or slice(0, p.shape[0])
-                _on_comm_device(local(p.grad), lambda t: kv.sum_rows(t, rows.start))
+                on_comm_device(local(p.grad), lambda t: kv.sum_rows(t, rows.start))
     if state.embedding.size == 1 or not getattr(model.config, "tie_word_embeddings", False):
         return
     weight = None
@@ -113,7 +102,7 @@ def complete_gradients(model: nn.Module, state: ParallelState) -> None:
         grad = weight.grad
         if grad is None:  # this stage never used it this step: contribute zeros
             grad = torch.zeros_like(local(weight))
-        _on_comm_device(local(grad), lambda t: dist.all_reduce(t, group=state.embedding.group))
+        on_comm_device(local(grad), lambda t: dist.all_reduce(t, group=state.embedding.group))
 
 
 class SyncOnLastMicroBatch:

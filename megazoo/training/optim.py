@@ -116,15 +116,22 @@ def global_grad_norm(model: nn.Module, state: ParallelState) -> float:
     groups = [state.tp, state.pp]
     if any(hasattr(p, "placements") for p in params):
         groups.append(state.dp_sp)
-    device = local(params[0]).device if params else torch.device("cpu")
-    if device.type == "cpu" and dist.is_initialized() and dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())  # offloaded shards
-    total = total.to(device)
     for group in groups:
         if group.size > 1:
-            dist.all_reduce(total, group=group.group)
+            on_comm_device(total, lambda t, g=group: dist.all_reduce(t, group=g.group))
     value = float(total)
     return math.sqrt(value) if math.isfinite(value) else value
+
+
+def on_comm_device(t: torch.Tensor, op) -> None:
+    """Run the in-place collective `op` on `t`, through the GPU when `t` is a host tensor
+    (offloaded gradients, a norm summed on the host) and the process group is NCCL."""
+    if t.device.type == "cpu" and dist.get_backend() == "nccl":
+        moved = t.to(torch.cuda.current_device())
+        op(moved)
+        t.copy_(moved)
+    else:
+        op(t)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
