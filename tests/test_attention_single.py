@@ -74,9 +74,11 @@ def test_flex_matches_math_forward_on_cpu(causal, padded, alibi, heads):
 
 
 def _requests():
-    for device, dtype, head_dim, *flags in itertools.product(
-            ["cpu", "cuda"], [torch.float32, torch.bfloat16], [4, 64, 100, 512], *[[False, True]] * 4):
-        yield AttentionRequest(device, dtype, head_dim, *flags)
+    for device, dtype, head_dim, *flags, capability in itertools.product(
+            ["cpu", "cuda"], [torch.float32, torch.bfloat16], [4, 64, 100, 512], *[[False, True]] * 4,
+            [(8, 0), (9, 0), (10, 0)]):
+        yield AttentionRequest(device, dtype, head_dim, *flags,
+                               capability if device == "cuda" else (0, 0))
 
 
 @pytest.mark.parametrize("flash_installed", [False, True])
@@ -90,6 +92,11 @@ def test_auto_never_picks_a_backend_that_cannot(monkeypatch, flash_installed):
             assert chosen == "flex", req  # ALiBi on GPU never materialises an s x s bias
         if req.device_type == "cpu":
             assert chosen == "sdpa", req
+        if req.device_type == "cuda" and not req.alibi:
+            # Hopper on: SDPA (cuDNN) beats flash-attn 2; before: flash-attn when installed
+            hopper = req.capability >= (9, 0)
+            expect_flash = flash_installed and not hopper and unsupported_reason("flash", req) is None
+            assert chosen == ("flash" if expect_flash else "sdpa"), req
 
 
 @pytest.mark.parametrize("backend, request_kw, fragment", [

@@ -29,6 +29,12 @@ Chunks are whole kv groups, so k must divide KS (the kv groups per rank after th
 `num_chunks=None` picks the largest divisor of KS up to 4. With one kv group per rank (GQA
 with few kv heads) k = 1: the same results, without overlap.
 
+Where it overlaps: only where the attention kernel leaves SMs to the NCCL kernels. SDPA's
+default on Hopper (cuDNN's fused attention) does not: nothing issued beside it runs before its
+last wave, at any stream priority (bench/stream_priority_probe.py, H200), so there the transfers
+run between the chunks' attention calls and k > 1 only makes those calls smaller; measured on
+2x H200 it is within 1.5% of UlyssesAttention either way (bench/README.md).
+
 Memory: the same as UlyssesAttention (each chunk's attention keeps what the kernel keeps;
 together they keep what one call over all heads keeps). Untested under activation
 checkpointing (block.py's selective recompute wraps the attention in non-reentrant
