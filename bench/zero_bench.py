@@ -82,13 +82,14 @@ def run_args(shape: dict, par, *, dp: int, bf16: bool, offload_param: str = "non
 
 
 def plan(shape: dict, *, tp=1, sp=1, offload_optimizer="cpu", offload_param="none",
-         recompute="none", gpu_gb=80.0, ratio=1.0, zero_impl="deepspeed") -> dict:
+         recompute="none", gpu_gb=80.0, ratio=1.0, zero_impl="deepspeed", reshard=True) -> dict:
     from megazoo.plan import TrainingLayout, estimate_memory
 
     layout = TrainingLayout(tp=tp, sp=sp, micro_batch_size=shape["batch"], seq_length=shape["seq"],
                             zero_stage=3, offload_optimizer=offload_optimizer,
                             offload_params=offload_param, offload_ratio=ratio,
-                            zero_impl=zero_impl, recompute=recompute, gpu_memory_gb=gpu_gb)
+                            zero_impl=zero_impl, fsdp_reshard_after_forward=reshard,
+                            recompute=recompute, gpu_memory_gb=gpu_gb)
     est = estimate_memory(model_config(shape, recompute), layout)
     return {"plan_gpu_gb": est.gpu_total / 1e9, "plan_alloc_gb": est.allocated / 1e9,
             "plan_host_gb": est.host_per_gpu / 1e9, "plan_fits": est.fits,
@@ -211,7 +212,8 @@ def worker(kind: str, dry: bool, warmup: int, iters: int) -> dict:
     step = builders[kind](shape, state, args)
     out = {"impl": kind, **measure(step, warmup, iters)}
     out["tokens_s"] = shape["batch"] * shape["seq"] / out["step_s"]
-    return {**out, **plan(shape, zero_impl="fsdp2" if kind.startswith("fsdp2") else "deepspeed")}
+    return {**out, **plan(shape, zero_impl="fsdp2" if kind.startswith("fsdp2") else "deepspeed",
+                          reshard=kind != "fsdp2-keep")}
 
 
 RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)  # ZeRO-3 partial offload: fraction on the host

@@ -41,7 +41,9 @@ The model (all of it stated, so a measurement can be compared part by part):
 - `zero_impl="fsdp2"` (ZeRO-3 through FSDP2): no DeepSpeed buckets; its CPU offload keeps
   fp32 parameters, gradients and Adam m, v on the host (16 B per parameter) and only the
   gathered working set on the GPU, plus 2.5 GB of host runtime (fitted to one run: gpt-1.3b,
-  23.5 GB measured; GPU 17.4 GB measured vs 17.6 predicted).
+  23.5 GB measured; GPU 17.4 GB measured vs 17.6 predicted). Without resharding after forward
+  (`fsdp_reshard_after_forward=False`) the working set is every unit of the stage, gathered:
+  2 B per parameter (gpt-1.3b: 19.8 GB measured vs 19.9 predicted).
 
 The claim "BLOOM-176B trains on 8x A100-80GB with ZeRO-3 + CPU optimizer offload in under
 24 GB per GPU" does not hold. Optimizer offload leaves the bf16 parameters on the GPUs:
@@ -107,6 +109,9 @@ class TrainingLayout:
     """"cpu" (ZeRO-3 only) also keeps the bf16 parameter partitions on the host."""
     zero_impl: str = "deepspeed"
     """"deepspeed" or "fsdp2" (ZeRO-3 only; its CPU offload moves the parameters as well)."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP2: free each unit's gathered parameters after its forward (False keeps them all
+    until the backward, `--no-fsdp-reshard-after-forward`: 2 B per parameter of the stage)."""
     recompute: str = "none"
     """Activation recompute: "none", "selective" or "full"."""
     fp32_grad_accumulation: bool = False
@@ -136,6 +141,9 @@ class TrainingLayout:
         if self.zero_impl == "fsdp2" and (self.zero_stage != 3 or self.offload_ratio != 1.0):
             raise ValueError("zero_impl='fsdp2' is ZeRO-3 and offloads all or nothing: pass "
                              "zero_stage=3 and no offload_ratio")
+        if not self.fsdp_reshard_after_forward and self.zero_impl != "fsdp2":
+            raise ValueError("fsdp_reshard_after_forward=False is an FSDP2 setting: pass "
+                             "zero_impl='fsdp2' or leave it True")
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
         if self.vpp > 1 and self.pp == 1:
@@ -230,10 +238,15 @@ def estimate_memory(config: ModelConfig, layout: TrainingLayout) -> MemoryEstima
     if layout.zero_stage == 3:
         unit = max(counts["block"], counts["embedding"], counts["head"])
         second = sorted([counts["block"], counts["block"], counts["embedding"], counts["head"]])[-2]
-        params += 2 * (unit + second)
         grads += grad_b * unit
-        notes.append(f"ZeRO-3 working set: 2 gathered units ({unit / 1e9:.2f}e9 + "
-                     f"{second / 1e9:.2f}e9 params, bf16) + 1 unit of full gradients")
+        if layout.fsdp_reshard_after_forward:
+            params += 2 * (unit + second)
+            notes.append(f"ZeRO-3 working set: 2 gathered units ({unit / 1e9:.2f}e9 + "
+                         f"{second / 1e9:.2f}e9 params, bf16) + 1 unit of full gradients")
+        else:  # every unit stays gathered from its forward to its backward
+            params += 2 * n_gpu
+            notes.append(f"FSDP2 without resharding after forward: all {n_gpu / 1e9:.2f}e9 "
+                         f"params of the stage gathered (bf16) + 1 unit of full gradients")
     comm = RUNTIME_BYTES + _comm_buffers(config, layout, n_gpu, grad_b)
     act = activation_bytes(config, layout)["total"]
     subtotal = params + grads + optim + act + comm

@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-ratio", type=float, default=1.0,
                    help="ZeRO-3 partial optimizer offload: fraction on the host")
     p.add_argument("--zero-impl", default="deepspeed", choices=("deepspeed", "fsdp2"))
+    p.add_argument("--no-fsdp-reshard-after-forward", action="store_true",
+                   help="FSDP2: keep the gathered parameters from forward to backward")
     p.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     p.add_argument("--fp32-grad-accumulation", action="store_true")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU")
@@ -65,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             num_micro_batches=args.num_micro_batches, sequence_parallel=not args.no_sequence_parallel,
             zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
             offload_params=args.offload_params, offload_ratio=args.offload_ratio,
-            zero_impl=args.zero_impl, recompute=args.recompute,
+            zero_impl=args.zero_impl,
+            fsdp_reshard_after_forward=not args.no_fsdp_reshard_after_forward,
+            recompute=args.recompute,
             fp32_grad_accumulation=args.fp32_grad_accumulation, gpu_memory_gb=args.gpu_memory,
             gpus_per_node=args.gpus_per_node)
         est = estimate_memory(config, layout)
