@@ -22,7 +22,8 @@ layout (zero_impl="fsdp2" for the FSDP2 rows). `bench/offload_probe.py` breaks a
 ZeRO-3 + CPU optimizer offload, parameter offload only if needed) that fits --gpu-gb of GPU
 and --host-gb of host memory, trains it a few steps on one repeated batch and prints each
 loss (finite and falling) and measured vs planned memory. `--two-gpu` runs tp=2 (ZeRO-3 +
-CPU offload) and then Ulysses sp=2 (ZeRO-3) in one torchrun job: tokens/s, MFU against the
+CPU offload) and then Ulysses sp=2 (ZeRO-3) in one torchrun job, each rank on its share of
+the host cores (torchrun's OMP_NUM_THREADS=1 overridden): tokens/s, MFU against the
 measured bf16 matmul ceiling, memory per GPU vs the planner. DeepSpeed comes from
 `bash ../shared/gpu/stage.sh` on the GPU machine (`source .gpu/setup.sh && ...`).
 """
@@ -322,6 +323,12 @@ def main(argv=None) -> int:
         print(RESULT + json.dumps(worker(a.worker, dry, a.warmup, a.iters)), flush=True)
         return 0
     if a.two_gpu:
+        # torchrun sets OMP_NUM_THREADS=1: give each rank its share of the host's cores, so
+        # the offloaded optimizer (DeepSpeed's CPU Adam and torch's AdamW alike) is not
+        # stepped on one thread (the 2026-11-23 two-GPU rows ran on one)
+        threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # for DeepSpeed's op, loaded later
+        torch.set_num_threads(threads)
         rows = two_gpu(dry, a.warmup, a.iters)
         if int(os.environ.get("RANK", "0")) == 0:
             print(RESULT + json.dumps(rows), flush=True)

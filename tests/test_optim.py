@@ -148,3 +148,13 @@ def test_grad_norm_fsdp2_shards_count_replicated_kv_rows_once():
     ref = _reference_norm(LLAMA_GQA)
     for norm in run_distributed(_fsdp_gqa_norm, 4, timeout=120):
         assert norm == pytest.approx(ref, rel=1e-5)
+
+
+def test_host_thread_advice_only_for_an_offloaded_step_on_one_thread():
+    from megazoo.training.loop import host_thread_advice
+
+    advice = host_thread_advice(cpu_offload=True, threads=1, cores=32, local_ranks=2)
+    assert "--cpu-threads 16" in advice and "OMP_NUM_THREADS" in advice
+    assert host_thread_advice(cpu_offload=False, threads=1, cores=32, local_ranks=2) is None
+    assert host_thread_advice(cpu_offload=True, threads=8, cores=32, local_ranks=2) is None
+    assert host_thread_advice(cpu_offload=True, threads=1, cores=2, local_ranks=2) is None

@@ -122,7 +122,7 @@ def mean_token_loss(logits_shard: torch.Tensor, labels: torch.Tensor, vocab_size
     count = (targets != -100).sum().reshape(1).to(per_token.dtype)
     if state.sp.size > 1:
         torch.distributed.all_reduce(count, group=state.sp.group)
-    return (total / count.clamp(min=1)).squeeze(0)
+    return total.squeeze(0) / count.clamp(min=1).squeeze(0)  # a new tensor, not a view (FSDP2)
 
 
 def full_logits(logits_shard: torch.Tensor, vocab_size: int, state: ParallelState) -> torch.Tensor:

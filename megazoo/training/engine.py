@@ -42,6 +42,8 @@ class Engine:
     """Base class of the training engines; see the module docstring."""
 
     model: torch.nn.Module
+    cpu_offload: bool = False
+    """The optimizer step runs on the host (CPU offload)."""
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         raise NotImplementedError

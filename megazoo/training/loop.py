@@ -89,6 +89,10 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     device = data.device = _device()
     model = build_model(args.model, state, device=device, seed=args.training.seed)
     engine = build_engine(args, model, state)
+    advice = host_thread_advice(engine.cpu_offload, torch.get_num_threads(), os.cpu_count() or 1,
+                                int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if advice and not args.training.cpu_threads:
+        log(f"warning: {advice}")
     start = 0
     if args.checkpoint.load:
         extra = load_training_checkpoint(engine, args.checkpoint.load)
@@ -102,6 +106,17 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
         raise ValueError("--eval-only needs --load DIR (the checkpoint to evaluate)")
     logger = MetricsLogger(args.logging, device, rank0, print_fn=log)
     return Run(args, state, data, engine, logger, start, entropy, owns)
+
+
+def host_thread_advice(cpu_offload: bool, threads: int, cores: int, local_ranks: int) -> str | None:
+    """What to change when an offloaded optimizer would step on one host thread per rank
+    (torchrun's default OMP_NUM_THREADS=1) while the host has cores to spare; else None."""
+    per_rank = cores // max(local_ranks, 1)
+    if not cpu_offload or threads > 1 or per_rank < 2:
+        return None
+    return (f"the offloaded optimizer steps on 1 host thread per rank (OMP_NUM_THREADS=1 is "
+            f"torchrun's default); pass --cpu-threads {per_rank} ({cores} cores / {local_ranks} "
+            f"ranks on this host) or set OMP_NUM_THREADS")
 
 
 def evaluate(run: Run) -> float | None:

@@ -84,6 +84,7 @@ class DeepSpeedEngine(Engine):
         self._hooks = sum_sequence_parallel_grads(model, state)
         optimizer = build_optimizer(model, self.cfg, self.ds_config, cpu_adam)
         self.uses_cpu_adam = type(optimizer).__name__ == "DeepSpeedCPUAdam"
+        self.cpu_offload = offload_device(self.ds_config) == "cpu"
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.ds_config, mpu=ZeroMPU(state))
         self.model = self.ds.module
