@@ -173,7 +173,7 @@ def probe_seq(s: int, backend: str, args) -> list[dict]:
     rows = []
     for kind in ("copy_kernel", "memcpy", "h2d"):
         alone = time_ms(lambda: _copy(kind, dst, src), device, 2, args.iters)
-        # torch: lower number = higher priority; range (greatest, least) -> e.g. (-5, 0)
+        # lower number = higher priority; priority_range() = (least, greatest), e.g. (0, -5)
         least, greatest = torch.cuda.Stream.priority_range()
         for (name, priority), gated in itertools.product((("normal", least), ("high", greatest)),
                                                          (False, True)):
