@@ -159,7 +159,10 @@ def training_values_from_json(path: str) -> dict:
     For the argument parser: fill the training flags the user did not give from the JSON, so
     `--deepspeed_config ds.json` alone agrees with itself ("auto" and absent keys are left
     out). A flag given explicitly still wins and then must agree (`build_ds_config`)."""
-    ds = load_ds_json(path)
+    return _stated_training_values(load_ds_json(path))
+
+
+def _stated_training_values(ds: dict) -> dict:
     return {field: value for field, keys in JSON_TRAINING_KEYS.items()
             if (value := _lookup(ds, keys)) != AUTO}
 
@@ -172,9 +175,10 @@ def training_defaults_from_json(path: str, given: dict, dp: int | None,
     and global batch sizes neither the flags nor the JSON set (`default_micro` stands in for
     a micro batch size nobody gave). `dp` None (the layout does not fit the world yet):
     nothing is derived from gradient_accumulation_steps; `build_ds_config` checks later."""
-    stated = training_values_from_json(path)
+    ds = load_ds_json(path)
+    stated = _stated_training_values(ds)
     out = {k: v for k, v in stated.items() if k not in given}
-    gas = _lookup(load_ds_json(path), ("gradient_accumulation_steps",))
+    gas = _lookup(ds, ("gradient_accumulation_steps",))
     if not _num(gas) or dp is None:
         return out
     known = {**stated, **given}
