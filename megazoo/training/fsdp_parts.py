@@ -19,7 +19,6 @@ ReduceOp.PREMUL_SUM, which gloo lacks). Then:
 """
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 from torch import nn
