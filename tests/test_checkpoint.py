@@ -115,14 +115,14 @@ def _check_crash(root: str) -> list[str]:
     if state.global_rank == 3:
         ckpt_files.SafetensorsWriter.write = failing_write
     try:
-        save_checkpoint(newer, path, state=state)
+        save_checkpoint(newer, path, state=state, overwrite=True)
         errors.append(f"rank {state.global_rank}: a failed save did not raise")
     except (OSError, RuntimeError):
         pass
     finally:
         ckpt_files.SafetensorsWriter.write = real_write
     ref = build_model(cfg, None, device="cpu", seed=0)
-    if not torch.equal(load_pretrained(path)(ids()), ref(ids())) or os.path.exists(path + ".tmp"):
+    if not torch.equal(load_pretrained(path)(ids()), ref(ids())) or os.path.exists(path + ".megazoo-tmp"):
         errors.append(f"rank {state.global_rank}: the previous checkpoint was damaged")
     return errors
 
@@ -150,7 +150,7 @@ def test_save_at_layout_load_at_other_layout(saved):
         assert sorted(os.listdir(path)) == sorted(
             ["megazoo.json"] + [f"model-pp{p:03d}-tp{t:03d}.safetensors"
                                 for p in range(case[2]) for t in range(case[1])])
-        assert not os.path.exists(path + ".tmp")
+        assert not os.path.exists(path + ".megazoo-tmp")
 
 
 def test_reader_full_tensor_equals_one_process_parameter(saved):
@@ -201,11 +201,11 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt_files.SafetensorsWriter, "write", failing_write)
     new = build_model(tiny("gpt"), None, device="cpu", seed=1)
     with pytest.raises(OSError, match="disk full"):
-        save_checkpoint(new, path)
+        save_checkpoint(new, path, overwrite=True)
     calls.clear()
     weights = {n: real(p.detach(), p, 0) for n, p in new.named_parameters()}
     with pytest.raises(OSError, match="disk full"):
-        write_checkpoint(tiny("gpt"), path, weights.__getitem__, tp=2)
+        write_checkpoint(tiny("gpt"), path, weights.__getitem__, tp=2, overwrite=True)
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["c"]  # no temp dir, no partial checkpoint
     assert torch.equal(load_pretrained(path)(ids()), old(ids()))
@@ -235,8 +235,8 @@ def test_missing_or_truncated_shard_is_a_clear_error(tmp_path):
     shard.unlink()
     with pytest.raises(ValueError, match="model-pp000-tp001.safetensors is missing"):
         CheckpointReader(tmp_path / "c")
-    os.rename(tmp_path / "c", tmp_path / "c.old")  # as a crash between the two renames leaves it
-    with pytest.raises(ValueError, match="previous checkpoint at .*c.old"):
+    os.rename(tmp_path / "c", tmp_path / "c.megazoo-old")  # as a crash between the two renames leaves it
+    with pytest.raises(ValueError, match="previous checkpoint at .*c.megazoo-old"):
         CheckpointReader(tmp_path / "c")
     with pytest.raises(ValueError, match="not a megazoo checkpoint"):
         CheckpointReader(tmp_path)

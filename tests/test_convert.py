@@ -196,8 +196,10 @@ def test_reshard_any_layout_keeps_weights_and_aux(tmp_path):
     write_checkpoint(cfg, tmp_path / "a", fetch, tp=2, pp=2, aux_prefixes=("exp_avg",))
     assert reshard_main(["--load", str(tmp_path / "a"), "--out", str(tmp_path / "b"),
                          "--tp", "1", "--pp", "2", "--vpp", "1"]) == 0
-    reshard(tmp_path / "b", tmp_path / "b", tp=2, pp=1)  # in place
-    b = CheckpointReader(tmp_path / "b")
+    with pytest.raises(ValueError, match="is or contains the input"):  # never in place
+        reshard(tmp_path / "b", tmp_path / "b", tp=2, pp=1, overwrite=True)
+    reshard(tmp_path / "b", tmp_path / "c", tp=2, pp=1)
+    b = CheckpointReader(tmp_path / "c")
     assert b.layout == {"tp": 2, "pp": 1, "vpp": 1} and b.aux_prefixes == ("exp_avg",)
     for name, t in full.items():
         assert torch.equal(b.full_tensor(name), t), name

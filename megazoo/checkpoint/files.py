@@ -1,4 +1,4 @@
-"""Files of a checkpoint: a streaming safetensors writer and the temp-dir + rename protocol.
+"""Files of a checkpoint: dtype names, a streaming safetensors writer, JSON.
 
 **Streaming writer.** A safetensors file is an 8-byte little-endian header length, a JSON
 header {key: {"dtype", "shape", "data_offsets": [begin, end]}} (padded with spaces to a
@@ -7,16 +7,11 @@ of a rank file are known from its meta model before any tensor exists, so `Safet
 writes the header first and then each tensor as it arrives: memory holds one tensor, never the
 whole file. Files are read back with `safetensors.safe_open` (lazy, memory-mapped).
 
-**Atomic directories.** A checkpoint is written into `temp_dir(path)` (a sibling,
-`path + ".tmp"`) and renamed into place by `publish`: an existing `path` is renamed aside to
-`path + ".old"`, the new one renamed in, the old one deleted. A crash before the rename leaves
-any previous `path` untouched (and a stale `.tmp`, removed by the next save).
+Where a checkpoint may be written and the temp-folder + rename protocol live in `output.py`.
 """
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import struct
 
 import torch
@@ -90,43 +85,6 @@ class SafetensorsWriter:
             self.close()
         else:
             self._file.close()
-
-
-def clean_path(path: str | os.PathLike) -> str:
-    """The checkpoint directory as a normalised string (no trailing separator)."""
-    return os.path.normpath(os.fspath(path))
-
-
-def temp_dir(path: str) -> str:
-    """The sibling directory a checkpoint of `path` is written into before the rename."""
-    return clean_path(path) + ".tmp"
-
-
-def fresh_temp_dir(path: str) -> str:
-    """Remove a stale temp dir of `path` and create it empty (one process only)."""
-    tmp = temp_dir(path)
-    if os.path.lexists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-    return tmp
-
-
-def publish(path: str) -> None:
-    """Move the finished temp dir to `path`, replacing an existing checkpoint safely."""
-    path = clean_path(path)
-    tmp, old = temp_dir(path), path + ".old"
-    if os.path.lexists(old):
-        shutil.rmtree(old)
-    if os.path.lexists(path):
-        os.rename(path, old)
-    os.rename(tmp, path)
-    if os.path.lexists(old):
-        shutil.rmtree(old)
-
-
-def discard(path: str) -> None:
-    """Remove the temp dir of `path` after a failed write (best effort)."""
-    shutil.rmtree(temp_dir(path), ignore_errors=True)
 
 
 def write_json(file: str, data: dict) -> None:

@@ -20,6 +20,7 @@ from ..layers.sharding import full_shape, tp_slice, tp_unslice
 from ..models import ModelConfig, build_model, full_name
 from ..parallel.state import ParallelState
 from .files import parse_dtype
+from .output import OLD_SUFFIX
 from .layout import FORMAT, METADATA_FILE, check_layout, rank_model, stored_parameters
 
 # Fields that must agree between a checkpoint and the model it is loaded into.
@@ -32,8 +33,9 @@ SHAPE_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
 def _read_metadata(path: str) -> dict:
     file = os.path.join(path, METADATA_FILE)
     if not os.path.isdir(path):
-        hint = (f" (an interrupted save left the previous checkpoint at {path}.old: rename it back)"
-                if os.path.isdir(path + ".old") else "")
+        old = path + OLD_SUFFIX
+        hint = (f" (an interrupted save left the previous checkpoint at {old}: rename it back)"
+                if os.path.isdir(old) else "")
         raise ValueError(f"no checkpoint directory at {path}{hint}")
     if not os.path.isfile(file):
         raise ValueError(f"{path} is not a megazoo checkpoint: {METADATA_FILE} is missing")

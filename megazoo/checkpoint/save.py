@@ -17,8 +17,8 @@ from torch import nn
 from ..layers.sharding import full_shape, tp_slice
 from ..models import ModelConfig
 from ..parallel.state import ParallelState
-from .files import (SafetensorsWriter, discard, dtype_name, fresh_temp_dir, publish, temp_dir,
-                    write_json)
+from .files import SafetensorsWriter, dtype_name, write_json
+from .output import check_output_dir, discard, fresh_temp_dir, publish, temp_dir
 from .layout import (FORMAT, METADATA_FILE, check_layout, full_shapes, layout_files, rank_file,
                      rank_model, stored_parameters)
 
@@ -71,9 +71,10 @@ def _write_rank_file(model: nn.Module, file: str, aux: dict) -> None:
 
 
 def _collectively(step: Callable[[], object], state: ParallelState, device: torch.device,
-                  path: str) -> object:
+                  path: str, owns_temp: bool = True) -> object:
     """Run `step()` on this rank, then agree (one all-reduce, which also synchronises): if
-    it raised on any rank, rank 0 removes the temp dir and every rank raises."""
+    it raised on any rank, rank 0 removes the temp dir (when this write created it) and every
+    rank raises."""
     result, error = None, None
     try:
         result = step()
@@ -85,7 +86,7 @@ def _collectively(step: Callable[[], object], state: ParallelState, device: torc
         dist.all_reduce(flag)
         failed = flag.item() > 0
     if failed:
-        if state.global_rank == 0:
+        if state.global_rank == 0 and owns_temp:
             discard(path)
         raise error or RuntimeError(f"saving {path} failed on another rank; see its error")
     return result
@@ -93,7 +94,8 @@ def _collectively(step: Callable[[], object], state: ParallelState, device: torc
 
 def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = None,
                     extra: dict | None = None,
-                    aux: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+                    aux: dict[str, dict[str, torch.Tensor]] | None = None,
+                    overwrite: bool = False) -> None:
     """Save `model` (this rank's part of it) to the checkpoint directory `path`.
 
     Collective: every rank of `state` calls it (state None: `model.state`, else one process).
@@ -101,6 +103,8 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
     rank 0 writes megazoo.json and renames the temp dir into place. `aux` maps a prefix
     ("exp_avg") to {local parameter name: tensor shaped like that parameter}, for every
     parameter. Raises on every rank if any rank failed; `path` is then left as it was.
+    An existing non-empty `path` is refused unless `overwrite`, which replaces only a megazoo
+    checkpoint folder holding nothing else (`output.check_output_dir`).
     """
     state = state or getattr(model, "state", None) or ParallelState.single()
     aux = aux or {}
@@ -109,7 +113,13 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     lead, tmp = state.global_rank == 0, temp_dir(path)
-    _collectively(lambda: fresh_temp_dir(path) if lead else None, state, device, path)
+
+    def start() -> None:
+        if lead:
+            check_output_dir(path, kind="megazoo", overwrite=overwrite)
+            fresh_temp_dir(path)
+
+    _collectively(start, state, device, path, owns_temp=False)
 
     def write() -> dict | None:
         if state.dp.rank == 0 and state.sp.rank == 0:
@@ -138,16 +148,19 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
 def write_checkpoint(config: ModelConfig, path, full_tensor: Callable[[str], torch.Tensor], *,
                      tp: int = 1, pp: int = 1, vpp: int = 1, dtype: torch.dtype | None = None,
                      extra: dict | None = None, aux_prefixes=(),
-                     aux_dtype: torch.dtype | None = None) -> None:
+                     aux_dtype: torch.dtype | None = None, overwrite: bool = False,
+                     inputs=()) -> None:
     """Write a checkpoint of `config` at layout (tp, pp, vpp) in one process, streaming.
 
     `full_tensor(full_name)` returns a full, unpadded parameter (`full_tensor(f"{prefix}/{name}")`
     an aux tensor); each is fetched when its rank file is written, sliced, written and freed, so
     memory holds about one full tensor. dtype None: the dtype of the first tensor fetched;
-    aux_dtype None: float32. Atomic like `save_checkpoint`.
+    aux_dtype None: float32. Atomic like `save_checkpoint`, with the same `overwrite` rule;
+    `inputs` are the folders `full_tensor` reads, which `path` must not be nor contain.
     """
     layout = check_layout(tp, pp, vpp)
     path = os.fspath(path)
+    check_output_dir(path, kind="megazoo", overwrite=overwrite, inputs=inputs)
     first = rank_model(config, layout, 0, 0)  # validates heads / layers vs the layout
     if dtype is None:
         dtype = full_tensor(next(iter(stored_parameters(first)))).dtype

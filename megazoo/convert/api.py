@@ -11,7 +11,8 @@ import os
 import torch
 
 from ..checkpoint import CheckpointReader, dtype_name, write_checkpoint
-from ..checkpoint.files import discard, fresh_temp_dir, publish, write_json
+from ..checkpoint.files import write_json
+from ..checkpoint.output import check_output_dir, discard, fresh_temp_dir, publish
 from ..checkpoint.layout import full_shapes, rank_model
 from ..models import ModelConfig
 from .common import Adapter, Rule
@@ -65,9 +66,14 @@ def check_hf_weights(reader: HFReader, adapter: Adapter, cfg: ModelConfig,
 
 
 def hf_to_megazoo(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int = 1,
-                  dtype: torch.dtype | None = None) -> ModelConfig:
-    """Convert the HF model in `hf_dir` to a megazoo checkpoint at layout (tp, pp, vpp)."""
+                  dtype: torch.dtype | None = None, overwrite: bool = False) -> ModelConfig:
+    """Convert the HF model in `hf_dir` to a megazoo checkpoint at layout (tp, pp, vpp).
+
+    An existing, non-empty `out` is refused unless `overwrite` (and then replaced only if it
+    is a megazoo checkpoint and holds nothing else); `out` may never be or contain `hf_dir`.
+    """
     hf_dir, out = os.fspath(hf_dir), os.fspath(out)
+    check_output_dir(out, kind="megazoo", overwrite=overwrite, inputs=[hf_dir])
     hf = read_hf_config(hf_dir)
     adapter = adapter_for(hf.get("model_type"))
     cfg = adapter.config_from_hf(hf)
@@ -84,7 +90,8 @@ def hf_to_megazoo(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int = 1,
 
     tokens = {k: hf[k] for k in TOKEN_IDS if hf.get(k) is not None}
     write_checkpoint(cfg, out, full_tensor, tp=tp, pp=pp, vpp=vpp, dtype=dtype,
-                     extra={"converted_from": adapter.model_type, "hf_token_ids": tokens})
+                     extra={"converted_from": adapter.model_type, "hf_token_ids": tokens},
+                     overwrite=overwrite, inputs=[hf_dir])
     return cfg
 
 
@@ -100,9 +107,14 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, tokens: dict | None = None) 
 
 
 def megazoo_to_hf(load, out, *, dtype: torch.dtype | None = None,
-                  max_shard_bytes: int = 5 * 2**30) -> dict:
-    """Write the megazoo checkpoint `load` (any layout) as an HF model directory `out`."""
+                  max_shard_bytes: int = 5 * 2**30, overwrite: bool = False) -> dict:
+    """Write the megazoo checkpoint `load` (any layout) as an HF model directory `out`.
+
+    `overwrite` as in `hf_to_megazoo`: only an HF model folder holding nothing but the files
+    this writes is replaced (a tokenizer or README beside them makes it a refusal).
+    """
     load, out = os.fspath(load), os.fspath(out)
+    check_output_dir(out, kind="hf", overwrite=overwrite, inputs=[load])
     reader = CheckpointReader(load)
     cfg, dtype = reader.config, dtype or reader.dtype
     config = hf_config(cfg, dtype, (reader.metadata.get("extra") or {}).get("hf_token_ids"))
@@ -126,8 +138,10 @@ def megazoo_to_hf(load, out, *, dtype: torch.dtype | None = None,
 
 
 def reshard(load, out, *, tp: int = 1, pp: int = 1, vpp: int = 1,
-            dtype: torch.dtype | None = None) -> None:
-    """Rewrite checkpoint `load` at layout (tp, pp, vpp) into `out`, aux tensors included."""
+            dtype: torch.dtype | None = None, overwrite: bool = False) -> None:
+    """Rewrite checkpoint `load` at layout (tp, pp, vpp) into `out`, aux tensors included
+    (`overwrite` as in `hf_to_megazoo`; `out` is never `load` nor a folder containing it)."""
+    check_output_dir(out, kind="megazoo", overwrite=overwrite, inputs=[load])
     reader = CheckpointReader(load)
     meta = reader.metadata
     aux_dtypes = {meta.get("aux_dtypes", {}).get(a, "float32") for a in reader.aux_prefixes}
@@ -139,5 +153,6 @@ def reshard(load, out, *, tp: int = 1, pp: int = 1, vpp: int = 1,
 
     write_checkpoint(reader.config, out, full_tensor, tp=tp, pp=pp, vpp=vpp,
                      dtype=dtype or reader.dtype, extra=meta.get("extra"),
-                     aux_prefixes=reader.aux_prefixes, aux_dtype=aux_dtype)
+                     aux_prefixes=reader.aux_prefixes, aux_dtype=aux_dtype,
+                     overwrite=overwrite, inputs=[load])
 

@@ -14,11 +14,14 @@ def _layout_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=1,
                         help="pipeline-parallel size of the written checkpoint")
     parser.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline rank")
-    _dtype_arg(parser)
+    _output_args(parser)
 
 
-def _dtype_arg(parser: argparse.ArgumentParser) -> None:
+def _output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: as stored)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out, only if it is a checkpoint of the kind "
+                             "written, holds nothing else, and is not (nor contains) the input")
 
 
 def _dtype(args):
@@ -27,14 +30,17 @@ def _dtype(args):
 
 
 def _run(action, argv) -> int:
-    """Run `action(args)`; a ValueError or OSError becomes one line on stderr and exit code 2."""
+    """Run `action(args)`; every converter's one error path: a ValueError, OSError or
+    RuntimeError (DeepSpeed's loader) becomes one line on stderr and exit code 2."""
     try:
         start = time.perf_counter()
         message = action(argv)
         print(f"{message} in {time.perf_counter() - start:.2f} s")
         return 0
-    except (ValueError, OSError) as exc:
-        print("error: " + " ".join(str(exc).split()), file=sys.stderr)
+    except (ValueError, OSError, RuntimeError) as exc:
+        text = str(exc) if not isinstance(exc, OSError) or not exc.strerror else (
+            f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror)
+        print("error: " + " ".join(text.split()), file=sys.stderr)
         return 2
 
 
@@ -49,7 +55,7 @@ def hf_to_megazoo_main(argv=None) -> int:
     def action(_):
         from .api import hf_to_megazoo
         cfg = hf_to_megazoo(args.hf_dir, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp,
-                            dtype=_dtype(args))
+                            dtype=_dtype(args), overwrite=args.overwrite)
         return f"wrote {args.out}: {cfg.family} {cfg.num_layers} layers, tp={args.tp} pp={args.pp}"
     return _run(action, args)
 
@@ -59,26 +65,40 @@ def megazoo_to_hf_main(argv=None) -> int:
                                                  "Hugging Face model directory.")
     parser.add_argument("--load", required=True, help="megazoo checkpoint directory")
     parser.add_argument("--out", required=True, help="Hugging Face directory to write")
-    _dtype_arg(parser)
+    _output_args(parser)
     args = parser.parse_args(argv)
 
     def action(_):
         from .api import megazoo_to_hf
-        config = megazoo_to_hf(args.load, args.out, dtype=_dtype(args))
+        config = megazoo_to_hf(args.load, args.out, dtype=_dtype(args), overwrite=args.overwrite)
         return f"wrote {args.out}: {config['architectures'][0]}"
     return _run(action, args)
 
 
-def reshard_main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Rewrite a megazoo checkpoint at another "
-                                                 "tp/pp/vpp layout (optimizer aux tensors included).")
-    parser.add_argument("--load", required=True, help="megazoo checkpoint directory")
-    parser.add_argument("--out", required=True, help="checkpoint directory to write")
+def _relayout_main(argv, description: str, load_help: str, convert) -> int:
+    """--load + --out + layout flags -> `convert(load, out, tp=, pp=, vpp=, dtype=, overwrite=)`."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--load", required=True, help=load_help)
+    parser.add_argument("--out", required=True, help="megazoo checkpoint folder to write")
     _layout_args(parser)
     args = parser.parse_args(argv)
 
     def action(_):
-        from .api import reshard
-        reshard(args.load, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, dtype=_dtype(args))
+        convert(args.load, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, dtype=_dtype(args),
+                overwrite=args.overwrite)
         return f"wrote {args.out} at tp={args.tp} pp={args.pp} vpp={args.vpp}"
     return _run(action, args)
+
+
+def reshard_main(argv=None) -> int:
+    from .api import reshard
+    return _relayout_main(argv, "Rewrite a megazoo checkpoint at another tp/pp/vpp layout "
+                                "(optimizer aux tensors included).", "megazoo checkpoint folder",
+                          reshard)
+
+
+def zero_to_megazoo_main(argv=None) -> int:
+    from .deepspeed import zero_to_megazoo
+    return _relayout_main(argv, "Consolidate a DeepSpeedEngine (ZeRO-1/2/3) checkpoint into a "
+                                "megazoo checkpoint.", "DeepSpeedEngine checkpoint folder",
+                          zero_to_megazoo)

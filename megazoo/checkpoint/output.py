@@ -1,0 +1,152 @@
+"""Where a checkpoint may be written, and the temp-folder + rename protocol that writes it.
+
+**Nothing of the user's is deleted.** `check_output_dir` runs before anything is written:
+
+- an `out` that does not exist, or is an empty folder, is fine;
+- an `out` that is, or contains, one of the inputs is refused (even with overwrite): writing
+  `reshard --load SAVE/iter_10 --out SAVE` must not replace the folder it reads from;
+- an `out` that exists and is not empty is refused unless `overwrite`; with it, only a folder
+  that is itself a checkpoint of the kind being written (its marker file present) and holds
+  nothing but that kind's files is replaced. Anything else in it (a tokenizer, a README, other
+  checkpoints) makes it a refusal that names the files.
+
+**Atomic publish.** A checkpoint is written into `temp_dir(path)` (a sibling named
+`path + ".megazoo-tmp"`, holding an `OWNER_FILE` with the writer's host and pid), then
+`publish` renames it into place: an existing `path` (already approved by `check_output_dir`)
+is renamed aside to `path + ".megazoo-old"`, the new one renamed in, the old one deleted. A
+crash before the rename leaves any previous `path` untouched. A temp folder left by a killed
+writer is removed by the next write only when it is provably ours: its owner file names this
+host and a process that no longer exists; otherwise the error names it.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+import socket
+import sys
+
+OWNER_FILE = ".megazoo-writer.json"
+TEMP_SUFFIX, OLD_SUFFIX = ".megazoo-tmp", ".megazoo-old"
+
+# kind -> (marker file that makes a folder a checkpoint of that kind, file patterns it owns)
+KINDS = {
+    "megazoo": ("megazoo.json", ("megazoo.json", "model-pp*-tp*.safetensors", OWNER_FILE)),
+    "hf": ("config.json", ("config.json", "generation_config.json", "model.safetensors",
+                           "model-*-of-*.safetensors", "model.safetensors.index.json", OWNER_FILE)),
+}
+
+
+def clean_path(path: str | os.PathLike) -> str:
+    """The folder as a normalised string (no trailing separator)."""
+    return os.path.normpath(os.fspath(path))
+
+
+def temp_dir(path: str) -> str:
+    """The sibling folder a checkpoint of `path` is written into before the rename."""
+    return clean_path(path) + TEMP_SUFFIX
+
+
+def _is_within(inner: str, outer: str) -> bool:
+    """True if `inner` is `outer` or lies inside it (both resolved through symlinks)."""
+    inner, outer = os.path.realpath(inner), os.path.realpath(outer)
+    return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
+
+
+def check_output_dir(out, *, kind: str, overwrite: bool = False, inputs=()) -> None:
+    """ValueError (one line, saying what to change) unless writing `out` loses nothing.
+
+    `kind` is "megazoo" or "hf"; `inputs` are the folders the writer reads. See the module
+    docstring for the rules.
+    """
+    out = clean_path(out)
+    for source in inputs:
+        if source is not None and _is_within(os.fspath(source), out):
+            raise ValueError(f"--out {out} is or contains the input {os.fspath(source)}: writing "
+                             f"it would replace what is being read; choose another --out")
+    if not os.path.lexists(out):
+        return
+    if not os.path.isdir(out):
+        raise ValueError(f"--out {out} exists and is not a folder; choose another --out")
+    entries = sorted(os.listdir(out))
+    if not entries:
+        return
+    if not overwrite:
+        raise ValueError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
+    marker, patterns = KINDS[kind]
+    if marker not in entries:
+        raise ValueError(f"--overwrite replaces only a {kind} checkpoint folder ({marker} inside); "
+                         f"{out} is not one, so it is kept: choose another --out")
+    foreign = [e for e in entries if not any(fnmatch.fnmatch(e, p) for p in patterns)]
+    if foreign:
+        raise ValueError(f"--overwrite would delete {', '.join(foreign[:3])}"
+                         f"{' ...' if len(foreign) > 3 else ''} in {out}, which a {kind} "
+                         f"checkpoint does not hold: move them away or choose another --out")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _clear_stale_temp(tmp: str) -> None:
+    """Remove `tmp` if a killed megazoo writer on this host left it; else ValueError naming it."""
+    try:
+        with open(os.path.join(tmp, OWNER_FILE)) as f:
+            owner = json.load(f)
+        host, pid = owner["host"], int(owner["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(f"{tmp} is in the way and was not written by this megazoo (no readable "
+                         f"{OWNER_FILE}): remove or rename it") from None
+    if host != socket.gethostname():
+        raise ValueError(f"{tmp} was left by a writer on host {host} (pid {pid}); if that run is "
+                         f"over, remove the folder")
+    if pid != os.getpid() and _pid_alive(pid):
+        raise ValueError(f"{tmp} is being written by process {pid} now: wait for it, or stop it "
+                         f"and run again")
+    shutil.rmtree(tmp)
+    print(f"removed {tmp}, the unfinished output of an earlier run (pid {pid}) that was killed",
+          file=sys.stderr)
+
+
+def fresh_temp_dir(path: str) -> str:
+    """Create the temp folder of `path`, empty, with its owner file (one process only)."""
+    tmp = temp_dir(path)
+    old = clean_path(path) + OLD_SUFFIX
+    if os.path.lexists(old):
+        raise ValueError(f"an interrupted save left the previous checkpoint at {old}: rename it "
+                         f"back to {clean_path(path)} (or delete it), then run again")
+    if os.path.lexists(tmp):
+        _clear_stale_temp(tmp)
+    try:
+        os.makedirs(tmp)
+        with open(os.path.join(tmp, OWNER_FILE), "w") as f:
+            json.dump({"host": socket.gethostname(), "pid": os.getpid()}, f)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ValueError(f"cannot create the output folder {clean_path(path)}: "
+                         f"{exc.strerror or exc}") from None
+    return tmp
+
+
+def publish(path: str) -> None:
+    """Move the finished temp folder to `path`, replacing an approved existing checkpoint."""
+    path = clean_path(path)
+    tmp, old = temp_dir(path), path + OLD_SUFFIX
+    if os.path.lexists(path):
+        os.rename(path, old)
+    os.rename(tmp, path)
+    os.remove(os.path.join(path, OWNER_FILE))
+    if os.path.lexists(old):
+        shutil.rmtree(old)
+
+
+def discard(path: str) -> None:
+    """Remove the temp folder of `path` after a failed write (best effort)."""
+    shutil.rmtree(temp_dir(path), ignore_errors=True)

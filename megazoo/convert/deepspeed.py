@@ -1,0 +1,79 @@
+"""A DeepSpeedEngine checkpoint (ZeRO-1/2/3 shards) -> an ordinary megazoo checkpoint.
+
+DS_DIR is a folder written by `megazoo.training.zero.DeepSpeedEngine.save` (DeepSpeed's files
+under DS_DIR/<tag>/ plus DS_DIR/megazoo.json with the model config and layout). For each
+tensor-parallel rank t, DeepSpeed's own `zero_to_fp32` reassembles the fp32 master weights
+from the ZeRO partitions of that rank's files (`*mp_rank_{t:02d}_*`, linked into a scratch
+folder so it sees one tp rank at a time); the tp shards are then joined with megazoo's shard
+metadata (`tp_unslice` on the meta-device model of rank t) and streamed into a megazoo
+checkpoint by `megazoo.checkpoint.write_checkpoint` at the layout asked for (default tp=1,
+pp=1), loadable at any layout. The fp32 masters are used, so a bf16 run converts without loss.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+
+def _tp_rank_files(ds_dir: str, tp_rank: int) -> list[str]:
+    mark = f"mp_rank_{tp_rank:02d}_"
+    files = [f for f in os.listdir(ds_dir) if mark in f and f.endswith(".pt")]
+    if not files:
+        raise ValueError(f"{ds_dir} holds no DeepSpeed files of tp rank {tp_rank} (*{mark}*.pt)")
+    return files
+
+
+def tp_rank_state_dict(load: str, tag: str, tp_rank: int) -> dict[str, torch.Tensor]:
+    """fp32 {local name: tensor} of tp rank `tp_rank`, merged over its ZeRO partitions."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ds_dir = os.path.join(load, tag)
+    with tempfile.TemporaryDirectory() as tmp:
+        os.makedirs(os.path.join(tmp, tag))
+        for f in _tp_rank_files(ds_dir, tp_rank):
+            os.symlink(os.path.abspath(os.path.join(ds_dir, f)), os.path.join(tmp, tag, f))
+        sd = get_fp32_state_dict_from_zero_checkpoint(tmp, tag=tag)
+    return {k: (v.materialize() if hasattr(v, "materialize") else v) for k, v in sd.items()}
+
+
+def full_state_dict(load: str) -> tuple[object, dict[str, torch.Tensor], dict]:
+    """(ModelConfig, {full name: full unpadded fp32 tensor}, DeepSpeed metadata)."""
+    from ..checkpoint import config_from_dict, rank_model
+    from ..layers.sharding import tp_unslice
+    from ..models import full_name
+    from ..training.zero import read_ds_metadata
+
+    meta = read_ds_metadata(load)
+    config = config_from_dict(meta["model"])
+    tp = int(meta["layout"]["tp"])
+    layout = {"tp": tp, "pp": 1, "vpp": 1}
+    shards = [tp_rank_state_dict(load, meta["tag"], t) for t in range(tp)]
+    reference = rank_model(config, layout, 0, 0)  # meta device: names and shard tags
+    full = {}
+    for name, p in reference.named_parameters():
+        if getattr(p, "tied_to", None):
+            continue
+        missing = [t for t in range(tp) if name not in shards[t]]
+        if missing:
+            raise ValueError(f"{load}: parameter {name} is missing from tp ranks {missing}")
+        full[full_name(name, p)] = tp_unslice([shards[t][name] for t in range(tp)], p)
+    return config, full, meta
+
+
+def zero_to_megazoo(load, out, *, tp: int = 1, pp: int = 1, vpp: int = 1,
+                    dtype: torch.dtype | None = None, overwrite: bool = False) -> None:
+    """Consolidate the DeepSpeedEngine checkpoint `load` into a megazoo checkpoint `out`
+    (`overwrite` as in `hf_to_megazoo`; `out` is never `load` nor a folder containing it)."""
+    from ..checkpoint import write_checkpoint
+    from ..checkpoint.output import check_output_dir
+
+    load, out = os.fspath(load), os.fspath(out)
+    check_output_dir(out, kind="megazoo", overwrite=overwrite, inputs=[load])
+    config, full, meta = full_state_dict(load)
+    extra = {"converted_from": "deepspeed", "zero_stage": meta.get("zero_stage"),
+             "source_layout": meta["layout"], "source_extra": meta.get("extra") or {}}
+    write_checkpoint(config, out, lambda name: full[name].to(dtype or torch.float32),
+                     tp=tp, pp=pp, vpp=vpp, dtype=dtype or torch.float32, extra=extra,
+                     overwrite=overwrite, inputs=[load])
