@@ -1,0 +1,253 @@
+"""One GPU: the training path users run (`pretrain_gpt.py`) against megazoo's own model step
+and against the peer a user would pick (DeepSpeed ZeRO-1, bf16, Hugging Face model), same run.
+
+    python bench/train_bench.py --shapes gpt-1.3b llama-8b-4l --global-batch 8 32 --out train.json
+    python bench/train_bench.py --dry-run            # tiny shapes on CPU: checks the plumbing
+
+Rows, each in its own subprocess (its own peak memory):
+
+- `model`: megazoo's model step as `bench/model_bench.py` times it: pure bf16 weights, one
+  micro-batch forward + backward, torch's fused AdamW; tokens/s of one micro-batch per step.
+- `pretrain`: `pretrain_gpt.py` with its defaults for the engine (the default stdlib corpus),
+  `--bf16`, the shape's flags and the global batch; tokens/s as the run logs it, the median of
+  the log intervals after the first (compilation, allocator warm-up).
+- `deepspeed`: DeepSpeed ZeRO-1 with bf16 around the Hugging Face model of the same shape
+  (GPT2LMHeadModel / LlamaForCausalLM, SDPA), micro-batches accumulated to the global batch,
+  torch's fused AdamW, gradient clipping 1.0 (the engine's default clip in pretrain_gpt.py).
+
+All three use the vocabulary of the default corpus' tokenizer (2048 ids), so the logits cost
+the same everywhere. Model TFLOP/s count F = 72 B s l h^2 (1 + s / 6h) + 6 B s h V
+(`megazoo.training.logging.flops_per_iteration`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 2048  # the default corpus' tokenizer (pretrain_gpt.py --default-vocab-size)
+
+SHAPES = {
+    "gpt-1.3b": dict(family="gpt", layers=24, hidden=2048, heads=16, kv_heads=16, ffn=8192,
+                     seq=2048, micro=4),
+    "llama-8b-4l": dict(family="llama", layers=4, hidden=4096, heads=32, kv_heads=8, ffn=14336,
+                        seq=4096, micro=1),
+    "tiny": dict(family="gpt", layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, seq=64, micro=2),
+}
+
+
+def model_flags(shape: dict) -> list[str]:
+    """pretrain_gpt.py flags of a shape."""
+    flags = ["--family", shape["family"], "--num-layers", str(shape["layers"]),
+             "--hidden-size", str(shape["hidden"]), "--num-attention-heads", str(shape["heads"]),
+             "--ffn-hidden-size", str(shape["ffn"]), "--seq-length", str(shape["seq"]),
+             "--max-position-embeddings", str(shape["seq"])]
+    if shape["family"] == "llama":
+        flags += ["--num-key-value-heads", str(shape["kv_heads"])]
+    return flags
+
+
+def flops(shape: dict, batch: int) -> float:
+    from megazoo.training.logging import flops_per_iteration
+    return flops_per_iteration(batch, shape["seq"], shape["layers"], shape["hidden"], VOCAB)
+
+
+def timed(step, device: torch.device, warmup: int, iters: int) -> float:
+    """Median seconds of `step()` after `warmup` calls (synchronised on CUDA)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def model_row(shape: dict, device: torch.device, warmup: int, iters: int) -> dict:
+    from megazoo.models import ModelConfig, build_model
+
+    cfg = ModelConfig(family=shape["family"], num_layers=shape["layers"],
+                      hidden_size=shape["hidden"], num_attention_heads=shape["heads"],
+                      num_key_value_heads=shape["kv_heads"] if shape["family"] == "llama" else None,
+                      ffn_hidden_size=shape["ffn"], vocab_size=VOCAB,
+                      max_position_embeddings=shape["seq"])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(cfg, state=None, device=device, dtype=dtype, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    ids = torch.randint(0, VOCAB, (shape["micro"], shape["seq"]), device=device)
+
+    def step():
+        model(ids, labels=ids).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    seconds = timed(step, device, warmup, iters)
+    return {"step_s": seconds, "tokens_per_s": shape["micro"] * shape["seq"] / seconds,
+            "model_tflops": flops(shape, shape["micro"]) / seconds / 1e12}
+
+
+def hf_model(shape: dict, device: torch.device):
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+    if shape["family"] == "gpt":
+        cfg = GPT2Config(n_embd=shape["hidden"], n_layer=shape["layers"], n_head=shape["heads"],
+                         n_inner=shape["ffn"], n_positions=shape["seq"], vocab_size=VOCAB)
+    else:
+        cfg = LlamaConfig(hidden_size=shape["hidden"], intermediate_size=shape["ffn"],
+                          num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                          num_key_value_heads=shape["kv_heads"], vocab_size=VOCAB,
+                          max_position_embeddings=shape["seq"])
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    return model.to(torch.bfloat16) if device.type == "cuda" else model
+
+
+def deepspeed_row(shape: dict, device: torch.device, global_batch: int, warmup: int,
+                  iters: int) -> dict:
+    import deepspeed
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    model = hf_model(shape, device)
+    accumulation = global_batch // shape["micro"]
+    config = {"train_micro_batch_size_per_gpu": shape["micro"],
+              "gradient_accumulation_steps": accumulation, "gradient_clipping": 1.0,
+              "bf16": {"enabled": device.type == "cuda"}, "zero_optimization": {"stage": 1}}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    ids = torch.randint(0, VOCAB, (shape["micro"], shape["seq"]), device=device)
+
+    def step():
+        for _ in range(accumulation):
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+
+    seconds = timed(step, device, warmup, iters)
+    return {"step_s": seconds, "tokens_per_s": global_batch * shape["seq"] / seconds,
+            "model_tflops": flops(shape, global_batch) / seconds / 1e12}
+
+
+def pretrain_row(shape: dict, global_batch: int, iters: int, extra: list[str], dry: bool) -> dict:
+    """Run pretrain_gpt.py and read its logged tokens/s (median of the intervals after the first)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "log.jsonl")
+        interval = max(1, iters // 6)
+        cmd = [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *model_flags(shape),
+               "--micro-batch-size", str(shape["micro"]), "--global-batch-size", str(global_batch),
+               "--train-iters", str(iters), "--log-interval", str(interval), "--save", "",
+               "--eval-iters", "0", "--generate-tokens", "0", "--no-progress",
+               "--data-cache-path", os.path.join(REPO, "data_cache"), "--log-json", log,
+               *([] if dry else ["--bf16"]), *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
+        if proc.returncode != 0:
+            raise RuntimeError(f"pretrain_gpt.py failed: {proc.stderr[-2000:]}")
+        with open(log) as f:
+            records = [json.loads(line) for line in f if '"tokens_per_s"' in line]
+    rates = [r["tokens_per_s"] for r in records[1:]] or [records[-1]["tokens_per_s"]]
+    tokens_per_s = statistics.median(rates)
+    seconds = global_batch * shape["seq"] / tokens_per_s
+    out = {"step_s": seconds, "tokens_per_s": tokens_per_s,
+           "model_tflops": flops(shape, global_batch) / seconds / 1e12}
+    if "gpu_max_allocated_gb" in records[-1]:
+        out["peak_gb"] = records[-1]["gpu_max_allocated_gb"]
+    return out
+
+
+def child(kind: str, shape_name: str, global_batch: int, dry: bool) -> dict:
+    device = torch.device("cpu" if dry else "cuda")
+    shape = SHAPES[shape_name]
+    warmup, iters = (1, 2) if dry else (3, 8)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    if kind == "model":
+        row = model_row(shape, device, warmup, iters)
+    else:
+        row = deepspeed_row(shape, device, global_batch, warmup, iters)
+    if device.type == "cuda":
+        row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    return row
+
+
+def run_child(kind: str, shape: str, global_batch: int, dry: bool) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, shape, str(global_batch)]
+    proc = subprocess.run(cmd + (["--dry-run"] if dry else []), capture_output=True, text=True)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(proc.stderr[-2000:])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=["gpt-1.3b"], choices=sorted(SHAPES))
+    p.add_argument("--global-batch", nargs="+", type=int, default=[8, 32])
+    p.add_argument("--rows", nargs="+", default=["model", "pretrain", "deepspeed"])
+    p.add_argument("--pretrain-iters", type=int, default=30)
+    p.add_argument("--pretrain-flags", default="", help="extra pretrain_gpt.py flags (one string)")
+    p.add_argument("--dry-run", action="store_true", help="tiny shape on CPU")
+    p.add_argument("--out", default=None)
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        kind, shape, gb = args.child
+        print("RESULT " + json.dumps(child(kind, shape, int(gb), args.dry_run)))
+        return 0
+    shapes = ["tiny"] if args.dry_run else args.shapes
+    rows = []
+    for shape in shapes:
+        for gb in args.global_batch:
+            found = {}
+            for kind in args.rows:
+                try:
+                    if kind == "pretrain":
+                        row = pretrain_row(SHAPES[shape], gb, 4 if args.dry_run else args.pretrain_iters,
+                                           args.pretrain_flags.split(), args.dry_run)
+                    elif kind == "model" and gb != args.global_batch[0]:
+                        row = dict(found.get("model") or {})  # independent of the global batch
+                    else:
+                        row = run_child(kind, shape, gb, args.dry_run)
+                except Exception as exc:  # keep the sweep going; the table shows the failure
+                    row = {"error": " ".join(str(exc).split())[-300:]}
+                found[kind] = row
+                rows.append({"shape": shape, "global_batch": gb, "row": kind, **row})
+            for r in rows[-len(args.rows):]:
+                for ref in ("model", "deepspeed"):
+                    if "tokens_per_s" in r and "tokens_per_s" in found.get(ref, {}):
+                        r[f"vs_{ref}"] = r["tokens_per_s"] / found[ref]["tokens_per_s"]
+    cols = ["shape", "global_batch", "row", "tokens_per_s", "model_tflops", "peak_gb",
+            "vs_model", "vs_deepspeed", "error"]
+    print("| " + " | ".join(cols) + " |")
+    for r in rows:
+        print("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:,.0f}" if value >= 100 else f"{value:.3f}"
+    return str(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
