@@ -1,0 +1,116 @@
+"""Training curves from `--log-json` files: one picture, several runs overlaid.
+
+    python -m megazoo.plot RUN.jsonl [MORE.jsonl ...] --out curves.png [--labels a b]
+
+Panels (each drawn only when some run logged its key): training and validation loss against
+tokens seen, learning rate, tokens/s, MFU, gradient norm, memory (GPU peak allocated, else
+host RSS). Tokens seen are counted from the log itself: iteration x tokens per step, where a
+run's tokens per step is read from its `run` record (written by pretrain_gpt.py) or, failing
+that, the x axis is the iteration. matplotlib is an optional dependency (`pip install
+"megazoo[plot]"`): without it the command says so in one line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+PANELS = (  # (title, keys drawn in it, y scale)
+    ("loss (nats/token)", ("loss", "valid_loss"), "linear"),
+    ("learning rate", ("lr",), "linear"),
+    ("tokens/s", ("tokens_per_s",), "linear"),
+    ("MFU", ("mfu",), "linear"),
+    ("gradient norm", ("grad_norm",), "log"),
+    ("memory (GB)", ("gpu_max_allocated_gb", "host_rss_gb"), "linear"),
+)
+
+
+def read_log(path: str) -> tuple[list[dict], int | None]:
+    """(records with an iteration, tokens per step or None) of one --log-json file."""
+    records, tokens_per_step = [], None
+    try:
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    raise ValueError(f"{path}:{n} is not a JSON line: is it a --log-json file?")
+                if isinstance(record, dict) and "tokens_per_step" in record:
+                    tokens_per_step = int(record["tokens_per_step"])
+                if isinstance(record, dict) and "iteration" in record:
+                    records.append(record)
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    if not records:
+        raise ValueError(f"{path} holds no logged iterations")
+    return records, tokens_per_step
+
+
+def series(records: list[dict], key: str, tokens_per_step: int | None) -> tuple[list, list]:
+    """(x, y) of one key; x is tokens seen when known, else the iteration."""
+    scale = tokens_per_step or 1
+    points = [(r["iteration"] * scale, r[key]) for r in records
+              if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def draw(runs: list[tuple[str, list[dict], int | None]], out: str) -> list[str]:
+    """Write the picture to `out`; return the titles of the panels drawn."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ValueError('plotting needs matplotlib: pip install "megazoo[plot]" '
+                         '(or pip install matplotlib)') from None
+    panels = [p for p in PANELS
+              if any(any(k in r for r in recs for k in p[1]) for _, recs, _ in runs)]
+    if not panels:
+        raise ValueError("the logs hold none of the plotted keys (loss, lr, tokens_per_s, ...)")
+    cols = 2 if len(panels) > 1 else 1
+    rows = (len(panels) + cols - 1) // cols
+    fig = Figure(figsize=(6 * cols, 3.2 * rows), layout="constrained")
+    FigureCanvasAgg(fig)
+    by_tokens = all(tps for _, _, tps in runs)
+    for i, (title, keys, yscale) in enumerate(panels):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        for j, (label, recs, tps) in enumerate(runs):
+            color = f"C{j}"
+            for key, style in zip(keys, ("-", "--")):
+                x, y = series(recs, key, tps if by_tokens else None)
+                if x:
+                    ax.plot(x, y, style, color=color, marker="o" if len(x) < 3 else None,
+                            label=f"{label} {key}" if len(keys) > 1 else label)
+        ax.set_title(title)
+        ax.set_yscale(yscale)
+        ax.set_xlabel("tokens" if by_tokens else "iteration")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.savefig(out, dpi=110)
+    return [p[0] for p in panels]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megazoo.plot",
+                                     description="Plot training curves of --log-json files.")
+    parser.add_argument("logs", nargs="+", help="--log-json files of pretrain_gpt.py runs")
+    parser.add_argument("--out", default="curves.png", help="picture to write (default: %(default)s)")
+    parser.add_argument("--labels", nargs="+", help="legend names (default: the file names)")
+    args = parser.parse_args(argv)
+    labels = args.labels or [os.path.splitext(os.path.basename(p))[0] for p in args.logs]
+    try:
+        if len(labels) != len(args.logs):
+            raise ValueError(f"--labels names {len(labels)} runs, {len(args.logs)} logs given")
+        runs = [(label, *read_log(path)) for label, path in zip(labels, args.logs)]
+        panels = draw(runs, args.out)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: {', '.join(panels)} for {len(runs)} run(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
