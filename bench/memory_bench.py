@@ -1,4 +1,4 @@
-"""The memory planner (megazoo.plan) against measured peak GPU memory, layout by layout (issue 4).
+"""The memory planner (megazoo.plan) against measured peak GPU memory, layout by layout.
 
     python -m bench.memory_bench --out memory_1gpu.json                       # 1 GPU layouts
     torchrun --nproc-per-node 2 -m bench.memory_bench --two-gpu --out memory_2gpu.json
