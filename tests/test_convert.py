@@ -257,8 +257,8 @@ def test_megazoo_to_hf_missing_shard_exit_2(tmp_path, capsys):
 
 
 def test_script_runs_from_a_checkout(hf_dirs, tmp_path):
-    """The real command line (sys.path set up by the script itself); its error path is
-    main() in test_cli_errors_are_one_line_exit_2_no_output."""
+    """The real command line, the script run from another folder (megazoo importable as after
+    `pip install -e .`); its error path is main() in test_cli_errors_are_one_line_exit_2_no_output."""
     root, _ = hf_dirs
     script = os.path.join(REPO, "checkpoints_tools", "hf_to_megazoo.py")
     ok = subprocess.run([sys.executable, script, "--hf-dir", os.path.join(root, "gpt2"),
