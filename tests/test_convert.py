@@ -31,6 +31,7 @@ from megazoo.models import ModelConfig, build_model
 from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.pipeline.executor import run_pipeline
 from megazoo.testing import run_distributed
+from fixtures import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, B, S, RTOL = 300, 2, 8, 1e-5
@@ -146,9 +147,7 @@ def test_hf_megazoo_hf_is_bit_exact_and_generates(hf_dirs, tmp_path, kind):
 
 
 def tiny(family: str) -> ModelConfig:
-    kv = 2 if family == "llama" else None
-    return ModelConfig(family=family, num_layers=2, hidden_size=64, num_attention_heads=4,
-                       num_key_value_heads=kv, vocab_size=VOCAB, max_position_embeddings=32)
+    return tiny_config(family, num_attention_heads=4, max_position_embeddings=32)
 
 
 @pytest.mark.parametrize("family", ["gpt", "bloom", "llama"])
