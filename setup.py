@@ -13,8 +13,10 @@ torch is a CUDA build and nvcc's major version equals torch.version.cuda's (no G
 at build time: code for sm_80 and sm_90, plus PTX); elsewhere megazoo.kernels compiles them
 on first use on a GPU, or uses Triton / PyTorch. A failed build never fails the install.
 """
+import ast
 import re
 import subprocess
+from pathlib import Path
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
@@ -67,6 +69,17 @@ def _cuda_kernels():
     return ext, BuildExtension, "ok"
 
 
+def _console_scripts() -> list[str]:
+    """`name = module:function` for each command in megazoo/cli.py's COMMANDS (read, not imported)."""
+    tree = ast.parse((Path(__file__).resolve().parent / "megazoo" / "cli.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign | ast.Assign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(getattr(t, "id", None) == "COMMANDS" for t in targets):
+                return [f"{name} = {target}" for name, target in ast.literal_eval(node.value).items()]
+    raise RuntimeError("megazoo/cli.py defines no COMMANDS")
+
+
 CUDA_KERNELS, TORCH_BUILD_EXT, CUDA_WHY = _cuda_kernels()
 if CUDA_KERNELS is None:
     print(f"megazoo: not building megazoo._fused_kernels ({CUDA_WHY}); "
@@ -102,6 +115,7 @@ setup(
     packages=find_packages(include=["megazoo", "megazoo.*"]),
     ext_modules=[DATA_HELPERS] + ([CUDA_KERNELS] if CUDA_KERNELS is not None else []),
     cmdclass={"build_ext": OptionalBuildExt},
+    entry_points={"console_scripts": _console_scripts()},
     install_requires=[
         "torch>=2.4",
         "numpy",
@@ -113,6 +127,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "matplotlib"],
+        # triton: the Triton kernels' tests run on CPU tensors under its interpreter
+        # (tests/conftest.py); wheels exist for Linux only, elsewhere those tests skip.
+        "test": ["pytest", "pytest-timeout", "matplotlib", "triton; platform_system == 'Linux'"],
     },
 )

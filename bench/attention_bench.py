@@ -1,7 +1,7 @@
 """ALiBi attention (BLOOM-like) forward+backward through every available backend, one GPU.
 
-    python bench/attention_bench.py --out attention.json          # GPU: 16 heads x 128, bf16
-    python bench/attention_bench.py --dry-run                     # CPU, tiny, exercises the code
+    python -m bench.attention_bench --out attention.json          # GPU: 16 heads x 128, bf16
+    python -m bench.attention_bench --dry-run                     # CPU, tiny, exercises the code
 
 For each (sequence, batch): median fwd+bwd time of each backend (math, sdpa with a
 materialised bias, flex, flash when installed) and of "auto", the error of each against the
@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from common import environment, print_table, time_ms, write_json
+from bench.common import environment, print_table, time_ms, write_json
 from megazoo.layers import alibi_slopes, core_attention
 from megazoo.layers.attention import AttentionRequest, select_backend, unsupported_reason
 

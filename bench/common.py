@@ -1,19 +1,26 @@
-"""Shared helpers of the benchmarks: timing (CUDA events on GPUs), the measured matmul
-ceiling, model FLOPs, tables, JSON output.
+"""Shared helpers of the benchmarks: timing (CUDA events on GPUs), tables, JSON output, and
+the command line of a benchmark run as a child process.
 
-Conventions (../shared/BENCHMARKS.md): warm up, then take the median of several timed steps;
-random data, never zeros; MFU against the bf16 matmul ceiling measured in the same run.
+Conventions (bench/README.md): warm up, then take the median of several timed steps; random
+data, never zeros; MFU against the bf16 matmul ceiling measured in the same run. Model FLOPs
+and that ceiling are the library's own (`megazoo.training.logging.flops_per_iteration`,
+`measure_peak_tflops`), so a benchmark reports what `pretrain_gpt.py` logs.
 
-Run from the repository root (`python bench/x.py` puts bench/ first on the path; the repo
-itself must be importable: `PYTHONPATH=$PWD` or an editable install).
+Every benchmark is a module of the `bench` package, run from the repository root:
+`python -m bench.model_bench`, `torchrun --nproc-per-node 2 -m bench.ulysses_bench`.
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
+
+#: The repository root: children run there, with it first on PYTHONPATH.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def sync(device: torch.device) -> None:
@@ -51,20 +58,6 @@ def time_cuda(fn, warmup: int = 3, iters: int = 10) -> float:
     return time_ms(fn, torch.device("cuda"), warmup, iters) / 1e3
 
 
-def matmul_ceiling_tflops(n: int = 8192, dtype=torch.bfloat16) -> float:
-    """Measured TFLOP/s of an n^3 matmul on random data: the MFU denominator."""
-    a = torch.randn(n, n, device="cuda", dtype=dtype)
-    b = torch.randn(n, n, device="cuda", dtype=dtype)
-    seconds = time_cuda(lambda: a @ b, warmup=5, iters=20)
-    return 2 * n**3 / seconds / 1e12
-
-
-def gpt_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """Model FLOPs of one training step (Megatron convention, no recompute, full s^2 attention)."""
-    return (72 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden))
-            + 6 * batch * seq * hidden * vocab)
-
-
 def print_table(rows: list[dict], columns: list[str]) -> None:
     """A fixed-width table of `rows` (dicts), one column per key in `columns`."""
     cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
@@ -92,3 +85,14 @@ def environment(device: torch.device) -> dict:
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     return env
+
+
+def child_env(**extra: str) -> dict:
+    """This process's environment with the repository first on PYTHONPATH (for children)."""
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def module_command(module: str, launcher: list[str] | None = None) -> list[str]:
+    """The command that runs `bench.<module>` (under `launcher`, e.g. torchrun, if given)."""
+    return (launcher or [sys.executable]) + ["-m", f"bench.{module}"]

@@ -1,8 +1,8 @@
 """HF -> megazoo conversion: peak memory and throughput of the streaming converter (CPU).
 
-    python bench/convert_bench.py                 # llama-7b shapes, fp16 on disk (~13.5 GB)
-    python bench/convert_bench.py --small         # a tiny llama: a dry run in seconds
-    python bench/convert_bench.py --tp 2 --pp 2 --dtype bf16 --dir /scratch/bench
+    python -m bench.convert_bench                 # llama-7b shapes, fp16 on disk (~13.5 GB)
+    python -m bench.convert_bench --small         # a tiny llama: a dry run in seconds
+    python -m bench.convert_bench --tp 2 --pp 2 --dtype bf16 --dir /scratch/bench
 
 Writes a random LLaMA in Hugging Face format (config.json + safetensors shards of <= 5 GB and
 their index), tensor by tensor with megazoo's streaming safetensors writer, so this process
@@ -31,13 +31,12 @@ import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from megazoo.checkpoint.files import parse_dtype  # noqa: E402
-from megazoo.convert import ADAPTERS, hf_config  # noqa: E402
-from megazoo.convert.api import hf_shapes  # noqa: E402
-from megazoo.convert.hf_io import HFWriter  # noqa: E402
-from megazoo.models import ModelConfig, resolve_config  # noqa: E402
+from bench.common import REPO, child_env
+from megazoo.checkpoint.files import parse_dtype
+from megazoo.convert import ADAPTERS, hf_config
+from megazoo.convert.api import hf_shapes
+from megazoo.convert.hf_io import HFWriter
+from megazoo.models import ModelConfig, resolve_config
 
 SMALL = ModelConfig(family="llama", num_layers=2, hidden_size=256, num_attention_heads=8,
                     num_key_value_heads=4, ffn_hidden_size=688, vocab_size=1000,
@@ -83,7 +82,7 @@ def _write_job(cfg: ModelConfig, directory: str, dtype: torch.dtype) -> None:
 def _wait(cmd: list[str]) -> tuple[float, str, int]:
     """Run cmd; return (wall seconds, stdout, peak RSS bytes of that child)."""
     start = time.perf_counter()
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=child_env())
     stdout = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - start
@@ -101,8 +100,7 @@ def run_converter(hf_dir: str, out: str, args) -> tuple[float, float, int, int]:
            "--hf-dir", hf_dir, "--out", out, "--tp", str(args.tp), "--pp", str(args.pp)]
     wall, stdout, peak = _wait(cmd)
     found = re.search(r"in ([0-9.]+) s", stdout)
-    _, _, baseline = _wait([sys.executable, "-c", f"import sys; sys.path.insert(0, {REPO!r}); "
-                            "import megazoo.convert.api, safetensors.torch"])
+    _, _, baseline = _wait([sys.executable, "-c", "import megazoo.convert.api, safetensors.torch"])
     return wall, float(found.group(1)) if found else wall, peak, baseline
 
 

@@ -1,7 +1,7 @@
 """Fused kernels vs PyTorch eager and torch.compile, forward and forward+backward, in one run.
 
-    python bench/kernels_bench.py --out kernels.json          # one GPU, well under 4 minutes
-    python bench/kernels_bench.py --device cpu --small        # dry run of every code path
+    python -m bench.kernels_bench --out kernels.json          # one GPU, well under 4 minutes
+    python -m bench.kernels_bench --device cpu --small        # dry run of every code path
 
 For every kernel and implementation (``triton``, ``cuda`` where one exists, ``eager`` = the
 PyTorch fallback run eagerly, ``compile`` = ``torch.compile`` of that same fallback, and
@@ -12,7 +12,7 @@ written once (inputs, outputs, saved tensors reread in the backward; small vecto
 as weights ignored), over time. ``%copy`` is that bandwidth over the device-to-device copy
 bandwidth measured in the same run (a large ``copy_``, read + write counted); the target for
 the fused kernels is >= 70%. One failing kernel or implementation is reported in its row and
-the others go on. Conventions: ../shared/BENCHMARKS.md (warm-up, median, random data).
+the others go on. Conventions: bench/README.md (warm-up, median, random data).
 
 Measured 2026-11-22 on one H200 (copy 4241 GB/s), bf16, %copy fwd / fwd+bwd, best fused impl:
 softmax causal 75 / 85, +ALiBi 67 / 84; layer_norm 92 / 69; rms_norm 90 / 68; bias_gelu
@@ -23,19 +23,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import print_table, time_cuda, write_json  # noqa: E402
-from megazoo import kernels as K  # noqa: E402
-from megazoo.kernels import _dispatch  # noqa: E402
+from bench.common import print_table, time_cuda, write_json
+from megazoo import kernels as K
+from megazoo.kernels import _dispatch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

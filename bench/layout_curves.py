@@ -1,6 +1,6 @@
 """Two GPUs: `pretrain_gpt.py` at tp=2, sp=2 (Ulysses) and pp=2 follows the one-GPU loss curve.
 
-    python bench/layout_curves.py --out curves.json          # on a machine with 2 GPUs
+    python -m bench.layout_curves --out curves.json          # on a machine with 2 GPUs
 
 Runs the same training (same seed, data, global batch, bf16) once on one GPU and once per
 two-GPU layout under torchrun, each logging every step as JSON lines, then prints for each

@@ -1,9 +1,9 @@
-"""The memory planner (megazoo.plan) against measured peak GPU memory, layout by layout (issue 4).
+"""The memory planner (megazoo.plan) against measured peak GPU memory, layout by layout.
 
-    python bench/memory_bench.py --out memory_1gpu.json                       # 1 GPU layouts
-    torchrun --nproc-per-node 2 bench/memory_bench.py --two-gpu --out memory_2gpu.json
-    python bench/memory_bench.py --dry-run                                    # CPU, tiny
-    torchrun --nproc-per-node 2 bench/memory_bench.py --two-gpu --dry-run     # CPU, gloo, tiny
+    python -m bench.memory_bench --out memory_1gpu.json                       # 1 GPU layouts
+    torchrun --nproc-per-node 2 -m bench.memory_bench --two-gpu --out memory_2gpu.json
+    python -m bench.memory_bench --dry-run                                    # CPU, tiny
+    torchrun --nproc-per-node 2 -m bench.memory_bench --two-gpu --dry-run     # CPU, gloo, tiny
 
 Each layout runs real training steps with exactly the planner's assumptions for ZeRO stage 0:
 bf16 parameters (2 B) and bf16 gradients (2 B) kept allocated across steps (zeroed in place,
@@ -35,14 +35,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, print_table, write_json  # noqa: E402
+from bench.common import environment, print_table, write_json
 
-from megazoo.models import ModelConfig, allreduce_gradients, build_model  # noqa: E402
-from megazoo.models.build import resolve_config  # noqa: E402
-from megazoo.parallel import ParallelConfig, ParallelState  # noqa: E402
-from megazoo.pipeline.executor import run_pipeline  # noqa: E402
-from megazoo.plan import GB, TrainingLayout, estimate_memory  # noqa: E402
+from megazoo.models import ModelConfig, allreduce_gradients, build_model
+from megazoo.models.build import resolve_config
+from megazoo.parallel import ParallelConfig, ParallelState
+from megazoo.pipeline.executor import run_pipeline
+from megazoo.plan import GB, TrainingLayout, estimate_memory
 
 LLAMA_1B4 = dict(family="llama", num_layers=24, hidden_size=2048, num_attention_heads=16,
                  ffn_hidden_size=5504, vocab_size=32000, max_position_embeddings=2048)
@@ -183,7 +182,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the results as JSON here (rank 0)")
     args = p.parse_args(argv)
     if args.two_gpu and int(os.environ.get("WORLD_SIZE", "1")) != 2:
-        print("launch with: torchrun --nproc-per-node 2 bench/memory_bench.py --two-gpu [...]")
+        print("launch with: torchrun --nproc-per-node 2 -m bench.memory_bench --two-gpu [...]")
         return 2
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", local)

@@ -1,8 +1,8 @@
 """One GPU: a training step of megazoo's GPT / BLOOM / LLaMA against Hugging Face's, same run.
 
-    python bench/model_bench.py --families gpt bloom llama --out model_bench.json
+    python -m bench.model_bench --families gpt bloom llama --out model_bench.json
 
-Shape (../shared/BENCHMARKS.md): GPT-3 XL, h=2048, l=24, 16 heads, s=2048, B=4, V=50304;
+Shape: GPT-3 XL, h=2048, l=24, 16 heads, s=2048, B=4, V=50304;
 LLaMA with SwiGLU 5504 (same parameter count). Pure bf16 weights, fused AdamW, one step =
 forward + backward + optimizer. Each (family, implementation) runs in its own subprocess so
 peak memory is its own; the matmul ceiling is measured once, in the parent.
@@ -12,20 +12,18 @@ of `megazoo.kernels` instead of F.gelu, the end-to-end check of whether wiring i
 (The norms made the same check on 2026-11-23 against F.layer_norm and the compiled RMSNorm,
 won, and now run the Triton kernels on CUDA by default, `layers/norm.py`.)
 
-    python bench/model_bench.py --families gpt llama --impls megazoo megazoo-kernels
+    python -m bench.model_bench --families gpt llama --impls megazoo megazoo-kernels
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import gpt_flops, matmul_ceiling_tflops, print_table, time_cuda, write_json  # noqa: E402
+from bench.common import REPO, child_env, module_command, print_table, time_cuda, write_json
+from megazoo.training.logging import flops_per_iteration, measure_peak_tflops
 
 SHAPE = dict(hidden=2048, layers=24, heads=16, seq=2048, batch=4, vocab=50304, llama_ffn=5504)
 
@@ -94,7 +92,7 @@ def run_one(family: str, impl: str) -> dict:
     torch.cuda.reset_peak_memory_stats()
     seconds = time_cuda(step, warmup=3, iters=10)
     tokens = SHAPE["batch"] * SHAPE["seq"]
-    flops = gpt_flops(SHAPE["batch"], SHAPE["seq"], SHAPE["layers"], SHAPE["hidden"], SHAPE["vocab"])
+    flops = flops_per_iteration(SHAPE["batch"], SHAPE["seq"], SHAPE["layers"], SHAPE["hidden"], SHAPE["vocab"])
     return dict(family=family, impl=impl, step_s=seconds, tokens_per_s=tokens / seconds,
                 model_tflops=flops / seconds / 1e12,
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9,
@@ -111,12 +109,12 @@ def main() -> None:
     if args.run:
         print("RESULT " + json.dumps(run_one(*args.run)))
         return
-    ceiling = matmul_ceiling_tflops()
+    ceiling = measure_peak_tflops(torch.device("cuda"))
     rows = []
     for family in args.families:
         for impl in args.impls:
-            proc = subprocess.run([sys.executable, __file__, "--run", family, impl],
-                                  capture_output=True, text=True)
+            proc = subprocess.run(module_command("model_bench") + ["--run", family, impl],
+                                  capture_output=True, text=True, cwd=REPO, env=child_env())
             lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
                 print(f"{family}/{impl} failed:\n{proc.stderr[-3000:]}")

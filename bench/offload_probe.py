@@ -1,7 +1,7 @@
 """Where the time of a ZeRO-3 + CPU-Adam-offload step goes, on the GPU host.
 
-    python bench/offload_probe.py primitives      # host bandwidth, PCIe, CPU Adam speeds
-    python bench/offload_probe.py step [megazoo|hf]  # DeepSpeed step: forward / backward / step
+    python -m bench.offload_probe primitives      # host bandwidth, PCIe, CPU Adam speeds
+    python -m bench.offload_probe step [megazoo|hf]  # DeepSpeed step: forward / backward / step
 
 `primitives`: host memory copy bandwidth, pinned and pageable PCIe bandwidth, and one Adam
 step over gpt-1.3b's parameter count through DeepSpeedCPUAdam and torch's fused CPU AdamW.
@@ -17,9 +17,6 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(1, os.path.dirname(HERE))
 
 N = 1_316_000_000  # gpt-1.3b parameters
 
@@ -90,7 +87,7 @@ def primitives():
 
 
 def step(kind):
-    import zero_bench as zb
+    from bench import zero_bench as zb
     from megazoo.parallel import ParallelConfig
 
     shape = zb.SHAPE

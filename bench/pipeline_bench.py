@@ -1,7 +1,7 @@
 """Two GPUs: a GPT split over pp = 2, plain 1F1B vs interleaved (vpp = 2), measured step times
 against the simulator's prediction.
 
-    torchrun --nproc-per-node 2 bench/pipeline_bench.py --out pipeline_bench.json
+    torchrun --nproc-per-node 2 -m bench.pipeline_bench --out pipeline_bench.json
 
 For each m in --microbatches: the measured median step time (forward + backward of the whole
 pipeline, no optimizer) and the simulator's makespan from the forward/backward time of every
@@ -13,19 +13,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, write_json  # noqa: E402
+from bench.common import print_table, write_json
 
-from megazoo.models import ModelConfig, build_model  # noqa: E402
-from megazoo.parallel import ParallelConfig, ParallelState  # noqa: E402
-from megazoo.pipeline import build_schedule, simulate  # noqa: E402
-from megazoo.pipeline.executor import activation_shape, run_pipeline  # noqa: E402
+from megazoo.models import ModelConfig, build_model
+from megazoo.parallel import ParallelConfig, ParallelState
+from megazoo.pipeline import build_schedule, simulate
+from megazoo.pipeline.executor import activation_shape, run_pipeline
 
 
 DEVICE = "cuda"

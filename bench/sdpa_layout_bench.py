@@ -1,6 +1,6 @@
 """One GPU: does the memory layout of q, k, v cost causal SDPA time? (input to Ulysses tuning)
 
-    python bench/sdpa_layout_bench.py --seqs 32768 65536 131072 --heads 16 --out layout.json
+    python -m bench.sdpa_layout_bench --seqs 32768 65536 131072 --heads 16 --out layout.json
 
 Ulysses' local attention sees the full sequence of H/sp heads in the layout the all-to-all
 delivers, not the [b, h, s, d] layout a single-GPU baseline allocates. For each sequence
@@ -16,14 +16,11 @@ length this times forward + backward of causal SDPA (bf16, head_dim 128, batch 1
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, time_cuda, write_json  # noqa: E402
+from bench.common import print_table, time_cuda, write_json
 
 
 def layouts(s: int, h: int, d: int, device, dtype) -> dict:

@@ -1,8 +1,8 @@
 """Does a transfer issued next to a long attention kernel run beside it or after it? One GPU.
 
-    python bench/stream_priority_probe.py --out priority.json
-    python bench/stream_priority_probe.py --backends default --green-sms 0 124 --out p.json
-    python bench/stream_priority_probe.py --dry-run      # CPU: checks the script only
+    python -m bench.stream_priority_probe --out priority.json
+    python -m bench.stream_priority_probe --backends default --green-sms 0 124 --out p.json
+    python -m bench.stream_priority_probe --dry-run      # CPU: checks the script only
 
 The overlapped Ulysses pipeline (ulysses_overlap.py) issues chunk c+1's all-to-all while
 chunk c's attention runs. That only overlaps if the all-to-all's kernels get SMs while the
@@ -33,7 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import environment, print_table, time_ms, write_json
+from bench.common import environment, print_table, time_ms, write_json
 
 
 def parse_args(argv=None):

@@ -1,8 +1,8 @@
 """Ulysses attention on 2 GPUs against DeepSpeed-Ulysses' DistributedAttention, same run.
 
-    torchrun --nproc-per-node 2 bench/ulysses_bench.py --out ulysses.json
-    torchrun --nproc-per-node 2 bench/ulysses_bench.py --chunks 2 8 --out ulysses.json  # k=2, 8 too
-    torchrun --nproc-per-node 2 bench/ulysses_bench.py --dry-run        # CPU, gloo, tiny
+    torchrun --nproc-per-node 2 -m bench.ulysses_bench --out ulysses.json
+    torchrun --nproc-per-node 2 -m bench.ulysses_bench --chunks 2 8 --out ulysses.json  # k=2, 8 too
+    torchrun --nproc-per-node 2 -m bench.ulysses_bench --dry-run        # CPU, gloo, tiny
 
 Three implementations in one run: "ours" = UlyssesOverlapAttention (ulysses_overlap.py: the
 rank's heads in k chunks, each chunk's all-to-alls overlapping another chunk's attention in
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import environment, print_table, time_ms, write_json
+from bench.common import environment, print_table, time_ms, write_json
 from megazoo.layers import UlyssesAttention
 from megazoo.layers.ulysses_overlap import UlyssesOverlapAttention
 
@@ -149,7 +149,7 @@ def _slowest(ms: float) -> float:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if "RANK" not in os.environ:
-        print("launch with: torchrun --nproc-per-node 2 bench/ulysses_bench.py [...]")
+        print("launch with: torchrun --nproc-per-node 2 -m bench.ulysses_bench [...]")
         return 2
     backend = "gloo" if args.dry_run else "nccl"
     dist.init_process_group(backend)

@@ -1,12 +1,12 @@
 """ZeRO-3 + CPU optimizer offload: megazoo under DeepSpeedEngine vs DeepSpeed + HF GPT2, the
 largest GPT one GPU trains, and tp=2 / sp=2 on two GPUs; planner predictions beside each.
 
-    python bench/zero_bench.py [--out zero.json]           # 1 GPU: megazoo (DeepSpeed, FSDP2) vs HF GPT2
-    python bench/zero_bench.py --largest                   # 1 GPU: the planner's largest GPT
-    torchrun --nproc-per-node 2 bench/zero_bench.py --two-gpu
-    python bench/zero_bench.py --dry-run                   # all three on CPU, tiny model
+    python -m bench.zero_bench [--out zero.json]           # 1 GPU: megazoo (DeepSpeed, FSDP2) vs HF GPT2
+    python -m bench.zero_bench --largest                   # 1 GPU: the planner's largest GPT
+    torchrun --nproc-per-node 2 -m bench.zero_bench --two-gpu
+    python -m bench.zero_bench --dry-run                   # all three on CPU, tiny model
 
-Shape (../shared/BENCHMARKS.md): GPT-3 XL, h=2048, l=24, 16 heads, s=2048, micro-batch 4,
+Shape: GPT-3 XL, h=2048, l=24, 16 heads, s=2048, micro-batch 4,
 V=50304; bf16, ZeRO-3, optimizer offloaded to the CPU, one micro-batch per step, gradient
 clipping 1.0. Rows, each in its own subprocess (peak GPU memory and host RSS are its own):
 "megazoo" = our model under DeepSpeedEngine (DeepSpeedCPUAdam); "fsdp2" = our model under
@@ -24,8 +24,8 @@ and --host-gb of host memory, trains it a few steps on one repeated batch and pr
 loss (finite and falling) and measured vs planned memory. `--two-gpu` runs tp=2 (ZeRO-3 +
 CPU offload) and then Ulysses sp=2 (ZeRO-3) in one torchrun job, each rank on its share of
 the host cores (torchrun's OMP_NUM_THREADS=1 overridden): tokens/s, MFU against the
-measured bf16 matmul ceiling, memory per GPU vs the planner. DeepSpeed comes from
-`bash ../shared/gpu/stage.sh` on the GPU machine (`source .gpu/setup.sh && ...`).
+measured bf16 matmul ceiling, memory per GPU vs the planner. Where the GPU machine lacks
+DeepSpeed, `bash tools/gpu_stage.sh` stages it (then `source .gpu/setup.sh && ...` there).
 """
 from __future__ import annotations
 
@@ -41,10 +41,8 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(1, os.path.dirname(HERE))
-from common import gpt_flops, matmul_ceiling_tflops, print_table, write_json  # noqa: E402
+from bench.common import REPO, child_env, module_command, print_table, write_json
+from megazoo.training.logging import flops_per_iteration, measure_peak_tflops
 
 SHAPE = dict(hidden=2048, layers=24, heads=16, seq=2048, batch=4, vocab=50304)
 TINY = dict(hidden=64, layers=2, heads=4, seq=64, batch=2, vocab=512)
@@ -263,8 +261,8 @@ def two_gpu(dry: bool, warmup: int, iters: int) -> list[dict]:
     shape = TINY if dry else SHAPE
     if torch.cuda.is_available():  # each rank measures its own GPU's ceiling
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    ceiling = None if dry else matmul_ceiling_tflops()
-    flops = gpt_flops(shape["batch"], shape["seq"], shape["layers"], shape["hidden"], shape["vocab"])
+    ceiling = None if dry else measure_peak_tflops(torch.device("cuda"))
+    flops = flops_per_iteration(shape["batch"], shape["seq"], shape["layers"], shape["hidden"], shape["vocab"])
     rows = []
     for name, par, offload, impl in (("tp2+offload", ParallelConfig(tp=2), "cpu", "deepspeed"),
                                      ("sp2", ParallelConfig(sp=2), "none", "deepspeed"),
@@ -287,8 +285,8 @@ def two_gpu(dry: bool, warmup: int, iters: int) -> list[dict]:
 
 
 def run_child(argv: list[str], launcher: list[str] | None = None) -> list[dict]:
-    cmd = (launcher or [sys.executable]) + [os.path.abspath(__file__)] + argv
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = module_command("zero_bench", launcher) + argv
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=child_env())
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return [json.loads(line[len(RESULT):]) for line in proc.stdout.splitlines() if line.startswith(RESULT)]

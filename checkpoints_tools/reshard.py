@@ -3,15 +3,11 @@
 
 Errors (unsupported model, config contradicting weights, missing or truncated files, a layout
 that does not fit the model) print one line and exit with code 2, writing nothing.
-The logic lives in megazoo.convert; this script only parses the command line.
+A shim: the command is `megazoo.cli.reshard` (also installed as `megazoo-reshard`).
 """
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script from a source checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megazoo.convert.cli import reshard_main  # noqa: E402
+from megazoo.cli import reshard
 
 if __name__ == "__main__":
-    sys.exit(reshard_main())
+    sys.exit(reshard())

@@ -5,15 +5,11 @@
 
 Errors (not a DeepSpeedEngine folder, missing rank files, a layout that does not fit the
 model, an --out that exists) print one line and exit with code 2, writing nothing.
-The logic lives in megazoo.convert.deepspeed; this script only parses the command line.
+A shim: the command is `megazoo.cli.convert_zero` (also installed as `megazoo-convert-zero`).
 """
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script from a source checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megazoo.convert.cli import zero_to_megazoo_main  # noqa: E402
+from megazoo.cli import convert_zero
 
 if __name__ == "__main__":
-    sys.exit(zero_to_megazoo_main())
+    sys.exit(convert_zero())

@@ -35,15 +35,13 @@ The model (all of it stated, so a measurement can be compared part by part):
   the flat buffer of partitioned gradients in the accumulation dtype (2 B for every
   parameter, `grad_partitions_flat_buffer`), the fp32 gradient buffer of the largest
   sub-group (<= 1e9 elements) allocated while the optimizer states initialise (a peak), and
-  3.2 GB of process runtime (the residual of the runs below). Peak RSS measured on GPUs vs
-  predicted: gpt-1.3b 30.6 vs 30.9 GB, 7.46B with 60% offloaded 93.9 vs 93.8 GB, gpt-1.3b
-  at tp = 2 17.8 vs 17.7 GB per rank (bench/README.md). ZeRO-1/2 count the 16 B only.
+  3.2 GB of process runtime (fitted to measured peaks; bench/README.md compares predicted
+  and measured host memory). ZeRO-1/2 count the 16 B only.
 - `zero_impl="fsdp2"` (ZeRO-3 through FSDP2): no DeepSpeed buckets; its CPU offload keeps
   fp32 parameters, gradients and Adam m, v on the host (16 B per parameter) and only the
-  gathered working set on the GPU, plus 2.5 GB of host runtime (fitted to one run: gpt-1.3b,
-  23.5 GB measured; GPU 17.4 GB measured vs 17.6 predicted). Without resharding after forward
-  (`fsdp_reshard_after_forward=False`) the working set is every unit of the stage, gathered:
-  2 B per parameter (gpt-1.3b: 19.8 GB measured vs 19.9 predicted).
+  gathered working set on the GPU, plus 2.5 GB of host runtime (fitted to a measured run,
+  bench/README.md). Without resharding after forward (`fsdp_reshard_after_forward=False`)
+  the working set is every unit of the stage, gathered: 2 B per parameter.
 
 The claim "BLOOM-176B trains on 8x A100-80GB with ZeRO-3 + CPU optimizer offload in under
 24 GB per GPU" does not hold. Optimizer offload leaves the bf16 parameters on the GPUs:

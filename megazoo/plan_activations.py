@@ -20,8 +20,8 @@ for the backward; unit: bytes per s b h / sp (bf16, 2 B per element), t = tp:
 | MLP, gelu | fc1 output (saved by GeLU) and GeLU output (by fc2) | 2 f/h / t + 2 f/h / t | |
 | MLP, swiglu | gate and up (saved by the fused SwiGLU), its output | 4 f/h / t + 2 f/h / t | |
 
-(f: ffn width.) GPT at tp = 1: 4 + 4 + 6 + 2 + 16 = 32 (measured 32.0 on CPU with saved-tensor
-hooks). Selective recompute (block.py wraps RoPE, the all-to-alls and the core attention)
+(f: ffn width.) GPT at tp = 1: 4 + 4 + 6 + 2 + 16 = 32, what saved-tensor hooks count on CPU
+(tests/test_plan.py). Selective recompute (block.py wraps RoPE, the all-to-alls and the core attention)
 keeps the region's input (the qkv output) and output (the dense input): the RoPE term and the
 extra copy go. Full recompute keeps the block input (2, / t under SP), and while one block is
 recomputed its full set exists once more (`working`).

@@ -25,19 +25,11 @@ import torch.nn.functional as F
 from megazoo.layers import tp_slice
 from megazoo.models import ModelConfig, allreduce_gradients, build_model, full_name
 from megazoo.parallel import ParallelConfig, ParallelState
+from fixtures import tiny_config  # noqa: F401 (model_checks.tiny_config in tests)
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 VOCAB, B, S = 300, 2, 8  # vocab pads to 384 at tp=1 and 512 at tp=2
 LAYOUTS = [(1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False), (2, 2, False), (2, 2, True)]
-
-
-def tiny_config(family: str, **extra) -> ModelConfig:
-    """2 layers, h 64, 8 heads; "llama" has GQA with 4 kv heads, "llama-mqa" one kv head (so
-    tp ranks share it: the replicated-kv QKV layout)."""
-    kv = {"llama": 4, "llama-mqa": 1}.get(family)
-    return ModelConfig(family=family.split("-")[0], num_layers=2, hidden_size=64,
-                       num_attention_heads=8, num_key_value_heads=kv, vocab_size=VOCAB,
-                       max_position_embeddings=64, **extra)
 
 
 def batch():

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from model_checks import TOL, compare
+from fixtures import tiny_config
 from megazoo.models import ModelConfig, allreduce_gradients, build_model
 from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.pipeline.executor import run_pipeline
@@ -20,9 +21,9 @@ VOCAB, B, S = 300, 2, 8
 
 
 def config(family: str = "gpt") -> ModelConfig:
-    kv = dict(num_key_value_heads=2) if family == "llama" else {}
-    return ModelConfig(family=family, num_layers=8, hidden_size=32, num_attention_heads=4,
-                       vocab_size=VOCAB, max_position_embeddings=32, **kv)
+    """8 layers (enough to split over pp = 2 x vpp = 2 with two blocks per chunk), h 32."""
+    return tiny_config(family, num_layers=8, hidden_size=32, num_attention_heads=4,
+                       max_position_embeddings=32)
 
 
 def microbatches(m: int):

@@ -21,6 +21,7 @@ from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.pipeline.executor import run_pipeline
 from megazoo.testing import run_distributed
 from model_checks import TOL
+from fixtures import tiny_config
 
 VOCAB, B, S = 300, 2, 8
 # (family, save tp, save pp, load tp, load pp, load vpp): every save layout, each family once
@@ -30,11 +31,9 @@ CASES = [("gpt", 1, 1, 2, 2, 1), ("llama", 2, 1, 1, 2, 2), ("bloom", 1, 2, 2, 1,
 
 
 def tiny(family: str, **extra) -> ModelConfig:
-    """4 layers, h 32, 4 heads; "llama" has 2 kv heads, "llama-mqa" one (replicated over tp)."""
-    kv = {"llama": 2, "llama-mqa": 1}.get(family)
-    return ModelConfig(family=family.split("-")[0], num_layers=4, hidden_size=32, num_attention_heads=4,
-                       num_key_value_heads=kv, vocab_size=VOCAB, max_position_embeddings=16,
-                       **extra)
+    """4 layers (pp = 2 x vpp = 2), h 32, 4 heads; "llama" 2 kv heads, "llama-mqa" one."""
+    return tiny_config(family, num_layers=4, hidden_size=32, num_attention_heads=4,
+                       max_position_embeddings=16, **extra)
 
 
 def ids() -> torch.Tensor:

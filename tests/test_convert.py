@@ -31,6 +31,7 @@ from megazoo.models import ModelConfig, build_model
 from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.pipeline.executor import run_pipeline
 from megazoo.testing import run_distributed
+from fixtures import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, B, S, RTOL = 300, 2, 8, 1e-5
@@ -146,9 +147,7 @@ def test_hf_megazoo_hf_is_bit_exact_and_generates(hf_dirs, tmp_path, kind):
 
 
 def tiny(family: str) -> ModelConfig:
-    kv = 2 if family == "llama" else None
-    return ModelConfig(family=family, num_layers=2, hidden_size=64, num_attention_heads=4,
-                       num_key_value_heads=kv, vocab_size=VOCAB, max_position_embeddings=32)
+    return tiny_config(family, num_attention_heads=4, max_position_embeddings=32)
 
 
 @pytest.mark.parametrize("family", ["gpt", "bloom", "llama"])
@@ -257,8 +256,8 @@ def test_megazoo_to_hf_missing_shard_exit_2(tmp_path, capsys):
 
 
 def test_script_runs_from_a_checkout(hf_dirs, tmp_path):
-    """The real command line (sys.path set up by the script itself); its error path is
-    main() in test_cli_errors_are_one_line_exit_2_no_output."""
+    """The real command line, the script run from another folder (megazoo importable as after
+    `pip install -e .`); its error path is main() in test_cli_errors_are_one_line_exit_2_no_output."""
     root, _ = hf_dirs
     script = os.path.join(REPO, "checkpoints_tools", "hf_to_megazoo.py")
     ok = subprocess.run([sys.executable, script, "--hf-dir", os.path.join(root, "gpt2"),

@@ -1,12 +1,12 @@
-"""megazoo.kernels: fallbacks vs independent formulas (CPU), Triton kernels under the
-interpreter (CPU, when triton imports), every fused kernel vs its fallback (GPU).
+"""megazoo.kernels: fallbacks vs independent formulas (CPU), Triton kernels vs the fallbacks
+(``@pytest.mark.triton``: on CPU under Triton's interpreter, see conftest.py), every fused
+kernel vs its fallback at large awkward sizes (GPU).
 
 GPU tests: ``python -m pytest tests/test_kernels.py -m gpu -v`` on a machine with a GPU.
 Tolerances are explained in tests/kernel_checks.py.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -19,14 +19,16 @@ import torch.nn.functional as F
 
 import kernel_checks as C
 from megazoo import kernels as K
+from megazoo.kernels import _dispatch
 
 ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64
 
 
 def _env(**extra) -> dict:
-    """Environment for a child python that imports this checkout's megazoo."""
-    env = dict(os.environ, **extra)
+    """Environment of a normal run (no Triton interpreter) importing this checkout's megazoo."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(extra)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     return env
 
@@ -113,21 +115,25 @@ def test_fallback_gradients_gradcheck():
 
 # ---------------------------------------------------------------- dispatch and report (CPU)
 
-def test_cpu_tensors_use_the_fallback_and_requests_explain():
+def test_cpu_tensors_use_the_fallback_and_requests_explain(monkeypatch):
+    # A normal run, not the test session: no interpreter (the flag itself must stay set, since
+    # triton reads it once, when it is imported).
+    monkeypatch.setattr(_dispatch, "interpreting", lambda: False)
     x = torch.randn(4, 10)
     torch.testing.assert_close(K.rms_norm(x, torch.ones(10)), K.rms_norm_reference(x, torch.ones(10)))
     with pytest.raises(RuntimeError, match="CUDA tensor|no CUDA C"):
         K.bias_gelu(x, torch.zeros(10), impl="cuda")
     with pytest.raises(ValueError, match="impl must be"):
         K.layer_norm(x, torch.ones(10), None, impl="apex")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        with pytest.raises(RuntimeError, match="triton"):
-            K.rms_norm(x, torch.ones(10), impl="triton")
+    with pytest.raises(RuntimeError, match="triton|TRITON_INTERPRET"):
+        K.rms_norm(x, torch.ones(10), impl="triton")
 
 
 def test_import_compiles_nothing_and_report_runs():
-    """import megazoo.kernels loads no triton; the report prints one row per kernel."""
-    code = ("import sys, megazoo.kernels; assert 'triton' not in sys.modules, 'triton imported'; "
+    """A normal run: import megazoo.kernels and a norm on a CPU tensor load no triton (the
+    fallback runs); the report prints one row per kernel."""
+    code = ("import sys, torch, megazoo.kernels as K; K.rms_norm(torch.ones(2, 8), torch.ones(8)); "
+            "assert 'triton' not in sys.modules, 'triton imported'; "
             "from megazoo.kernels.__main__ import main; main(['--device', 'cpu'])")
     out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True,
                          timeout=120)
@@ -136,21 +142,26 @@ def test_import_compiles_nothing_and_report_runs():
         assert name in out.stdout and "torch" in out.stdout, out.stdout
 
 
-# ---------------------------------------------------------------- Triton interpreter (CPU)
+# ---------------------------------------------------------------- Triton kernels (interpreter on CPU)
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict:
-    """All interpreter cases, run once in a child with TRITON_INTERPRET=1 set before import."""
-    pytest.importorskip("triton")
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "kernel_checks.py")],
-                         env=_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+@pytest.mark.triton
+@pytest.mark.parametrize("check,dtype,kwargs", [
+    pytest.param(check, dtype, kw, id=f"{case}-{tag}")
+    for case, (check, kw) in C.INTERPRETER_CASES.items() for tag, dtype in C.DTYPES.items()])
+def test_triton_kernel_matches_fallback(triton_device, check, dtype, kwargs):
+    """impl="triton" vs the PyTorch fallback, forward and every gradient (on CPU: Triton's
+    interpreter, which conftest.py switches on when no GPU is present)."""
+    C.CHECKS[check]("triton", triton_device, dtype, **kwargs)
 
 
-@pytest.mark.parametrize("case", [f"{c}-{t}" for c in C.INTERPRETER_CASES for t in C.DTYPES])
-def test_triton_kernel_under_interpreter(interpreter_results, case):
-    assert interpreter_results[case] == "ok", interpreter_results[case]
+@pytest.mark.triton
+def test_automatic_dispatch_keeps_cpu_tensors_on_pytorch():
+    """Even with triton importable and its interpreter on, impl=None runs the fallback for CPU
+    tensors: the interpreter is for tests, never picked by itself."""
+    x = torch.randn(3, 16)
+    assert not K.fused_norm_runs(x)
+    choice = _dispatch.automatic(x, has_cuda=False)
+    assert [c.impl for c in choice] == ["torch"], choice
 
 
 # ---------------------------------------------------------------- GPU: fused vs fallback

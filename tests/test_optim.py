@@ -16,9 +16,10 @@ from megazoo.training.config import TrainingConfig
 from megazoo.training.optim import clip_gradients, global_grad_norm, param_groups
 from megazoo.training.scaler import DynamicLossScaler
 from megazoo.training.schedule import learning_rate
+from fixtures import tiny_config
 
-GPT = ModelConfig(family="gpt", num_layers=2, hidden_size=32, num_attention_heads=4,
-                  vocab_size=100, max_position_embeddings=32)
+GPT = tiny_config("gpt", hidden_size=32, num_attention_heads=4, vocab_size=100,
+                  max_position_embeddings=32)
 LLAMA_GQA = ModelConfig(family="llama", num_layers=2, hidden_size=32, num_attention_heads=4,
                         num_key_value_heads=1, ffn_hidden_size=64, vocab_size=100)
 

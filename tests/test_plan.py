@@ -8,10 +8,10 @@ import pytest
 from megazoo.models import PRESETS, ModelConfig, count_parameters
 from megazoo.plan import (GB, RUNTIME_BYTES, TrainingLayout, activation_bytes, block_coefficients,
                           estimate_memory, main, stage_parameters)
+from fixtures import tiny_config
 
 # A toy GPT: h=64, 2 layers, 8 heads, vocab 300 (padded 384 at tp=1, 512 at tp=2), 128 positions.
-TOY = ModelConfig(family="gpt", num_layers=2, hidden_size=64, num_attention_heads=8,
-                  vocab_size=300, max_position_embeddings=128)
+TOY = tiny_config("gpt", max_position_embeddings=128)
 BLOCK = 12 * 64 * 64 + 13 * 64  # 49,984
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face <-> megazoo converters and checkpoint resharding (issue 8).
+"""Hugging Face <-> megazoo converters and checkpoint resharding.
 
     from megazoo.convert import hf_to_megazoo, megazoo_to_hf, reshard
     hf_to_megazoo("hf/llama", "ckpt/", tp=2, pp=2)       # model_type gpt2 | bloom | llama

@@ -50,9 +50,8 @@ class AttentionRequest:
 
 
 # From this compute capability on, SDPA's causal kernel (cuDNN's fused attention on Hopper)
-# beats flash-attn 2: forward on one H200, 16 heads x 128, causal, bf16, 6.6 ms vs 13.2 ms at
-# s = 32k and 130 vs 222 ms at 128k (bench/stream_priority_probe.py, torch 2.11's built-in
-# flash-attn 2 kernel standing in for the package, which the GPU image lacks).
+# is faster than flash-attn 2 for attention without ALiBi, so `auto` prefers sdpa there
+# (bench/README.md, stream_priority_probe.py, has the comparison).
 SDPA_FIRST_CAPABILITY = (9, 0)
 
 

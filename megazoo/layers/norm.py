@@ -4,9 +4,9 @@ Both are replicated over tensor-parallel ranks. Under Megatron sequence parallel
 rank normalises only its sequence shard, so its weight gradient is a partial sum: the
 parameters are then tagged with `mark_sequence_parallel` and summed over tp before the step.
 
-On CUDA (with Triton) both run the fused Triton kernels of `megazoo.kernels` (one kernel
-forward, one backward; measured end to end on an H100, bench/README.md: LLaMA 1.20x -> 1.31x HF's
-tokens/s, GPT 1.29x -> 1.30x); elsewhere F.layer_norm and the compiled RMSNorm of
+On CUDA (with Triton) both run the fused Triton kernels of `megazoo.kernels`: one kernel
+forward and one backward, which end to end beat both F.layer_norm and the compiled RMSNorm
+chain (bench/README.md has the figures). Elsewhere F.layer_norm and the compiled RMSNorm of
 fusion.py compute the same function.
 """
 from __future__ import annotations

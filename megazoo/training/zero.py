@@ -7,10 +7,10 @@ ZeRO partitions over our `dp_sp` group (DeepSpeed's "sequence data parallel" gro
 `ZeroMPU(state)`); tensor-parallel shards stay shards (DeepSpeed's "model parallel" group is
 our tp). Gradient scaling under Ulysses: each sp rank holds a partial sum of the true gradient
 of the one mean loss, which needs "sum over sp, mean over dp" (`allreduce_gradients`).
-DeepSpeed 0.19.8's ZeRO-1/2 divide their dp x sp reduction by dp x sp / sp = dp: right as
-is. Its ZeRO-3 path (measured here on gloo at sp=2 with dp=1 and dp=2) leaves gradients at
-1/sp of that, the case `allreduce_gradients`' docstring warns about: for stage 3 the backward
-loss is multiplied by sp (`grad_scale`). The sp tests against the plain engine guard both.
+DeepSpeed's ZeRO-1/2 divide their dp x sp reduction by dp x sp / sp = dp: right as is. Its
+ZeRO-3 path leaves gradients at 1/sp of that, the case `allreduce_gradients`' docstring warns
+about: for stage 3 the backward loss is multiplied by sp (`grad_scale`). The sp tests against
+the plain engine (sp=2 at dp=1 and dp=2) guard both.
 Megatron-SP parameters get their tp sum from a gradient hook
 (`zero_setup.sum_sequence_parallel_grads`).
 

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Prepare ./.gpu/ for a GPU machine that has torch but lacks some of megazoo's dependencies
+# (typically DeepSpeed and the small packages it needs), and may have no network access.
+#
+#   bash tools/gpu_stage.sh [PACKAGE==VERSION ...]        # here, from the repository root
+#   source .gpu/setup.sh && python -m bench.zero_bench    # there, after copying .gpu/ along
+#
+# Wheels are downloaded for the GPU machine's Python (GPU_PYTHON, default 3.12) on manylinux
+# x86_64; versions default to the ones installed here, so both machines run the same
+# DeepSpeed. DeepSpeed is published as a source archive only: it is built here into a
+# pure-Python wheel (its C++/CUDA ops are compiled on first use on the GPU machine).
+# .gpu/ is git-ignored.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py_version="${GPU_PYTHON:-3.12}"
+wheels=.gpu/wheels
+mkdir -p "$wheels"
+
+installed() {  # the version of $1 installed here, or the fallback $2
+  python3 -c "import importlib.metadata as m, sys
+try: print(m.version(sys.argv[1]))
+except m.PackageNotFoundError: print(sys.argv[2])" "$1" "$2"
+}
+
+# DeepSpeed's runtime dependencies that GPU images commonly lack (torch, numpy, etc. are there).
+deps=(
+  "hjson==$(installed hjson 3.1.0)"
+  "pydantic==$(installed pydantic 2.13.4)"
+  "pydantic-core==$(installed pydantic_core 2.46.4)"
+  "annotated-types==$(installed annotated-types 0.7.0)"
+  "typing-inspection==$(installed typing-inspection 0.4.2)"
+)
+platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
+           --platform manylinux2014_x86_64)
+python3 -m pip download --quiet --no-deps --only-binary=:all: --implementation cp \
+  --python-version "$py_version" "${platforms[@]}" -d "$wheels" "${deps[@]}" "$@"
+
+ds_version="$(installed deepspeed 0.19.8)"
+if ! ls "$wheels"/deepspeed-"$ds_version"-*.whl >/dev/null 2>&1; then
+  # --no-build-isolation: DeepSpeed's setup.py imports torch to decide which ops to prebuild.
+  DS_BUILD_OPS=0 python3 -m pip wheel --quiet --no-deps --no-build-isolation -w "$wheels" \
+    "deepspeed==$ds_version"
+fi
+
+cat > .gpu/setup.sh <<'SETUP'
+# Source from the repository root on the GPU machine: installs the staged wheels into
+# /tmp/megazoo-site (no index, no network) and puts them and the repository on PYTHONPATH.
+python3 -m pip install --quiet --no-index --no-deps --no-cache-dir --upgrade \
+  --target /tmp/megazoo-site .gpu/wheels/*.whl
+export PYTHONPATH="$PWD:/tmp/megazoo-site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+# NVLink multicast (NVLS) off: some shared multi-GPU hosts do not allow it.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+SETUP
+echo "staged in $wheels: $(ls "$wheels" | tr '\n' ' ')"
+echo "copy .gpu/ to the GPU machine's checkout, then run: source .gpu/setup.sh && <command>"
