@@ -1,8 +1,8 @@
 """One GPU: the training path users run (`pretrain_gpt.py`) against megazoo's own model step
 and against the peer a user would pick (DeepSpeed ZeRO-1, bf16, Hugging Face model), same run.
 
-    python bench/train_bench.py --shapes gpt-1.3b llama-8b-4l --global-batch 8 32 --out train.json
-    python bench/train_bench.py --dry-run            # tiny shapes on CPU: checks the plumbing
+    python -m bench.train_bench --shapes gpt-1.3b llama-8b-4l --global-batch 8 32 --out train.json
+    python -m bench.train_bench --dry-run            # tiny shapes on CPU: checks the plumbing
 
 Rows, each in its own subprocess (its own peak memory):
 
