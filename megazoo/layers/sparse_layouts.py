@@ -77,11 +77,11 @@ def layout(config: SparseAttentionConfig, num_heads: int, seq_len: int, seed: in
     h0, h1 = (0, num_heads) if heads is None else heads
     if not 0 <= h0 < h1 <= num_heads:
         raise ValueError(f"head range [{h0}, {h1}) is not within the layer's {num_heads} heads")
-    if _varies_by_head(config):
-        out = torch.stack([_head_layout(config, h, nb, seed) for h in range(h0, h1)])
-    else:
-        out = _head_layout(config, 0, nb, seed)[None].expand(h1 - h0, nb, nb)
-    return out & torch.ones(nb, nb, dtype=torch.bool).tril_() if causal else out
+    heads_drawn = range(h0, h1) if _varies_by_head(config) else range(1)
+    out = torch.stack([_head_layout(config, h, nb, seed) for h in heads_drawn])
+    if causal:
+        out &= torch.ones(nb, nb, dtype=torch.bool).tril_()
+    return out.expand(h1 - h0, nb, nb)
 
 
 def rank_layout(config: SparseAttentionConfig, num_heads: int, seq_len: int,
