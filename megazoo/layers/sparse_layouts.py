@@ -24,6 +24,12 @@ What each mode draws, per head (DeepSpeed's sparsity configs; r = query block, c
 - bslongformer: the sliding window, plus global rows and columns at global_block_indices (or
   ranges); unidirectional keeps the lower triangle.
 
+"unidirectional" keeps the lower block triangle (key block <= query block) of what the mode
+draws, in every mode, as DeepSpeed documents it ("the upper triangular of the attention matrix
+is empty"); DeepSpeed's code left a few tiles above the diagonal (global ranges wider than one
+block, variable's random blocks). Within a diagonal tile tokens still see later tokens unless
+the attention is causal.
+
 `causal=True` (decoder models) intersects any layout with the block lower triangle; the
 token-level causality inside diagonal tiles is applied by the attention itself.
 
@@ -114,48 +120,51 @@ def _varies_by_head(c: SparseAttentionConfig) -> bool:
 
 def _head_layout(c: SparseAttentionConfig, h: int, nb: int, seed: int) -> torch.Tensor:
     """[nb, nb] bool: head h's tiles (the module docstring says what each mode draws)."""
-    r = torch.arange(nb)[:, None]
-    k = torch.arange(nb)[None, :]
-    uni = c.attention == "unidirectional"
     if c.mode == "dense":
         return torch.ones(nb, nb, dtype=torch.bool)
     if c.mode == "fixed":
-        lay = (r // c.num_local_blocks) == (k // c.num_local_blocks)
-        lay = lay & (k <= r) if uni else lay
-        return _fixed_global(c, h, lay, uni)
-    if c.mode == "variable":
+        ids = torch.arange(nb) // c.num_local_blocks
+        lay = _fixed_global(c, h, ids[:, None] == ids[None, :])
+    elif c.mode == "variable":
         ids = _window_ids(c.local_window_blocks, nb)
-        lay = (ids[:, None] == ids[None, :]) & ((k <= r) if uni else True)
+        lay = ids[:, None] == ids[None, :]
         lay |= _random_blocks(nb, c.num_random_blocks, seed, h, within_past=False)
         for a, b in _global_ranges(c):
-            _set_global(lay, a, b, uni, c.horizontal_global_attention)
-        return lay
-    lay = (r - k).abs() <= c.num_sliding_window_blocks // 2
+            _set_global(lay, a, b, c.horizontal_global_attention)
+    else:
+        lay = _window_layout(c, h, nb, seed)
+    return lay.tril_() if c.attention == "unidirectional" else lay
+
+
+def _window_layout(c: SparseAttentionConfig, h: int, nb: int, seed: int) -> torch.Tensor:
+    """bigbird and bslongformer: a sliding window plus random / global blocks."""
+    r = torch.arange(nb)[:, None]
+    lay = (r - r.T).abs() <= c.num_sliding_window_blocks // 2
     if c.mode == "bigbird":
-        lay |= _random_blocks(nb, c.num_random_blocks, seed, h, within_past=uni)
-        _set_global(lay, 0, c.num_global_blocks, False, True)
+        past = c.attention == "unidirectional"
+        lay |= _random_blocks(nb, c.num_random_blocks, seed, h, within_past=past)
+        _set_global(lay, 0, c.num_global_blocks, True)
     else:  # bslongformer
         for a, b in _global_ranges(c):
-            _set_global(lay, a, b, False, True)
-    return lay.tril_() if uni else lay
+            _set_global(lay, a, b, True)
+    return lay
 
 
-def _fixed_global(c: SparseAttentionConfig, h: int, lay: torch.Tensor, uni: bool):
+def _fixed_global(c: SparseAttentionConfig, h: int, lay: torch.Tensor) -> torch.Tensor:
     nb, w, g = lay.shape[0], c.num_local_blocks, c.num_global_blocks
     first = w - (1 + h % c.num_different_global_patterns) * g  # offset within each window
     end = nb - nb % w  # the whole windows
     for a in range(first, end, w):
-        _set_global(lay, a, a + g, uni, c.horizontal_global_attention)
+        _set_global(lay, a, a + g, c.horizontal_global_attention)
     if end < nb:  # a short last window: its global blocks as far right as fit
         a = max(0, min(end + first, nb - g))
-        _set_global(lay, a, a + g, uni, c.horizontal_global_attention)
+        _set_global(lay, a, a + g, c.horizontal_global_attention)
     return lay
 
 
-def _set_global(lay: torch.Tensor, a: int, b: int, uni: bool, horizontal: bool) -> None:
-    """Blocks [a, b) global: every row sees them (rows >= a when unidirectional); with
-    horizontal they also see every block."""
-    lay[a if uni else 0:, a:b] = True
+def _set_global(lay: torch.Tensor, a: int, b: int, horizontal: bool) -> None:
+    """Blocks [a, b) global: every row sees them; with horizontal they also see every block."""
+    lay[:, a:b] = True
     if horizontal:
         lay[a:b, :] = True
 
