@@ -101,6 +101,22 @@ def test_causal_flag_on_bidirectional_layout_masks_tokens_in_diagonal_tiles():
     torch.testing.assert_close(out.double(), _reference(q, k, v, lay, 16, True, None), atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("block, lookup", [(32, None), (64, 16), (128, None), (256, 32)])
+def test_flex_forward_at_every_tiling(block, lookup):
+    """Blocks below the 128-token kernel tile (partial tiles) and multiples of it (whole
+    tiles), the layout looked up at its block or at a finer granularity."""
+    c = Config("bigbird", block, True, num_random_blocks=1, num_sliding_window_blocks=1,
+               attention="unidirectional")
+    lay = layout(c, 4, 512, seed=1, causal=True)
+    mask = block_mask_from_layout(lay, block, causal=True, lookup_block=lookup)
+    q, k, v = _inputs(512)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flex = sparse_attention(q, k, v, lay, block, backend="flex", block_mask=mask)
+    torch.testing.assert_close(flex.double(), _reference(q, k, v, lay, block, True, None),
+                               atol=TOL, rtol=0)
+
+
 # ---- layouts: the semantics written per tile, independently of the vectorised code ----
 
 def _fixed_tile(c, h, nb, r, col):

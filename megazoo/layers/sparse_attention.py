@@ -76,36 +76,45 @@ def _kv_blocks(tiles: torch.Tensor):
     return counts[None], order.to(torch.int32)[None]
 
 
-def _layout_mask_mod(lay: torch.Tensor, block: int, causal: bool, per_head: bool):
-    """mask_mod(b, h, q, kv): the layout at [h, q // block, kv // block] (and q >= kv)."""
-    last = lay.shape[-1] - 1
+def _layout_mask_mod(table: torch.Tensor, unit: int, causal: bool):
+    """mask_mod(b, h, q, kv): table[h, q // unit, kv // unit] (and q >= kv)."""
+    last = table.shape[-1] - 1
 
     def mask_mod(b, h, q_idx, kv_idx):
-        qb = torch.clamp(q_idx // block, max=last)  # a padded short tile must not read past nb
-        kb = torch.clamp(kv_idx // block, max=last)
-        seen = lay[h, qb, kb] if per_head else lay[qb, kb]
+        qb = torch.clamp(q_idx // unit, max=last)  # a padded short tile must not read past it
+        kb = torch.clamp(kv_idx // unit, max=last)
+        seen = table[h, qb, kb]
         return seen & (q_idx >= kv_idx) if causal else seen
     return mask_mod
 
 
 def block_mask_from_layout(block_layout: torch.Tensor, block: int, *, causal: bool,
-                           device=None, kernel_block: int = KERNEL_BLOCK):
+                           device=None, kernel_block: int = KERNEL_BLOCK,
+                           lookup_block: int | None = None):
     """The FlexAttention BlockMask of a layout (see the module docstring for the tiling).
 
     Built from the layout directly (`BlockMask.from_kv_blocks`), without evaluating the mask
-    over s x s. Heads sharing one pattern (an expanded layout) give a one-head mask that
-    FlexAttention broadcasts. Build it once per sequence length and reuse it.
+    over s x s; build it once per sequence length and reuse it. The mask_mod (evaluated in
+    partial tiles, and everywhere by FlexAttention's unfused eager path) looks the layout up
+    at lookup_block granularity: by default the block; a smaller one that divides it gives the
+    same mask from a larger table, and lets layouts of different blocks share one compiled
+    kernel (the graph depends on the table's shape and the granularity).
     """
     from torch.nn.attention.flex_attention import BlockMask
 
     device = block_layout.device if device is None else torch.device(device)
-    shared = block_layout.shape[0] == 1 or block_layout.stride(0) == 0
+    heads, nb, _ = block_layout.shape
+    shared = heads == 1 or block_layout.stride(0) == 0
     lay = (block_layout[:1] if shared else block_layout).to(device=device, dtype=torch.bool)
-    partial, full = tile_layout(lay, block, causal, kernel_block)
+    partial, full = (t.expand(heads, -1, -1) for t in tile_layout(lay, block, causal, kernel_block))
     kv_num, kv_idx = _kv_blocks(partial)
     full_num, full_idx = _kv_blocks(full)
-    s = block_layout.shape[-1] * block
-    mask_mod = _layout_mask_mod(lay[0] if shared else lay.contiguous(), block, causal, not shared)
+    unit = block if lookup_block is None else lookup_block
+    if unit < 1 or block % unit:
+        raise ValueError(f"lookup_block {unit} must divide the block {block}")
+    table = lay.repeat_interleave(block // unit, dim=1).repeat_interleave(block // unit, dim=2)
+    mask_mod = _layout_mask_mod(table.expand(heads, -1, -1).contiguous(), unit, causal)
+    s = nb * block
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=kernel_block,
                                     mask_mod=mask_mod, seq_lengths=(s, s))
 

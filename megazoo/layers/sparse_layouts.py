@@ -84,9 +84,10 @@ def layout(config: SparseAttentionConfig, num_heads: int, seq_len: int, seed: in
     if not 0 <= h0 < h1 <= num_heads:
         raise ValueError(f"head range [{h0}, {h1}) is not within the layer's {num_heads} heads")
     heads_drawn = range(h0, h1) if _varies_by_head(config) else range(1)
-    out = torch.stack([_head_layout(config, h, nb, seed) for h in heads_drawn])
-    if causal:
-        out &= torch.ones(nb, nb, dtype=torch.bool).tril_()
+    bases: dict[int, torch.Tensor] = {}  # the part without random blocks, per global pattern
+    out = torch.stack([_head_layout(config, h, nb, seed, bases) for h in heads_drawn])
+    if causal or config.attention == "unidirectional":
+        out.tril_()  # unidirectional: the lower block triangle of what the mode draws
     return out.expand(h1 - h0, nb, nb)
 
 
@@ -118,35 +119,34 @@ def _varies_by_head(c: SparseAttentionConfig) -> bool:
     return c.mode in ("variable", "bigbird") and c.num_random_blocks > 0
 
 
-def _head_layout(c: SparseAttentionConfig, h: int, nb: int, seed: int) -> torch.Tensor:
-    """[nb, nb] bool: head h's tiles (the module docstring says what each mode draws)."""
+def _head_layout(c: SparseAttentionConfig, h: int, nb: int, seed: int, bases: dict):
+    """[nb, nb] bool: head h's tiles before the unidirectional triangle (the module docstring
+    says what each mode draws); heads share `bases`, their tiles other than random ones."""
+    pattern = h % c.num_different_global_patterns if c.mode == "fixed" else 0
+    if pattern not in bases:
+        bases[pattern] = _base_layout(c, pattern, nb)
+    if c.mode not in ("variable", "bigbird") or c.num_random_blocks == 0:
+        return bases[pattern]
+    past = c.mode == "bigbird" and c.attention == "unidirectional"
+    return bases[pattern] | _random_blocks(nb, c.num_random_blocks, seed, h, within_past=past)
+
+
+def _base_layout(c: SparseAttentionConfig, h: int, nb: int) -> torch.Tensor:
     if c.mode == "dense":
         return torch.ones(nb, nb, dtype=torch.bool)
     if c.mode == "fixed":
         ids = torch.arange(nb) // c.num_local_blocks
-        lay = _fixed_global(c, h, ids[:, None] == ids[None, :])
-    elif c.mode == "variable":
+        return _fixed_global(c, h, ids[:, None] == ids[None, :])
+    if c.mode == "variable":
         ids = _window_ids(c.local_window_blocks, nb)
         lay = ids[:, None] == ids[None, :]
-        lay |= _random_blocks(nb, c.num_random_blocks, seed, h, within_past=False)
         for a, b in _global_ranges(c):
             _set_global(lay, a, b, c.horizontal_global_attention)
-    else:
-        lay = _window_layout(c, h, nb, seed)
-    return lay.tril_() if c.attention == "unidirectional" else lay
-
-
-def _window_layout(c: SparseAttentionConfig, h: int, nb: int, seed: int) -> torch.Tensor:
-    """bigbird and bslongformer: a sliding window plus random / global blocks."""
+        return lay
     r = torch.arange(nb)[:, None]
-    lay = (r - r.T).abs() <= c.num_sliding_window_blocks // 2
-    if c.mode == "bigbird":
-        past = c.attention == "unidirectional"
-        lay |= _random_blocks(nb, c.num_random_blocks, seed, h, within_past=past)
-        _set_global(lay, 0, c.num_global_blocks, True)
-    else:  # bslongformer
-        for a, b in _global_ranges(c):
-            _set_global(lay, a, b, True)
+    lay = (r - r.T).abs() <= c.num_sliding_window_blocks // 2  # bigbird, bslongformer
+    for a, b in [(0, c.num_global_blocks)] if c.mode == "bigbird" else _global_ranges(c):
+        _set_global(lay, a, b, True)
     return lay
 
 
