@@ -139,8 +139,10 @@ def sparse_row(s, label, cfg, inputs, args, device) -> dict:
 
 def sweep(args, device) -> list[dict]:
     import torch._dynamo
-    torch._dynamo.config.recompile_limit = 256  # one compile per (s, layout shape) is expected
-    torch._dynamo.config.accumulated_recompile_limit = 1024
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):  # one compile per s is expected; be safe
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 256)
     start, rows = time.perf_counter(), []
     configs = sparse_configs(args.modes, args.blocks, args.window)
     for s in args.seqs:

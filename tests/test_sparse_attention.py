@@ -93,28 +93,21 @@ def test_sparse_equals_dense_masked(mode, per_head, attention):
     torch.testing.assert_close(flex.double(), ref, atol=TOL, rtol=0)
 
 
-def test_causal_flag_on_bidirectional_layout_masks_tokens_in_diagonal_tiles():
-    cfg = _config("bslongformer", False, "bidirectional")
-    lay = layout(cfg, 4, 256, causal=True)
-    q, k, v = _inputs(256)
-    out = sparse_attention(q, k, v, lay, 16, causal=True)
-    torch.testing.assert_close(out.double(), _reference(q, k, v, lay, 16, True, None), atol=TOL, rtol=0)
-
-
 @pytest.mark.parametrize("block, lookup", [(32, None), (64, 16), (128, None), (256, 32)])
 def test_flex_forward_at_every_tiling(block, lookup):
     """Blocks below the 128-token kernel tile (partial tiles) and multiples of it (whole
-    tiles), the layout looked up at its block or at a finer granularity."""
-    c = Config("bigbird", block, True, num_random_blocks=1, num_sliding_window_blocks=1,
-               attention="unidirectional")
+    tiles), the layout looked up at its block or at a finer granularity; a bidirectional
+    layout made causal (token-level causality inside diagonal tiles)."""
+    c = Config("bigbird", block, True, num_random_blocks=1, num_sliding_window_blocks=1)
     lay = layout(c, 4, 512, seed=1, causal=True)
     mask = block_mask_from_layout(lay, block, causal=True, lookup_block=lookup)
     q, k, v = _inputs(512)
+    ref = _reference(q, k, v, lay, block, True, None)
+    torch.testing.assert_close(sparse_attention(q, k, v, lay, block).double(), ref, atol=TOL, rtol=0)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
         flex = sparse_attention(q, k, v, lay, block, backend="flex", block_mask=mask)
-    torch.testing.assert_close(flex.double(), _reference(q, k, v, lay, block, True, None),
-                               atol=TOL, rtol=0)
+    torch.testing.assert_close(flex.double(), ref, atol=TOL, rtol=0)
 
 
 # ---- layouts: the semantics written per tile, independently of the vectorised code ----
