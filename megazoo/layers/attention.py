@@ -165,8 +165,12 @@ def visible_keys(s_q: int, s_k: int, causal: bool, padding_mask, device) -> torc
     return allowed
 
 
-def math_attention(q, k, v, causal, padding_mask, alibi_slopes, scale, dropout_p):
-    """The reference: explicit float32 scores and softmax, whatever the input dtype."""
+def math_attention(q, k, v, causal, padding_mask, alibi_slopes, scale, dropout_p, mask=None):
+    """The reference: explicit float32 scores and softmax, whatever the input dtype.
+
+    mask: an optional further bool mask broadcastable to [b, hq, s_q, s_k] (True = visible),
+    ANDed with the causal and padding masks (block-sparse attention's dense check uses it).
+    """
     hq, hk = q.shape[2], k.shape[2]
     qf, kf, vf = (t.float().permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
     if hk != hq:
@@ -175,6 +179,8 @@ def math_attention(q, k, v, causal, padding_mask, alibi_slopes, scale, dropout_p
     if alibi_slopes is not None:
         scores = scores + alibi_bias(alibi_slopes, q.shape[0], k.shape[0])
     allowed = visible_keys(q.shape[0], k.shape[0], causal, padding_mask, q.device)
+    if mask is not None:
+        allowed = mask if allowed is None else allowed & mask
     if allowed is not None:
         scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
     probs = torch.softmax(scores, dim=-1)

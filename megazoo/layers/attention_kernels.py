@@ -70,8 +70,13 @@ def _block_mask(s_q, s_k, causal, padding_mask, device):
 
 def flex_attention(q, k, v, causal, padding_mask, alibi_slopes, scale):
     """FlexAttention: masks as a BlockMask (skipped blocks), ALiBi as a score_mod."""
-    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
     block_mask = _block_mask(q.shape[0], k.shape[0], causal, padding_mask, q.device)
+    return flex_with_block_mask(q, k, v, block_mask, alibi_slopes, scale)
+
+
+def flex_with_block_mask(q, k, v, block_mask, alibi_slopes, scale):
+    """FlexAttention on [s, b, h, d] with a caller's BlockMask (None: every key visible)."""
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
     slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()
     fn = _flex_function(compiled=q.device.type == "cuda")
     out = fn(qb, kb, vb, slopes, block_mask, scale, q.shape[2] != k.shape[2])

@@ -1,0 +1,241 @@
+"""Block-sparse attention (FlexAttention from a layout) against dense causal attention, one GPU.
+
+    python bench/sparse_attention_bench.py --out sparse.json     # the sweep (GPU, < 5 min)
+    python bench/sparse_attention_bench.py --check                # sparse vs dense-mask math
+    python bench/sparse_attention_bench.py --dry-run              # CPU: every layout and mask
+
+Forward + backward of causal attention, 16 heads x 128, bf16, batch 1, at s = 16k, 32k, 64k:
+dense SDPA (cuDNN's fused kernel), dense FlexAttention (causal BlockMask), and the sparse
+path (`megazoo.layers.sparse_attention`) for fixed, bigbird and bslongformer layouts at block
+16, 64 and 128 with a causal window of about --window tokens, plus the seeds' section (fixed,
+block 16, DeepSpeed's defaults). For each: median ms (CUDA events), the layout's density
+(fraction of s^2 computed), the density of FlexAttention's 128-token tiles it touches (what
+the kernel actually computes), and the speedup against SDPA and dense FlexAttention.
+
+Each configuration runs in its own try/except (a failure is a row with the error); FlexAttention
+is compiled once per process (recompiling per sequence length and layout shape).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from common import environment, print_table, time_ms, write_json
+from megazoo.layers import core_attention
+from megazoo.layers.sparse_attention import block_mask_from_layout, sparse_attention
+from megazoo.layers.sparse_config import SparseAttentionConfig
+from megazoo.layers.sparse_layouts import density, layout
+
+COLUMNS = ["s", "config", "block", "density", "tile_density", "ms", "x_sdpa", "x_flex", "note"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqs", type=int, nargs="+", default=[16384, 32768, 65536])
+    p.add_argument("--blocks", type=int, nargs="+", default=[16, 64, 128])
+    p.add_argument("--modes", nargs="+", default=["bslongformer", "bigbird", "fixed", "seeds"])
+    p.add_argument("--window", type=int, default=256, help="causal window in tokens (approx.)")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--budget-s", type=float, default=280.0,
+                   help="skip the remaining configurations after this many seconds")
+    p.add_argument("--check", action="store_true",
+                   help="compare sparse outputs and gradients with dense-mask math, small s")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU: build every layout and BlockMask at the real sizes, no attention")
+    p.add_argument("--out", help="write the results as JSON here")
+    return p.parse_args(argv)
+
+
+def sparse_configs(modes, blocks, window) -> list[tuple[str, SparseAttentionConfig]]:
+    """(label, config) for each mode and block: a causal window of about `window` tokens."""
+    out = []
+    for mode in modes:
+        if mode == "seeds":  # the seeds' ds_config section, DeepSpeed's defaults otherwise
+            keys = {"mode": "fixed", "block": 16, "different_layout_per_head": True}
+            out.append(("seeds", SparseAttentionConfig.from_ds_config(keys)))
+            continue
+        for block in blocks:
+            back = max(1, window // block)  # key blocks before the diagonal one
+            keys = {"mode": mode, "block": block, "different_layout_per_head": True,
+                    "attention": "unidirectional"}
+            if mode == "fixed":
+                keys.update(num_local_blocks=max(1, 2 * window // block), num_global_blocks=1)
+            elif mode == "bigbird":
+                keys.update(num_sliding_window_blocks=2 * back + 1, num_global_blocks=1,
+                            num_random_blocks=1)
+            else:
+                keys.update(num_sliding_window_blocks=2 * back + 1, global_block_indices=[0])
+            out.append((f"{mode}", SparseAttentionConfig.from_ds_config(keys)))
+    return out
+
+
+def _inputs(s, args, device, dtype=torch.bfloat16, requires_grad=True):
+    g = torch.Generator(device=device).manual_seed(0)
+    shape = (s, 1, args.heads, args.head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=g).requires_grad_(requires_grad)
+               for _ in range(3))
+    return q, k, v, torch.randn(shape, device=device, dtype=dtype, generator=g)
+
+
+def _step(fn, q, k, v, grad):
+    def step():
+        out = fn(q, k, v)
+        torch.autograd.grad(out, (q, k, v), grad)
+    return step
+
+
+def _mask(lay, block, device):
+    """The BlockMask, and the fraction of 128-token tiles it computes (of all s^2 tiles).
+
+    Every layout is looked up at 16-token granularity (the same mask), so that all blocks
+    share one compiled kernel per sequence length."""
+    mask = block_mask_from_layout(lay, block, causal=True, device=device, lookup_block=16)
+    tiles = mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()
+    return mask, tiles.item() / mask.kv_indices.numel()
+
+
+def dense_rows(s, inputs, args, device) -> list[dict]:
+    """Dense causal SDPA (cuDNN) and dense causal FlexAttention at one length."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(q, k, v):
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return core_attention(q, k, v, causal=True, backend="sdpa")
+
+    def flex(q, k, v):
+        return core_attention(q, k, v, causal=True, backend="flex")
+
+    rows = []
+    for name, fn in (("dense_sdpa_cudnn", sdpa), ("dense_flex", flex)):
+        row = {"s": s, "config": name, "block": None, "density": (s + 1) / (2 * s)}
+        try:
+            row["ms"] = time_ms(_step(fn, *inputs), device, args.warmup, args.iters)
+        except Exception as e:  # one failure must not lose the sweep
+            row["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        rows.append(row)
+    return rows
+
+
+def sparse_row(s, label, cfg, inputs, args, device) -> dict:
+    row = {"s": s, "config": label, "block": cfg.block, "keys": cfg.to_ds_config()}
+    try:
+        lay = layout(cfg, args.heads, s, seed=0, causal=True)
+        row["density"] = density(lay, cfg.block, True)
+        mask, row["tile_density"] = _mask(lay, cfg.block, device)
+
+        def fn(q, k, v):  # the layout is only shape-checked: the mask carries it
+            return sparse_attention(q, k, v, lay, cfg.block, causal=True, block_mask=mask)
+        row["ms"] = time_ms(_step(fn, *inputs), device, args.warmup, args.iters)
+    except Exception as e:
+        row["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return row
+
+
+def sweep(args, device) -> list[dict]:
+    import torch._dynamo
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):  # one compile per s is expected; be safe
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 256)
+    start, rows = time.perf_counter(), []
+    configs = sparse_configs(args.modes, args.blocks, args.window)
+    for s in args.seqs:
+        inputs = _inputs(s, args, device)
+        here = dense_rows(s, inputs, args, device)
+        for label, cfg in configs:
+            if time.perf_counter() - start > args.budget_s:
+                here.append({"s": s, "config": label, "block": cfg.block, "note": "skipped: --budget-s"})
+                continue
+            here.append(sparse_row(s, label, cfg, inputs, args, device))
+            torch.cuda.empty_cache()
+        _speedups(here)
+        rows += here
+        print_table(here, COLUMNS)
+        del inputs
+    return rows
+
+
+def _speedups(rows) -> None:
+    base = {r["config"]: r.get("ms") for r in rows if r["config"].startswith("dense")}
+    for r in rows:
+        if r.get("ms"):
+            if base.get("dense_sdpa_cudnn"):
+                r["x_sdpa"] = base["dense_sdpa_cudnn"] / r["ms"]
+            if base.get("dense_flex"):
+                r["x_flex"] = base["dense_flex"] / r["ms"]
+
+
+def check(args, device, s=2048) -> list[dict]:
+    """Sparse (flex) outputs and input gradients against the dense-mask float32 math path."""
+    rows = []
+    for label, cfg in sparse_configs(args.modes, args.blocks, args.window):
+        row = {"s": s, "config": label, "block": cfg.block}
+        try:
+            lay = layout(cfg, args.heads, s, seed=0, causal=True)
+            mask, _ = _mask(lay, cfg.block, device)
+            q, k, v, grad = _inputs(s, args, device)
+            outs = {}
+            for backend in ("flex", "math"):
+                out = sparse_attention(q, k, v, lay, cfg.block, causal=True, backend=backend,
+                                       block_mask=mask)
+                outs[backend] = (out, *torch.autograd.grad(out, (q, k, v), grad))
+            ref_scale = max(t.float().abs().max().item() for t in outs["math"])
+            err = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs["flex"], outs["math"]))
+            row.update(max_error=err, rel_error=err / ref_scale, ok=err / ref_scale < 2e-2)
+        except Exception as e:
+            row["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        rows.append(row)
+    print_table(rows, ["s", "config", "block", "max_error", "rel_error", "ok", "note"])
+    return rows
+
+
+def dry_run(args) -> list[dict]:
+    """CPU: every layout and BlockMask of the sweep at its real sizes, then a tiny forward."""
+    rows = []
+    for s in args.seqs:
+        for label, cfg in sparse_configs(args.modes, args.blocks, args.window):
+            t0 = time.perf_counter()
+            lay = layout(cfg, args.heads, s, seed=0, causal=True)
+            _, tile_density = _mask(lay, cfg.block, torch.device("cpu"))
+            rows.append({"s": s, "config": label, "block": cfg.block,
+                         "density": density(lay, cfg.block, True), "tile_density": tile_density,
+                         "note": f"built in {time.perf_counter() - t0:.1f} s"})
+    print_table(rows, COLUMNS)
+    small = argparse.Namespace(**{**vars(args), "heads": 2, "head_dim": 16})
+    for label, cfg in sparse_configs(args.modes, args.blocks, args.window):
+        lay = layout(cfg, 2, 1024, seed=0, causal=True)
+        q, k, v, _ = _inputs(1024, small, torch.device("cpu"), torch.float32, requires_grad=False)
+        mask, _ = _mask(lay, cfg.block, torch.device("cpu"))
+        err = (sparse_attention(q, k, v, lay, cfg.block, backend="flex", block_mask=mask)
+               - sparse_attention(q, k, v, lay, cfg.block, backend="math")).abs().max().item()
+        assert err < 1e-4, (label, cfg.block, err)
+    print("dry run: CPU FlexAttention forward equals the dense-mask math path for every config")
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        write_json(args.out, {"dry_run": dry_run(args), "args": vars(args)})
+        return 0
+    if not torch.cuda.is_available():
+        print("error: this benchmark needs a CUDA GPU; use --dry-run on CPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    payload = {"env": environment(device), "args": vars(args)}
+    if args.check:
+        payload["check"] = check(args, device)
+    else:
+        payload["rows"] = sweep(args, device)
+    write_json(args.out, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""Block-sparse attention from a layout (`sparse_layouts.py`): FlexAttention with a BlockMask
+on GPUs, and a dense fallback (the layout expanded to an explicit mask, float32 math) on CPU
+and for checking.
+
+| tensor | shape | meaning |
+|---|---|---|
+| q | [s, b, hq, d] | queries (the package's [s, b, ...] layout, as `core_attention`) |
+| k, v | [s, b, hk, d] | keys / values; hq % hk == 0 (GQA) |
+| layout | bool [hq, s/block, s/block] | the tiles each query head computes (a rank's rows) |
+| alibi_slopes | [hq] float32 | slopes of the heads held, by global head index |
+| out | [s, b, hq, d] | attention output |
+
+Query i of head h sees key j when layout[h, i // block, j // block] and, if causal, j <= i.
+A query that sees no key outputs 0 (as in attention.py). RoPE is applied to q and k before
+this call; ALiBi is a score_mod on FlexAttention (no s x s bias) and an added bias in math.
+
+From a layout to FlexAttention's tiles. FlexAttention's kernel skips whole tiles of
+KERNEL_BLOCK = 128 queries x 128 keys. A layout with block >= 128 (a multiple of it) maps
+onto whole tiles: each of its blocks is (block / 128)^2 tiles, all computed without a mask
+except the causal diagonal. A layout with a smaller block (16, 32, 64) is grouped in squares
+of (128 / block)^2 of its blocks per tile: a tile whose blocks are all set is computed without
+a mask ("full"), a tile with some set is computed with the mask evaluated per element
+("partial": the layout looked up at [h, i // block, j // block]), a tile with none is skipped.
+So the work is that of the 128-tiles touched, not the layout's own density: a 16-block
+sliding window of w blocks costs about ceil(w * 16 / 128) + 1 tiles per tile row.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import attention_kernels as kernels
+from .attention import AttentionRequest, math_attention, unsupported_reason
+from .sparse_config import SparseAttentionConfig
+from .sparse_layouts import layout as make_layout
+
+KERNEL_BLOCK = 128
+BACKENDS = ("auto", "flex", "math")
+
+
+def token_mask(block_layout: torch.Tensor, block: int) -> torch.Tensor:
+    """Bool [h, s, s]: the layout expanded to tokens (no causality); for the dense fallback."""
+    return block_layout.repeat_interleave(block, dim=1).repeat_interleave(block, dim=2)
+
+
+def tile_layout(block_layout: torch.Tensor, block: int, causal: bool,
+                kernel_block: int = KERNEL_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full), each bool [h, n, n] over kernel tiles (n = ceil(s / kernel_block)):
+    tiles to compute with the element mask, and tiles to compute without it."""
+    heads, nb, _ = block_layout.shape
+    n = -(-nb * block // kernel_block)
+    if block % kernel_block == 0:
+        r = block // kernel_block
+        needed = block_layout.repeat_interleave(r, dim=1).repeat_interleave(r, dim=2)
+        full = needed.clone()
+    elif kernel_block % block == 0:
+        r = kernel_block // block
+        padded = torch.zeros(heads, n * r, n * r, dtype=torch.bool, device=block_layout.device)
+        padded[:, :nb, :nb] = block_layout  # a short last tile is never full
+        grid = padded.view(heads, n, r, n, r)
+        needed = grid.any(dim=4).any(dim=2)
+        full = grid.all(dim=4).all(dim=2)
+    else:
+        raise ValueError(f"sparse attention block {block} neither divides nor is a multiple of "
+                         f"the kernel block {kernel_block}; use a power of two")
+    if causal:
+        lower = torch.ones(n, n, dtype=torch.bool, device=block_layout.device)
+        needed = needed & lower.tril()
+        full = full & lower.tril(-1)  # diagonal tiles need the token-level causal mask
+    return needed & ~full, full
+
+
+def _kv_blocks(tiles: torch.Tensor):
+    """[h, n, n] bool -> ([1, h, n] counts, [1, h, n, n] column indices, set ones first)."""
+    counts = tiles.sum(dim=-1, dtype=torch.int32)
+    order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True)
+    return counts[None], order.to(torch.int32)[None]
+
+
+def _layout_mask_mod(table: torch.Tensor, unit: int, causal: bool):
+    """mask_mod(b, h, q, kv): table[h, q // unit, kv // unit] (and q >= kv)."""
+    last = table.shape[-1] - 1
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        qb = torch.clamp(q_idx // unit, max=last)  # a padded short tile must not read past it
+        kb = torch.clamp(kv_idx // unit, max=last)
+        seen = table[h, qb, kb]
+        return seen & (q_idx >= kv_idx) if causal else seen
+    return mask_mod
+
+
+def block_mask_from_layout(block_layout: torch.Tensor, block: int, *, causal: bool,
+                           device=None, kernel_block: int = KERNEL_BLOCK,
+                           lookup_block: int | None = None):
+    """The FlexAttention BlockMask of a layout (see the module docstring for the tiling).
+
+    Built from the layout directly (`BlockMask.from_kv_blocks`), without evaluating the mask
+    over s x s; build it once per sequence length and reuse it. The mask_mod (evaluated in
+    partial tiles, and everywhere by FlexAttention's unfused eager path) looks the layout up
+    at lookup_block granularity: by default the block; a smaller one that divides it gives the
+    same mask from a larger table, and lets layouts of different blocks share one compiled
+    kernel (the graph depends on the table's shape and the granularity).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    device = block_layout.device if device is None else torch.device(device)
+    heads, nb, _ = block_layout.shape
+    shared = heads == 1 or block_layout.stride(0) == 0
+    lay = (block_layout[:1] if shared else block_layout).to(device=device, dtype=torch.bool)
+    partial, full = (t.expand(heads, -1, -1) for t in tile_layout(lay, block, causal, kernel_block))
+    kv_num, kv_idx = _kv_blocks(partial)
+    full_num, full_idx = _kv_blocks(full)
+    unit = block if lookup_block is None else lookup_block
+    if unit < 1 or block % unit:
+        raise ValueError(f"lookup_block {unit} must divide the block {block}")
+    table = lay.repeat_interleave(block // unit, dim=1).repeat_interleave(block // unit, dim=2)
+    mask_mod = _layout_mask_mod(table.expand(heads, -1, -1).contiguous(), unit, causal)
+    s = nb * block
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=kernel_block,
+                                    mask_mod=mask_mod, seq_lengths=(s, s))
+
+
+def _check(q, k, v, block_layout, block, alibi_slopes) -> None:
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or k.shape[0] != q.shape[0]:
+        raise ValueError(f"sparse attention expects q [s, b, hq, d] and k, v [s, b, hk, d] of the "
+                         f"same s; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    s, b, hq, d = q.shape
+    if k.shape[1] != b or k.shape[3] != d or hq % k.shape[2]:
+        raise ValueError(f"k, v {tuple(k.shape)} do not fit q {tuple(q.shape)}: batch and head "
+                         f"dim must match and the query heads be a multiple of the kv heads")
+    nb = s // block if block > 0 else -1
+    if block_layout.dtype != torch.bool or block_layout.shape != (hq, nb, nb) or nb * block != s:
+        raise ValueError(f"sparse attention layout must be bool [hq, s/block, s/block] = "
+                         f"[{hq}, {s}/{block}, {s}/{block}] with s a multiple of block; got "
+                         f"{block_layout.dtype} {tuple(block_layout.shape)}")
+    if alibi_slopes is not None and alibi_slopes.shape != (hq,):
+        raise ValueError(f"alibi_slopes must have one slope per query head ([{hq}]), "
+                         f"got {tuple(alibi_slopes.shape)}")
+
+
+def _select(backend: str, q, k, v, alibi: bool) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown sparse attention backend {backend!r}; choose one of {BACKENDS}")
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    req = AttentionRequest(q.device.type, q.dtype, q.shape[-1], alibi, False, False, grad)
+    reason = unsupported_reason("flex", req)
+    if backend == "auto":
+        return "flex" if q.device.type == "cuda" and reason is None else "math"
+    if backend == "flex" and reason is not None:
+        raise ValueError(f"sparse attention backend 'flex' cannot run this call: {reason}; "
+                         f"use backend='math' or 'auto'")
+    return backend
+
+
+def sparse_attention(q, k, v, layout, block, *, causal: bool = True, scale: float | None = None,
+                     alibi_slopes: torch.Tensor | None = None, backend: str = "auto",
+                     block_mask=None) -> torch.Tensor:
+    """Attention restricted to the layout's tiles (module docstring: shapes and semantics).
+
+    backend: "flex" (FlexAttention, compiled on CUDA; eager and forward-only on CPU), "math"
+    (float32, an explicit [h, s, s] mask: small sizes and checking) or "auto" (flex on CUDA,
+    else math). block_mask: a `block_mask_from_layout(layout, block, causal=causal)` built
+    beforehand, reused across calls (built here when None).
+    """
+    _check(q, k, v, layout, block, alibi_slopes)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    name = _select(backend, q, k, v, alibi_slopes is not None)
+    if name == "math":
+        mask = token_mask(layout.to(q.device), block)[None]  # [1, hq, s, s]
+        return math_attention(q, k, v, causal, None, alibi_slopes, scale, 0.0, mask=mask)
+    if block_mask is None:
+        block_mask = block_mask_from_layout(layout, block, causal=causal, device=q.device)
+    return kernels.flex_with_block_mask(q, k, v, block_mask, alibi_slopes, scale)
+
+
+class SparseAttention:
+    """Block-sparse attention of a layer's heads [h0, h1) out of num_heads (the rank's heads
+    under tp / Ulysses), with the layout and its BlockMask built once per (s, device).
+
+    All ranks and layers given the same config, num_heads and seed use the same pattern.
+    """
+
+    def __init__(self, config: SparseAttentionConfig, num_heads: int,
+                 head_range: tuple[int, int] | None = None, *, causal: bool = True,
+                 seed: int = 0, backend: str = "auto"):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown sparse attention backend {backend!r}; choose one of "
+                             f"{BACKENDS}")
+        self.config, self.num_heads, self.causal = config, num_heads, causal
+        self.head_range = (0, num_heads) if head_range is None else tuple(head_range)
+        self.seed, self.backend = seed, backend
+        self._layouts: dict = {}
+        self._masks: dict = {}
+
+    def layout(self, seq_len: int) -> torch.Tensor:
+        """Bool [h1 - h0, s / block, s / block] on CPU (ValueError if s does not fit)."""
+        if seq_len not in self._layouts:
+            self._layouts[seq_len] = make_layout(self.config, self.num_heads, seq_len, self.seed,
+                                                 causal=self.causal, heads=self.head_range)
+        return self._layouts[seq_len]
+
+    def block_mask(self, seq_len: int, device):
+        key = (seq_len, str(device))
+        if key not in self._masks:
+            self._masks[key] = block_mask_from_layout(self.layout(seq_len), self.config.block,
+                                                      causal=self.causal, device=device)
+        return self._masks[key]
+
+    def __call__(self, q, k, v, *, alibi_slopes=None, scale=None) -> torch.Tensor:
+        lay = self.layout(q.shape[0])
+        name = _select(self.backend, q, k, v, alibi_slopes is not None)
+        mask = self.block_mask(q.shape[0], q.device) if name == "flex" else None
+        return sparse_attention(q, k, v, lay, self.config.block, causal=self.causal, scale=scale,
+                                alibi_slopes=alibi_slopes, backend=name, block_mask=mask)
