@@ -15,6 +15,7 @@ import fp8_checks
 from megazoo.layers import ColumnParallelLinear, FusedColumnParallelLinear
 from megazoo.layers.fp8 import FP8Recipe, fp8_linear
 from megazoo.layers.fp8_cast import quantize, quantize_reference
+from megazoo.layers.fp8_cast import transpose as fp8_transpose
 from megazoo.testing import run_distributed
 
 RECIPES = [(f, r) for f in ("e4m3", "hybrid") for r in ("tensorwise", "rowwise")]
@@ -141,10 +142,11 @@ def test_tensor_and_sequence_parallel_equal_per_shard_emulation():
 @pytest.mark.parametrize("impl", ["eager", "compile", "triton"])
 @pytest.mark.parametrize("rowwise", [False, True])
 @pytest.mark.parametrize("transpose", [False, True])
-def test_gpu_fused_cast_equals_definition(impl, rowwise, transpose):
+@pytest.mark.parametrize("shape", [(1024, 768), (40, 9000)])  # one-pass / looped row kernels
+def test_gpu_fused_cast_equals_definition(impl, rowwise, transpose, shape):
     """Same FP8 bits (a division rounded differently may move a value by one FP8 step on a
     tie: at most 1e-3 of the elements) and inverse scales to float32 rounding."""
-    t = torch.randn(1024, 768, device="cuda", dtype=torch.bfloat16) * 3
+    t = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         q, inv = quantize(t, dtype, rowwise, transpose, impl=impl)
         q_ref, inv_ref = quantize_reference(t, dtype, rowwise, transpose)
@@ -152,6 +154,8 @@ def test_gpu_fused_cast_equals_definition(impl, rowwise, transpose):
         torch.testing.assert_close(inv, inv_ref, rtol=1e-6, atol=0)
         mismatch = (q.float() != q_ref.float()).float().mean().item()
         assert mismatch <= 1e-3, f"{impl}: {mismatch:.2%} of the FP8 values differ"
+        assert torch.equal(fp8_transpose(q, impl).view(torch.uint8),
+                           q.t().contiguous().view(torch.uint8)), f"{impl} transpose"
 
 
 @pytest.mark.gpu

@@ -6,12 +6,15 @@ Computes `megazoo.layers.fp8_cast.quantize_reference` in one or two kernels:
 |---|---|---|
 | quantize_rows   | t [R, C] any strides, bf16/fp16/fp32 | q [R, C] (or [C, R] with transpose) fp8 row-major, inv [rows, 1] fp32 |
 | quantize_tensor | t [R, C] | q (same), inv [] fp32 |
+| transpose       | q [R, C] fp8 | q.t() [C, R] row-major |
 
-Rowwise: each program owns BR rows of u (u = t, or t.t() read through its strides, so the
+Rowwise: rows of at most 8192 elements are read once (a program holds whole rows);
+longer rows, and the transposed cast, loop: each program owns BR rows of u (u = t, or t.t() read through its strides, so the
 transpose costs no extra pass), reads them twice (amax, then scale and cast) in BC-column
 tiles. Tensorwise: a block-max kernel folds into one float32 with `atomic_max` (values are
 non-negative, so float ordering is integer ordering), then an elementwise cast kernel reads
-that amax on the GPU: no host synchronisation.
+that amax on the GPU: no host synchronisation. `transpose` moves FP8 bytes in square tiles
+(PyTorch's strided copy of 1-byte elements is several times slower).
 """
 from __future__ import annotations
 
@@ -21,6 +24,35 @@ import triton.language as tl
 
 _BR, _BC = 32, 128
 _BLOCK = 4096
+_ONE_PASS_MAX = 8192
+_TILE = 64
+
+
+@triton.jit
+def _rows_one_pass_kernel(U, Q, Inv, R, C, su0, TOP: tl.constexpr, EPS: tl.constexpr,
+                          BR: tl.constexpr, BC: tl.constexpr):
+    """`_rows_kernel` for C <= BC: whole rows stay in registers, read once."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BC)
+    m = (rows < R)[:, None] & (cols < C)[None, :]
+    u = tl.load(U + rows[:, None] * su0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(u), axis=1)
+    scale = tl.math.div_rn(tl.zeros([BR], dtype=tl.float32) + TOP, tl.maximum(amax, EPS))
+    q = tl.minimum(tl.maximum(u * scale[:, None], -TOP), TOP)
+    tl.store(Q + rows[:, None] * C + cols[None, :], q.to(Q.dtype.element_ty), mask=m)
+    tl.store(Inv + rows, tl.math.div_rn(tl.zeros([BR], dtype=tl.float32) + 1.0, scale),
+             mask=rows < R)
+
+
+@triton.jit
+def _transpose_kernel(X, Y, R, C, T: tl.constexpr):
+    """Y [C, R] = X [R, C].t(), one T x T tile per program (bytes, any 1-byte dtype)."""
+    r = tl.program_id(0).to(tl.int64) * T + tl.arange(0, T)
+    c = tl.program_id(1).to(tl.int64) * T + tl.arange(0, T)
+    m = (r < R)[:, None] & (c < C)[None, :]
+    x = tl.load(X + r[:, None] * C + c[None, :], mask=m)
+    mt = (c < C)[:, None] & (r < R)[None, :]
+    tl.store(Y + c[:, None] * R + r[None, :], tl.trans(x), mask=mt)
 
 
 @triton.jit
@@ -75,6 +107,13 @@ def quantize_rows(t: torch.Tensor, dtype: torch.dtype, top: float, eps: float,
     rows, cols = u.shape
     q = torch.empty(rows, cols, dtype=dtype, device=t.device)
     inv = torch.empty(rows, 1, dtype=torch.float32, device=t.device)
+    if cols <= _ONE_PASS_MAX and u.stride(1) == 1:
+        block = triton.next_power_of_2(cols)
+        br = max(1, 8192 // block)
+        _rows_one_pass_kernel[(triton.cdiv(rows, br),)](u, q, inv, rows, cols, u.stride(0),
+                                                       TOP=top, EPS=eps, BR=br, BC=block,
+                                                       num_warps=8)
+        return q, inv
     _rows_kernel[(triton.cdiv(rows, _BR),)](u, q, inv, rows, cols, u.stride(0), u.stride(1),
                                            TOP=top, EPS=eps, BR=_BR, BC=_BC, num_warps=4)
     return q, inv
@@ -90,5 +129,14 @@ def quantize_tensor(t: torch.Tensor, dtype: torch.dtype, top: float, eps: float,
     grid = (triton.cdiv(n, _BLOCK),)
     _amax_kernel[grid](t, amax, n, BLOCK=_BLOCK, num_warps=8)
     _cast_kernel[grid](t, q, amax, inv, n, TOP=top, EPS=eps, BLOCK=_BLOCK, num_warps=8)
-    q = q.t().contiguous() if transpose else q
-    return q, inv.reshape(())
+    return (transpose(q) if transpose else q), inv.reshape(())
+
+
+def transpose(q: torch.Tensor) -> torch.Tensor:
+    """q [R, C] contiguous (1-byte dtype) -> q.t() as a contiguous [C, R] tensor."""
+    rows, cols = q.shape
+    out = torch.empty(cols, rows, dtype=q.dtype, device=q.device)
+    grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE))
+    _transpose_kernel[grid](q.contiguous().view(torch.uint8), out.view(torch.uint8), rows, cols,
+                            T=_TILE, num_warps=4)
+    return out

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .fp8_cast import CAST_IMPLS, quantize
+from .fp8_cast import CAST_IMPLS, quantize, transpose
 
 FORMATS = ("e4m3", "hybrid")
 RECIPES = ("tensorwise", "rowwise")
@@ -123,6 +123,11 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, recipe: FP8Recipe, transpose: boo
     return quantize(t, dtype, recipe.rowwise, transpose, impl=impl)
 
 
+def _t(q: torch.Tensor, recipe: FP8Recipe) -> torch.Tensor:
+    """A saved FP8 tensor transposed to row-major (tensorwise: same values, same scale)."""
+    return transpose(q, "eager" if recipe.emulate else recipe.cast)
+
+
 class _FP8Linear(torch.autograd.Function):
     """x [M, K], weight [N, K] -> y [M, N] in x's dtype; the table in the module docstring.
 
@@ -161,15 +166,15 @@ class _FP8Linear(torch.autograd.Function):
                 dyq, inv_dy = _cast(dy, g, r)                             # per token
                 wtq, inv_wt = _cast(weight, f, r, transpose=True)         # W^T [K, N], per k
             else:
-                wtq, inv_wt = wq.t().contiguous(), inv_w
+                wtq, inv_wt = _t(wq, r), inv_w
             dx = scaled_mm(dyq, wtq.t(), inv_dy, _row(inv_wt), ctx.x_dtype, r.emulate)
         if need_dw:
             if r.rowwise:
                 dytq, inv_dyt = _cast(dy, g, r, transpose=True)           # dy^T [N, M], per n
                 xtq, inv_xt = _cast(x, f, r, transpose=True)              # x^T [K, M], per k
             else:
-                dytq, inv_dyt = dyq.t().contiguous(), inv_dy
-                xtq, inv_xt = xq.t().contiguous(), inv_x
+                dytq, inv_dyt = _t(dyq, r), inv_dy
+                xtq, inv_xt = _t(xq, r), inv_x
             dw = scaled_mm(dytq, xtq.t(), inv_dyt, _row(inv_xt), ctx.w_dtype, r.emulate)
         return dx, dw, None
 

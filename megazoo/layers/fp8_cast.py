@@ -58,6 +58,15 @@ def _compiled():
     return torch.compile(quantize_reference, dynamic=None)
 
 
+def _transpose_reference(q: torch.Tensor) -> torch.Tensor:
+    return q.t().contiguous()
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_transpose():
+    return torch.compile(_transpose_reference, dynamic=None)
+
+
 @functools.lru_cache(maxsize=1)
 def _triton_kernels():
     """The Triton kernels module, or None when triton does not import (no GPU stack)."""
@@ -94,3 +103,13 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, rowwise: bool, transpose: bool
     kernels = _triton_kernels()
     return (kernels.quantize_rows(t, dtype, fp8_max(dtype), EPS, transpose) if rowwise
             else kernels.quantize_tensor(t, dtype, fp8_max(dtype), EPS, transpose))
+
+
+def transpose(q: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """q [R, C] (FP8) -> q.t() contiguous [C, R], by the implementation `impl` resolves to."""
+    impl = resolve_impl(impl, q.device)
+    if impl == "eager":
+        return _transpose_reference(q)
+    if impl == "compile":
+        return _compiled_transpose()(q)
+    return _triton_kernels().transpose(q)
