@@ -4,17 +4,18 @@ Computes `megazoo.layers.fp8_cast.quantize_reference` in one or two kernels:
 
 | function | input | outputs |
 |---|---|---|
-| quantize_rows   | t [R, C] any strides, bf16/fp16/fp32 | q [R, C] (or [C, R] with transpose) fp8 row-major, inv [rows, 1] fp32 |
+| quantize_rows   | t [R, C] (any strides) | q [R, C] or [C, R] fp8 row-major, inv [rows, 1] fp32 |
 | quantize_tensor | t [R, C] | q (same), inv [] fp32 |
-| transpose       | q [R, C] fp8 | q.t() [C, R] row-major |
+| transpose_bytes | q [R, C] fp8 | q.t() [C, R] row-major |
 
-Rowwise: rows of at most 8192 elements are read once (a program holds whole rows);
-longer rows, and the transposed cast, loop: each program owns BR rows of u (u = t, or t.t() read through its strides, so the
-transpose costs no extra pass), reads them twice (amax, then scale and cast) in BC-column
-tiles. Tensorwise: a block-max kernel folds into one float32 with `atomic_max` (values are
-non-negative, so float ordering is integer ordering), then an elementwise cast kernel reads
-that amax on the GPU: no host synchronisation. `transpose` moves FP8 bytes in square tiles
-(PyTorch's strided copy of 1-byte elements is several times slower).
+Rowwise: rows of at most 8192 elements are read once (a program holds whole rows).
+Longer rows, and the transposed cast, loop: each program owns BR rows of u (u = t, or
+t.t() read through its strides, so the transpose costs no extra pass) and reads them
+twice (amax, then scale and cast) in BC-column tiles. Tensorwise: a block-max kernel folds
+into one float32 with `atomic_max` (values are non-negative, so float ordering is integer
+ordering), then an elementwise cast kernel reads that amax on the GPU: no host
+synchronisation. `transpose_bytes` moves FP8 bytes in square tiles (PyTorch's strided copy
+of 1-byte elements is several times slower).
 """
 from __future__ import annotations
 
@@ -129,10 +130,10 @@ def quantize_tensor(t: torch.Tensor, dtype: torch.dtype, top: float, eps: float,
     grid = (triton.cdiv(n, _BLOCK),)
     _amax_kernel[grid](t, amax, n, BLOCK=_BLOCK, num_warps=8)
     _cast_kernel[grid](t, q, amax, inv, n, TOP=top, EPS=eps, BLOCK=_BLOCK, num_warps=8)
-    return (transpose(q) if transpose else q), inv.reshape(())
+    return (transpose_bytes(q) if transpose else q), inv.reshape(())
 
 
-def transpose(q: torch.Tensor) -> torch.Tensor:
+def transpose_bytes(q: torch.Tensor) -> torch.Tensor:
     """q [R, C] contiguous (1-byte dtype) -> q.t() as a contiguous [C, R] tensor."""
     rows, cols = q.shape
     out = torch.empty(cols, rows, dtype=q.dtype, device=q.device)

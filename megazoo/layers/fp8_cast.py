@@ -112,4 +112,4 @@ def transpose(q: torch.Tensor, impl: str = "auto") -> torch.Tensor:
         return _transpose_reference(q)
     if impl == "compile":
         return _compiled_transpose()(q)
-    return _triton_kernels().transpose(q)
+    return _triton_kernels().transpose_bytes(q)
