@@ -25,7 +25,7 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, parts: tuple[int, ...], *, group: Group,
                  bias: bool = True, sequence_parallel: bool = False, init_method=None,
-                 device=None, dtype=None):
+                 device=None, dtype=None, fp8=None):
         tp = group_size(group)
         parts = tuple(parts)
         local = [divide(p, tp, f"fused block of {p} outputs over tp={tp}") for p in parts]
@@ -33,7 +33,7 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
         # The parent allocates [sum/tp, in]; its contiguous init is replaced below.
         super().__init__(in_features, sum(parts), group=group, bias=bias,
                          sequence_parallel=sequence_parallel, init_method=lambda w: None,
-                         device=device, dtype=dtype)
+                         device=device, dtype=dtype, fp8=fp8)
         self.parts, self.local_parts = parts, tuple(local)
         set_tp_layout(self.weight, 0, parts=parts)
         if self.bias is not None:

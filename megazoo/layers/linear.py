@@ -3,13 +3,24 @@
 Weights are the local shard of the full `nn.Linear` weight `[out, in]`:
 ColumnParallelLinear holds rows `[out/tp, in]` and bias `[out/tp]`; RowParallelLinear holds
 columns `[out, in/tp]` and the full bias, added once after the reduction.
+
+`fp8=FP8Recipe(...)` runs the local GEMM in FP8 (`fp8.py`); the collectives around it stay
+in the run's dtype. Scales are computed from what the rank holds, so a scale taken over a
+sharded dimension is the shard's, not the one-process model's: tensorwise, the weight shard
+(both layers), the output gradient shard (column) and the input shard (row) get per-shard
+scales; rowwise, scales are per row, taken over each GEMM's reduction dimension, so they
+are per-shard only where tp shards that dimension: the column layer's input gradient (N
+sharded) and the row layer's forward (K sharded); every other GEMM of both layers
+scales exactly as one process does. The result equals the one-process computation with
+the same per-shard scales (tests/test_fp8.py); a shard's amax is at most the tensor's, so
+its values are cast with at least the one-process resolution.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .fp8 import FP8Recipe, check_fp8_device, fp8_linear
 from .groups import Group, divide, group_rank, group_size
 from .init import default_init, init_shard_
 from .mappings import (all_reduce, copy_to_tensor_parallel_region,
@@ -45,7 +56,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, group: Group, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
-                 init_method=None, device=None, dtype=None):
+                 init_method=None, device=None, dtype=None, fp8: FP8Recipe | None = None):
         super().__init__()
         tp = group_size(group)
         if sequence_parallel and gather_output:
@@ -55,6 +66,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_rank = divide(out_features, tp, "ColumnParallelLinear out_features "
                                    f"divided over tp={tp}")
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        self.fp8 = fp8
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, **factory))
         self.bias = nn.Parameter(torch.zeros(self.out_per_rank, **factory)) if bias else None
@@ -66,17 +78,19 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(x, self.in_features, "ColumnParallelLinear")
+        check_fp8_device(self.fp8, x.device)
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.group)
         else:
             x = copy_to_tensor_parallel_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = fp8_linear(x, self.weight, self.bias, self.fp8)
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} ({self.out_per_rank}/rank), "
                 f"bias={self.bias is not None}, gather_output={self.gather_output}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}"
+                + (f", fp8={self.fp8.format}/{self.fp8.recipe}" if self.fp8 else ""))
 
 
 class RowParallelLinear(nn.Module):
@@ -89,7 +103,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, group: Group, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 init_method=None, device=None, dtype=None):
+                 init_method=None, device=None, dtype=None, fp8: FP8Recipe | None = None):
         super().__init__()
         tp = group_size(group)
         if sequence_parallel and not input_is_parallel:
@@ -98,6 +112,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.in_per_rank = divide(in_features, tp, f"RowParallelLinear in_features divided over tp={tp}")
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
+        self.fp8 = fp8
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, **factory))
         self.bias = nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
@@ -110,9 +125,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         expected = self.in_per_rank if self.input_is_parallel else self.in_features
         _check_last_dim(x, expected, "RowParallelLinear")
+        check_fp8_device(self.fp8, x.device)
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
-        y_partial = F.linear(x, self.weight)
+        y_partial = fp8_linear(x, self.weight, None, self.fp8)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y_partial, self.group)
         else:
@@ -122,7 +138,8 @@ class RowParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features} ({self.in_per_rank}/rank), out={self.out_features}, "
                 f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}"
+                + (f", fp8={self.fp8.format}/{self.fp8.recipe}" if self.fp8 else ""))
 
 
 def allreduce_sequence_parallel_grads(module: nn.Module, group: Group) -> None:

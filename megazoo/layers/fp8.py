@@ -1,0 +1,203 @@
+"""FP8 linear: y = x W^T + b with its three GEMMs in FP8 and dynamic scaling.
+
+FP8 is a compute format here: weights, biases, activations and gradients stay in the run's
+dtype (bf16); each GEMM casts its two operands to FP8 with fresh scales (see `fp8_cast.py`
+for amax / scale / cast), multiplies with float32 accumulation and writes the run's dtype.
+
+| GEMM | product | a (row-major) | b (column-major) | reduction | out |
+|---|---|---|---|---|---|
+| forward | y = x W^T   | x [M, K], fwd dtype   | W^T [K, N], fwd dtype | K | [M, N] |
+| dgrad   | dx = dy W   | dy [M, N], grad dtype | W [N, K], fwd dtype   | N | [M, K] |
+| wgrad   | dW = dy^T x | dy^T [N, M], grad     | x [M, K], fwd dtype   | M | [N, K] |
+
+(M = tokens, K = in features, N = out features.) fwd dtype is e4m3; grad dtype is e4m3
+(format "e4m3") or e5m2 (format "hybrid": more range for gradients, as in Transformer
+Engine). Recipe "tensorwise": one scale per operand; the forward casts are saved and
+transposed for the backward (the scale of a tensor does not depend on its layout).
+Recipe "rowwise": one scale per row of `a` and per column of `b`, i.e. per index of the
+non-reduced dimension, so each GEMM casts its operands afresh along its own reduction.
+
+On CUDA the GEMMs are `torch._scaled_mm` (needs compute capability 8.9+: Ada, Hopper), on
+other devices (or with `emulate=True`) an emulation computing the recipe's definition:
+the same FP8 values and scales, dequantized and multiplied in float32. `_scaled_mm` needs
+every dimension a multiple of 16; a call with M, K or N that is not runs `F.linear` in the
+run's dtype (`fallback=True`, the default) or raises.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .fp8_cast import CAST_IMPLS, quantize, transpose
+
+FORMATS = ("e4m3", "hybrid")
+RECIPES = ("tensorwise", "rowwise")
+
+
+@dataclass(frozen=True)
+class FP8Recipe:
+    """How a linear layer's GEMMs run in FP8 (dynamic scaling: scales from this step's amax)."""
+
+    format: str = "hybrid"
+    """"e4m3": every operand e4m3; "hybrid": e4m3 forward, e5m2 output gradients."""
+    recipe: str = "tensorwise"
+    """"tensorwise": one scale per tensor; "rowwise": one per row (per column of `b`)."""
+    cast: str = "auto"
+    """amax + scale + cast implementation on CUDA: auto | triton | compile | eager."""
+    fast_accum: bool = True
+    """Forward GEMM with `_scaled_mm`'s faster, less exact accumulation (gradients never)."""
+    fallback: bool = True
+    """A GEMM with a dimension not a multiple of 16 runs in the run's dtype instead of raising."""
+    emulate: bool = False
+    """Compute the GEMMs with the float32 emulation even on a GPU (the kernels' reference)."""
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"FP8 format must be one of {FORMATS} (hybrid: e4m3 forward, "
+                             f"e5m2 gradients), got {self.format!r}")
+        if self.recipe not in RECIPES:
+            raise ValueError(f"FP8 recipe must be one of {RECIPES}, got {self.recipe!r}")
+        if self.cast not in CAST_IMPLS:
+            raise ValueError(f"FP8 cast must be one of {CAST_IMPLS}, got {self.cast!r}")
+
+    @property
+    def fwd_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return torch.float8_e5m2 if self.format == "hybrid" else torch.float8_e4m3fn
+
+    @property
+    def rowwise(self) -> bool:
+        return self.recipe == "rowwise"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_fp8_capable(index: int) -> tuple[bool, str]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return (major, minor) >= (8, 9), f"sm_{major}{minor}"
+
+
+def check_fp8_device(recipe: FP8Recipe | None, device: torch.device) -> None:
+    """Raise one line when `recipe` asks for FP8 GEMMs a CUDA device cannot run.
+
+    CPU (and any non-CUDA device) runs the emulation: correct numbers, no speed-up. Layers
+    call this before their first collective, so every rank raises the same error.
+    """
+    if recipe is None or recipe.emulate or device.type != "cuda":
+        return
+    ok, arch = _cuda_fp8_capable(device.index if device.index is not None else 0)
+    if not ok:
+        raise ValueError(f"FP8 GEMMs need FP8 tensor cores (compute capability 8.9+: Ada, "
+                         f"Hopper); {device} is {arch}: run without FP8 (--fp8-format)")
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
+              out_dtype: torch.dtype, emulate: bool, fast_accum: bool = False) -> torch.Tensor:
+    """(a @ b) * inv_a * inv_b: a [M, K] row-major fp8, b [K, N] column-major fp8.
+
+    inv_a is [] or [M, 1], inv_b is [] or [1, N] (float32). Emulated: dequantize and multiply
+    in float32, then round to `out_dtype` (the kernel accumulates in float32 too).
+    """
+    if emulate or a.device.type != "cuda":
+        return ((a.float() @ b.float()) * inv_a * inv_b).to(out_dtype)
+    rowwise = inv_a.dim() > 0
+    out = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, use_fast_accum=fast_accum,
+                           out_dtype=torch.bfloat16 if rowwise else out_dtype)
+    return out.to(out_dtype)
+
+
+def _row(inv: torch.Tensor) -> torch.Tensor:
+    """A column operand's scales [K, 1] (from quantizing its transpose) as [1, K]."""
+    return inv.reshape(1, -1) if inv.dim() > 0 else inv
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype, recipe: FP8Recipe, transpose: bool = False):
+    """Quantize t (or t.t()) by the recipe's scaling; the emulation uses the eager definition."""
+    impl = "eager" if recipe.emulate else recipe.cast
+    return quantize(t, dtype, recipe.rowwise, transpose, impl=impl)
+
+
+def _t(q: torch.Tensor, recipe: FP8Recipe) -> torch.Tensor:
+    """A saved FP8 tensor transposed to row-major (tensorwise: same values, same scale)."""
+    return transpose(q, "eager" if recipe.emulate else recipe.cast)
+
+
+class _FP8Linear(torch.autograd.Function):
+    """x [M, K], weight [N, K] -> y [M, N] in x's dtype; the table in the module docstring.
+
+    Saved for backward: tensorwise, the forward's FP8 casts xq [M, K], wq [N, K] and their
+    scales (transposed in the backward, same scales); rowwise, x and weight themselves
+    (the backward scales them along the other axis).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, recipe):
+        f = recipe.fwd_dtype
+        xq, inv_x = _cast(x, f, recipe)                                   # [M, K]
+        wq, inv_w = _cast(weight, f, recipe)                              # [N, K]
+        y = scaled_mm(xq, wq.t(), inv_x, _row(inv_w), x.dtype, recipe.emulate,
+                      recipe.fast_accum)                                  # [M, N]
+        ctx.recipe, ctx.x_dtype, ctx.w_dtype = recipe, x.dtype, weight.dtype
+        if recipe.rowwise:
+            ctx.save_for_backward(x, weight)
+        else:
+            ctx.save_for_backward(xq, inv_x, wq, inv_w)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        r, (need_dx, need_dw, _) = ctx.recipe, ctx.needs_input_grad
+        f, g = r.fwd_dtype, r.grad_dtype
+        dy = dy.contiguous()                                              # [M, N]
+        dx = dw = None
+        if r.rowwise:
+            x, weight = ctx.saved_tensors
+        else:
+            xq, inv_x, wq, inv_w = ctx.saved_tensors
+            dyq, inv_dy = _cast(dy, g, r)
+        if need_dx:
+            if r.rowwise:
+                dyq, inv_dy = _cast(dy, g, r)                             # per token
+                wtq, inv_wt = _cast(weight, f, r, transpose=True)         # W^T [K, N], per k
+            else:
+                wtq, inv_wt = _t(wq, r), inv_w
+            dx = scaled_mm(dyq, wtq.t(), inv_dy, _row(inv_wt), ctx.x_dtype, r.emulate)
+        if need_dw:
+            if r.rowwise:
+                dytq, inv_dyt = _cast(dy, g, r, transpose=True)           # dy^T [N, M], per n
+                xtq, inv_xt = _cast(x, f, r, transpose=True)              # x^T [K, M], per k
+            else:
+                dytq, inv_dyt = _t(dyq, r), inv_dy
+                xtq, inv_xt = _t(xq, r), inv_x
+            dw = scaled_mm(dytq, xtq.t(), inv_dyt, _row(inv_xt), ctx.w_dtype, r.emulate)
+        return dx, dw, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               recipe: FP8Recipe | None = None) -> torch.Tensor:
+    """y = x W^T + b for x [..., K], weight [N, K]: `F.linear` when recipe is None.
+
+    The bias is added after the GEMM, in the run's dtype. Tokens M = prod(x.shape[:-1]),
+    K and N must be multiples of 16 for the FP8 path (else see `FP8Recipe.fallback`).
+    """
+    if recipe is None:
+        return F.linear(x, weight, bias)
+    check_fp8_device(recipe, x.device)
+    k, n = x.shape[-1], weight.shape[0]
+    m = x.numel() // k if k else 0
+    if m % 16 or k % 16 or n % 16 or m == 0:
+        if not recipe.fallback:
+            raise ValueError(f"FP8 GEMM needs every dimension a positive multiple of 16; this "
+                             f"linear has tokens={m}, in={k}, out={n}: change the sizes or "
+                             f"allow the fallback (FP8Recipe(fallback=True))")
+        warnings.warn(f"FP8 linear in={k} out={n}: tokens={m} or a feature size is not a "
+                      f"multiple of 16; this call runs in {x.dtype}", stacklevel=2)
+        return F.linear(x, weight, bias)
+    y = _FP8Linear.apply(x.reshape(m, k), weight, recipe).reshape(*x.shape[:-1], n)
+    return y if bias is None else y + bias
