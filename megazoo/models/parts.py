@@ -28,11 +28,16 @@ def sequence_shard(state: ParallelState) -> int:
 
 
 def check_sequence_length(seq_len: int, state: ParallelState) -> None:
-    pieces = sequence_shard(state)
+    """`check_sequence_split` for this rank's layout."""
+    check_sequence_split(seq_len, state.tp.size, state.sp.size, state.config.sequence_parallel)
+
+
+def check_sequence_split(seq_len: int, tp: int, sp: int, megatron_sp: bool) -> None:
+    """Raise a ValueError unless `seq_len` splits into sp (times tp under Megatron SP) shards."""
+    pieces = sp * (tp if megatron_sp else 1)
     if seq_len % pieces:
-        raise ValueError(f"sequence length {seq_len} must divide by {pieces} (Ulysses sp="
-                         f"{state.sp.size}" + (f" x Megatron SP tp={state.tp.size}"
-                                               if state.config.sequence_parallel else "")
+        raise ValueError(f"sequence length {seq_len} must divide by {pieces} (Ulysses sp={sp}"
+                         + (f" x Megatron SP tp={tp}" if megatron_sp else "")
                          + "): pad the batch to a multiple of it or change the layout")
 
 
