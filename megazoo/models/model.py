@@ -25,7 +25,7 @@ from ..layers.norm import build_norm
 from ..parallel.state import ParallelState
 from .config import ModelConfig
 from .parts import (WORD_EMBEDDINGS, Embedding, check_sequence_length, full_logits, lm_logits,
-                    mean_token_loss, sp_range)
+                    mean_token_loss, sequence_shard, sp_range)
 
 LayerSpec = range | list[range] | None
 
@@ -101,6 +101,12 @@ class TransformerModel(nn.Module):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
+    def activation_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
+        """[s_local, b, h] of the hidden states one pipeline stage sends to the next, for
+        ids [batch, seq] (the pipeline executor asks the model; it knows how it cuts the
+        sequence)."""
+        return (seq // sequence_shard(self.state), batch, self.config.hidden_size)
+
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 *, hidden_states: torch.Tensor | None = None, chunk: int = 0):
         """See the module docstring. ids/labels [b, s]; hidden_states [s_local, b, h]."""
@@ -114,7 +120,9 @@ class TransformerModel(nn.Module):
             window = sp_range(input_ids.shape[1], self.state)
             x = self.embedding(input_ids[:, window], window.start)
         elif hidden_states is None:
-            raise ValueError("a chunk without the embedding needs hidden_states [s_local, b, h]")
+            raise ValueError("a chunk without the embedding needs hidden_states [s_local, b, h]; "
+                             "to run ids through every pipeline stage, call "
+                             "megazoo.pipeline.forward(model, ids, state)")
         else:
             x = hidden_states
         for i in self.chunks[chunk]:
