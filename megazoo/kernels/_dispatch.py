@@ -77,11 +77,12 @@ def triton_status() -> tuple[bool, str]:
 
 @functools.lru_cache(maxsize=None)
 def triton_module(family: str) -> ModuleType:
-    """Import ``megazoo.kernels.triton_<family>`` (defines its kernels) once."""
+    """Import ``megazoo.kernels.triton_<family>`` (defines its kernels) once; a dotted
+    `family` names the module itself (kernels kept outside the library)."""
     ok, reason = triton_status()
     if not ok:
         raise RuntimeError(f"Triton kernels unavailable: {reason}")
-    return importlib.import_module(f"megazoo.kernels.triton_{family}")
+    return importlib.import_module(family if "." in family else f"megazoo.kernels.triton_{family}")
 
 
 def _jit_arch_flags(device: torch.device) -> list[str]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _dispatch, gelu, norms, rope, softmax
+from . import _dispatch, norms
 
 
 @dataclass(frozen=True)
@@ -35,19 +35,10 @@ def _probes(device: torch.device, dtype: torch.dtype) -> dict:
 
     x = torch.randn(8, 1000, device=device, dtype=dtype, requires_grad=True)
     w = torch.randn(1000, device=device, dtype=dtype, requires_grad=True)
-    scores = torch.randn(1, 2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-    slopes = torch.tensor([0.5, 0.25], device=device)
-    q = torch.randn(16, 1, 2, 64, device=device, dtype=dtype, requires_grad=True)
-    cos, sin = rope.rope_cos_sin(torch.arange(16, device=device), 64)
     return {
-        "scaled_masked_softmax": (lambda i: run(lambda: softmax.scaled_masked_softmax(
-            scores, 0.125, slopes, True, impl=i)), softmax.unsupported(scores), False),
         "layer_norm": (lambda i: run(lambda: norms.layer_norm(x, w, w, impl=i)),
                        norms.unsupported(x), False),
         "rms_norm": (lambda i: run(lambda: norms.rms_norm(x, w, impl=i)), norms.unsupported(x), False),
-        "bias_gelu": (lambda i: run(lambda: gelu.bias_gelu(x, w, impl=i)), gelu.unsupported(x), True),
-        "apply_rope": (lambda i: run(lambda: rope.apply_rope(q, cos, sin, impl=i)),
-                       rope.unsupported(q), False),
     }
 
 
@@ -80,10 +71,6 @@ def _status_of(name: str, call, unsupported, has_cuda: bool, device: torch.devic
     fused = [c for c in choices if c.impl != "torch"]
     if not fused:
         return KernelStatus(name, "torch", triton_col, cuda_col, choices[0].reason)
-    if len(fused) > 1:
-        impl = gelu.fastest_impl(device, torch.bfloat16, True, tuple(c.impl for c in fused))
-        return KernelStatus(name, impl, triton_col, cuda_col,
-                            f"faster of {'/'.join(c.impl for c in fused)} measured (bf16, 4096^2)")
     return KernelStatus(name, fused[0].impl, triton_col, cuda_col, fused[0].reason)
 
 

@@ -9,6 +9,7 @@
     loss = model(input_ids, labels=input_ids)          # mean token loss (shifted inside)
     loss.backward(); allreduce_gradients(model, state)
 """
+from .block import TransformerBlock
 from .bloom import BloomModel
 from .build import MODEL_CLASSES, build_model, check_layout, layer_ranges, resolve_config
 from .config import ModelConfig
@@ -21,4 +22,4 @@ from .presets import PRESETS
 __all__ = ["ModelConfig", "build_model", "PRESETS", "TransformerModel", "GPTModel",
            "BloomModel", "LlamaModel", "count_parameters", "allreduce_gradients",
            "describe_parameters", "full_name", "layer_ranges", "resolve_config", "MODEL_CLASSES",
-           "check_layout"]
+           "check_layout", "TransformerBlock"]

@@ -7,6 +7,7 @@ import torch
 
 from ..layers.groups import divide
 from ..layers.heads import HeadLayout
+from ..layers.ulysses import check_sequence_split
 from ..parallel.config import ParallelConfig
 from ..parallel.state import ParallelState
 from .bloom import BloomModel
@@ -14,7 +15,6 @@ from .config import ModelConfig
 from .gpt import GPTModel
 from .llama import LlamaModel
 from .model import TransformerModel
-from .parts import check_sequence_split
 from .presets import PRESETS
 
 MODEL_CLASSES = {"gpt": GPTModel, "bloom": BloomModel, "llama": LlamaModel}
@@ -57,7 +57,7 @@ def check_layout(config: ModelConfig, parallel: ParallelConfig,
     config.padded_vocab(parallel.tp)
     if seq_length is None:
         return
-    check_sequence_split(seq_length, parallel.tp, parallel.sp, parallel.sequence_parallel)
+    check_sequence_split(seq_length, parallel.tp, parallel.sp, parallel.megatron_sp)
     if config.position_embedding == "learned" and seq_length > config.max_position_embeddings:
         raise ValueError(f"--seq-length {seq_length} exceeds --max-position-embeddings "
                          f"{config.max_position_embeddings}")

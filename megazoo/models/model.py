@@ -20,12 +20,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import ColumnParallelLinear, NormalInit, TransformerBlock, set_tp_layout
+from ..layers import ColumnParallelLinear, NormalInit, set_tp_layout
 from ..layers.norm import build_norm
 from ..parallel.state import ParallelState
+from .block import TransformerBlock
 from .config import ModelConfig
 from .parts import (WORD_EMBEDDINGS, Embedding, check_sequence_length, full_logits, lm_logits,
-                    mean_token_loss, sequence_shard, sp_range)
+                    mean_token_loss, sequence_shard, ulysses_window)
 
 LayerSpec = range | list[range] | None
 
@@ -68,7 +69,7 @@ class TransformerModel(nn.Module):
         self.final_norm = self.output_layer = None
         if post_process:
             self.final_norm = build_norm(config.norm, config.hidden_size, config.norm_eps,
-                                         sequence_parallel=self.state.config.sequence_parallel,
+                                         sequence_parallel=self.state.config.megatron_sp,
                                          **factory)
             self.output_layer = self._build_head(seed, factory)
         self.set_recompute(config.recompute, config.recompute_num_layers)
@@ -117,7 +118,7 @@ class TransformerModel(nn.Module):
             if input_ids is None:
                 raise ValueError("the first chunk of the first stage needs input_ids [b, s]")
             check_sequence_length(input_ids.shape[1], self.state)
-            window = sp_range(input_ids.shape[1], self.state)
+            window = ulysses_window(input_ids.shape[1], self.state)
             x = self.embedding(input_ids[:, window], window.start)
         elif hidden_states is None:
             raise ValueError("a chunk without the embedding needs hidden_states [s_local, b, h]; "

@@ -43,12 +43,12 @@ from ..models.config import ModelConfig
 from .layout import Resolved
 
 
-def block_coefficients(config: ModelConfig, tp: int, sp: int, sequence_parallel: bool,
+def block_coefficients(config: ModelConfig, tp: int, sp: int, megatron_sp: bool,
                        recompute: str) -> dict[str, float]:
     """Bytes per s b h / sp kept by one block, by part (see the table above)."""
     h, f, kv = config.hidden_size, config.ffn_hidden_size, config.num_key_value_heads * config.head_dim
     t = tp
-    seq_par = sequence_parallel and tp > 1
+    seq_par = megatron_sp and tp > 1
     parts = {
         "norm_inputs": 4 / (t if seq_par else 1),
         "matmul_inputs": 4.0,
@@ -72,10 +72,10 @@ def stage_activations(config: ModelConfig, layout: Resolved) -> dict[str, float]
     """
     s, b, h = layout.seq_length, layout.micro_batch_size, config.hidden_size
     t, sp = layout.tp, layout.sp
-    seq_par = layout.megatron_sp
+    seq_par = layout.megatron_sp_on
     sbh = s * b * h / sp
-    full_block = sbh * sum(block_coefficients(config, t, sp, layout.sequence_parallel, "none").values())
-    kept = sbh * sum(block_coefficients(config, t, sp, layout.sequence_parallel, "selective").values())
+    full_block = sbh * sum(block_coefficients(config, t, sp, layout.megatron_sp, "none").values())
+    kept = sbh * sum(block_coefficients(config, t, sp, layout.megatron_sp, "selective").values())
     block = {"none": full_block, "selective": kept,
              "full": 2 * sbh / (t if seq_par else 1)}[layout.recompute]
     p, v = layout.pp, layout.vpp

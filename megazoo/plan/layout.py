@@ -46,7 +46,7 @@ class Resolved:
     micro_batch_size: int
     seq_length: int
     num_micro_batches: int
-    sequence_parallel: bool
+    megatron_sp: bool
     recompute: str
     zero_impl: str
     zero_stage: int
@@ -61,9 +61,9 @@ class Resolved:
         return self.tp * self.sp * self.pp * self.dp
 
     @property
-    def megatron_sp(self) -> bool:
+    def megatron_sp_on(self) -> bool:
         """Megatron sequence parallelism in effect (it needs tp > 1)."""
-        return self.sequence_parallel and self.tp > 1
+        return self.megatron_sp and self.tp > 1
 
 
 def _zero(args: PretrainArgs, dp: int) -> tuple[int, str, float, str]:
@@ -95,7 +95,7 @@ def resolve(args: PretrainArgs, options: PlanOptions | None = None) -> Resolved:
         tp=par.tp, sp=par.sp, pp=par.pp, vpp=par.vpp, dp=dp,
         micro_batch_size=t.micro_batch_size, seq_length=args.data.seq_length,
         num_micro_batches=max(1, t.global_batch_size // (t.micro_batch_size * dp)),
-        sequence_parallel=par.sequence_parallel, recompute=args.model.recompute,
+        megatron_sp=par.megatron_sp, recompute=args.model.recompute,
         zero_impl=args.zero.zero_impl, zero_stage=stage, offload_optimizer=offload_optimizer,
         offload_optimizer_ratio=ratio, offload_param=offload_param,
         fsdp_reshard_after_forward=args.zero.fsdp_reshard_after_forward,

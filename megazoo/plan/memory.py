@@ -145,7 +145,7 @@ def _comm_buffers(config: ModelConfig, layout: Resolved, n_gpu: int, grad_b: int
         zero = bucket * grad_b  # reduce bucket; prefetching is in the working set
     else:
         zero = 2 * DDP_BUCKET_BYTES if z > 1 else 0.0
-    seq_par = layout.megatron_sp
+    seq_par = layout.megatron_sp_on
     p2p = 0.0
     if layout.pp > 1:
         p2p = 2 * 2 * layout.seq_length * layout.micro_batch_size * config.hidden_size / (

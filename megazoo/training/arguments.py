@@ -40,6 +40,7 @@ ALIASES = {
     "sp": ["--sequence-parallel-size", "--ds-sequence-parallel-size"],
     "vpp": ["--virtual-pipeline-model-parallel-size"],
     "order": ["--parallel-order"],
+    "megatron_sp": ["--sequence-parallel"],
     "recompute": ["--recompute-granularity", "--recompute"],
     "init_std": ["--init-method-std"],
     "deepspeed_config": ["--deepspeed_config", "--deepspeed-config"],
@@ -50,7 +51,7 @@ MODEL_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
                 "make_vocab_size_divisible_by", "position_embedding", "norm", "activation",
                 "rope_theta", "init_std", "hidden_dropout", "attention_dropout", "recompute",
                 "recompute_num_layers", "attention_backend")
-PARALLEL_FIELDS = ("tp", "sp", "pp", "vpp", "sequence_parallel", "order")
+PARALLEL_FIELDS = ("tp", "sp", "pp", "vpp", "megatron_sp", "order")
 # Group name in PretrainArgs -> (dataclass, fields exposed; None: all).
 GROUPS = {
     "model": (ModelConfig, MODEL_FIELDS),

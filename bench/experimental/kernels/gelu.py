@@ -1,5 +1,9 @@
 """Fused bias + GeLU (the MLP's first activation), forward and backward, with a fallback.
 
+Experimental, outside the library: no model selects it (bench/model_bench.py
+`--impls megazoo-kernels` routes the MLP's GeLU through it to measure whether wiring it in
+wins; bench/README.md). Its CUDA C++ variant is csrc/fused_bias_gelu.cu.
+
 Function computed by every implementation, for ``x [..., N]`` and ``bias [N]`` (cast to
 x's dtype first), in float32, rounded once to ``x.dtype``:
 
@@ -26,7 +30,9 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from . import _dispatch
+from megazoo.kernels import _dispatch
+
+TRITON_MODULE = "bench.experimental.kernels.triton_gelu"
 
 _APPROXIMATE = ("tanh", "none")
 
@@ -41,7 +47,7 @@ def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor, approximate: str = 
 def _fused_module(impl: str, device: torch.device):
     """The object with bias_gelu_forward / bias_gelu_backward for a fused impl."""
     if impl == "triton":
-        return _dispatch.triton_module("gelu")
+        return _dispatch.triton_module(TRITON_MODULE)
     return _dispatch.cuda_extension(device.index or 0)[0]
 
 
