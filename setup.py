@@ -7,22 +7,12 @@ Install with the CPU build of torch first so pip never pulls a CUDA build:
 The C++ dataset helpers (csrc/data_helpers.cpp, pybind11 headers as shipped inside torch) are
 built wherever a C++ compiler works; if the build fails the install still succeeds and
 megazoo.data falls back to NumPy (or compiles on first use).
-
-The CUDA kernels (csrc/fused_bias_gelu.cu -> megazoo._fused_kernels) are built only where
-torch is a CUDA build and nvcc's major version equals torch.version.cuda's (no GPU is needed
-at build time: code for sm_80 and sm_90, plus PTX); elsewhere megazoo.kernels compiles them
-on first use on a GPU, or uses Triton / PyTorch. A failed build never fails the install.
 """
 import ast
-import re
-import subprocess
 from pathlib import Path
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
-
-CUDA_ARCH_FLAGS = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
-                   "-gencode=arch=compute_90,code=compute_90"]
 
 
 def _pybind11_includes() -> list[str]:
@@ -38,37 +28,6 @@ def _pybind11_includes() -> list[str]:
         return []
 
 
-def _nvcc_major(cuda_home: str | None) -> int | None:
-    """Major version of the CUDA toolkit's nvcc, or None if it cannot be run."""
-    if not cuda_home:
-        return None
-    try:
-        out = subprocess.run([f"{cuda_home}/bin/nvcc", "--version"], capture_output=True,
-                             text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    found = re.search(r"release (\d+)\.", out)
-    return int(found.group(1)) if found else None
-
-
-def _cuda_kernels():
-    """(the CUDAExtension of the fused kernels or None, one line saying why not)."""
-    try:
-        import torch
-        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
-    except ImportError as exc:
-        return None, None, f"torch.utils.cpp_extension unavailable ({exc})"
-    if not torch.version.cuda:
-        return None, None, "torch is a CPU build"
-    nvcc = _nvcc_major(CUDA_HOME)
-    if nvcc != int(torch.version.cuda.split(".")[0]):
-        return None, None, f"nvcc major {nvcc} != torch CUDA {torch.version.cuda}"
-    ext = CUDAExtension("megazoo._fused_kernels", ["csrc/fused_bias_gelu.cu"],
-                        extra_compile_args={"cxx": ["-O3", "-std=c++17"],
-                                            "nvcc": ["-O3", "-std=c++17"] + CUDA_ARCH_FLAGS})
-    return ext, BuildExtension, "ok"
-
-
 def _console_scripts() -> list[str]:
     """`name = module:function` for each command in megazoo/cli.py's COMMANDS (read, not imported)."""
     tree = ast.parse((Path(__file__).resolve().parent / "megazoo" / "cli.py").read_text())
@@ -80,17 +39,8 @@ def _console_scripts() -> list[str]:
     raise RuntimeError("megazoo/cli.py defines no COMMANDS")
 
 
-CUDA_KERNELS, TORCH_BUILD_EXT, CUDA_WHY = _cuda_kernels()
-if CUDA_KERNELS is None:
-    print(f"megazoo: not building megazoo._fused_kernels ({CUDA_WHY}); "
-          "megazoo.kernels compiles it on first use on a GPU, or uses Triton / PyTorch")
-
-
-class OptionalBuildExt(TORCH_BUILD_EXT or build_ext):
-    """Build extensions where a toolchain works; warn and go on where it does not.
-
-    Based on torch's BuildExtension (which knows .cu files) when the CUDA kernels are built.
-    """
+class OptionalBuildExt(build_ext):
+    """Build extensions where a toolchain works; warn and go on where it does not."""
 
     def build_extension(self, ext):
         try:
@@ -113,7 +63,7 @@ setup(
     description="A Megatron-style model zoo: tensor, sequence, pipeline and ZeRO parallelism",
     python_requires=">=3.10",
     packages=find_packages(include=["megazoo", "megazoo.*"]),
-    ext_modules=[DATA_HELPERS] + ([CUDA_KERNELS] if CUDA_KERNELS is not None else []),
+    ext_modules=[DATA_HELPERS],
     cmdclass={"build_ext": OptionalBuildExt},
     entry_points={"console_scripts": _console_scripts()},
     install_requires=[
@@ -130,5 +80,6 @@ setup(
         # triton: the Triton kernels' tests run on CPU tensors under its interpreter
         # (tests/conftest.py); wheels exist for Linux only, elsewhere those tests skip.
         "test": ["pytest", "pytest-timeout", "matplotlib", "triton; platform_system == 'Linux'"],
+        "plot": ["matplotlib"],
     },
 )

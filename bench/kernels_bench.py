@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import print_table, time_cuda, write_json
+from bench.experimental import kernels as X
 from megazoo import kernels as K
 from megazoo.kernels import _dispatch
 
@@ -65,15 +66,15 @@ def _cases(device, dtype, small: bool) -> list[Case]:
     slopes = torch.rand(h, device=device)
     scores = r(b, h, s, s)
     n_sc = scores.numel() * e
-    cos, sin = K.rope_cos_sin(torch.arange(s_rope, device=device), d)
+    cos, sin = X.rope_cos_sin(torch.arange(s_rope, device=device), d)
     rows, cols = (tokens, hidden)
     gx = r(tokens // 4, ffn)
     n_x, n_g, q = rows * cols * e, gx.numel() * e, r(s_rope, b, heads, d)
 
     def softmax_case(name, alibi):
         sl = slopes if alibi else None
-        ref = lambda x: K.softmax_reference(x, 0.125, sl, True)  # noqa: E731
-        impls = {"triton": lambda x: K.scaled_masked_softmax(x, 0.125, sl, True, impl="triton"),
+        ref = lambda x: X.softmax_reference(x, 0.125, sl, True)  # noqa: E731
+        impls = {"triton": lambda x: X.scaled_masked_softmax(x, 0.125, sl, True, impl="triton"),
                  "eager": ref}
         # fwd: read scores, write probs; bwd: read probs and dprobs, write dscores
         return Case(name, [scores], 1, impls, 2 * n_sc, 5 * n_sc)
@@ -84,14 +85,14 @@ def _cases(device, dtype, small: bool) -> list[Case]:
                 "native": lambda x_, w, b_: F.layer_norm(x_, (cols,), w, b_, 1e-5)}
     rms_impls = {"triton": _fused(K.rms_norm, "triton"), "eager": K.rms_norm_reference,
                  "native": lambda x_, w: F.rms_norm(x_, (cols,), w, 1e-6)}
-    gelu_impls = {i: (lambda impl: lambda x_, b_: K.bias_gelu(x_, b_, "tanh", impl=impl))(i)
+    gelu_impls = {i: (lambda impl: lambda x_, b_: X.bias_gelu(x_, b_, "tanh", impl=impl))(i)
                   for i in ("triton", "cuda")}
-    gelu_impls["eager"] = lambda x_, b_: K.bias_gelu_reference(x_, b_, "tanh")
-    erf_impls = {i: (lambda impl: lambda x_, b_: K.bias_gelu(x_, b_, "none", impl=impl))(i)
+    gelu_impls["eager"] = lambda x_, b_: X.bias_gelu_reference(x_, b_, "tanh")
+    erf_impls = {i: (lambda impl: lambda x_, b_: X.bias_gelu(x_, b_, "none", impl=impl))(i)
                  for i in ("triton", "cuda")}
-    erf_impls["eager"] = lambda x_, b_: K.bias_gelu_reference(x_, b_, "none")
-    rope_impls = {"triton": lambda x_: K.apply_rope(x_, cos, sin, impl="triton"),
-                  "eager": lambda x_: K.rope_reference(x_, cos, sin)}
+    erf_impls["eager"] = lambda x_, b_: X.bias_gelu_reference(x_, b_, "none")
+    rope_impls = {"triton": lambda x_: X.apply_rope(x_, cos, sin, impl="triton"),
+                  "eager": lambda x_: X.rope_reference(x_, cos, sin)}
     n_q = q.numel() * e
     return [
         softmax_case(f"softmax causal [{b},{h},{s},{s}]", False),

@@ -41,7 +41,8 @@ from megazoo.models import ModelConfig, allreduce_gradients, build_model
 from megazoo.models.build import resolve_config
 from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.pipeline.executor import run_pipeline
-from megazoo.plan import GB, TrainingLayout, estimate_memory
+from megazoo.plan import GB, estimate_memory
+from megazoo.training.config import DataConfig, PretrainArgs, TrainingConfig
 
 LLAMA_1B4 = dict(family="llama", num_layers=24, hidden_size=2048, num_attention_heads=16,
                  ffn_hidden_size=5504, vocab_size=32000, max_position_embeddings=2048)
@@ -105,11 +106,12 @@ def run_layout(row, args, device) -> dict:
     name, spec, mb, recompute, tp, sp, pp, seq_par = row
     seq = 64 if args.dry_run else SEQ
     config = dataclasses.replace(model_config(spec, args.dry_run, pp), recompute=recompute)
-    state = ParallelState.initialize(ParallelConfig(tp=tp, sp=sp, pp=pp, sequence_parallel=seq_par))
-    layout = TrainingLayout(tp=tp, sp=sp, pp=pp, dp=1, micro_batch_size=mb, seq_length=seq,
-                            num_micro_batches=MICRO_BATCHES if pp > 1 else None,
-                            sequence_parallel=seq_par, recompute=recompute)
-    est = estimate_memory(config, layout)
+    parallel = ParallelConfig(tp=tp, sp=sp, pp=pp, sequence_parallel=seq_par)
+    state = ParallelState.initialize(parallel)
+    steps = MICRO_BATCHES if pp > 1 else 1
+    est = estimate_memory(PretrainArgs(  # the run these steps are: ZeRO stage 0, dp 1
+        model=config, parallel=dataclasses.replace(parallel, dp=1), data=DataConfig(seq_length=seq),
+        training=TrainingConfig(micro_batch_size=mb, global_batch_size=mb * steps)))
     _release(device)
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     model = build_model(config, state, device=device, dtype=torch.bfloat16, seed=0)

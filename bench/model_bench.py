@@ -8,7 +8,7 @@ forward + backward + optimizer. Each (family, implementation) runs in its own su
 peak memory is its own; the matmul ceiling is measured once, in the parent.
 
 `--impls megazoo-kernels` is megazoo with its GeLU routed through the fused bias+GeLU kernel
-of `megazoo.kernels` instead of F.gelu, the end-to-end check of whether wiring it in wins.
+of `bench/experimental/kernels` instead of F.gelu, the end-to-end check of whether wiring it in wins.
 (The norms made the same check on 2026-11-23 against F.layer_norm and the compiled RMSNorm,
 won, and now run the Triton kernels on CUDA by default, `layers/norm.py`.)
 
@@ -62,8 +62,8 @@ def megazoo_model(family: str):
 
 
 def use_fused_kernels() -> None:
-    """Route megazoo's GeLU through megazoo.kernels.bias_gelu (this process only)."""
-    from megazoo import kernels
+    """Route megazoo's GeLU through the experimental bias_gelu kernel (this process only)."""
+    from experimental import kernels
     from megazoo.layers import mlp
 
     zero_bias = {}

@@ -23,7 +23,7 @@ from bench.common import print_table, write_json
 from megazoo.models import ModelConfig, build_model
 from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.pipeline import build_schedule, simulate
-from megazoo.pipeline.executor import activation_shape, run_pipeline
+from megazoo.pipeline.executor import run_pipeline
 
 
 DEVICE = "cuda"
@@ -51,7 +51,7 @@ def chunk_times(model, state, batch, seq, vocab, iters=5) -> list[tuple[float, f
     """Per local chunk: mean forward and backward seconds on one micro-batch, measured as the
     pipeline runs it (the embedding on the first chunk of the first stage, the head and the
     loss on the last chunk of the last stage)."""
-    shape = activation_shape(model, batch, seq)
+    shape = model.activation_shape(batch, seq)
     ids = torch.randint(0, vocab, (batch, seq), device=DEVICE)
     out = []
     for c in range(len(model.chunks)):
@@ -125,7 +125,7 @@ def main() -> None:
         state = ParallelState.initialize(ParallelConfig(pp=2, vpp=vpp))
         model = build_model(cfg, state, device=DEVICE, dtype=torch.bfloat16, seed=0)
         tf, tb = stage_times(model, state, args)
-        t_p2p = p2p_time(activation_shape(model, args.micro_batch, args.seq))
+        t_p2p = p2p_time(model.activation_shape(args.micro_batch, args.seq))
         for m in args.microbatches:
             if vpp > 1 and m % 2:
                 continue

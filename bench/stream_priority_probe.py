@@ -4,7 +4,7 @@
     python -m bench.stream_priority_probe --backends default --green-sms 0 124 --out p.json
     python -m bench.stream_priority_probe --dry-run      # CPU: checks the script only
 
-The overlapped Ulysses pipeline (ulysses_overlap.py) issues chunk c+1's all-to-all while
+The overlapped Ulysses pipeline (experimental/ulysses_overlap.py) issues chunk c+1's all-to-all while
 chunk c's attention runs. That only overlaps if the all-to-all's kernels get SMs while the
 attention kernel runs. This probe stands in for them with a copy of one chunk's payload
 (1/chunks of 16 heads' q, k, v; 16 heads x 128 is what one rank of two attends), issued on a

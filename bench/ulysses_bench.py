@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 -m bench.ulysses_bench --chunks 2 8 --out ulysses.json  # k=2, 8 too
     torchrun --nproc-per-node 2 -m bench.ulysses_bench --dry-run        # CPU, gloo, tiny
 
-Three implementations in one run: "ours" = UlyssesOverlapAttention (ulysses_overlap.py: the
+Three implementations in one run: "ours" = UlyssesOverlapAttention (experimental/ulysses_overlap.py: the
 rank's heads in k chunks, each chunk's all-to-alls overlapping another chunk's attention in
 forward and backward; k automatic, 4 at 32 heads on 2 ranks), "plain" = UlyssesAttention (one
 all-to-all for q, k, v, then attention, then one all-to-all: nothing overlapped), and DeepSpeed.
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from bench.common import environment, print_table, time_ms, write_json
 from megazoo.layers import UlyssesAttention
-from megazoo.layers.ulysses_overlap import UlyssesOverlapAttention
+from experimental.ulysses_overlap import UlyssesOverlapAttention
 
 
 def parse_args(argv=None):

@@ -16,7 +16,7 @@ parameters kept from forward to backward (--no-fsdp-reshard-after-forward); "hf"
 DeepSpeed + Hugging Face GPT2 with the same DeepSpeed config (`megazoo.training.ds_config`).
 Reported: tokens/s (median step after warm-up), the ratio to the peer (target >= 1.3), peak
 GPU memory allocated and reserved, peak host RSS, and `megazoo.plan.estimate_memory` for the
-layout (zero_impl="fsdp2" for the FSDP2 rows). `bench/offload_probe.py` breaks a step down.
+run (the same PretrainArgs the engine trains with). `bench/offload_probe.py` breaks a step down.
 
 `--largest` asks the planner for the largest candidate GPT (full recompute, micro-batch 1,
 ZeRO-3 + CPU optimizer offload, parameter offload only if needed) that fits --gpu-gb of GPU
@@ -66,30 +66,27 @@ def model_config(shape: dict, recompute: str = "none"):
 
 
 def run_args(shape: dict, par, *, dp: int, bf16: bool, offload_param: str = "none",
-             offload_optimizer: str = "cpu", recompute: str = "none", ratio: float = 1.0):
-    from megazoo.training.config import PretrainArgs, TrainingConfig
+             offload_optimizer: str = "cpu", recompute: str = "none", ratio: float = 1.0,
+             zero_impl: str = "deepspeed", reshard: bool = True):
+    """The run's PretrainArgs for `shape`: what the engines train with and the planner plans."""
+    from megazoo.training.config import DataConfig, PretrainArgs, TrainingConfig
     from megazoo.training.zero_config import ZeroConfig
 
     training = TrainingConfig(micro_batch_size=shape["batch"], global_batch_size=shape["batch"] * dp,
                               lr=3e-4, min_lr=3e-4, lr_warmup_iters=0, lr_decay_style="constant",
                               weight_decay=0.0, clip_grad=1.0, bf16=bf16)
-    zero = ZeroConfig(deepspeed=True, zero_stage=3, offload_optimizer=offload_optimizer,
-                      offload_param=offload_param,
+    zero = ZeroConfig(zero_impl=zero_impl, zero_stage=3, offload_optimizer=offload_optimizer,
+                      offload_param=offload_param, fsdp_reshard_after_forward=reshard,
                       offload_optimizer_ratio=None if ratio == 1.0 else ratio)
     return PretrainArgs(model=model_config(shape, recompute), parallel=par, training=training,
-                        zero=zero)
+                        data=DataConfig(seq_length=shape["seq"]), zero=zero)
 
 
-def plan(shape: dict, *, tp=1, sp=1, offload_optimizer="cpu", offload_param="none",
-         recompute="none", gpu_gb=80.0, ratio=1.0, zero_impl="deepspeed", reshard=True) -> dict:
-    from megazoo.plan import TrainingLayout, estimate_memory
+def plan(args, gpu_gb: float = 80.0) -> dict:
+    """The planner's numbers for the run `args` (the PretrainArgs the bench trains with)."""
+    from megazoo.plan import PlanOptions, estimate_memory
 
-    layout = TrainingLayout(tp=tp, sp=sp, micro_batch_size=shape["batch"], seq_length=shape["seq"],
-                            zero_stage=3, offload_optimizer=offload_optimizer,
-                            offload_params=offload_param, offload_ratio=ratio,
-                            zero_impl=zero_impl, fsdp_reshard_after_forward=reshard,
-                            recompute=recompute, gpu_memory_gb=gpu_gb)
-    est = estimate_memory(model_config(shape, recompute), layout)
+    est = estimate_memory(args, PlanOptions(gpu_memory=gpu_gb))
     return {"plan_gpu_gb": est.gpu_total / 1e9, "plan_alloc_gb": est.allocated / 1e9,
             "plan_host_gb": est.host_per_gpu / 1e9, "plan_fits": est.fits,
             "params": est.num_parameters}
@@ -211,8 +208,9 @@ def worker(kind: str, dry: bool, warmup: int, iters: int) -> dict:
     step = builders[kind](shape, state, args)
     out = {"impl": kind, **measure(step, warmup, iters)}
     out["tokens_s"] = shape["batch"] * shape["seq"] / out["step_s"]
-    return {**out, **plan(shape, zero_impl="fsdp2" if kind.startswith("fsdp2") else "deepspeed",
-                          reshard=kind != "fsdp2-keep")}
+    planned = run_args(shape, ParallelConfig(), dp=1, bf16=not dry, reshard=kind != "fsdp2-keep",
+                       zero_impl="fsdp2" if kind.startswith("fsdp2") else "deepspeed")
+    return {**out, **plan(planned)}
 
 
 RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)  # ZeRO-3 partial offload: fraction on the host
@@ -223,12 +221,14 @@ def pick_largest(dry: bool, gpu_gb: float, host_gb: float) -> tuple[dict, str, d
     if it fits there, else the largest fraction of it that does (the rest on the GPU), and
     parameter offload only as the last resort. Host budget: --host-gb (pass less than the
     machine has, to leave room for the OS, Python and pinned staging buffers)."""
+    from megazoo.parallel import ParallelConfig
+
     for name, layers, hidden, heads in (TINY_LARGEST if dry else LARGEST):
         shape = dict(hidden=hidden, layers=layers, heads=heads, seq=64 if dry else 2048,
                      batch=1, vocab=512 if dry else 50304)
         for offload_param, ratio in [("none", r) for r in RATIOS] + [("cpu", 1.0)]:
-            p = plan(shape, offload_param=offload_param, recompute="full", gpu_gb=gpu_gb,
-                     ratio=ratio)
+            p = plan(run_args(shape, ParallelConfig(), dp=1, bf16=not dry, recompute="full",
+                              offload_param=offload_param, ratio=ratio), gpu_gb)
             if p["plan_fits"] and p["plan_host_gb"] <= host_gb:
                 return shape, offload_param, {"name": name, "offload_ratio": ratio, **p}
     raise SystemExit(f"no candidate fits {gpu_gb} GB GPU + {host_gb} GB host")
@@ -279,8 +279,8 @@ def two_gpu(dry: bool, warmup: int, iters: int) -> list[dict]:
         rows.append({"layout": name, **out, "tokens_s": shape["batch"] * shape["seq"] / out["step_s"],
                      "tflops_per_gpu": tflops / 2,
                      "mfu": None if ceiling is None else tflops / 2 / ceiling,
-                     **plan(shape, tp=par.tp, sp=par.sp, offload_optimizer=offload,
-                            zero_impl=impl)})
+                     **plan(run_args(shape, par, dp=1, bf16=not dry,
+                                     offload_optimizer=offload, zero_impl=impl))})
     return rows
 
 

@@ -16,14 +16,16 @@ layout bug (a wrong head, slope, kv replica or sequence chunk) moves results by 
 (weights are drawn with std 0.3 so that attention is far from uniform). On GPUs, 2e-3 / 2e-4:
 FlexAttention and SDPA may use TF32 tensor cores there.
 """
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
-from megazoo.layers import (NormalInit, ParallelAttention, allreduce_sequence_parallel_grads,
+from megazoo.layers import (AttentionConfig, NormalInit, ParallelAttention,
+                            allreduce_sequence_parallel_grads,
                             sequence_shard_range, shard_sequence)
 from megazoo.layers.mappings import all_reduce
 from megazoo.layers.heads import HeadLayout
-from megazoo.layers.ulysses_overlap import UlyssesOverlapAttention, choose_num_chunks
 from megazoo.parallel import ParallelConfig, ParallelState
 
 TOL = {"cpu": dict(rtol=1e-4, atol=1e-5), "cuda": dict(rtol=2e-3, atol=2e-4)}
@@ -62,13 +64,15 @@ def _pair(state, case, sequence_parallel, device, seed, overlap=None):
     hidden = heads * D
     # Large weights, so that attention scores are O(1) and a wrong position, slope or head
     # changes the output by far more than the tolerance (with std 0.02 softmax is nearly flat).
-    kwargs = dict(num_kv_heads=kv, position_embedding=pe, device=device,
-                  init_method=NormalInit(std=0.3, seed=seed, key="qkv"),
+    kwargs = dict(device=device, init_method=NormalInit(std=0.3, seed=seed, key="qkv"),
                   output_init_method=NormalInit(std=0.2, seed=seed, key="dense"))
-    layer = ParallelAttention(hidden, heads, tp_group=state.tp, sp_group=state.sp,
-                              sequence_parallel=sequence_parallel, **kwargs)
-    ref = ParallelAttention(hidden, heads, attention_backend="math", **kwargs)
+    shape = AttentionConfig(hidden, heads, num_kv_heads=kv, position_embedding=pe)
+    layer = ParallelAttention(shape, tp_group=state.tp, sp_group=state.sp,
+                              megatron_sp=sequence_parallel, **kwargs)
+    ref = ParallelAttention(replace(shape, attention_backend="math"), **kwargs)
     if overlap is not None:  # the overlapped variant in place of UlyssesAttention (no weights)
+        from bench.experimental.ulysses_overlap import UlyssesOverlapAttention
+
         layer.attention = UlyssesOverlapAttention(heads, D, num_kv_heads=kv, position_embedding=pe,
                                                   sp_group=state.sp, tp_group=state.tp, **overlap)
     rows = layer.qkv_rows().to(device)
@@ -98,7 +102,7 @@ def compare(state, case, sequence_parallel=False, device="cpu", seed=0, overlap=
     y_ref = ref(x_ref, mask, positions)
     (y_ref * grad_y).sum().backward()
 
-    groups = dict(tp_group=state.tp, sp_group=state.sp, sequence_parallel=sequence_parallel)
+    groups = dict(tp_group=state.tp, sp_group=state.sp, megatron_sp=sequence_parallel)
     local = sequence_shard_range(S, **groups)
     assert torch.equal(shard_sequence(x, **groups), x[local.start:local.stop])
     x_local = x[local.start:local.stop].clone().requires_grad_()
@@ -145,6 +149,8 @@ def check_ulysses_overlap(device="cpu"):
     """UlyssesOverlapAttention on the layouts of check_ulysses: automatic chunks, and 2 chunks
     where the kv groups per rank allow it. Returns the worst difference and the chunk counts
     each case ran with (GQA with one kv group per rank runs one chunk)."""
+    from bench.experimental.ulysses_overlap import choose_num_chunks
+
     worst, chunks = 0.0, set()
     for state in _layouts([(1, 4), (2, 2), (1, 2)], device):
         for case in CASES:
@@ -184,12 +190,13 @@ def check_bad_inputs(device="cpu"):
     state = ParallelState.initialize(ParallelConfig(sp=dist.get_world_size()))
     sp = state.sp.size
     errors = {
-        "heads": _error_of(lambda: ParallelAttention(12, 3, sp_group=state.sp, device=device)),
-        "kv_heads": _error_of(lambda: ParallelAttention(24, 6, num_kv_heads=3, tp_group=state.sp,
-                                                        device=device)),
+        "heads": _error_of(lambda: ParallelAttention(AttentionConfig(12, 3), sp_group=state.sp,
+                                                     device=device)),
+        "kv_heads": _error_of(lambda: ParallelAttention(AttentionConfig(24, 6, num_kv_heads=3),
+                                                        tp_group=state.sp, device=device)),
         "sequence": _error_of(lambda: sequence_shard_range(2 * sp + 1, sp_group=state.sp)),
     }
-    layer = ParallelAttention(16, 4, sp_group=state.sp, device=device)
+    layer = ParallelAttention(AttentionConfig(16, 4), sp_group=state.sp, device=device)
     x = torch.zeros(3, 2, 16, device=device)  # full sequence 3 * sp
     bad_mask = torch.ones(2, 3, dtype=torch.bool, device=device)  # the local, not full, length
     errors["mask"] = _error_of(lambda: layer(x, padding_mask=bad_mask))

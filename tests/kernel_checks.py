@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from bench.experimental import kernels as X
 from megazoo import kernels as K
 
 TOL = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -60,8 +61,8 @@ def check_softmax(impl: str, device, dtype, shape=(2, 3, 17, 17), alibi=True, ca
     scores = 4 * torch.randn(shape, device=device, generator=g).to(dtype)
     slopes = torch.rand(shape[1], device=device, generator=g) if alibi else None
     scale = 0.3
-    _compare(lambda s: K.scaled_masked_softmax(s, scale, slopes, causal, impl=impl),
-             lambda s: K.softmax_reference(s, scale, slopes, causal), [scores], dtype,
+    _compare(lambda s: X.scaled_masked_softmax(s, scale, slopes, causal, impl=impl),
+             lambda s: X.softmax_reference(s, scale, slopes, causal), [scores], dtype,
              f"softmax{tuple(shape)} alibi={alibi} causal={causal}")
 
 
@@ -103,8 +104,8 @@ def check_bias_gelu(impl: str, device, dtype, shape=(5, 7, 100), approximate="ta
     g = _gen(device, 4)
     x = (3 * torch.randn(shape, device=device, generator=g)).to(dtype)
     b = torch.randn(shape[-1], device=device, generator=g).to(dtype)
-    _compare(lambda x_, b_: K.bias_gelu(x_, b_, approximate, impl=impl),
-             lambda x_, b_: K.bias_gelu_reference(x_, b_, approximate), [x, b], dtype,
+    _compare(lambda x_, b_: X.bias_gelu(x_, b_, approximate, impl=impl),
+             lambda x_, b_: X.bias_gelu_reference(x_, b_, approximate), [x, b], dtype,
              f"bias_gelu{tuple(shape)} {approximate}")
 
 
@@ -115,16 +116,16 @@ def check_rope(impl: str, device, dtype, s=9, b=2, heads=(3,), d=16, batch_cos=F
     pos = torch.arange(s, device=device) + 3
     if batch_cos:
         pos = torch.stack([pos, pos * 2])[:b] if b <= 2 else pos.expand(b, s)
-    cos, sin = K.rope_cos_sin(pos, d, 10000.0)
+    cos, sin = X.rope_cos_sin(pos, d, 10000.0)
     shape = (s, b, *heads, d)
     if strided:
         qkv = torch.randn(s, b, *heads, 3 * d, device=device, generator=g).to(dtype)
         x = qkv[..., d:2 * d]
-        fused = K.apply_rope(x, cos, sin, impl=impl)  # the non-contiguous input itself
-        _close("rope strided output", fused, K.rope_reference(x, cos, sin), dtype)
+        fused = X.apply_rope(x, cos, sin, impl=impl)  # the non-contiguous input itself
+        _close("rope strided output", fused, X.rope_reference(x, cos, sin), dtype)
     x = torch.randn(shape, device=device, generator=g).to(dtype)
-    _compare(lambda x_: K.apply_rope(x_, cos, sin, impl=impl),
-             lambda x_: K.rope_reference(x_, cos, sin), [x], dtype,
+    _compare(lambda x_: X.apply_rope(x_, cos, sin, impl=impl),
+             lambda x_: X.rope_reference(x_, cos, sin), [x], dtype,
              f"rope{shape} batch_cos={batch_cos}")
 
 

@@ -17,7 +17,8 @@ from transformers import LlamaConfig
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from megazoo.layers import NormalInit, ParallelAttention, alibi_slopes, core_attention
+from megazoo.layers import (AttentionConfig, NormalInit, ParallelAttention, alibi_slopes,
+                            core_attention)
 from megazoo.layers.attention import AttentionRequest, select_backend, unsupported_reason
 from megazoo.layers import attention_kernels
 
@@ -153,8 +154,9 @@ def _plain_block(layer, x, heads, kv, pe, mask, positions):
 @pytest.mark.parametrize("backend", ["math", "sdpa"])
 @pytest.mark.parametrize("heads, kv, pe", [(6, 6, "alibi"), (8, 2, "rope"), (4, 1, "rope"), (4, 4, "none")])
 def test_block_matches_plain_torch(backend, heads, kv, pe):
-    layer = ParallelAttention(heads * D, heads, num_kv_heads=kv, position_embedding=pe,
-                              attention_backend=backend, init_method=NormalInit(0.3, 1, "qkv"),
+    layer = ParallelAttention(AttentionConfig(heads * D, heads, num_kv_heads=kv,
+                                              position_embedding=pe, attention_backend=backend),
+                              init_method=NormalInit(0.3, 1, "qkv"),
                               output_init_method=NormalInit(0.2, 1, "dense"))
     with torch.no_grad():
         layer.qkv.bias.normal_()
@@ -173,7 +175,8 @@ def test_block_matches_plain_torch(backend, heads, kv, pe):
 
 def test_dropout_only_in_training():
     torch.manual_seed(0)
-    layer = ParallelAttention(32, 4, attention_dropout=0.5, init_method=NormalInit(0.3, 2))
+    layer = ParallelAttention(AttentionConfig(32, 4, attention_dropout=0.5),
+                              init_method=NormalInit(0.3, 2))
     x = torch.randn(S, B, 32)
     layer.eval()
     y_eval = layer(x)
@@ -189,11 +192,11 @@ def test_dropout_only_in_training():
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="attention_backend must be one of"):
-        ParallelAttention(32, 4, attention_backend="xformers")
+        ParallelAttention(AttentionConfig(32, 4, attention_backend="xformers"))
     with pytest.raises(ValueError, match="position_embedding must be one of"):
-        ParallelAttention(32, 4, position_embedding="learned")
+        ParallelAttention(AttentionConfig(32, 4, position_embedding="learned"))
     with pytest.raises(ValueError, match="not divisible by num_heads"):
-        ParallelAttention(30, 4)
+        ParallelAttention(AttentionConfig(30, 4))
     q, k, v = _qkv(6, 4)
     with pytest.raises(ValueError, match="multiple of kv heads"):
         core_attention(q, k, v)

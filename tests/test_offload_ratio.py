@@ -6,7 +6,8 @@ import json
 import pytest
 
 from megazoo.models import resolve_config
-from megazoo.plan import TrainingLayout, estimate_memory
+from megazoo.plan import estimate_memory
+from test_plan import plan_args
 from megazoo.training.ds_config import build_ds_config
 from test_zero_config import args
 
@@ -28,13 +29,15 @@ def test_ratio_reaches_deepspeed_and_conflicts_are_named(tmp_path):
 def test_planner_moves_the_kept_fraction_to_the_gpu():
     """16 B per parameter (fp32 master, m, v, fp32 grads) split host:GPU as ratio:(1-ratio)."""
     cfg = resolve_config("gpt-1.3b")
-    full, part = (estimate_memory(cfg, TrainingLayout(zero_stage=3, offload_optimizer="cpu",
-                                                      offload_ratio=r)) for r in (1.0, 0.75))
+    full, part = (estimate_memory(plan_args(cfg, zero_stage=3, offload_optimizer="cpu",
+                                            offload_optimizer_ratio=None if r == 1 else r))
+                  for r in (1.0, 0.75))
     n = full.parameters_per_gpu
     assert full.host_per_gpu - part.host_per_gpu == pytest.approx(0.25 * 16 * n)
     # + DeepSpeed ZeRO-3's host buffers: bf16 gradient partitions, the largest sub-group's fp32
     # gradient buffer (sub-groups of at most 1e9 elements) and the process runtime (plan.py).
     assert full.host_per_gpu == pytest.approx(16 * n + 2 * n + 4 * min(n, 1e9) + 3.2e9)
     assert part.optimizer_states == pytest.approx(0.25 * 16 * n)
-    with pytest.raises(ValueError, match="zero_stage=3"):
-        TrainingLayout(zero_stage=2, offload_optimizer="cpu", offload_ratio=0.5)
+    with pytest.raises(ValueError, match="needs ZeRO stage 3"):  # the run's own check
+        estimate_memory(plan_args(cfg, zero_stage=2, offload_optimizer="cpu",
+                                  offload_optimizer_ratio=0.5))

@@ -21,7 +21,7 @@ def test_bad_inputs_raise_value_error_on_every_rank():
     for errors, shape in results:
         assert "not divisible by tp*sp" in errors["heads"]
         assert "cannot be split over 2 ranks" in errors["kv_heads"]
-        assert "not divisible by sp*tp" in errors["sequence"]
+        assert "sequence length 5 must divide by 2 (Ulysses sp=2)" in errors["sequence"]
         assert "padding_mask must be bool [b, s] = [2, 6]" in errors["mask"]
         assert "position_ids must be [s] or [b, s]" in errors["positions"]
         assert "expects x [s_local, b, 16]" in errors["width"]

@@ -20,9 +20,9 @@ from megazoo.pipeline import (
     interleaved_schedule,
     no_pipeline_schedule,
     one_f_one_b_schedule,
-    partition_layers,
     simulate,
 )
+from megazoo.models import layer_ranges
 from megazoo.pipeline.schedules import _with_communication
 
 F, B = ActionKind.F, ActionKind.B
@@ -206,19 +206,14 @@ def test_bad_schedule_sizes(args: tuple[int, int, int], message: str) -> None:
         build_schedule(*args)
 
 
-def test_partition_layers() -> None:
-    assert partition_layers(8, 2, 2) == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    assert partition_layers(24, 4) == [(0, 6), (6, 12), (12, 18), (18, 24)]
-    assert partition_layers(10, 2, layers_per_stage=[4, 6]) == [(0, 4), (4, 10)]
-    with pytest.raises(ValueError, match=r"24 layers cannot be split evenly over "
-                                         r"pp\*vpp = 5 stages; pass an explicit list"):
-        partition_layers(24, 5)
-    with pytest.raises(ValueError, match=r"has 3 entries but there are pp\*vpp = 4"):
-        partition_layers(8, 2, 2, layers_per_stage=[2, 3, 3])
-    with pytest.raises(ValueError, match=r"sums to 9 .* make the counts add up to 10"):
-        partition_layers(10, 2, layers_per_stage=[4, 5])
-    with pytest.raises(ValueError, match=r"num_layers must be a positive integer, got 0"):
-        partition_layers(0, 2)
+def test_layer_ranges() -> None:
+    """The one split of layers over stages (megazoo.models.layer_ranges): chunk c of rank r
+    holds block c * pp + r of the model cut into pp * vpp equal blocks."""
+    assert [layer_ranges(8, 2, 2, r) for r in (0, 1)] == [[range(0, 2), range(4, 6)],
+                                                          [range(2, 4), range(6, 8)]]
+    assert [layer_ranges(24, 4, 1, r)[0] for r in range(4)] == [range(i, i + 6) for i in (0, 6, 12, 18)]
+    with pytest.raises(ValueError, match=r"num_layers 24 must divide by pp\*vpp = 5"):
+        layer_ranges(24, 5, 1, 0)
 
 
 def test_show_writes_png(tmp_path) -> None:

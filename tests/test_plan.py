@@ -1,18 +1,36 @@
-"""The memory planner's arithmetic on hand-computed cases, and its command line."""
-import json
-import subprocess
-import sys
+"""The memory planner's arithmetic on hand-computed cases (CLI and shared checks:
+test_plan_cli.py). Layouts are the run's own configs, built by `plan_args`."""
+import dataclasses
 
 import pytest
 
 from megazoo.models import PRESETS, ModelConfig, count_parameters
-from megazoo.plan import (GB, RUNTIME_BYTES, TrainingLayout, activation_bytes, block_coefficients,
-                          estimate_memory, main, stage_parameters)
+from megazoo.parallel import ParallelConfig
+from megazoo.plan import (GB, RUNTIME_BYTES, PlanOptions, activation_bytes, block_coefficients,
+                          estimate_memory, stage_parameters)
+from megazoo.training.config import DataConfig, PretrainArgs, TrainingConfig
+from megazoo.training.zero_config import ZeroConfig
 from fixtures import tiny_config
 
 # A toy GPT: h=64, 2 layers, 8 heads, vocab 300 (padded 384 at tp=1, 512 at tp=2), 128 positions.
 TOY = tiny_config("gpt", max_position_embeddings=128)
 BLOCK = 12 * 64 * 64 + 13 * 64  # 49,984
+
+
+def plan_args(model=TOY, *, seq_length=2048, micro_batch_size=1, dp=1, micro_batches=None,
+              recompute="none", tp=1, sp=1, pp=1, vpp=1, sequence_parallel=False, **zero):
+    """The run's PretrainArgs for a layout: `micro_batches` per step (default pp, the pipeline
+    full), `zero`: ZeroConfig fields (zero_impl defaults to deepspeed when a stage is given)."""
+    if zero.get("zero_stage") and "zero_impl" not in zero:
+        zero["zero_impl"] = "deepspeed"
+    m = micro_batches or pp
+    return PretrainArgs(
+        model=dataclasses.replace(model, recompute=recompute),
+        parallel=ParallelConfig(tp=tp, sp=sp, pp=pp, vpp=vpp, dp=dp,
+                                sequence_parallel=sequence_parallel),
+        training=TrainingConfig(micro_batch_size=micro_batch_size,
+                                global_batch_size=micro_batch_size * dp * m),
+        data=DataConfig(seq_length=seq_length), zero=ZeroConfig(**zero))
 
 
 def test_stage_parameters_by_hand():
@@ -34,14 +52,14 @@ def test_activation_formula_counts_our_block():
     # s=128, b=2, h=64: s b h = 16,384. tp=1: norms 4 + matmul inputs 4 + qkv 6 + dense
     # input 2 + MLP 8 + 8 = 32.
     def act(**kw):
-        return activation_bytes(TOY, TrainingLayout(seq_length=128, micro_batch_size=2, **kw))
+        return activation_bytes(plan_args(seq_length=128, micro_batch_size=2, **kw))
     assert act()["block"] == 16384 * 32
     assert act(recompute="selective")["block"] == 16384 * 32  # no RoPE, no extra copy: same
     assert act(recompute="full")["block"] == 2 * 16384
     # tp=2 without SP: norms and matmul inputs full (8), the rest (24) halved.
-    assert act(tp=2, sequence_parallel=False)["block"] == 16384 * (8 + 12)
+    assert act(tp=2)["block"] == 16384 * (8 + 12)
     # tp=2 with SP: norm inputs halved (2), matmul inputs gathered (4), the rest halved (12).
-    assert act(tp=2)["block"] == 16384 * (2 + 4 + 12)
+    assert act(tp=2, sequence_parallel=True)["block"] == 16384 * (2 + 4 + 12)
     # sp=2: everything per s/2 tokens, plus the all-to-all's copy of the attention output.
     assert act(sp=2)["block"] == 8192 * (32 + 2)
     logits = 128 * 2 * 384 * 10  # bf16 logits + fp32 copy + fp32 exp in the loss's forward
@@ -54,7 +72,7 @@ def test_activation_formula_counts_our_block():
     assert act(pp=2, dp=1)["first"] == 1 * 16384 * 32 * 2
     toy4 = ModelConfig(family="gpt", num_layers=4, hidden_size=64, num_attention_heads=8,
                        vocab_size=300, max_position_embeddings=128)
-    inter = activation_bytes(toy4, TrainingLayout(seq_length=128, micro_batch_size=2, pp=2, vpp=2))
+    inter = activation_bytes(plan_args(toy4, seq_length=128, micro_batch_size=2, pp=2, vpp=2))
     assert inter["first"] == pytest.approx(2 * 16384 * 32 * 2 * 1.25)
 
 
@@ -72,21 +90,21 @@ def test_activation_terms_of_llama_and_bloom():
     bloom = ModelConfig(family="bloom", num_layers=1, hidden_size=64, num_attention_heads=8,
                         vocab_size=300, max_position_embeddings=128)
     assert sum(block_coefficients(bloom, 1, 1, False, "none").values()) == 34
-    est = activation_bytes(bloom, TrainingLayout(seq_length=128, micro_batch_size=2))
+    est = activation_bytes(plan_args(bloom, seq_length=128, micro_batch_size=2))
     assert est["post"] == 16384 * (4 + 2)
 
 
 def test_mixed_precision_and_zero_bytes():
     n = count_parameters(TOY)
-    plain = estimate_memory(TOY, TrainingLayout(seq_length=128))
+    plain = estimate_memory(plan_args(seq_length=128))
     assert (plain.parameters, plain.gradients, plain.optimizer_states) == (2 * n, 2 * n, 12 * n)
     assert plain.communication_buffers == RUNTIME_BYTES
-    z1 = estimate_memory(TOY, TrainingLayout(seq_length=128, dp=4, zero_stage=1))
+    z1 = estimate_memory(plan_args(seq_length=128, dp=4, zero_stage=1))
     assert z1.optimizer_states == 12 * n / 4 and z1.gradients == 2 * n
-    z2 = estimate_memory(TOY, TrainingLayout(seq_length=128, dp=2, sp=2, zero_stage=2,
-                                             fp32_grad_accumulation=True))
+    z2 = estimate_memory(plan_args(seq_length=128, dp=2, sp=2, zero_stage=2),
+                         PlanOptions(fp32_grad_accumulation=True))
     assert z2.gradients == 4 * n / 4  # ZeRO partitions over dp * sp
-    off = estimate_memory(TOY, TrainingLayout(seq_length=128, dp=4, zero_stage=2, offload_optimizer="cpu"))
+    off = estimate_memory(plan_args(seq_length=128, dp=4, zero_stage=2, offload_optimizer="cpu"))
     assert off.optimizer_states == 0 and off.host_per_gpu == 16 * n / 4
     assert off.host_per_node == 4 * off.host_per_gpu
     subtotal = sum(getattr(plain, k) for k in ("parameters", "gradients", "optimizer_states",
@@ -99,23 +117,23 @@ def test_mixed_precision_and_zero_bytes():
 
 def test_zero3_working_set():
     n = count_parameters(TOY)
-    est = estimate_memory(TOY, TrainingLayout(seq_length=128, dp=8, zero_stage=3))
+    est = estimate_memory(plan_args(seq_length=128, dp=8, zero_stage=3))
     # Units: 2 blocks of 49,984 and the embedding (384 + 128 positions) x 64 = 32,768; the head
     # is tied. The two largest are blocks: one computing, one prefetched.
     assert est.parameters == 2 * n / 8 + 2 * (BLOCK + BLOCK)
     assert est.gradients == 2 * n / 8 + 2 * BLOCK
     big_vocab = ModelConfig(family="gpt", num_layers=2, hidden_size=64, num_attention_heads=8,
                             vocab_size=5000, max_position_embeddings=128)  # padded 5,120
-    est = estimate_memory(big_vocab, TrainingLayout(seq_length=128, dp=8, zero_stage=3))
+    est = estimate_memory(plan_args(big_vocab, seq_length=128, dp=8, zero_stage=3))
     emb = 5120 * 64 + 128 * 64
     assert est.parameters == 2 * count_parameters(big_vocab) / 8 + 2 * (emb + BLOCK)
 
 
 def test_bloom_176b_claim_is_false():
     """'BLOOM-176B on 8x A100-80GB with ZeRO-3 + CPU optimizer offload in < 24 GB/GPU'."""
-    layout = TrainingLayout(dp=8, zero_stage=3, offload_optimizer="cpu", recompute="full",
-                            micro_batch_size=1, seq_length=2048, gpu_memory_gb=80)
-    est = estimate_memory(PRESETS["bloom-176b"], layout)
+    layout = plan_args(PRESETS["bloom-176b"], dp=8, zero_stage=3, offload_optimizer="cpu",
+                       recompute="full", micro_batch_size=1, seq_length=2048)
+    est = estimate_memory(layout, PlanOptions(gpu_memory=80))
     assert est.num_parameters == 176_247_271_424
     assert est.parameters >= 176_247_271_424 * 2 / 8  # bf16 shards stay on the GPU: 44 GB
     assert est.gpu_total > 24 * GB and not est.fits
@@ -129,8 +147,8 @@ def test_fsdp2_offload_moves_parameters_and_has_no_buckets():
     only the ZeRO-3 working set on the GPU; DeepSpeed keeps the bf16 shards and its buckets."""
     n = count_parameters(TOY)
     kw = dict(seq_length=128, dp=4, zero_stage=3, offload_optimizer="cpu")
-    ds = estimate_memory(TOY, TrainingLayout(**kw))
-    fsdp = estimate_memory(TOY, TrainingLayout(**kw, zero_impl="fsdp2"))
+    ds = estimate_memory(plan_args(**kw))
+    fsdp = estimate_memory(plan_args(**kw, zero_impl="fsdp2"))
     assert fsdp.parameters == 2 * (BLOCK + BLOCK) and ds.parameters == 2 * n / 4 + fsdp.parameters
     assert fsdp.optimizer_states == 0 and fsdp.gradients == 2 * BLOCK
     assert fsdp.communication_buffers == RUNTIME_BYTES < ds.communication_buffers
@@ -141,8 +159,8 @@ def test_fsdp2_without_reshard_keeps_every_unit_gathered():
     """--no-fsdp-reshard-after-forward: the whole stage's bf16 parameters instead of 2 units."""
     n = count_parameters(TOY)
     kw = dict(seq_length=128, dp=4, zero_stage=3, offload_optimizer="cpu", zero_impl="fsdp2")
-    keep = estimate_memory(TOY, TrainingLayout(**kw, fsdp_reshard_after_forward=False))
-    reshard = estimate_memory(TOY, TrainingLayout(**kw))
+    keep = estimate_memory(plan_args(**kw, fsdp_reshard_after_forward=False))
+    reshard = estimate_memory(plan_args(**kw))
     assert keep.parameters == 2 * n and reshard.parameters == 2 * (BLOCK + BLOCK)
     assert keep.gradients == reshard.gradients and keep.host_per_gpu == reshard.host_per_gpu
 
@@ -153,37 +171,9 @@ def test_gpt_1_3b_fsdp2_plan_matches_the_h100_runs():
     kw = dict(micro_batch_size=4, seq_length=2048, zero_stage=3, offload_optimizer="cpu",
               zero_impl="fsdp2")
     for reshard, measured in ((True, 17.4), (False, 19.8)):
-        est = estimate_memory(PRESETS["gpt-1.3b"], TrainingLayout(**kw, fsdp_reshard_after_forward=reshard))
+        est = estimate_memory(plan_args(PRESETS["gpt-1.3b"], **kw,
+                                        fsdp_reshard_after_forward=reshard))
         assert est.allocated / GB == pytest.approx(measured, rel=0.02), reshard
-
-
-@pytest.mark.parametrize("bad", [dict(zero_stage=4), dict(offload_params="cpu", zero_stage=2),
-                                 dict(offload_optimizer="cpu"), dict(vpp=2), dict(recompute="x"),
-                                 dict(zero_impl="fsdp2", zero_stage=2), dict(zero_impl="zero"),
-                                 dict(zero_impl="fsdp2", zero_stage=3, offload_optimizer="cpu",
-                                      offload_ratio=0.5),
-                                 dict(zero_stage=3, fsdp_reshard_after_forward=False)])
-def test_layout_validation(bad):
-    with pytest.raises(ValueError):
-        TrainingLayout(**bad)
-
-
-def test_cli_bad_layout_is_one_line_exit_2(capsys):
-    assert main(["--model", "gpt-1.3b", "--offload-optimizer", "cpu"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "zero_stage" in err and "Traceback" not in err
-
-
-def test_cli_json_reports_exact_count(capsys):
-    assert main(["--model", "bloom-176b", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["num_parameters"] == 176247271424
-
-
-def test_cli_module_entry_point():
-    out = subprocess.run([sys.executable, "-m", "megazoo.plan", "--model", "bloom-176b", "--dp", "8",
-                          "--zero-stage", "3", "--offload-optimizer", "cpu", "--recompute", "full",
-                          "--gpu-memory", "80"], capture_output=True, text=True, check=True).stdout
-    assert "does NOT fit" in out and "176,247,271,424" in out
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
@@ -210,5 +200,5 @@ def test_block_coefficients_match_what_a_gpt_block_saves(recompute):
         model.layers["0"](x)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = sum(n for ptr, n in storages.items() if ptr not in params)
-    layout = TrainingLayout(seq_length=128, micro_batch_size=2, recompute=recompute)
-    assert saved == pytest.approx(activation_bytes(cfg, layout)["block"], rel=0.01)
+    layout = plan_args(cfg, seq_length=128, micro_batch_size=2, recompute=recompute)
+    assert saved == pytest.approx(activation_bytes(layout)["block"], rel=0.01)

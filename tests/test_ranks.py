@@ -82,3 +82,19 @@ def test_single_process_state():
     assert str(state) == "TP1-SP1-PP1-DP1 rank 0"
     with pytest.raises(ValueError, match="not divisible"):
         ParallelState.single(ParallelConfig(tp=2))
+
+
+def test_megatron_sp_is_named_apart_and_megatron_spelling_still_works():
+    """Megatron SP is `megatron_sp`; `sequence_parallel=` (Megatron's name, the public keyword)
+    builds the same config, and Ulysses stays `sp`."""
+    from dataclasses import asdict, replace
+
+    from megazoo.training.arguments import parse_args
+
+    new, old = ParallelConfig(tp=2, megatron_sp=True), ParallelConfig(tp=2, sequence_parallel=True)
+    assert new == old and old.sequence_parallel and replace(old, dp=1).megatron_sp
+    assert asdict(new)["megatron_sp"] and "sequence_parallel" not in asdict(new)
+    with pytest.raises(ValueError, match="disagree"):
+        ParallelConfig(megatron_sp=True, sequence_parallel=False)
+    args = parse_args(["--tp", "2", "--sequence-parallel", "--sequence-parallel-size", "2"])
+    assert args.parallel.megatron_sp and args.parallel.sp == 2

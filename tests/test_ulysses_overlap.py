@@ -1,4 +1,5 @@
-"""UlyssesOverlapAttention (the chunked, overlapped pipeline) against the one-process block.
+"""bench/experimental/ulysses_overlap.py (the chunked, overlapped Ulysses pipeline, outside
+the library) against the one-process block.
 
 The distributed check (attention_checks.check_ulysses_overlap, world 4) runs sp = 4,
 tp = 2 x sp = 2 (with and without Megatron SP) and sp = 2 x dp = 2 over every case of
@@ -12,7 +13,7 @@ import torch.distributed as dist
 
 import attention_checks
 from megazoo.layers import UlyssesAttention
-from megazoo.layers.ulysses_overlap import UlyssesOverlapAttention, choose_num_chunks
+from bench.experimental.ulysses_overlap import UlyssesOverlapAttention, choose_num_chunks
 from megazoo.parallel.state import GroupInfo
 from megazoo.testing import run_distributed
 

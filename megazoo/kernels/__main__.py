@@ -1,4 +1,5 @@
-"""``python -m megazoo.kernels [--device DEV]``: which implementation each fused kernel uses, and why."""
+"""``python -m megazoo.kernels [--device DEV]``: which implementation each fused kernel uses,
+and whether the C++ dataset helpers are built (or the NumPy fallback runs, and why)."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +13,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if any)")
     args = parser.parse_args(argv)
     print(format_report(kernel_report(args.device)))
+    from ..data.helpers import backend  # csrc/data_helpers.cpp: built, or why NumPy runs
+
+    info = backend()
+    state = "C++ (built)" if info.name == "cpp" else "NumPy fallback"
+    print(f"\ndataset index helpers (csrc/data_helpers.cpp): {state}: {info.reason}")
 
 
 if __name__ == "__main__":

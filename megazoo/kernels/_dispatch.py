@@ -6,10 +6,9 @@ Three implementations compute each function (see the package docstring):
 * ``"triton"`` -- a Triton kernel (``megazoo.kernels.triton_*``), where triton imports
   and the tensor is on a CUDA device (or, on CPU, when ``TRITON_INTERPRET=1`` is set
   and the caller asks for ``impl="triton"`` explicitly: that is how CPU tests run them);
-* ``"cuda"``   -- a CUDA C++ kernel from ``csrc/`` (only fused bias+GeLU has one): the
-  prebuilt ``megazoo._fused_kernels`` when ``setup.py`` built it, else
-  ``csrc/fused_bias_gelu.cu`` compiled on first use on a GPU with
-  ``torch.utils.cpp_extension.load`` (cached by torch), else unavailable.
+* ``"cuda"``   -- a CUDA C++ kernel, for a caller that passes its loader (``cuda=``:
+  device index -> (module or None, why)); none of the library's kernels has one
+  (bench/experimental/kernels/gelu.py does).
 
 Everything loaded is cached with ``functools.lru_cache`` (the only module state): a
 failure is remembered with its first line, so it is tried once per process.
@@ -21,17 +20,15 @@ import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 import torch
 
 #: Implementation names, in the order the report lists them.
 IMPLS = ("triton", "cuda", "torch")
-#: Source of the CUDA C++ kernels inside a source checkout.
-CUDA_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "fused_bias_gelu.cu"
-#: Name of the JIT-compiled extension in torch's extension cache.
-JIT_MODULE_NAME = "megazoo_fused_kernels"
+#: A CUDA C++ loader: device index -> (the extension module or None, one line saying why).
+CudaLoader = Callable[[int], "tuple[ModuleType | None, str]"]
 
 
 @dataclass(frozen=True)
@@ -77,45 +74,15 @@ def triton_status() -> tuple[bool, str]:
 
 @functools.lru_cache(maxsize=None)
 def triton_module(family: str) -> ModuleType:
-    """Import ``megazoo.kernels.triton_<family>`` (defines its kernels) once."""
+    """Import ``megazoo.kernels.triton_<family>`` (defines its kernels) once; a dotted
+    `family` names the module itself (kernels kept outside the library)."""
     ok, reason = triton_status()
     if not ok:
         raise RuntimeError(f"Triton kernels unavailable: {reason}")
-    return importlib.import_module(f"megazoo.kernels.triton_{family}")
+    return importlib.import_module(family if "." in family else f"megazoo.kernels.triton_{family}")
 
 
-def _jit_arch_flags(device: torch.device) -> list[str]:
-    """nvcc flags for the compute capability of `device` only (a faster JIT build)."""
-    major, minor = torch.cuda.get_device_capability(device)
-    cc = f"{major}{minor}"
-    return [f"-gencode=arch=compute_{cc},code=sm_{cc}"]
-
-
-@functools.lru_cache(maxsize=None)
-def cuda_extension(device_index: int) -> tuple[ModuleType | None, str]:
-    """The CUDA C++ kernels for a GPU: prebuilt, else JIT-compiled, else (None, why).
-
-    Only called for tensors already on a CUDA device; never raises.
-    """
-    try:
-        return importlib.import_module("megazoo._fused_kernels"), "prebuilt megazoo._fused_kernels"
-    except ImportError:
-        pass
-    if not CUDA_SOURCE.is_file():
-        return None, f"no prebuilt megazoo._fused_kernels and no source at {CUDA_SOURCE}"
-    try:
-        from torch.utils import cpp_extension
-
-        flags = ["-O3", "-std=c++17"] + _jit_arch_flags(torch.device("cuda", device_index))
-        module = cpp_extension.load(name=JIT_MODULE_NAME, sources=[str(CUDA_SOURCE)],
-                                    extra_cflags=["-O3", "-std=c++17"],
-                                    extra_cuda_cflags=flags, verbose=False)
-    except Exception as exc:  # no nvcc, version mismatch, compile error: use the others
-        return None, f"building {CUDA_SOURCE.name} failed: {first_line(exc)}"
-    return module, f"compiled {CUDA_SOURCE.name} on first use"
-
-
-def check_requested(impl: str, x: torch.Tensor, has_cuda: bool) -> None:
+def check_requested(impl: str, x: torch.Tensor, cuda: CudaLoader | None) -> None:
     """Raise a RuntimeError saying why an explicitly requested `impl` cannot run on `x`."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
@@ -127,16 +94,17 @@ def check_requested(impl: str, x: torch.Tensor, has_cuda: bool) -> None:
             raise RuntimeError("impl='triton' on a CPU tensor needs TRITON_INTERPRET=1 "
                                "(set before megazoo.kernels' Triton kernels are imported)")
     if impl == "cuda":
-        if not has_cuda:
+        if cuda is None:
             raise RuntimeError("impl='cuda': this kernel has no CUDA C++ implementation")
         if not x.is_cuda:
             raise RuntimeError("impl='cuda' needs a CUDA tensor")
-        module, reason = cuda_extension(x.device.index or 0)
+        module, reason = cuda(x.device.index or 0)
         if module is None:
             raise RuntimeError(f"impl='cuda' requested but {reason}")
 
 
-def automatic(x: torch.Tensor, *, has_cuda: bool, unsupported: str | None = None) -> list[Choice]:
+def automatic(x: torch.Tensor, *, cuda: CudaLoader | None = None,
+              unsupported: str | None = None) -> list[Choice]:
     """Implementations usable for `x` when the caller names none, best first; torch last.
 
     `unsupported` is why the fused kernels cannot take these arguments (a shape limit, a
@@ -150,8 +118,8 @@ def automatic(x: torch.Tensor, *, has_cuda: bool, unsupported: str | None = None
     ok, reason = triton_status()
     if ok:
         choices.append(Choice("triton", reason))
-    if has_cuda:
-        module, cuda_reason = cuda_extension(x.device.index or 0)
+    if cuda is not None:
+        module, cuda_reason = cuda(x.device.index or 0)
         if module is not None:
             choices.append(Choice("cuda", cuda_reason))
         else:
@@ -161,15 +129,15 @@ def automatic(x: torch.Tensor, *, has_cuda: bool, unsupported: str | None = None
     return choices + [Choice("torch", "fallback")]
 
 
-def pick(x: torch.Tensor, impl: str | None, *, has_cuda: bool = False,
+def pick(x: torch.Tensor, impl: str | None, *, cuda: CudaLoader | None = None,
          unsupported: str | None = None) -> str:
     """The implementation to run: the caller's `impl` if it can run, else the first automatic.
 
     A requested impl that cannot run raises RuntimeError saying why (never silently slower).
     """
     if impl is None:
-        return automatic(x, has_cuda=has_cuda, unsupported=unsupported)[0].impl
-    check_requested(impl, x, has_cuda)
+        return automatic(x, cuda=cuda, unsupported=unsupported)[0].impl
+    check_requested(impl, x, cuda)
     if impl != "torch" and unsupported:
         raise RuntimeError(f"impl={impl!r} cannot take these arguments: {unsupported}")
     return impl

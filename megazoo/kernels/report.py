@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _dispatch, gelu, norms, rope, softmax
+from . import _dispatch, norms
 
 
 @dataclass(frozen=True)
@@ -20,14 +20,13 @@ class KernelStatus:
 
     kernel: str
     impl: str
-    """What an automatic call runs: "triton", "cuda" or "torch" (the PyTorch fallback)."""
+    """What an automatic call runs: "triton" or "torch" (the PyTorch fallback)."""
     triton: str
-    cuda: str
     reason: str
 
 
 def _probes(device: torch.device, dtype: torch.dtype) -> dict:
-    """kernel name -> (call(impl) running forward + backward, unsupported reason, has_cuda)."""
+    """kernel name -> (call(impl) running forward + backward, unsupported reason)."""
     def run(fn):
         out = fn()
         out.float().sum().backward()
@@ -35,19 +34,10 @@ def _probes(device: torch.device, dtype: torch.dtype) -> dict:
 
     x = torch.randn(8, 1000, device=device, dtype=dtype, requires_grad=True)
     w = torch.randn(1000, device=device, dtype=dtype, requires_grad=True)
-    scores = torch.randn(1, 2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-    slopes = torch.tensor([0.5, 0.25], device=device)
-    q = torch.randn(16, 1, 2, 64, device=device, dtype=dtype, requires_grad=True)
-    cos, sin = rope.rope_cos_sin(torch.arange(16, device=device), 64)
     return {
-        "scaled_masked_softmax": (lambda i: run(lambda: softmax.scaled_masked_softmax(
-            scores, 0.125, slopes, True, impl=i)), softmax.unsupported(scores), False),
         "layer_norm": (lambda i: run(lambda: norms.layer_norm(x, w, w, impl=i)),
-                       norms.unsupported(x), False),
-        "rms_norm": (lambda i: run(lambda: norms.rms_norm(x, w, impl=i)), norms.unsupported(x), False),
-        "bias_gelu": (lambda i: run(lambda: gelu.bias_gelu(x, w, impl=i)), gelu.unsupported(x), True),
-        "apply_rope": (lambda i: run(lambda: rope.apply_rope(q, cos, sin, impl=i)),
-                       rope.unsupported(q), False),
+                       norms.unsupported(x)),
+        "rms_norm": (lambda i: run(lambda: norms.rms_norm(x, w, impl=i)), norms.unsupported(x)),
     }
 
 
@@ -60,31 +50,20 @@ def _try(call, impl: str) -> str:
         return f"failed: {_dispatch.first_line(exc)}"
 
 
-def _status_of(name: str, call, unsupported, has_cuda: bool, device: torch.device) -> KernelStatus:
+def _status_of(name: str, call, unsupported, device: torch.device) -> KernelStatus:
     """The report row of one kernel on `device`."""
     triton_ok, triton_reason = _dispatch.triton_status()
     triton_col = triton_reason if triton_ok else f"no: {triton_reason}"
-    cuda_col = "-" if not has_cuda else "not tried: no GPU"
     if device.type != "cuda":
         why = f"no CUDA GPU (device {device.type})"
         if not triton_ok:
             why += f"; {triton_reason}"
-        return KernelStatus(name, "torch", triton_col, cuda_col, why)
-    if has_cuda:
-        module, cuda_reason = _dispatch.cuda_extension(device.index or 0)
-        cuda_col = _try(call, "cuda") if module is not None else f"no: {cuda_reason}"
+        return KernelStatus(name, "torch", triton_col, why)
     if triton_ok:
         triton_col = f"{triton_reason}: {_try(call, 'triton')}"
     probe = torch.empty(1, device=device)
-    choices = _dispatch.automatic(probe, has_cuda=has_cuda, unsupported=unsupported)
-    fused = [c for c in choices if c.impl != "torch"]
-    if not fused:
-        return KernelStatus(name, "torch", triton_col, cuda_col, choices[0].reason)
-    if len(fused) > 1:
-        impl = gelu.fastest_impl(device, torch.bfloat16, True, tuple(c.impl for c in fused))
-        return KernelStatus(name, impl, triton_col, cuda_col,
-                            f"faster of {'/'.join(c.impl for c in fused)} measured (bf16, 4096^2)")
-    return KernelStatus(name, fused[0].impl, triton_col, cuda_col, fused[0].reason)
+    choice = _dispatch.automatic(probe, unsupported=unsupported)[0]
+    return KernelStatus(name, choice.impl, triton_col, choice.reason)
 
 
 def kernel_report(device: str | torch.device | None = None) -> list[KernelStatus]:
@@ -94,15 +73,15 @@ def kernel_report(device: str | torch.device | None = None) -> list[KernelStatus
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
-    for name, (call, unsupported, has_cuda) in _probes(device, dtype).items():
-        rows.append(_status_of(name, call, unsupported, has_cuda, device))
+    for name, (call, unsupported) in _probes(device, dtype).items():
+        rows.append(_status_of(name, call, unsupported, device))
     return rows
 
 
 def format_report(rows: list[KernelStatus]) -> str:
     """The report as an aligned text table."""
-    header = ("kernel", "in use", "triton", "cuda", "why")
-    table = [header] + [(r.kernel, r.impl, r.triton, r.cuda, r.reason) for r in rows]
+    header = ("kernel", "in use", "triton", "why")
+    table = [header] + [(r.kernel, r.impl, r.triton, r.reason) for r in rows]
     widths = [max(len(row[k]) for row in table) for k in range(len(header) - 1)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  " + row[-1]
              for row in table]

@@ -1,11 +1,20 @@
 """The tensor- and sequence-parallel self-attention block: fused QKV projection
 (ColumnParallelLinear), Ulysses/local attention, output projection (RowParallelLinear).
 
+    layer = ParallelAttention(AttentionConfig(hidden_size=1024, num_heads=16, num_kv_heads=4,
+                                              position_embedding="rope"),
+                              tp_group=state.tp, sp_group=state.sp, megatron_sp=True)
     y = dense(attention(qkv(x)))
+
+`AttentionConfig` says what the layer computes (sizes, positions, biases, dropout, backend);
+the constructor adds where it runs (the tp and Ulysses groups, Megatron sequence
+parallelism), how its weights start, and whether its parameter-free core (RoPE, the Ulysses
+all-to-alls, softmax(QK^T)V) is recomputed in backward (`recompute_core`, selective
+recompute).
 
 | tensor | shape on rank (tp r, sp j) |
 |---|---|
-| x, y | [s_local, b, hidden]: s_local = s/sp, or s/(tp sp) with sequence_parallel=True |
+| x, y | [s_local, b, hidden]: s_local = s/sp, or s/(tp sp) with megatron_sp=True |
 | qkv.weight | [KL (GL + 2) d, hidden]: this tp rank's rows of the fused weight (heads.py) |
 | dense.weight | [hidden, (H/tp) d]: columns of query heads [r H/tp, (r+1) H/tp) |
 | padding_mask | [b, s] bool, full sequence, True = real token (padded keys are masked) |
@@ -29,14 +38,55 @@ output bias under Megatron SP.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .groups import Group, group_rank, group_size, process_group
 from .init import NormalInit, default_init
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .sharding import set_tp_layout
 from .ulysses import UlyssesAttention, check_global_inputs
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """What one self-attention layer computes; validated by ParallelAttention."""
+
+    hidden_size: int
+    """Width of the layer's input and output."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int | None = None
+    """Key/value heads (fewer than num_heads: GQA, 1: MQA); None: num_heads."""
+    head_dim: int | None = None
+    """Width of one head; None: hidden_size / num_heads."""
+    position_embedding: str = "none"
+    """Positions applied inside attention: "none", "rope" or "alibi"."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    qkv_bias: bool = True
+    """A bias on the fused QKV projection."""
+    dense_bias: bool = True
+    """A bias on the output projection."""
+    attention_dropout: float = 0.0
+    """Dropout on the attention probabilities (training only)."""
+    causal: bool = True
+    """Causal (decoder) masking."""
+    attention_backend: str = "auto"
+    """Local attention kernel (layers/attention.py); "auto" picks the best available."""
+
+    @property
+    def resolved_head_dim(self) -> int:
+        if self.head_dim is not None:
+            return self.head_dim
+        if self.hidden_size % self.num_heads != 0:
+            raise ValueError(f"hidden_size ({self.hidden_size}) is not divisible by num_heads "
+                             f"({self.num_heads}): pass head_dim or change the sizes")
+        return self.hidden_size // self.num_heads
 
 
 class _FusedQKVInit:
@@ -89,41 +139,37 @@ class ParallelAttention(nn.Module):
     """Self-attention with tensor parallelism (heads over tp), Megatron sequence parallelism
     and Ulysses (heads over sp). See the module docstring for shapes and layouts.
 
-    tp_group / sp_group: GroupInfo, ProcessGroup or None (one rank); or pass `state`
-    (a ParallelState) for both. num_kv_heads < num_heads gives GQA (1: MQA).
+    `ParallelAttention(config, *, tp_group=None, sp_group=None, megatron_sp=False,
+    init_method=None, output_init_method=None, recompute_core=False, device=None,
+    dtype=None)`; groups: GroupInfo, ProcessGroup or None (one rank).
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, *, tp_group: Group = None,
-                 sp_group: Group = None, state=None, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, position_embedding: str = "none",
-                 rope_theta: float = 10000.0, bias: bool = True, attention_dropout: float = 0.0,
-                 causal: bool = True, sequence_parallel: bool = False, init_method=None,
-                 output_init_method=None, attention_backend: str = "auto", device=None, dtype=None):
+    def __init__(self, config: AttentionConfig, *, tp_group: Group = None, sp_group: Group = None,
+                 megatron_sp: bool = False, init_method=None, output_init_method=None,
+                 recompute_core: bool = False, device=None, dtype=None):
         super().__init__()
-        if state is not None:
-            if tp_group is not None or sp_group is not None:
-                raise ValueError("ParallelAttention: pass either state or tp_group/sp_group, not both")
-            tp_group, sp_group = state.tp, state.sp
-        if head_dim is None:
-            if hidden_size % num_heads != 0:
-                raise ValueError(f"hidden_size ({hidden_size}) is not divisible by num_heads "
-                                 f"({num_heads}): pass head_dim or change the sizes")
-            head_dim = hidden_size // num_heads
-        self.hidden_size, self.tp_group, self.sequence_parallel = hidden_size, tp_group, sequence_parallel
+        head_dim = config.resolved_head_dim
+        self.config, self.hidden_size, self.tp_group = config, config.hidden_size, tp_group
+        self.megatron_sp, self.recompute_core = megatron_sp, recompute_core
         tp, tp_rank = group_size(tp_group), group_rank(tp_group)
         self.attention = UlyssesAttention(
-            num_heads, head_dim, num_kv_heads=num_kv_heads, sp_group=sp_group, tp_group=tp_group,
-            position_embedding=position_embedding, rope_theta=rope_theta, causal=causal,
-            attention_dropout=attention_dropout, attention_backend=attention_backend)
+            config.num_heads, head_dim, num_kv_heads=config.num_kv_heads, sp_group=sp_group,
+            tp_group=tp_group, position_embedding=config.position_embedding,
+            rope_theta=config.rope_theta, causal=config.causal,
+            attention_dropout=config.attention_dropout, attention_backend=config.attention_backend)
         self.layout = layout = self.attention.layout
         factory = {"device": device, "dtype": dtype}
         qkv_init = _FusedQKVInit(init_method or default_init(), layout.qkv_row_blocks(tp_rank))
-        self.qkv = ColumnParallelLinear(hidden_size, tp * layout.qkv_rows_per_rank, group=tp_group,
-                                        bias=bias, sequence_parallel=sequence_parallel,
-                                        init_method=qkv_init, **factory)
-        self.dense = RowParallelLinear(num_heads * head_dim, hidden_size, group=tp_group, bias=bias,
-                                       sequence_parallel=sequence_parallel,
+        self.qkv = ColumnParallelLinear(config.hidden_size, tp * layout.qkv_rows_per_rank,
+                                        group=tp_group, bias=config.qkv_bias,
+                                        sequence_parallel=megatron_sp, init_method=qkv_init,
+                                        **factory)
+        self.dense = RowParallelLinear(config.num_heads * head_dim, config.hidden_size,
+                                       group=tp_group, bias=config.dense_bias,
+                                       sequence_parallel=megatron_sp,
                                        init_method=output_init_method, **factory)
+        for p in self.qkv.parameters():  # which tp=1 rows of the fused QKV this rank holds
+            set_tp_layout(p, 0, index=layout.qkv_rows, full_size=layout.qkv_rows_full)
         if layout.replicated_kv():
             q_rows = layout.tp_groups[1] * head_dim
             kv_group = layout.first_head(tp_rank) // layout.group_size
@@ -142,12 +188,17 @@ class ParallelAttention(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"ParallelAttention expects x [s_local, b, {self.hidden_size}] "
                              f"(activations [s, b, h]), got {tuple(x.shape)}")
-        tp = group_size(self.tp_group) if self.sequence_parallel else 1
+        tp = group_size(self.tp_group) if self.megatron_sp else 1
         seq_len = x.shape[0] * tp * self.layout.sp
         check_global_inputs(seq_len, x.shape[1], padding_mask, position_ids, "ParallelAttention")
         qkv = self.qkv(x)  # [s/sp, b, KL (GL+2) d]
-        context = self.attention(qkv, padding_mask, position_ids)  # [s/sp, b, (H/tp) d]
+        if self.recompute_core and torch.is_grad_enabled():  # keep qkv, rerun the core
+            context = checkpoint(self.attention, qkv, padding_mask, position_ids,
+                                 use_reentrant=False)
+        else:
+            context = self.attention(qkv, padding_mask, position_ids)  # [s/sp, b, (H/tp) d]
         return self.dense(context)  # [s_local, b, hidden]
 
     def extra_repr(self) -> str:
-        return f"hidden={self.hidden_size}, sequence_parallel={self.sequence_parallel}"
+        return (f"hidden={self.hidden_size}, megatron_sp={self.megatron_sp}, "
+                f"recompute_core={self.recompute_core}")

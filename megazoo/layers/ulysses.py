@@ -41,33 +41,44 @@ from .positions import alibi_slopes, apply_rope, rope_cos_sin
 POSITION_EMBEDDINGS = ("none", "alibi", "rope")
 
 
+def sequence_pieces(tp: int, sp: int, megatron_sp: bool) -> int:
+    """How many shards the sequence is cut into: sp, times tp under Megatron SP."""
+    return sp * (tp if megatron_sp else 1)
+
+
+def check_sequence_split(seq_len: int, tp: int, sp: int, megatron_sp: bool) -> None:
+    """ValueError unless `seq_len` splits into `sequence_pieces` equal shards."""
+    pieces = sequence_pieces(tp, sp, megatron_sp)
+    if seq_len % pieces:
+        raise ValueError(f"sequence length {seq_len} must divide by {pieces} (Ulysses sp={sp}"
+                         + (f" x Megatron SP tp={tp}" if megatron_sp else "")
+                         + "): pad the batch to a multiple of it or change the layout")
+
+
 def sequence_shard_range(seq_len: int, *, tp_group: Group = None, sp_group: Group = None,
-                         sequence_parallel: bool = False) -> range:
-    """The global positions this rank holds (see the module docstring). ValueError if s does not split."""
-    tp = group_size(tp_group) if sequence_parallel else 1
-    sp = group_size(sp_group)
-    if seq_len % (tp * sp) != 0:
-        raise ValueError(f"sequence length {seq_len} is not divisible by sp*tp = {sp}*{tp} "
-                         f"(tp counts only with Megatron sequence_parallel): pad the sequence "
-                         f"to a multiple of {tp * sp} or change sp/tp")
+                         megatron_sp: bool = False) -> range:
+    """The global positions this rank holds (see the module docstring); without Megatron SP
+    (or without a tp group) the rank's Ulysses shard. ValueError if s does not split."""
+    tp, sp = group_size(tp_group), group_size(sp_group)
+    check_sequence_split(seq_len, tp, sp, megatron_sp)
+    tp = tp if megatron_sp else 1
     chunk = seq_len // (tp * sp)
-    index = group_rank(sp_group) * tp + (group_rank(tp_group) if sequence_parallel else 0)
+    index = group_rank(sp_group) * tp + (group_rank(tp_group) if megatron_sp else 0)
     return range(index * chunk, (index + 1) * chunk)
 
 
 def shard_sequence(x: torch.Tensor, *, tp_group: Group = None, sp_group: Group = None,
-                   sequence_parallel: bool = False) -> torch.Tensor:
+                   megatron_sp: bool = False) -> torch.Tensor:
     """x_full [s, b, h] (the same on every rank) -> this rank's shard [s/(tp sp) or s/sp, b, h].
 
     The sp split is a slice (its gradient is completed by the dp x sp gradient reduction); the
     tp split goes through Megatron's scatter region, whose backward all-gathers over tp.
     """
     rows = sequence_shard_range(x.shape[0], tp_group=tp_group, sp_group=sp_group,
-                                sequence_parallel=sequence_parallel)
-    chunk = x.shape[0] // group_size(sp_group)
-    start = group_rank(sp_group) * chunk
-    x_sp = x[start:start + chunk]  # [s/sp, b, h]
-    if not sequence_parallel:
+                                megatron_sp=megatron_sp)
+    window = sequence_shard_range(x.shape[0], sp_group=sp_group)
+    x_sp = x[window.start:window.stop]  # [s/sp, b, h]
+    if not megatron_sp:
         return x_sp
     x_local = scatter_to_sequence_parallel_region(x_sp, tp_group)
     assert x_local.shape[0] == len(rows)

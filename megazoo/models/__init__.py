@@ -9,8 +9,9 @@
     loss = model(input_ids, labels=input_ids)          # mean token loss (shifted inside)
     loss.backward(); allreduce_gradients(model, state)
 """
+from .block import TransformerBlock
 from .bloom import BloomModel
-from .build import MODEL_CLASSES, build_model, layer_ranges, resolve_config
+from .build import MODEL_CLASSES, build_model, check_layout, layer_ranges, resolve_config
 from .config import ModelConfig
 from .gpt import GPTModel
 from .llama import LlamaModel
@@ -20,4 +21,5 @@ from .presets import PRESETS
 
 __all__ = ["ModelConfig", "build_model", "PRESETS", "TransformerModel", "GPTModel",
            "BloomModel", "LlamaModel", "count_parameters", "allreduce_gradients",
-           "describe_parameters", "full_name", "layer_ranges", "resolve_config", "MODEL_CLASSES"]
+           "describe_parameters", "full_name", "layer_ranges", "resolve_config", "MODEL_CLASSES",
+           "check_layout", "TransformerBlock"]

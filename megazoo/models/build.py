@@ -5,6 +5,10 @@ import copy
 
 import torch
 
+from ..layers.groups import divide
+from ..layers.heads import HeadLayout
+from ..layers.ulysses import check_sequence_split
+from ..parallel.config import ParallelConfig
 from ..parallel.state import ParallelState
 from .bloom import BloomModel
 from .config import ModelConfig
@@ -36,6 +40,29 @@ def layer_ranges(num_layers: int, pp: int, vpp: int, pp_rank: int) -> list[range
     return [range((c * pp + pp_rank) * per, (c * pp + pp_rank + 1) * per) for c in range(vpp)]
 
 
+def check_layout(config: ModelConfig, parallel: ParallelConfig,
+                 seq_length: int | None = None) -> None:
+    """Raise a ValueError (no collective) unless `config` can be laid out as `parallel`.
+
+    The one check of a model against a layout, shared by `build_model`, the training run
+    (at argument parsing) and the memory planner: attention heads and kv heads over tp x sp,
+    the MLP width over tp, layers over pp x vpp, the padded vocabulary over tp, and, given a
+    `seq_length`, the sequence over the shards of Ulysses / Megatron SP and the learned
+    position table.
+    """
+    HeadLayout(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+               parallel.tp, parallel.sp)
+    divide(config.ffn_hidden_size, parallel.tp, f"ffn_hidden_size over tp={parallel.tp}")
+    layer_ranges(config.num_layers, parallel.pp, parallel.vpp, 0)
+    config.padded_vocab(parallel.tp)
+    if seq_length is None:
+        return
+    check_sequence_split(seq_length, parallel.tp, parallel.sp, parallel.megatron_sp)
+    if config.position_embedding == "learned" and seq_length > config.max_position_embeddings:
+        raise ValueError(f"--seq-length {seq_length} exceeds --max-position-embeddings "
+                         f"{config.max_position_embeddings}")
+
+
 def build_model(model: str | ModelConfig, state: ParallelState | None = None, device="meta",
                 seed: int = 0, dtype: torch.dtype | None = None) -> TransformerModel:
     """Build this rank's part of the model: tp/sp shards, and its pipeline stage when pp > 1.
@@ -46,6 +73,7 @@ def build_model(model: str | ModelConfig, state: ParallelState | None = None, de
     config = resolve_config(model)
     state = state or ParallelState.single()
     cfg = state.config
+    check_layout(config, cfg)
     layers = layer_ranges(config.num_layers, cfg.pp, cfg.vpp, state.pp.rank)
     return MODEL_CLASSES[config.family](
         config, state, layers=layers if cfg.vpp > 1 else layers[0],

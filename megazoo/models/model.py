@@ -20,12 +20,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import ColumnParallelLinear, NormalInit, TransformerBlock, set_tp_layout
+from ..layers import ColumnParallelLinear, NormalInit, set_tp_layout
 from ..layers.norm import build_norm
 from ..parallel.state import ParallelState
+from .block import TransformerBlock
 from .config import ModelConfig
 from .parts import (WORD_EMBEDDINGS, Embedding, check_sequence_length, full_logits, lm_logits,
-                    mean_token_loss, sp_range)
+                    mean_token_loss, sequence_shard, ulysses_window)
 
 LayerSpec = range | list[range] | None
 
@@ -68,7 +69,7 @@ class TransformerModel(nn.Module):
         self.final_norm = self.output_layer = None
         if post_process:
             self.final_norm = build_norm(config.norm, config.hidden_size, config.norm_eps,
-                                         sequence_parallel=self.state.config.sequence_parallel,
+                                         sequence_parallel=self.state.config.megatron_sp,
                                          **factory)
             self.output_layer = self._build_head(seed, factory)
         self.set_recompute(config.recompute, config.recompute_num_layers)
@@ -101,6 +102,12 @@ class TransformerModel(nn.Module):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
+    def activation_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
+        """[s_local, b, h] of the hidden states one pipeline stage sends to the next, for
+        ids [batch, seq] (the pipeline executor asks the model; it knows how it cuts the
+        sequence)."""
+        return (seq // sequence_shard(self.state), batch, self.config.hidden_size)
+
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 *, hidden_states: torch.Tensor | None = None, chunk: int = 0):
         """See the module docstring. ids/labels [b, s]; hidden_states [s_local, b, h]."""
@@ -111,10 +118,12 @@ class TransformerModel(nn.Module):
             if input_ids is None:
                 raise ValueError("the first chunk of the first stage needs input_ids [b, s]")
             check_sequence_length(input_ids.shape[1], self.state)
-            window = sp_range(input_ids.shape[1], self.state)
+            window = ulysses_window(input_ids.shape[1], self.state)
             x = self.embedding(input_ids[:, window], window.start)
         elif hidden_states is None:
-            raise ValueError("a chunk without the embedding needs hidden_states [s_local, b, h]")
+            raise ValueError("a chunk without the embedding needs hidden_states [s_local, b, h]; "
+                             "to run ids through every pipeline stage, call "
+                             "megazoo.pipeline.forward(model, ids, state)")
         else:
             x = hidden_states
         for i in self.chunks[chunk]:

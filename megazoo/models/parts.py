@@ -16,6 +16,7 @@ from ..layers import (NormalInit, VocabParallelEmbedding, copy_to_tensor_paralle
                       gather_sequence_replicated, reduce_from_tensor_parallel_region,
                       scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
 from ..layers.norm import build_norm
+from ..layers.ulysses import check_sequence_split, sequence_pieces, sequence_shard_range
 from ..parallel.state import ParallelState
 from .config import ModelConfig
 
@@ -23,23 +24,19 @@ WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
 def sequence_shard(state: ParallelState) -> int:
-    """How many pieces the sequence is cut into for one block: sp, times tp under Megatron SP."""
-    return state.sp.size * (state.tp.size if state.config.sequence_parallel else 1)
+    """How many pieces the sequence is cut into for one block (`sequence_pieces` of `state`)."""
+    return sequence_pieces(state.tp.size, state.sp.size, state.config.megatron_sp)
 
 
 def check_sequence_length(seq_len: int, state: ParallelState) -> None:
-    pieces = sequence_shard(state)
-    if seq_len % pieces:
-        raise ValueError(f"sequence length {seq_len} must divide by {pieces} (Ulysses sp="
-                         f"{state.sp.size}" + (f" x Megatron SP tp={state.tp.size}"
-                                               if state.config.sequence_parallel else "")
-                         + "): pad the batch to a multiple of it or change the layout")
+    """`check_sequence_split` for this rank's layout."""
+    check_sequence_split(seq_len, state.tp.size, state.sp.size, state.config.megatron_sp)
 
 
-def sp_range(seq_len: int, state: ParallelState) -> slice:
-    """The tokens of this rank's Ulysses shard."""
-    n = seq_len // state.sp.size
-    return slice(state.sp.rank * n, (state.sp.rank + 1) * n)
+def ulysses_window(seq_len: int, state: ParallelState) -> slice:
+    """The tokens of this rank's Ulysses shard (`sequence_shard_range` over sp)."""
+    rows = sequence_shard_range(seq_len, sp_group=state.sp)
+    return slice(rows.start, rows.stop)
 
 
 class Embedding(nn.Module):
@@ -68,7 +65,7 @@ class Embedding(nn.Module):
         self.norm = None
         if config.embedding_layernorm:
             self.norm = build_norm(config.norm, config.hidden_size, config.norm_eps,
-                                   sequence_parallel=state.config.sequence_parallel,
+                                   sequence_parallel=state.config.megatron_sp,
                                    device=device, dtype=dtype)
 
     def forward(self, ids_sp: torch.Tensor, first_position: int) -> torch.Tensor:
@@ -79,7 +76,7 @@ class Embedding(nn.Module):
                 raise ValueError(f"sequence of {stop} tokens exceeds max_position_embeddings "
                                  f"{self.max_positions}")
             x = x + self.position_embeddings[first_position:stop].unsqueeze(1)
-        if self.state.config.sequence_parallel:
+        if self.state.config.megatron_sp:
             x = scatter_to_sequence_parallel_region(x, self.state.tp)  # [s_sp/tp, b, h]
         if self.norm is not None:
             x = self.norm(x)
@@ -92,7 +89,7 @@ def lm_logits(x: torch.Tensor, weight: torch.Tensor, state: ParallelState) -> to
     The column-parallel matmul of the head: under Megatron SP the sequence is gathered over tp
     first (backward reduce-scatter), else x enters the tp region (backward all-reduce).
     """
-    if state.config.sequence_parallel:
+    if state.config.megatron_sp:
         x = gather_from_sequence_parallel_region(x, state.tp)
     else:
         x = copy_to_tensor_parallel_region(x, state.tp)
@@ -115,7 +112,7 @@ def mean_token_loss(logits_shard: torch.Tensor, labels: torch.Tensor, vocab_size
     logits_shard [s_sp, b, V_pad/tp], labels [b, s] full -> scalar, the same on every rank.
     Each rank's backward covers its own tokens; summing gradients over sp completes them.
     """
-    targets = shifted_targets(labels)[:, sp_range(labels.shape[1], state)].t()  # [s_sp, b]
+    targets = shifted_targets(labels)[:, ulysses_window(labels.shape[1], state)].t()  # [s_sp, b]
     per_token = vocab_parallel_cross_entropy(logits_shard, targets.contiguous(), state.tp,
                                              vocab_size=vocab_size)
     total = reduce_from_tensor_parallel_region(per_token.sum().reshape(1), state.sp)

@@ -1,4 +1,11 @@
-"""`ParallelConfig`: the sizes of the parallel grid, validated before any process group exists."""
+"""`ParallelConfig`: the sizes of the parallel grid, validated before any process group exists.
+
+Two kinds of sequence parallelism, named apart everywhere: `sp` (and `state.sp`) is Ulysses,
+ranks of their own that split the sequence and trade it for heads inside attention;
+`megatron_sp` is Megatron's sequence parallelism, which splits the activations outside
+attention and the MLP over the tp ranks (its flag keeps Megatron's name,
+`--sequence-parallel`, and `ParallelConfig(sequence_parallel=True)` still means it).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -6,7 +13,7 @@ from dataclasses import dataclass, field, replace
 DIMS = ("tp", "sp", "dp", "pp")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ParallelConfig:
     """How the world of ranks is split. Every size is validated here, before any collective."""
 
@@ -20,10 +27,29 @@ class ParallelConfig:
     """Virtual pipeline stages (model chunks) per pipeline rank, for the interleaved schedule."""
     dp: int | None = None
     """Data-parallel size; None derives it as world_size // (tp * sp * pp)."""
-    sequence_parallel: bool = False
+    megatron_sp: bool = False
     """Megatron sequence parallelism: activations outside attention/MLP are split over tp."""
     order: tuple[str, ...] = field(default=DIMS)
     """Rank order, innermost (adjacent ranks) first. Default tp, sp, dp, pp keeps TP in a node."""
+
+    def __init__(self, tp: int = 1, sp: int = 1, pp: int = 1, vpp: int = 1, dp: int | None = None,
+                 megatron_sp: bool = False, order: tuple[str, ...] | str = DIMS, *,
+                 sequence_parallel: bool | None = None):
+        """The fields, plus `sequence_parallel`: Megatron's name for `megatron_sp`."""
+        if sequence_parallel is not None:
+            if megatron_sp and not sequence_parallel:
+                raise ValueError("megatron_sp=True and sequence_parallel=False disagree: "
+                                 "pass one of them (they name the same setting)")
+            megatron_sp = sequence_parallel
+        for name, value in (("tp", tp), ("sp", sp), ("pp", pp), ("vpp", vpp), ("dp", dp),
+                            ("megatron_sp", megatron_sp), ("order", order)):
+            object.__setattr__(self, name, value)
+        self.__post_init__()
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Megatron's name for `megatron_sp`."""
+        return self.megatron_sp
 
     def __post_init__(self) -> None:
         for name in ("tp", "sp", "pp", "vpp"):

@@ -1,11 +1,12 @@
-"""Pipeline parallelism: schedules as pure data, a simulator, layer partitioning.
+"""Pipeline parallelism: schedules as pure data, a simulator, layer partitioning, and
+``forward(model, ids, state, labels=None)``: ids through every stage (logits or loss on the
+last stage, None elsewhere, or on every rank with ``broadcast=True``).
 
 ``build_schedule(pp, vpp, m)`` returns one action list per rank; ``simulate`` runs it in
-simulated time (deadlock check, bubble, activation memory); ``partition_layers`` splits
-the layers over virtual stages; ``python -m megazoo.pipeline.show`` draws a timeline.
+simulated time (deadlock check, bubble, activation memory); ``python -m megazoo.pipeline.show`` draws a timeline.
 """
 
-from megazoo.pipeline.partition import partition_layers
+from megazoo.pipeline.forward_only import forward
 from megazoo.pipeline.schedules import (
     Action,
     ActionKind,
@@ -29,10 +30,10 @@ __all__ = [
     "SimulationResult",
     "TimelineEntry",
     "build_schedule",
+    "forward",
     "interleaved_schedule",
     "no_pipeline_schedule",
     "one_f_one_b_schedule",
-    "partition_layers",
     "simulate",
     "virtual_stage",
 ]

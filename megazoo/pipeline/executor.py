@@ -4,7 +4,7 @@
     out = run_pipeline(model, microbatches, state, forward_only=True)
 
 `model` is this rank's stage (`TransformerModel` with one chunk, or `vpp` chunks for the
-interleaved schedule): `model(ids, labels, chunk=c)` on the first chunk of the first stage,
+interleaved schedule; it tells the executor the shape it sends, `model.activation_shape`): `model(ids, labels, chunk=c)` on the first chunk of the first stage,
 `model(hidden_states=x, labels=..., chunk=c)` elsewhere; the last chunk of the last stage
 returns the micro-batch's mean loss (or logits when there are no labels).
 
@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..layers.groups import process_group
 from ..parallel.state import ParallelState
 from .p2p import Channel, backward_from_freed
 from .schedules import ActionKind, build_schedule
@@ -37,13 +36,6 @@ class _StageBuffers:
     losses: list = field(default_factory=list)
 
 
-def activation_shape(model, batch: int, seq: int) -> tuple[int, int, int]:
-    """[s_local, b, h] of the activations one stage sends to the next."""
-    from ..models.parts import sequence_shard  # the model decides how the sequence is cut
-
-    return (seq // sequence_shard(model.state), batch, model.config.hidden_size)
-
-
 def run_pipeline(model, microbatches: list[tuple[torch.Tensor, torch.Tensor | None]],
                  state: ParallelState, *, forward_only: bool = False,
                  dtype: torch.dtype | None = None):
@@ -52,12 +44,23 @@ def run_pipeline(model, microbatches: list[tuple[torch.Tensor, torch.Tensor | No
     `microbatches` is the same list of (ids [b, s], labels [b, s] or None) on every rank.
     With forward_only and no labels the last stage returns the list of per-micro-batch logits.
     """
+    outputs = run_schedule(model, microbatches, state, forward_only=forward_only, dtype=dtype)
+    if outputs is None or microbatches[0][1] is None:
+        return outputs
+    return torch.stack([loss.detach() for loss in outputs]).sum()
+
+
+def run_schedule(model, microbatches: list[tuple[torch.Tensor, torch.Tensor | None]],
+                 state: ParallelState, *, forward_only: bool = False,
+                 dtype: torch.dtype | None = None) -> list[torch.Tensor] | None:
+    """`run_pipeline`'s work: the last stage's output per micro-batch (each loss already
+    divided by the number of micro-batches), None on the other stages."""
     pp, vpp, m = state.pp.size, len(model.chunks), len(microbatches)
     ids0 = microbatches[0][0]
-    shape = activation_shape(model, ids0.shape[0], ids0.shape[1])
+    shape = model.activation_shape(ids0.shape[0], ids0.shape[1])  # [s_local, b, h] sent
     dtype = dtype or next(model.parameters()).dtype
     program = build_schedule(pp, vpp, m)[state.pp.rank]
-    channel, buffers = Channel(process_group(state.pp)), _StageBuffers()
+    channel, buffers = Channel(state.pp.group), _StageBuffers()
     for action in program:
         channel.reap()
         key = (action.chunk, action.microbatch)
@@ -80,11 +83,7 @@ def run_pipeline(model, microbatches: list[tuple[torch.Tensor, torch.Tensor | No
             buffers.grads[key] = channel.recv(shape, dtype, ids0.device,
                                               state.pp.ranks[action.peer])
     channel.drain()
-    if not state.is_last_stage:
-        return None
-    if microbatches[0][1] is None:
-        return buffers.losses  # forward-only logits, one tensor per micro-batch
-    return torch.stack([loss.detach() for loss in buffers.losses]).sum()
+    return buffers.losses if state.is_last_stage else None
 
 
 def _is_last(state: ParallelState, model, chunk: int) -> bool:

@@ -6,7 +6,8 @@ field to the Megatron-LM / Megatron-DeepSpeed spellings when those differ; the f
 is the one shown. Only flags given on the command line reach the dataclasses, so their
 defaults (and a `--model` preset's shape) hold for everything else; with
 `--deepspeed_config ds.json`, the JSON's batch sizes, clipping and precision come before
-those defaults (a flag given explicitly must agree with the JSON).
+those defaults (a flag given explicitly must agree with the JSON). The result passes
+`megazoo.training.validate.check_args`, the checks `python -m megazoo.plan` applies too.
 
     args = parse_args(["--model", "gpt-125m", "--num-layers", "4", "--bf16"])
     args.model.num_layers, args.training.bf16        # 4, True
@@ -29,6 +30,7 @@ from ..models.presets import PRESETS
 from ..parallel.config import ParallelConfig
 from .config import CheckpointConfig, DataConfig, LoggingConfig, PretrainArgs, TrainingConfig
 from .ds_config import training_defaults_from_json
+from .validate import check_args
 from .zero_config import ZeroConfig
 
 # Field -> flags, where Megatron's names differ from `--field-name`.
@@ -38,6 +40,7 @@ ALIASES = {
     "sp": ["--sequence-parallel-size", "--ds-sequence-parallel-size"],
     "vpp": ["--virtual-pipeline-model-parallel-size"],
     "order": ["--parallel-order"],
+    "megatron_sp": ["--sequence-parallel"],
     "recompute": ["--recompute-granularity", "--recompute"],
     "init_std": ["--init-method-std"],
     "deepspeed_config": ["--deepspeed_config", "--deepspeed-config"],
@@ -48,7 +51,7 @@ MODEL_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
                 "make_vocab_size_divisible_by", "position_embedding", "norm", "activation",
                 "rope_theta", "init_std", "hidden_dropout", "attention_dropout", "recompute",
                 "recompute_num_layers", "attention_backend")
-PARALLEL_FIELDS = ("tp", "sp", "pp", "vpp", "sequence_parallel", "order")
+PARALLEL_FIELDS = ("tp", "sp", "pp", "vpp", "megatron_sp", "order")
 # Group name in PretrainArgs -> (dataclass, fields exposed; None: all).
 GROUPS = {
     "model": (ModelConfig, MODEL_FIELDS),
@@ -93,9 +96,10 @@ def _add_field(group, dest: str, name: str, hint, doc: str, default) -> None:
     group.add_argument(*flags, **kwargs)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full parser: one argument group per config dataclass."""
-    parser = argparse.ArgumentParser(
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The full parser: one argument group per config dataclass (added to `parser` if given:
+    the memory planner extends the run's own flags)."""
+    parser = parser or argparse.ArgumentParser(
         prog="pretrain_gpt.py", description="Pre-train a GPT / BLOOM / LLaMA model "
         "(no flags: a small GPT on Python's standard library, on CPU, in minutes).")
     parser.add_argument("--model", dest="model_name", default=None, choices=sorted(PRESETS),
@@ -169,11 +173,13 @@ def args_from_namespace(ns: argparse.Namespace) -> PretrainArgs:
                              f"--pipeline-model-parallel-size {pp} x "
                              f"--num-layers-per-virtual-pipeline-stage {per}")
         par["vpp"] = model.num_layers // (pp * per)
-    return PretrainArgs(model=model, parallel=ParallelConfig(**par), training=training,
+    args = PretrainArgs(model=model, parallel=ParallelConfig(**par), training=training,
                         data=DataConfig(**_given(ns, "data")),
                         checkpoint=CheckpointConfig(**_given(ns, "checkpoint")),
                         logging=LoggingConfig(**_given(ns, "logging")),
                         zero=zero, model_name=ns.model_name)
+    check_args(args)
+    return args
 
 
 def parse_args(argv: list[str] | None = None) -> PretrainArgs:

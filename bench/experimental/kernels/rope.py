@@ -1,5 +1,8 @@
 """Fused rotary position embedding (RoPE, Hugging Face LLaMA convention) with a fallback.
 
+Experimental, outside the library: the model's attention applies RoPE inside its fused
+attention path (`megazoo.layers.positions`); this kernel serves bench/kernels_bench.py.
+
 Layout and signature match ``megazoo.layers.positions`` (the attention code), so
 ``apply_rope`` here can replace that one call for call:
 
@@ -12,8 +15,8 @@ Function computed by every implementation, in float32, rounded once to ``x.dtype
 ``y = x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``.
 (``positions.apply_rope`` returns torch's promoted dtype, float32 when cos is float32;
 here the result keeps x's dtype, which the attention kernels need.) cos and sin are
-constants: no gradient flows to them. ``rope_cos_sin`` builds them from global
-positions and theta exactly as ``positions.rope_cos_sin`` does.
+constants: no gradient flows to them. ``rope_cos_sin`` and ``rotate_half`` are
+``positions``' own (re-exported): the fallback is the attention code's formula.
 
 Why Triton: RoPE is elementwise with a gather of the other half; fused, it reads x and the
 small cos/sin once and writes y once, with a strided x (q/k views of a fused QKV tensor)
@@ -23,30 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from . import _dispatch
+from megazoo.kernels import _dispatch
+from megazoo.layers.positions import rope_cos_sin, rotate_half  # noqa: F401 (the one RoPE math)
 
-
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float = 10000.0,
-                 dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [s, 1 or b, d] for position_ids [s] or [b, s]: angle = pos * theta^(-2i/d).
-
-    Angles in float32, rounded to `dtype` afterwards (as LlamaRotaryEmbedding does).
-    """
-    if head_dim % 2 != 0:
-        raise ValueError(f"RoPE needs an even head dimension, got head_dim={head_dim}")
-    if position_ids.dim() == 1:
-        position_ids = position_ids[None, :]
-    exponent = torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim
-    inv_freq = 1.0 / (theta ** exponent)  # [d/2]
-    freqs = position_ids.float()[..., None] * inv_freq  # [b, s, d/2]
-    angles = torch.cat((freqs, freqs), dim=-1).transpose(0, 1)  # [s, b, d]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] over the halves of the last dimension."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+TRITON_MODULE = "bench.experimental.kernels.triton_rope"
 
 
 def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
@@ -68,7 +51,7 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     f = _dispatch.compute_dtype(x)
     c, s = cos.detach().to(f).view(view), sin.detach().to(f).view(view)
     xf = x.to(f)
-    return (xf * c + _rotate_half(xf) * s).to(x.dtype)
+    return (xf * c + rotate_half(xf) * s).to(x.dtype)
 
 
 class _TritonRope(torch.autograd.Function):
@@ -79,14 +62,14 @@ class _TritonRope(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x4, cos, sin):
-        kernels = _dispatch.triton_module("rope")
+        kernels = _dispatch.triton_module(TRITON_MODULE)
         ctx.save_for_backward(cos, sin)
         return kernels.rope(x4, cos, sin, backward=False)
 
     @staticmethod
     def backward(ctx, dy):
         cos, sin = ctx.saved_tensors
-        kernels = _dispatch.triton_module("rope")
+        kernels = _dispatch.triton_module(TRITON_MODULE)
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         return kernels.rope(dy, cos, sin, backward=True), None, None
 

@@ -1,5 +1,10 @@
 """Fused bias + GeLU (the MLP's first activation), forward and backward, with a fallback.
 
+Experimental, outside the library: no model selects it (bench/model_bench.py
+`--impls megazoo-kernels` routes the MLP's GeLU through it to measure whether wiring it in
+wins; bench/README.md). Its CUDA C++ variant, fused_bias_gelu.cu beside this file, is
+compiled on first use on a GPU (`cuda_extension`).
+
 Function computed by every implementation, for ``x [..., N]`` and ``bias [N]`` (cast to
 x's dtype first), in float32, rounded once to ``x.dtype``:
 
@@ -22,11 +27,17 @@ from __future__ import annotations
 
 import functools
 import statistics
+from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from . import _dispatch
+from megazoo.kernels import _dispatch
+
+TRITON_MODULE = "bench.experimental.kernels.triton_gelu"
+CUDA_SOURCE = Path(__file__).resolve().parent / "fused_bias_gelu.cu"
+JIT_MODULE_NAME = "megazoo_fused_bias_gelu"  # in torch's extension cache
 
 _APPROXIMATE = ("tanh", "none")
 
@@ -38,11 +49,35 @@ def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor, approximate: str = 
     return F.gelu(u, approximate=approximate).to(x.dtype)
 
 
+def _jit_arch_flags(device: torch.device) -> list[str]:
+    """nvcc flags for the compute capability of `device` only (a faster JIT build)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_extension(device_index: int) -> tuple[ModuleType | None, str]:
+    """fused_bias_gelu.cu compiled on first use for a GPU (torch caches it), else (None, why).
+
+    Only called for tensors already on a CUDA device; never raises.
+    """
+    try:
+        from torch.utils import cpp_extension
+
+        flags = ["-O3", "-std=c++17"] + _jit_arch_flags(torch.device("cuda", device_index))
+        module = cpp_extension.load(name=JIT_MODULE_NAME, sources=[str(CUDA_SOURCE)],
+                                    extra_cflags=["-O3", "-std=c++17"],
+                                    extra_cuda_cflags=flags, verbose=False)
+    except Exception as exc:  # no nvcc, version mismatch, compile error: use the others
+        return None, f"building {CUDA_SOURCE.name} failed: {_dispatch.first_line(exc)}"
+    return module, f"compiled {CUDA_SOURCE.name} on first use"
+
+
 def _fused_module(impl: str, device: torch.device):
     """The object with bias_gelu_forward / bias_gelu_backward for a fused impl."""
     if impl == "triton":
-        return _dispatch.triton_module("gelu")
-    return _dispatch.cuda_extension(device.index or 0)[0]
+        return _dispatch.triton_module(TRITON_MODULE)
+    return cuda_extension(device.index or 0)[0]
 
 
 class _FusedBiasGelu(torch.autograd.Function):
@@ -114,8 +149,8 @@ def unsupported(x: torch.Tensor) -> str | None:
 def _pick(x: torch.Tensor, impl: str | None, tanh: bool) -> str:
     """The caller's impl if it can run; else the measured-fastest fused one, else torch."""
     if impl is not None:
-        return _dispatch.pick(x, impl, has_cuda=True, unsupported=unsupported(x))
-    choices = _dispatch.automatic(x, has_cuda=True, unsupported=unsupported(x))
+        return _dispatch.pick(x, impl, cuda=cuda_extension, unsupported=unsupported(x))
+    choices = _dispatch.automatic(x, cuda=cuda_extension, unsupported=unsupported(x))
     fused = tuple(c.impl for c in choices if c.impl != "torch")
     if not fused:
         return "torch"

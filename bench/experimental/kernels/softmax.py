@@ -1,5 +1,8 @@
 """Fused scale + ALiBi + causal mask + softmax over attention scores, with a PyTorch fallback.
 
+Experimental, outside the library: the model's attention never materialises the scores it
+would take (fused SDPA / FlexAttention / flash-attn); it serves bench/kernels_bench.py.
+
 Function computed by every implementation, for ``scores [b, h, sq, sk]`` (query i, key j),
 in float32, rounded once to ``scores.dtype``:
 
@@ -22,7 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from . import _dispatch
+from megazoo.kernels import _dispatch
+
+TRITON_MODULE = "bench.experimental.kernels.triton_softmax"
 
 MAX_SK = 16384  # as triton_softmax.MAX_SK (not imported: triton may be absent)
 
@@ -65,7 +70,7 @@ class _TritonSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores, scale, slopes, causal):
-        kernels = _dispatch.triton_module("softmax")
+        kernels = _dispatch.triton_module(TRITON_MODULE)
         probs = kernels.softmax_forward(scores.contiguous(), scale, slopes, causal)
         ctx.save_for_backward(probs)
         ctx.scale = scale
@@ -74,7 +79,7 @@ class _TritonSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dprobs):
         (probs,) = ctx.saved_tensors
-        kernels = _dispatch.triton_module("softmax")
+        kernels = _dispatch.triton_module(TRITON_MODULE)
         return kernels.softmax_backward(dprobs.contiguous(), probs, ctx.scale), None, None, None
 
 

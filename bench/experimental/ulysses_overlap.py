@@ -1,5 +1,12 @@
 """Ulysses attention with the all-to-alls overlapped with attention, head chunk by head chunk.
 
+Experimental, outside the library: no model uses it. Finding: on 2x H200 it runs within 1.5%
+of `megazoo.layers.UlyssesAttention` at every length measured, because cuDNN's fused
+attention (SDPA's default on Hopper) leaves no SMs to the NCCL kernels issued beside it, so
+the transfers do not overlap (bench/README.md, ulysses_bench.py and stream_priority_probe.py).
+It stays here, tested against the one-process block, for hardware or kernels where that
+differs; wiring it into ParallelAttention is worth it only after a measured win.
+
 The same function as `UlyssesAttention` (ulysses.py: shapes, head layout, ALiBi slopes of the
 global heads, RoPE with global positions, GQA kv copies, padding masks), computed as a
 pipeline over k chunks of this rank's kv groups. Forward, with in(c) / out(c) the first and
@@ -37,19 +44,17 @@ run between the chunks' attention calls and k > 1 only makes those calls smaller
 
 Memory: the same as UlyssesAttention (each chunk's attention keeps what the kernel keeps;
 together they keep what one call over all heads keeps). Untested under activation
-checkpointing (block.py's selective recompute wraps the attention in non-reentrant
+checkpointing (ParallelAttention's `recompute_core` runs the attention in non-reentrant
 checkpoint, whose saved-tensor hooks would see the per-chunk graphs this Function keeps on
-its context): do not wrap it in checkpoint before that is tested. ParallelAttention and the
-models still build UlyssesAttention; use this class where the attention is built directly
-(bench/ulysses_bench.py) until the model takes an attention class.
+its context). Use it where the attention is built directly (bench/ulysses_bench.py).
 """
 from __future__ import annotations
 
 import torch
 
-from .groups import Group, group_size
-from .mappings import start_all_to_all
-from .ulysses import UlyssesAttention
+from megazoo.layers.groups import Group, group_size
+from megazoo.layers.mappings import start_all_to_all
+from megazoo.layers.ulysses import UlyssesAttention
 
 DEFAULT_MAX_CHUNKS = 4
 

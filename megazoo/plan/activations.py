@@ -1,4 +1,4 @@
-"""Activation memory of megazoo's own training step, for the planner (megazoo/plan.py).
+"""Activation memory of megazoo's own training step, for the planner (`megazoo.plan`).
 
 Korthikanti et al. 2022 count s b h (34 + 5 a s / h) bytes per GPT block: their 5 a s / h term
 is the s x s softmax, its dropout mask and output, and 2 of the 34 are dropout masks. Our
@@ -39,15 +39,16 @@ or intermediate copies: the planner describes the GPU path.
 """
 from __future__ import annotations
 
-from .models.config import ModelConfig
+from ..models.config import ModelConfig
+from .layout import Resolved
 
 
-def block_coefficients(config: ModelConfig, tp: int, sp: int, sequence_parallel: bool,
+def block_coefficients(config: ModelConfig, tp: int, sp: int, megatron_sp: bool,
                        recompute: str) -> dict[str, float]:
     """Bytes per s b h / sp kept by one block, by part (see the table above)."""
     h, f, kv = config.hidden_size, config.ffn_hidden_size, config.num_key_value_heads * config.head_dim
     t = tp
-    seq_par = sequence_parallel and tp > 1
+    seq_par = megatron_sp and tp > 1
     parts = {
         "norm_inputs": 4 / (t if seq_par else 1),
         "matmul_inputs": 4.0,
@@ -62,23 +63,23 @@ def block_coefficients(config: ModelConfig, tp: int, sp: int, sequence_parallel:
     return parts
 
 
-def activation_bytes(config: ModelConfig, layout) -> dict[str, float]:
+def stage_activations(config: ModelConfig, layout: Resolved) -> dict[str, float]:
     """Activation bytes of one block and one micro-batch, and of the most loaded stage.
 
-    layout: a plan.TrainingLayout. Returns block (as kept under the layout's recompute),
+    Returns block (as kept under the layout's recompute),
     full_block (no recompute), first / last (stage totals), logits (the loss's peak), post
     (outside the blocks) and total (the rank the planner reports).
     """
     s, b, h = layout.seq_length, layout.micro_batch_size, config.hidden_size
     t, sp = layout.tp, layout.sp
-    seq_par = layout.sequence_parallel and t > 1
+    seq_par = layout.megatron_sp_on
     sbh = s * b * h / sp
-    full_block = sbh * sum(block_coefficients(config, t, sp, layout.sequence_parallel, "none").values())
-    kept = sbh * sum(block_coefficients(config, t, sp, layout.sequence_parallel, "selective").values())
+    full_block = sbh * sum(block_coefficients(config, t, sp, layout.megatron_sp, "none").values())
+    kept = sbh * sum(block_coefficients(config, t, sp, layout.megatron_sp, "selective").values())
     block = {"none": full_block, "selective": kept,
              "full": 2 * sbh / (t if seq_par else 1)}[layout.recompute]
     p, v = layout.pp, layout.vpp
-    in_flight = p if layout.num_micro_batches is None else min(p, layout.num_micro_batches)
+    in_flight = min(p, layout.num_micro_batches)
     factor = 1 + (p - 1) / (p * v) if v > 1 else 1.0
     per_stage = config.num_layers // p
     working = full_block if layout.recompute == "full" else 0.0

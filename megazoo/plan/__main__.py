@@ -1,0 +1,4 @@
+"""`python -m megazoo.plan`: see megazoo/plan/cli.py."""
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""`python -m megazoo.plan [pretrain_gpt.py flags] [--dp N] [--gpu-memory GB] [--json]`.
+
+The parser is `pretrain_gpt.py`'s own (`megazoo.training.arguments.build_parser`), extended
+with the planner's few flags; the parsed flags become the run's `PretrainArgs` through the
+run's own `args_from_namespace` (and its checks). Every error is one line and exit status 2,
+with a "did you mean" for a misspelt flag or preset.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import re
+import sys
+import typing
+
+from ..models.presets import PRESETS
+from ..training.arguments import args_from_namespace, build_parser, field_docs
+from ..training.config import PretrainArgs
+from .layout import PlanOptions, resolve
+from .memory import GB, MemoryEstimate, _estimate
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but an error is one line ("error: ...", a suggestion) and exit status 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        print(f"error: {message}{_suggestion(self, message)}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """"; did you mean X?" for an unknown flag or an invalid choice (difflib), else ""."""
+    choice = re.search(r"invalid choice: '([^']*)'", message)
+    if choice:
+        words, candidates = [choice.group(1)], sorted(PRESETS)
+    elif message.startswith("unrecognized arguments:"):
+        words = [w for w in message.split(":", 1)[1].split() if w.startswith("-")]
+        candidates = list(parser._option_string_actions)
+    else:
+        return ""
+    close = [m for w in words for m in difflib.get_close_matches(w, candidates, n=1)]
+    return f"; did you mean {', '.join(close)}?" if close else ""
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    """pretrain_gpt.py's flags plus the planner's (`--dp`, PlanOptions' fields, `--json`)."""
+    parser = build_parser(_OneLineParser(
+        prog="python -m megazoo.plan",
+        description="Predict the GPU and host memory of a pretrain_gpt.py run: pass the run's "
+                    "flags, plus the data-parallel size to plan for."))
+    group = parser.add_argument_group("planner", "What only the planner needs.")
+    group.add_argument("--dp", dest="parallel__dp", type=int, default=argparse.SUPPRESS,
+                       metavar="DP", help="Data-parallel size (GPUs = tp * sp * pp * dp); "
+                       "a launched run takes it from its world size. Default 1.")
+    docs, hints = field_docs(PlanOptions), typing.get_type_hints(PlanOptions)
+    for f in dataclasses.fields(PlanOptions):
+        flag, kwargs = "--" + f.name.replace("_", "-"), dict(dest="plan__" + f.name, help=docs[f.name])
+        if hints[f.name] is bool:
+            group.add_argument(flag, action="store_true", **kwargs)
+        else:
+            group.add_argument(flag, type=hints[f.name], default=f.default,
+                               metavar=f.name.upper(), **kwargs)
+    group.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+    return parser
+
+
+def format_table(name: str, args: PretrainArgs, est: MemoryEstimate,
+                 options: PlanOptions | None = None) -> str:
+    """A human-readable report."""
+    layout = resolve(args, options)
+    rows = [("parameters", est.parameters), ("gradients", est.gradients),
+            ("optimizer states", est.optimizer_states), ("activations", est.activations),
+            ("communication buffers + runtime", est.communication_buffers),
+            ("fragmentation allowance (10%)", est.fragmentation), ("GPU total", est.gpu_total)]
+    lines = [f"{name}: {est.num_parameters:,} parameters; layout TP{layout.tp}-SP{layout.sp}-"
+             f"PP{layout.pp}-VPP{layout.vpp}-DP{layout.dp} ({layout.world_size} GPUs), "
+             f"{layout.zero_impl} ZeRO-{layout.zero_stage}, offload optimizer="
+             f"{layout.offload_optimizer} param={layout.offload_param}, recompute="
+             f"{layout.recompute}, micro-batch {layout.micro_batch_size} x "
+             f"{layout.seq_length} tokens, {layout.num_micro_batches} per step",
+             f"  parameters per GPU before ZeRO: {est.parameters_per_gpu:,}"]
+    lines += [f"  {label:<34}{value / GB:10.2f} GB" for label, value in rows]
+    lines.append(f"  {'host memory per GPU / per node':<34}{est.host_per_gpu / GB:10.2f} GB"
+                 f" / {est.host_per_node / GB:.1f} GB")
+    verdict = "fits" if est.fits else "does NOT fit"
+    lines.append(f"  => {verdict} in {layout.options.gpu_memory:g} GB per GPU")
+    lines += [f"  note: {n}" for n in est.notes]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Plan the run the flags describe; 0, or one "error: ..." line and 2."""
+    ns = plan_parser().parse_args(argv)
+    given = {k[len("plan__"):]: v for k, v in vars(ns).items() if k.startswith("plan__")}
+    try:
+        options = PlanOptions(**given)
+        args = args_from_namespace(ns)  # the run's own configs and checks
+        layout = resolve(args, options)
+        est = _estimate(args.model, layout)
+    except (ValueError, OSError) as exc:  # a layout that cannot be: say what, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    name = args.model_name or "the default model"
+    if ns.json:
+        print(json.dumps({"model": name, "layout": dataclasses.asdict(layout),
+                          "args": args.to_dict(), **est.to_dict()}, indent=2))
+    else:
+        print(format_table(name, args, est, options))
+    return 0

@@ -1,0 +1,102 @@
+"""What the planner reads from a run's configuration, resolved once.
+
+The planner takes the run's own `PretrainArgs` (`megazoo.training.config`): the model, the
+parallel layout (`parallel.dp` is the data-parallel size to plan for; None means 1), the
+micro-batch and global batch, the sequence length, recompute and the ZeRO flags. `resolve`
+checks them with the run's own `check_args` and turns them into the few numbers the
+formulas use (`Resolved`): ZeRO flags left to a DeepSpeed JSON are read through the run's
+`build_ds_config`, FSDP2 is ZeRO-3 and offloads all or nothing, and the micro-batches per
+step follow from the global batch. `PlanOptions` holds what only the planner needs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..training.config import PretrainArgs
+from ..training.ds_config import build_ds_config, offload_device, zero_stage
+from ..training.validate import check_args
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What the planner needs besides the run's flags."""
+
+    gpu_memory: float = 80.0
+    """Memory of one GPU, in GB (1e9 bytes), for the verdict."""
+    gpus_per_node: int = 8
+    """GPUs sharing one host, for the host-memory total per node."""
+    fp32_grad_accumulation: bool = False
+    """Plan gradients accumulated in fp32 (4 B per parameter) instead of bf16 (2 B)."""
+
+    def __post_init__(self) -> None:
+        if self.gpu_memory <= 0 or self.gpus_per_node < 1:
+            raise ValueError(f"--gpu-memory must be > 0 and --gpus-per-node >= 1, got "
+                             f"{self.gpu_memory} and {self.gpus_per_node}")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The numbers the formulas use (derived from PretrainArgs + PlanOptions by `resolve`)."""
+
+    tp: int
+    sp: int
+    pp: int
+    vpp: int
+    dp: int
+    micro_batch_size: int
+    seq_length: int
+    num_micro_batches: int
+    megatron_sp: bool
+    recompute: str
+    zero_impl: str
+    zero_stage: int
+    offload_optimizer: str
+    offload_optimizer_ratio: float
+    offload_param: str
+    fsdp_reshard_after_forward: bool
+    options: PlanOptions
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.sp * self.pp * self.dp
+
+    @property
+    def megatron_sp_on(self) -> bool:
+        """Megatron sequence parallelism in effect (it needs tp > 1)."""
+        return self.megatron_sp and self.tp > 1
+
+
+def _zero(args: PretrainArgs, dp: int) -> tuple[int, str, float, str]:
+    """(stage, optimizer offload, offloaded ratio, parameter offload) the engine will use."""
+    zero = args.zero
+    if zero.zero_impl == "deepspeed":
+        ds = build_ds_config(args, dp)
+        section = ds.get("zero_optimization", {}).get("offload_optimizer") or {}
+        result = (zero_stage(ds), offload_device(ds), float(section.get("ratio", 1.0)),
+                  offload_device(ds, "offload_param"))
+    elif zero.zero_impl == "fsdp2":  # CPUOffloadPolicy moves parameters and optimizer together
+        cpu = "cpu" if "cpu" in (zero.offload_optimizer, zero.offload_param) else "none"
+        result = (3, cpu, 1.0, cpu)
+    else:
+        result = (0, "none", 1.0, "none")
+    if "nvme" in (result[1], result[3]):
+        raise ValueError("the planner models cpu offload only: plan an nvme layout with "
+                         "--offload-optimizer cpu / --offload-param cpu (the GPU side is the same)")
+    return result
+
+
+def resolve(args: PretrainArgs, options: PlanOptions | None = None) -> Resolved:
+    """Check `args` as the run does and resolve it; raise ValueError naming the flag."""
+    check_args(args)
+    par, t = args.parallel, args.training
+    dp = par.dp or 1
+    stage, offload_optimizer, ratio, offload_param = _zero(args, dp)
+    return Resolved(
+        tp=par.tp, sp=par.sp, pp=par.pp, vpp=par.vpp, dp=dp,
+        micro_batch_size=t.micro_batch_size, seq_length=args.data.seq_length,
+        num_micro_batches=max(1, t.global_batch_size // (t.micro_batch_size * dp)),
+        megatron_sp=par.megatron_sp, recompute=args.model.recompute,
+        zero_impl=args.zero.zero_impl, zero_stage=stage, offload_optimizer=offload_optimizer,
+        offload_optimizer_ratio=ratio, offload_param=offload_param,
+        fsdp_reshard_after_forward=args.zero.fsdp_reshard_after_forward,
+        options=options or PlanOptions())

@@ -1,0 +1,58 @@
+"""`check_args`: every check of a run's configuration that needs no process.
+
+`pretrain_gpt.py` applies it when it parses its flags and `python -m megazoo.plan` applies it
+to the same objects, so a layout the planner accepts is one the run accepts: the model
+against the parallel layout (`megazoo.models.check_layout`: heads over tp x sp, MLP width
+over tp, layers over pp x vpp, the sequence over its shards), the ZeRO engine against the
+flags it understands, and, where the data-parallel size is known (the planner's `--dp`; a
+launched run learns it from the world size), the global batch against it. Every failure is
+a ValueError naming the flag to change.
+"""
+from __future__ import annotations
+
+from ..models.build import check_layout
+from ..parallel.config import ParallelConfig
+from .config import PretrainArgs
+from .zero_config import ZeroConfig
+
+
+def check_args(args: PretrainArgs) -> None:
+    """Raise a ValueError unless `args` describes a run that can start (see the module doc)."""
+    check_layout(args.model, args.parallel, args.data.seq_length)
+    check_engine(args.zero, args.parallel)
+    dp, t = args.parallel.dp, args.training
+    if dp is not None and t.global_batch_size % (t.micro_batch_size * dp):
+        raise ValueError(f"--global-batch-size {t.global_batch_size} must divide by "
+                         f"--micro-batch-size {t.micro_batch_size} x dp {dp}")
+
+
+def check_engine(zero: ZeroConfig, parallel: ParallelConfig) -> None:
+    """The ZeRO flags against the engine that reads them (values left to a DeepSpeed JSON,
+    None here, are checked when the JSON is merged)."""
+    offloads = {v for v in (zero.offload_optimizer, zero.offload_param) if v not in (None, "none")}
+    if zero.zero_impl == "none" and (zero.zero_stage not in (None, 0) or offloads):
+        raise ValueError("--zero-stage / --offload-* need a ZeRO engine: add --deepspeed "
+                         "(or --zero-impl fsdp2)")
+    if zero.zero_impl == "deepspeed" and parallel.pp > 1:
+        raise ValueError(f"DeepSpeed cannot run megazoo's pipeline schedules (pp={parallel.pp}): "
+                         "use --zero-impl fsdp2 for ZeRO-3 with pipelines, or set "
+                         "--pipeline-model-parallel-size 1")
+    if zero.zero_impl == "fsdp2":
+        if zero.zero_stage not in (None, 3):
+            raise ValueError(f"--zero-impl fsdp2 shards parameters (ZeRO-3); got --zero-stage "
+                             f"{zero.zero_stage}: pass --zero-stage 3 or use --deepspeed")
+        if "nvme" in offloads:
+            raise ValueError("--zero-impl fsdp2 offloads to cpu only: use --offload-optimizer "
+                             "cpu or --deepspeed for nvme")
+        if zero.offload_optimizer_ratio not in (None, 1.0):
+            raise ValueError("--zero-impl fsdp2 offloads all or nothing: drop "
+                             "--offload-optimizer-ratio or use --deepspeed")
+    elif not zero.fsdp_reshard_after_forward:
+        raise ValueError("--no-fsdp-reshard-after-forward is an FSDP2 setting: add "
+                         "--zero-impl fsdp2 or drop it")
+    if zero.zero_stage is None:
+        return
+    if zero.offload_param not in (None, "none") and zero.zero_stage != 3:
+        raise ValueError(f"--offload-param needs --zero-stage 3, got {zero.zero_stage}")
+    if zero.offload_optimizer not in (None, "none") and zero.zero_stage == 0:
+        raise ValueError("--offload-optimizer needs --zero-stage 1, 2 or 3")
