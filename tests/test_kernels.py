@@ -161,7 +161,7 @@ def test_automatic_dispatch_keeps_cpu_tensors_on_pytorch():
     tensors: the interpreter is for tests, never picked by itself."""
     x = torch.randn(3, 16)
     assert not K.fused_norm_runs(x)
-    choice = _dispatch.automatic(x, has_cuda=False)
+    choice = _dispatch.automatic(x)
     assert [c.impl for c in choice] == ["torch"], choice
 
 
