@@ -38,7 +38,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, print_table, write_json  # noqa: E402
 
-from megazoo.models import ModelConfig, allreduce_gradients, build_model  # noqa: E402
+from megazoo.models import ModelConfig, build_model  # noqa: E402
+from megazoo.training.gradients import allreduce_gradients  # noqa: E402
 from megazoo.models.build import resolve_config  # noqa: E402
 from megazoo.parallel import ParallelConfig, ParallelState  # noqa: E402
 from megazoo.pipeline.executor import run_pipeline  # noqa: E402

@@ -137,8 +137,8 @@ def step(kind):
 def fsdp2_phases(zb, shape, state, args):
     from megazoo.models import build_model
     from megazoo.training.fsdp import FSDP2Engine
-    from megazoo.training.fsdp_parts import complete_gradients
-    from megazoo.training.optim import global_grad_norm
+    from megazoo.training.gradients import complete_sharded_gradients as complete_gradients
+    from megazoo.training.gradients import global_grad_norm
 
     model = build_model(args.model, state, device=zb.device(), seed=0)
     eng = FSDP2Engine(model, state, args, cpu_offload=True,

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from model_checks import TOL, compare
-from megazoo.models import ModelConfig, allreduce_gradients, build_model
+from megazoo.models import ModelConfig, build_model
+from megazoo.training.gradients import allreduce_gradients
 from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.pipeline.executor import run_pipeline
 

@@ -11,7 +11,7 @@ returns the micro-batch's mean loss (or logits when there are no labels).
 Three phases, as the schedule's action list orders them: warm-up forwards, steady 1F1B, and
 cool-down backwards; the executor just walks the list. The loss is the mean over
 micro-batches (each micro-batch's loss is scaled by 1/m before its backward), so gradients
-equal those of the whole batch on one process once `megazoo.models.allreduce_gradients`
+equal those of the whole batch on one process once `megazoo.training.gradients`
 has summed the partial ones: the tied embedding's two copies (first and last stage), and
 the sp / dp / Megatron-SP reductions. The executor leaves that call to the training step.
 """

@@ -38,6 +38,11 @@ class StepResult:
     """True when the step was skipped (fp16 overflow): the weights did not change."""
 
 
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (too many skipped steps, non-finite weights to save): one line
+    for the user, exit status 1, no traceback."""
+
+
 class Engine:
     """Base class of the training engines; see the module docstring."""
 
@@ -58,6 +63,15 @@ class Engine:
     def load(self, path: str) -> dict:
         """Restore model, optimizer, scheduler and scaler from `path`; return its `extra`."""
         raise NotImplementedError
+
+    @torch.no_grad()
+    def nonfinite_parameter(self) -> str | None:
+        """The name of a parameter (this rank's part of it) holding inf / nan, else None."""
+        for name, p in self.model.named_parameters():
+            t = p.to_local() if hasattr(p, "to_local") else p
+            if t.numel() and not bool(torch.isfinite(t).all()):
+                return name
+        return None
 
 
 def mean_eval_loss(model, micro_batches, state, device, *, dtype=None) -> float:

@@ -34,9 +34,10 @@ import torch
 from ..parallel.state import ParallelState
 from ..pipeline.executor import run_pipeline
 from .engine import Engine, StepResult, dp_mean, last_stage_loss, mean_eval_loss
-from .fsdp_parts import SyncOnLastMicroBatch, complete_gradients, shard_mesh, shard_stage
-from .optim import global_grad_norm, local, param_groups
-from .schedule import learning_rate
+from .fsdp_parts import SyncOnLastMicroBatch, shard_mesh, shard_stage
+from .gradients import complete_sharded_gradients, global_grad_norm, local
+from .lr_schedule import learning_rate
+from .optim import build_optimizer, param_groups
 
 
 def check_args(args, state: ParallelState) -> None:
@@ -82,10 +83,9 @@ class FSDP2Engine(Engine):
         shard_stage(model, mesh, device=self.device, bf16=self.cfg.bf16, cpu_offload=cpu_offload,
                     reshard_after_forward=reshard_after_forward)
         self.model, self.cpu_offload = model, cpu_offload
-        self.optimizer = torch.optim.AdamW(
-            param_groups(model, self.cfg.weight_decay), lr=self.cfg.lr,
-            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), eps=self.cfg.adam_eps,
-            fused=True)  # also on the host (offload): 1.3B params 0.3 s vs 1.5 s foreach
+        # fused also on the host (offload): 1.3B params 0.3 s vs 1.5 s foreach
+        self.optimizer = build_optimizer(param_groups(model, self.cfg.weight_decay), self.cfg,
+                                         fused=True)
         self.steps = 0
 
     # -- forward / backward -------------------------------------------------------------
@@ -118,13 +118,14 @@ class FSDP2Engine(Engine):
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         lr = learning_rate(self.steps, self.cfg)
-        self.steps += 1
         loss = dp_mean(self._forward_backward(micro_batches), self.state)
-        complete_gradients(self.model, self.state)
+        complete_sharded_gradients(self.model, self.state)
         norm = global_grad_norm(self.model, self.state)
-        if not math.isfinite(norm):
+        if not (math.isfinite(norm) and math.isfinite(loss)):
+            # skipped steps do not advance the lr clock
             self.optimizer.zero_grad(set_to_none=True)
-            return StepResult(loss, norm, lr, None, skipped=True)
+            return StepResult(loss, math.nan, lr, None, skipped=True)
+        self.steps += 1
         self._clip_in_step(norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..models import build_model
-from .fsdp_parts import local
+from .gradients import local
 
 AUX = ("exp_avg", "exp_avg_sq")
 

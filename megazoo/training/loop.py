@@ -23,7 +23,7 @@ from .arguments import parse_args
 from .checkpoint import load_training_checkpoint
 from .config import PretrainArgs
 from .data import TrainData, build_data, resolve_data_source, unigram_entropy
-from .engine import Engine, build_engine
+from .engine import Engine, TrainingStopped, build_engine
 from .logging import MetricsLogger
 
 USER_ERRORS = (ValueError, FileNotFoundError)
@@ -162,10 +162,14 @@ def _shutdown() -> None:
 
 
 def main(argv: list[str] | None = None, print_fn=print) -> int:
-    """Command-line entry point: 0 when done; "error: ..." and 2 for bad input."""
+    """Command-line entry point: 0 when done; "error: ..." and 2 for bad input, 1 when the
+    run had to stop (too many skipped steps, non-finite weights)."""
     try:
         run_training(argv, print_fn)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except TrainingStopped as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0

@@ -9,6 +9,7 @@ import torch
 from .checkpoint import save_training_checkpoint
 from .generate import generate
 from .logging import flops_per_iteration
+from .nonfinite import SkipWatch, check_finite_before_save
 
 
 class _Progress:
@@ -48,13 +49,14 @@ def seed_step(seed: int, iteration: int, state) -> None:
 
 def _save(run, iteration: int) -> None:
     save_dir = run.args.checkpoint.save
+    check_finite_before_save(run.engine, run.state, iteration)
     extra = {"consumed_samples": iteration * run.args.training.global_batch_size,
              "args": run.args.to_dict()}
     path = save_training_checkpoint(run.engine, save_dir, iteration, extra, run.state)
     run.logger.print(f"saved checkpoint {path}")
 
 
-def _log_record(run, iteration, result, seconds, steps) -> dict:
+def _log_record(run, iteration, result, seconds, steps, skipped_total) -> dict:
     a, t = run.args, run.args.training
     tokens = t.global_batch_size * a.data.seq_length * steps
     flops = steps * flops_per_iteration(t.global_batch_size, a.data.seq_length,
@@ -66,6 +68,7 @@ def _log_record(run, iteration, result, seconds, steps) -> dict:
         record["loss_scale"] = result.loss_scale
     if result.skipped:
         record["skipped"] = True
+    record["skipped_steps"] = skipped_total
     record.update(run.logger.throughput(flops, seconds, run.state.world_size, tokens))
     record.update(run.logger.memory())
     return record
@@ -84,6 +87,7 @@ def train(run, print_fn=print) -> dict:
     valid = None
     start = window_start = time.perf_counter()
     window_steps = 0
+    watch = SkipWatch(a, run.start_iteration, run.logger.print)
     for it in range(run.start_iteration, a.training.train_iters):
         step_start = time.perf_counter()
         seed_step(a.training.seed, it, run.state)
@@ -93,9 +97,10 @@ def train(run, print_fn=print) -> dict:
         window_steps += 1
         progress.update(result.loss, tokens_per_iter / (time.perf_counter() - step_start))
         n = it + 1
+        watch.after_step(n, result)
         if n % log.log_interval == 0:
             run.logger.write(_log_record(run, n, result, time.perf_counter() - window_start,
-                                         window_steps))
+                                         window_steps, watch.total))
             window_start, window_steps = time.perf_counter(), 0
         if n % log.eval_interval == 0 or n == a.training.train_iters:
             valid = evaluate(run)

@@ -12,7 +12,7 @@ is. Its ZeRO-3 path (measured here on gloo at sp=2 with dp=1 and dp=2) leaves gr
 1/sp of that, the case `allreduce_gradients`' docstring warns about: for stage 3 the backward
 loss is multiplied by sp (`grad_scale`). The sp tests against the plain engine guard both.
 Megatron-SP parameters get their tp sum from a gradient hook
-(`zero_setup.sum_sequence_parallel_grads`).
+(`gradients.hook_sequence_parallel_grads`).
 
 DeepSpeed has no place in our pipeline schedules (it only pipelines through its own
 PipelineEngine, and refuses ZeRO-2/3 there): pp > 1 is a ValueError pointing at
@@ -20,8 +20,9 @@ PipelineEngine, and refuses ZeRO-2/3 there): pp > 1 is a ValueError pointing at
 
 Precision is DeepSpeed's: with bf16 / fp16 enabled it casts the model to that dtype and keeps
 fp32 master weights in the (possibly offloaded) optimizer. The learning rate of each step is
-`megazoo.training.schedule.learning_rate`, written into the optimizer's groups before the
-step; the gradient norm is DeepSpeed's (before clipping, each tp shard counted once).
+`megazoo.training.lr_schedule.learning_rate` of the steps applied so far (a step DeepSpeed
+skips, by its own `skipped_steps` counter, does not advance it), written into the optimizer's
+groups before the step; the gradient norm is DeepSpeed's (before clipping, each tp shard counted once).
 
 Checkpoints: `save(path, extra)` writes DeepSpeed's own files under `path/zero/` (its format,
 including the partitioned optimizer state) and `path/megazoo.json` with format
@@ -41,9 +42,10 @@ import torch.distributed as dist
 from ..parallel.state import ParallelState
 from .ds_config import build_ds_config, offload_device, zero_stage
 from .engine import Engine, StepResult, dp_mean, mean_eval_loss
-from .schedule import learning_rate
+from .lr_schedule import learning_rate
+from .gradients import hook_sequence_parallel_grads
 from .zero_setup import (ZeroMPU, build_optimizer, check_nvme, ensure_process_group,
-                         sum_sequence_parallel_grads, tag_tensor_parallel, use_accelerator_of)
+                         tag_tensor_parallel, use_accelerator_of)
 
 DS_FORMAT = "megazoo-deepspeed-1"
 TAG = "zero"
@@ -81,7 +83,7 @@ class DeepSpeedEngine(Engine):
         import deepspeed
 
         tag_tensor_parallel(model, state)
-        self._hooks = sum_sequence_parallel_grads(model, state)
+        self._hooks = hook_sequence_parallel_grads(model, state)
         optimizer = build_optimizer(model, self.cfg, self.ds_config, cpu_adam)
         self.uses_cpu_adam = type(optimizer).__name__ == "DeepSpeedCPUAdam"
         self.cpu_offload = offload_device(self.ds_config) == "cpu"
@@ -89,7 +91,7 @@ class DeepSpeedEngine(Engine):
             model=model, optimizer=optimizer, config=self.ds_config, mpu=ZeroMPU(state))
         self.model = self.ds.module
         self.device = device
-        self.steps = 0  # optimizer steps taken (skipped included): drives the schedule
+        self.steps = 0  # optimizer steps applied (DeepSpeed's skipped ones not): the lr clock
         stage3_sp = zero_stage(self.ds_config) == 3 and state.sp.size > 1
         self.grad_scale = float(state.sp.size) if stage3_sp else 1.0  # see the module doc
 
@@ -117,7 +119,6 @@ class DeepSpeedEngine(Engine):
         lr = learning_rate(self.steps, self.cfg)
         for group in self.ds.optimizer.param_groups:
             group["lr"] = lr
-        self.steps += 1
         skipped_before = self.ds.skipped_steps
         total = torch.zeros((), device=self.device)
         for b in micro_batches:
@@ -125,7 +126,8 @@ class DeepSpeedEngine(Engine):
             self.ds.backward(loss * self.grad_scale)  # DeepSpeed scales by 1 / accumulation
             self.ds.step()          # steps the optimizer at the accumulation boundary
             total += loss.detach().float() / len(micro_batches)
-        skipped = self.ds.skipped_steps != skipped_before
+        skipped = self.ds.skipped_steps != skipped_before  # DeepSpeed's own overflow count
+        self.steps += 0 if skipped else 1
         norm = self.ds.get_global_grad_norm()
         norm = math.nan if skipped or norm is None else float(norm)
         return StepResult(dp_mean(total, self.state), norm, lr, self._loss_scale(), skipped=skipped)
