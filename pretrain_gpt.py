@@ -5,11 +5,11 @@
     python pretrain_gpt.py --help                 # every flag, generated from the configs
 
 The flags come from the dataclasses in `megazoo/training/config.py` (plus ModelConfig,
-ParallelConfig and ZeroConfig); the run itself is `megazoo.training.loop.main`.
+ParallelConfig and ZeroConfig); the run itself is `megazoo.training.run.main`.
 """
 import sys
 
-from megazoo.training.loop import main
+from megazoo.training.run import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -100,7 +100,7 @@ def step(kind):
         return fsdp2_phases(zb, shape, state, args)
     if kind == "megazoo":
         from megazoo.models import build_model
-        from megazoo.training.zero import DeepSpeedEngine
+        from megazoo.training.backends.deepspeed_zero import DeepSpeedEngine
         model = build_model(args.model, state, device=zb.device(), seed=0, dtype=torch.bfloat16)
         eng = DeepSpeedEngine(model, state, args).ds
         ids = zb.batch(shape, zb.device())
@@ -136,7 +136,7 @@ def step(kind):
 
 def fsdp2_phases(zb, shape, state, args):
     from megazoo.models import build_model
-    from megazoo.training.fsdp import FSDP2Engine
+    from megazoo.training.backends.fsdp2 import FSDP2Engine
     from megazoo.training.gradients import complete_sharded_gradients as complete_gradients
     from megazoo.training.gradients import global_grad_norm
 

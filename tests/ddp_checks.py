@@ -45,7 +45,7 @@ def batches(step: int, dp_rank: int, dp: int) -> list[dict]:
 
 
 def engine_for(par: ParallelConfig, **training):
-    from megazoo.training.plain import PlainEngine
+    from megazoo.training.backends.plain import PlainEngine
 
     state = ParallelState.initialize(par) if torch.distributed.is_initialized() \
         else ParallelState.single()

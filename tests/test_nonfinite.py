@@ -7,7 +7,7 @@ import torch
 
 from megazoo.parallel import ParallelConfig
 from megazoo.testing import run_distributed
-from megazoo.training.loop import main
+from megazoo.training.run import main
 
 import test_zero_ranks as ranks
 from test_training_run import make_data, tiny_argv
@@ -44,7 +44,7 @@ def _lrs(engine, state) -> list[tuple[float, bool]]:
 
 def _three_engines() -> dict:
     from megazoo.models import build_model
-    from megazoo.training.plain import PlainEngine
+    from megazoo.training.backends.plain import PlainEngine
 
     par = ParallelConfig()
     state = ranks.state_for(par)

@@ -132,7 +132,7 @@ def test_grad_norm_tp2_and_pp2_equal_one_process():
 def _fsdp_gqa_norm():
     """LLaMA with 1 kv head at tp=2, FSDP2-sharded over dp=2 (both dp ranks see the same
     batch, so the reduce-scattered mean gradient is the one-process one)."""
-    from megazoo.training.fsdp_parts import shard_mesh, shard_stage
+    from megazoo.training.backends.fsdp2_sharding import shard_mesh, shard_stage
     from megazoo.training.gradients import complete_sharded_gradients as complete_gradients
 
     state = ParallelState.initialize(ParallelConfig(tp=2))
@@ -154,7 +154,7 @@ def test_grad_norm_fsdp2_shards_count_replicated_kv_rows_once():
 
 
 def test_host_thread_advice_only_for_an_offloaded_step_on_one_thread():
-    from megazoo.training.loop import host_thread_advice
+    from megazoo.training.run import host_thread_advice
 
     advice = host_thread_advice(cpu_offload=True, threads=1, cores=32, local_ranks=2)
     assert "--cpu-threads 16" in advice and "OMP_NUM_THREADS" in advice

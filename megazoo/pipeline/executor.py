@@ -46,11 +46,13 @@ def activation_shape(model, batch: int, seq: int) -> tuple[int, int, int]:
 
 def run_pipeline(model, microbatches: list[tuple[torch.Tensor, torch.Tensor | None]],
                  state: ParallelState, *, forward_only: bool = False,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, backward=None):
     """Run this rank's program; return the mean loss (last stage) or None (other stages).
 
     `microbatches` is the same list of (ids [b, s], labels [b, s] or None) on every rank.
     With forward_only and no labels the last stage returns the list of per-micro-batch logits.
+    `backward(loss)` runs the backward of each micro-batch's loss (already divided by m) on
+    the last stage (default `loss.backward()`; DeepSpeed passes its engine's own).
     """
     pp, vpp, m = state.pp.size, len(model.chunks), len(microbatches)
     ids0 = microbatches[0][0]
@@ -65,7 +67,7 @@ def run_pipeline(model, microbatches: list[tuple[torch.Tensor, torch.Tensor | No
             _forward(model, state, microbatches, key, buffers, forward_only)
         elif action.kind == ActionKind.B:
             if not forward_only:
-                _backward(state, key, buffers)
+                _backward(state, key, buffers, backward)
         elif action.kind == ActionKind.SEND_F:
             # Training keeps the output (its graph) for the backward but frees its values
             # once sent; forward-only drops it altogether.
@@ -110,9 +112,11 @@ def _forward(model, state, microbatches, key, buffers: _StageBuffers, forward_on
         buffers.outputs[key] = out
 
 
-def _backward(state, key, buffers: _StageBuffers):
+def _backward(state, key, buffers: _StageBuffers, backward=None):
     out = buffers.outputs.pop(key)
     if key in buffers.grads:
         backward_from_freed(out, buffers.grads.pop(key))
-    else:  # the loss on the last stage
+    elif backward is not None:  # the loss on the last stage
+        backward(out)
+    else:
         out.backward()

@@ -50,6 +50,8 @@ class TrainingConfig:
     and AdamW moments in the optimizer); without --bf16 / --fp16 everything is fp32."""
     fp16: bool = False
     """fp16 parameters and compute with dynamic loss scaling; fp32 masters as with --bf16."""
+    fp32: bool = False
+    """fp32 parameters and compute (also what you get without --bf16 / --fp16)."""
     initial_loss_scale: float = 2.0 ** 16
     """fp16: loss scale at the start."""
     loss_scale_window: int = 1000
@@ -93,8 +95,8 @@ class TrainingConfig:
         if self.lr_decay_style not in DECAY_STYLES:
             raise ValueError(f"--lr-decay-style must be one of {DECAY_STYLES}, "
                              f"got {self.lr_decay_style!r}")
-        if self.bf16 and self.fp16:
-            raise ValueError("--bf16 and --fp16 exclude each other: pass one of them")
+        if self.bf16 + self.fp16 + self.fp32 > 1:
+            raise ValueError("--bf16, --fp16 and --fp32 exclude each other: pass one of them")
         if self.clip_grad < 0 or self.weight_decay < 0:
             raise ValueError("--clip-grad and --weight-decay must be >= 0")
         if self.max_skipped_steps < 0:

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .engine import StepResult, TrainingStopped
+from .backends.base import StepResult, TrainingStopped
 
 
 def _bad(result: StepResult) -> bool:

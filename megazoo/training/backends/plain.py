@@ -8,13 +8,12 @@ with backward under --overlap-grad-reduce, reduce-scattered under
 fp16 loss scaler, and the checkpoint files (fp32 masters and moments, one format at any
 dp / tp / pp and with or without the distributed optimizer).
 
-One `train_step`: the micro-batches through the pipeline executor (pp = 1 runs the
-no-pipeline schedule), each loss scaled by 1/m (times the fp16 loss scale); backward hooks
-accumulate into the main gradients and launch bucket reductions; then the tied-embedding
-sum, the wait for what is in flight, the global norm from the flat buffer (one multi-tensor
-kernel), the skip decision (a non-finite loss or norm skips the step in every precision;
-fp16 also backs the loss scale off), and the fused AdamW step whose gradient divisor folds
-in the loss scale and the clipping factor. Skipped steps do not advance the lr clock.
+Its part of the one `Engine.train_step`: the losses scaled by the fp16 loss scale
+(`stage`); backward hooks accumulate into the main gradients and launch bucket reductions;
+`finish_gradients` sums the tied embedding, waits for what is in flight and takes the
+global norm from the flat buffer (one multi-tensor kernel); `step` skips on a non-finite
+loss or norm in every precision (fp16 also backs the loss scale off), else runs the fused
+AdamW whose gradient divisor folds in the loss scale and the clipping factor.
 """
 from __future__ import annotations
 
@@ -22,17 +21,15 @@ import math
 
 import torch
 
-from ..parallel.state import ParallelState
-from ..pipeline.executor import run_pipeline
-from .config import PretrainArgs
-from .engine import Engine, StepResult, dp_mean, last_stage_loss, mean_eval_loss
+from ...parallel.state import ParallelState
+from ..config import PretrainArgs
+from .base import Engine
 from .grad_buffer import GradBuffer
-from .gradients import (clip_divisor, counted_flat_ranges, flat_grad_norm,
+from ..gradients import (clip_divisor, counted_flat_ranges, flat_grad_norm,
                         hook_sequence_parallel_grads, intersect, sum_tied_embedding,
                         tied_embedding_weight)
-from .lr_schedule import learning_rate
 from .master_optimizer import MOMENTS, MasterAdamW
-from .scaler import DynamicLossScaler
+from ..scaler import DynamicLossScaler
 
 AUX_PREFIXES = MOMENTS
 
@@ -81,45 +78,43 @@ class PlainEngine(Engine):
         self.norm_views = [self.buffers.main_grad[lo:hi] for lo, hi in owned]
         self.scaler = (DynamicLossScaler(cfg.initial_loss_scale, cfg.loss_scale_window,
                                          cfg.min_loss_scale) if cfg.fp16 else None)
-        self.steps = 0  # optimizer steps taken (skipped ones not): the lr clock
+        self.steps, self._scale = 0, 1.0
         self.device = next(model.parameters()).device
 
-    def _forward_backward(self, micro_batches, scale: float) -> torch.Tensor:
-        """Mean loss over the micro-batches (unscaled; this replica, every stage)."""
-        pairs = [(b["input_ids"], b["labels"]) for b in micro_batches]
-        stage = _ScaledLossStage(self.model, scale) if scale != 1.0 else self.model
-        loss = run_pipeline(stage, pairs, self.state)
-        loss = (loss / scale) if loss is not None else None
-        return last_stage_loss(loss, self.state, self.device)
+    # -- the backend interface ---------------------------------------------------------------
+    def stage(self, num_microbatches: int, loss_scale: float):
+        return _ScaledLossStage(self.model, loss_scale) if loss_scale != 1.0 else self.model
 
-    def _finish_gradients(self) -> None:
+    def start_step(self, num_microbatches: int, lr: float) -> None:
+        self.model.train()
+        self._scale = self.loss_scale()
+        self.buffers.start_step(num_microbatches)
+
+    def finish_gradients(self) -> float:
+        """Tied-embedding sum, the buckets still to reduce, then the norm from the flat buffer
+        (divided by the fp16 loss scale)."""
         self.buffers.finish(lambda: sum_tied_embedding(self.model, self.state,
                                                        grad_of=lambda w: w.main_grad))
+        return flat_grad_norm(self.norm_views, self.state, self.buffers.shard) / self._scale
 
-    def train_step(self, micro_batches) -> StepResult:
-        self.model.train()
-        lr = learning_rate(self.steps, self.cfg)
-        scale = self.scaler.scale if self.scaler else 1.0
-        self.buffers.start_step(len(micro_batches))
-        loss = self._forward_backward(micro_batches, scale)
-        self._finish_gradients()
-        loss = dp_mean(loss, self.state)
-        norm = flat_grad_norm(self.norm_views, self.state, self.buffers.shard) / scale
-        finite = math.isfinite(norm) and math.isfinite(loss)
+    def step(self, lr: float, norm: float, loss_is_finite: bool) -> bool:
+        """Fused AdamW on the fp32 masters, its gradient divisor the loss scale times the
+        clipping factor; a non-finite loss or norm skips it (and backs the fp16 scale off)."""
+        ok = loss_is_finite and math.isfinite(norm)
         if self.scaler is not None:
-            self.scaler.update(not finite)
-        loss_scale = self.scaler.scale if self.scaler else None
-        if not finite:
-            return StepResult(loss, math.nan, lr, loss_scale, skipped=True)
-        self.optimizer.step(lr, scale * clip_divisor(norm, self.cfg.clip_grad))
-        self.steps += 1
-        return StepResult(loss, norm, lr, loss_scale)
+            self.scaler.update(not ok)
+        if ok:
+            self.optimizer.step(lr, self._scale * clip_divisor(norm, self.cfg.clip_grad))
+        return ok
 
-    @torch.no_grad()
-    def eval_loss(self, micro_batches) -> float:
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    def reported_loss_scale(self) -> float | None:
+        return self.scaler.scale if self.scaler else None
+
+    def wait_params(self) -> None:
         self.optimizer.wait_params()
-        self.model.eval()
-        return mean_eval_loss(self.model, micro_batches, self.state, self.device)
 
     @torch.no_grad()
     def nonfinite_parameter(self) -> str | None:
@@ -142,7 +137,7 @@ class PlainEngine(Engine):
         return old
 
     def save(self, path: str, extra: dict) -> None:
-        from ..checkpoint import save_checkpoint
+        from ...checkpoint import save_checkpoint
 
         full = self.optimizer.full_state()
         aux = {k: self._as_params(full[k]) for k in MOMENTS}
@@ -156,8 +151,8 @@ class PlainEngine(Engine):
             self._swap_params(None, old)
 
     def load(self, path: str) -> dict:
-        from ..checkpoint import load_model_weights
-        from ..checkpoint.load import CheckpointReader
+        from ...checkpoint import load_model_weights
+        from ...checkpoint.load import CheckpointReader
 
         # Weights-only checkpoints (converted from HF, say) start a fresh optimizer.
         stored = set(CheckpointReader(path).aux_prefixes)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.state import ParallelState
+from ...parallel.state import ParallelState
 
 
 class Bucket:

@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..layers.sharding import tp_dim_of
-from ..parallel.mpu import _NAMES, DeepSpeedMPU
-from ..parallel.state import ParallelState
-from .ds_config import offload_device
-from .optim import build_optimizer as torch_adamw, param_groups
+from ...layers.sharding import tp_dim_of
+from ...parallel.mpu import _NAMES, DeepSpeedMPU
+from ...parallel.state import ParallelState
+from ..ds_config import offload_device
+from ..optim import build_optimizer as torch_adamw, param_groups
 
 log = logging.getLogger(__name__)
 

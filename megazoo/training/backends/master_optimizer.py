@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .grad_buffer import GradBuffer
-from .optim import build_optimizer
+from ..optim import build_optimizer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -73,6 +73,7 @@ class MasterAdamW:
         for group in self.optimizer.param_groups:
             for view in group["params"]:
                 self.optimizer.state[view] = self._states[id(view)]
+        self._divisor = torch.ones((), dtype=torch.float32, device=data.device)
         self.overlap_param_gather = overlap_param_gather and buffers.shard
         self._gathers: dict[int, object] = {}
         if self.overlap_param_gather:
@@ -113,8 +114,11 @@ class MasterAdamW:
     def step(self, lr: float, grad_divisor: float = 1.0) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.grad_scale = None if grad_divisor == 1.0 else \
-            torch.tensor(grad_divisor, dtype=torch.float32, device=self.master.device)
+        if grad_divisor == 1.0:
+            self.optimizer.grad_scale = None
+        else:  # a device scalar reused every step: a fill, no host-to-device copy
+            self._divisor.fill_(grad_divisor)
+            self.optimizer.grad_scale = self._divisor
         self.optimizer.step()
         self._publish()
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.state import ParallelState
+from ...parallel.state import ParallelState
 
 
 def one_rank_groups(state: ParallelState):
