@@ -5,7 +5,7 @@
     python pretrain_gpt.py --help                 # every flag, generated from the configs
 
 The flags come from the dataclasses in `megazoo/training/config.py` (plus ModelConfig,
-ParallelConfig and ZeroConfig); the run itself is `megazoo.training.loop.main`, reached
+ParallelConfig and ZeroConfig); the run itself is `megazoo.training.run.main`, reached
 through `megazoo.cli.pretrain` (also installed as the `megazoo-pretrain` command).
 """
 import sys

@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from bench.common import environment, print_table, write_json
 
-from megazoo.models import ModelConfig, allreduce_gradients, build_model
+from megazoo.models import ModelConfig, build_model
+from megazoo.training.gradients import allreduce_gradients
 from megazoo.models.build import resolve_config
 from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.pipeline.executor import run_pipeline

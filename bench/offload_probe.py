@@ -97,7 +97,7 @@ def step(kind):
         return fsdp2_phases(zb, shape, state, args)
     if kind == "megazoo":
         from megazoo.models import build_model
-        from megazoo.training.zero import DeepSpeedEngine
+        from megazoo.training.backends.deepspeed_zero import DeepSpeedEngine
         model = build_model(args.model, state, device=zb.device(), seed=0, dtype=torch.bfloat16)
         eng = DeepSpeedEngine(model, state, args).ds
         ids = zb.batch(shape, zb.device())
@@ -133,9 +133,9 @@ def step(kind):
 
 def fsdp2_phases(zb, shape, state, args):
     from megazoo.models import build_model
-    from megazoo.training.fsdp import FSDP2Engine
-    from megazoo.training.fsdp_parts import complete_gradients
-    from megazoo.training.optim import global_grad_norm
+    from megazoo.training.backends.fsdp2 import FSDP2Engine
+    from megazoo.training.gradients import complete_sharded_gradients as complete_gradients
+    from megazoo.training.gradients import global_grad_norm
 
     model = build_model(args.model, state, device=zb.device(), seed=0)
     eng = FSDP2Engine(model, state, args, cpu_offload=True,

@@ -119,7 +119,7 @@ def batch(shape: dict, dev: torch.device, seed: int = 0) -> torch.Tensor:
 
 def megazoo_step(shape, state, args):
     from megazoo.models import build_model
-    from megazoo.training.zero import DeepSpeedEngine
+    from megazoo.training.backends.deepspeed_zero import DeepSpeedEngine
 
     dtype = torch.bfloat16 if args.training.bf16 else None
     model = build_model(args.model, state, device=device(), seed=0, dtype=dtype)
@@ -132,7 +132,7 @@ def fsdp2_step(shape, state, args, reshard_after_forward=True):
     """megazoo under FSDP2Engine: ZeRO-3 with CPUOffloadPolicy (sharded fp32 parameters,
     gradients and AdamW state on the host; torch's fused CPU AdamW)."""
     from megazoo.models import build_model
-    from megazoo.training.fsdp import FSDP2Engine
+    from megazoo.training.backends.fsdp2 import FSDP2Engine
 
     model = build_model(args.model, state, device=device(), seed=0)
     engine = FSDP2Engine(model, state, args, cpu_offload=True,
@@ -148,7 +148,7 @@ def hf_engine(shape, state, args):
     from transformers import AutoModelForCausalLM, GPT2Config
 
     from megazoo.training.ds_config import build_ds_config
-    from megazoo.training.zero_setup import ZeroMPU, use_accelerator_of
+    from megazoo.training.backends.deepspeed_setup import ZeroMPU, use_accelerator_of
 
     use_accelerator_of(device())
     cfg = GPT2Config(n_embd=shape["hidden"], n_layer=shape["layers"], n_head=shape["heads"],

@@ -34,8 +34,8 @@ COMMANDS = {
 
 
 def pretrain(argv: list[str] | None = None) -> int:
-    """`pretrain_gpt.py`: pre-train with Megatron's flags (megazoo.training.loop)."""
-    from .training.loop import main
+    """`pretrain_gpt.py`: pre-train with Megatron's flags (megazoo.training.run)."""
+    from .training.run import main
 
     return main(argv)
 

@@ -23,7 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megazoo.layers import tp_slice
-from megazoo.models import ModelConfig, allreduce_gradients, build_model, full_name
+from megazoo.models import ModelConfig, build_model, full_name
+from megazoo.training.gradients import allreduce_gradients
 from megazoo.parallel import ParallelConfig, ParallelState
 from fixtures import tiny_config  # noqa: F401 (model_checks.tiny_config in tests)
 

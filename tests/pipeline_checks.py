@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from model_checks import TOL, compare
 from fixtures import tiny_config
-from megazoo.models import ModelConfig, allreduce_gradients, build_model
+from megazoo.models import ModelConfig, build_model
+from megazoo.training.gradients import allreduce_gradients
 from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.pipeline.executor import run_pipeline
 

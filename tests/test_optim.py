@@ -9,13 +9,15 @@ import math
 import pytest
 import torch
 
-from megazoo.models import ModelConfig, allreduce_gradients, build_model
+from megazoo.models import ModelConfig, build_model
+from megazoo.training.gradients import allreduce_gradients
 from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.testing import run_distributed
 from megazoo.training.config import TrainingConfig
-from megazoo.training.optim import clip_gradients, global_grad_norm, param_groups
+from megazoo.training.gradients import clip_gradients, global_grad_norm
+from megazoo.training.optim import param_groups
 from megazoo.training.scaler import DynamicLossScaler
-from megazoo.training.schedule import learning_rate
+from megazoo.training.lr_schedule import learning_rate
 from fixtures import tiny_config
 
 GPT = tiny_config("gpt", hidden_size=32, num_attention_heads=4, vocab_size=100,
@@ -131,7 +133,8 @@ def test_grad_norm_tp2_and_pp2_equal_one_process():
 def _fsdp_gqa_norm():
     """LLaMA with 1 kv head at tp=2, FSDP2-sharded over dp=2 (both dp ranks see the same
     batch, so the reduce-scattered mean gradient is the one-process one)."""
-    from megazoo.training.fsdp_parts import complete_gradients, shard_mesh, shard_stage
+    from megazoo.training.backends.fsdp2_sharding import shard_mesh, shard_stage
+    from megazoo.training.gradients import complete_sharded_gradients as complete_gradients
 
     state = ParallelState.initialize(ParallelConfig(tp=2))
     model = build_model(LLAMA_GQA, state, device="cpu", seed=0)
@@ -152,7 +155,7 @@ def test_grad_norm_fsdp2_shards_count_replicated_kv_rows_once():
 
 
 def test_host_thread_advice_only_for_an_offloaded_step_on_one_thread():
-    from megazoo.training.loop import host_thread_advice
+    from megazoo.training.run import host_thread_advice
 
     advice = host_thread_advice(cpu_offload=True, threads=1, cores=32, local_ranks=2)
     assert "--cpu-threads 16" in advice and "OMP_NUM_THREADS" in advice

@@ -81,3 +81,26 @@ def test_help_comes_from_field_docstrings():
     assert docs["global_batch_size"].startswith("Sequences per optimizer step")
     text = build_parser().format_help()
     assert "--tensor-model-parallel-size" in text and "Sequences per optimizer step" in text
+
+
+def test_data_parallel_flags_and_their_errors():
+    a = parse_args(["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                    "--ddp-bucket-size", "1000", "--max-skipped-steps", "3", "--fp32"])
+    t = a.training
+    assert (t.use_distributed_optimizer, t.overlap_grad_reduce, t.overlap_param_gather,
+            t.ddp_bucket_size, t.max_skipped_steps, t.fp32) == (True, True, True, 1000, 3, True)
+    assert t.accumulate_allreduce_grads_in_fp32
+    for argv, words in ((["--overlap-param-gather"], "--use-distributed-optimizer"),
+                        (["--no-accumulate-allreduce-grads-in-fp32"], "always fp32"),
+                        (["--bf16", "--fp32"], "exclude each other"),
+                        (["--max-skipped-steps", "-1"], ">= 0")):
+        with pytest.raises(ValueError, match=words):
+            parse_args(argv)
+
+
+def test_plain_engine_flags_are_refused_with_zero_engines():
+    from megazoo.training.backends import build_engine
+
+    a = parse_args(["--deepspeed", "--use-distributed-optimizer"])
+    with pytest.raises(ValueError, match="--use-distributed-optimizer is for the plain engine"):
+        build_engine(a, None, None)

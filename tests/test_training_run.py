@@ -16,7 +16,7 @@ import pytest
 
 from megazoo.data import IndexedDatasetBuilder
 from megazoo.testing import run_distributed
-from megazoo.training.loop import run_training
+from megazoo.training.run import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = (ROOT / "megazoo" / "models" / "model.py").read_text() * 2
@@ -174,7 +174,7 @@ def test_skipped_fp16_step_leaves_weights_untouched(data):
     import torch
 
     from megazoo.training.arguments import parse_args
-    from megazoo.training.loop import setup
+    from megazoo.training.run import setup
 
     run = setup(parse_args(tiny_argv(data, "--fp16", "--initial-loss-scale", str(2.0 ** 40))),
                 print_fn=lambda *a, **k: None)
@@ -187,7 +187,7 @@ def test_skipped_fp16_step_leaves_weights_untouched(data):
 
 @pytest.mark.parametrize("case", ["missing", "corrupt", "vocab", "batch", "model"])
 def test_bad_input_is_one_error_line_and_exit_2(case, data, reference, tmp_path, capsys):
-    from megazoo.training.loop import main
+    from megazoo.training.run import main
 
     argv = tiny_argv(data)
     if case == "missing":

@@ -79,8 +79,8 @@ def test_bad_json_and_batch_sizes(tmp_path):
 
 def test_engines_refuse_bad_layouts_before_collectives():
     from megazoo.parallel.state import ParallelState
-    from megazoo.training.fsdp import check_args
-    from megazoo.training.zero import check_layout
+    from megazoo.training.backends.fsdp2 import check_args
+    from megazoo.training.backends.deepspeed_zero import check_layout
 
     state = ParallelState.single(ParallelConfig())
     with pytest.raises(ValueError, match="zero-impl fsdp2"):

@@ -57,7 +57,7 @@ def train(engine, state, steps: range) -> list[tuple[float, float]]:
 
 
 def plain_run(par: ParallelConfig, steps: int = 3, num_layers: int = 2):
-    from megazoo.training.plain import PlainEngine
+    from megazoo.training.backends.plain import PlainEngine
 
     state = state_for(par)
     args = make_args(par, state.dp.size, num_layers)
@@ -66,7 +66,7 @@ def plain_run(par: ParallelConfig, steps: int = 3, num_layers: int = 2):
 
 
 def deepspeed_engine(par: ParallelConfig, cpu_adam=None, **zero):
-    from megazoo.training.zero import DeepSpeedEngine
+    from megazoo.training.backends.deepspeed_zero import DeepSpeedEngine
 
     state = state_for(par)
     args = make_args(par, state.dp.size, deepspeed=True, **zero)
@@ -104,7 +104,7 @@ def deepspeed_resume(par: ParallelConfig, path: str, run: dict) -> dict:
 
 def fsdp_runs(par: ParallelConfig, runs: list[dict], steps: int = 3, num_layers: int = 4) -> dict:
     """Plain pipeline reference and FSDP2Engine runs of `runs` on the same layout."""
-    from megazoo.training.fsdp import FSDP2Engine
+    from megazoo.training.backends.fsdp2 import FSDP2Engine
 
     out = {"plain": plain_run(par, steps, num_layers)}
     for run in runs:
@@ -150,7 +150,7 @@ def one_process_probe(path: str, dp: int) -> float:
 
 
 def fsdp_engine(par: ParallelConfig, num_layers: int = 4, **kw):
-    from megazoo.training.fsdp import FSDP2Engine
+    from megazoo.training.backends.fsdp2 import FSDP2Engine
 
     state = state_for(par)
     args = make_args(par, state.dp.size, num_layers, zero_impl="fsdp2", zero_stage=3)
@@ -161,7 +161,7 @@ def fsdp_engine(par: ParallelConfig, num_layers: int = 4, **kw):
 def fsdp_save_resume(par: ParallelConfig, path: str) -> dict:
     """FSDP2: steps 0-1, save, steps 2-3; a new engine (fresh model) loads and repeats 2-3;
     PlainEngine loads the same checkpoint and repeats 2-3 too."""
-    from megazoo.training.plain import PlainEngine
+    from megazoo.training.backends.plain import PlainEngine
 
     engine, state, _ = fsdp_engine(par, cpu_offload=True)
     train(engine, state, range(2))

@@ -1,6 +1,6 @@
 """A DeepSpeedEngine checkpoint (ZeRO-1/2/3 shards) -> an ordinary megazoo checkpoint.
 
-DS_DIR is a folder written by `megazoo.training.zero.DeepSpeedEngine.save` (DeepSpeed's files
+DS_DIR is a folder written by `megazoo.training.backends.deepspeed_zero.DeepSpeedEngine.save` (DeepSpeed's files
 under DS_DIR/<tag>/ plus DS_DIR/megazoo.json with the model config and layout). For each
 tensor-parallel rank t, DeepSpeed's own `zero_to_fp32` reassembles the fp32 master weights
 from the ZeRO partitions of that rank's files (`*mp_rank_{t:02d}_*`, linked into a scratch
@@ -43,7 +43,7 @@ def full_state_dict(load: str) -> tuple[object, dict[str, torch.Tensor], dict]:
     from ..checkpoint import config_from_dict, rank_model
     from ..layers.sharding import tp_unslice
     from ..models import full_name
-    from ..training.zero import read_ds_metadata
+    from ..training.backends.deepspeed_zero import read_ds_metadata
 
     meta = read_ds_metadata(load)
     config = config_from_dict(meta["model"])

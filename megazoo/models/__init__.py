@@ -7,7 +7,7 @@
                                     vocab_size=300), state, device="cpu", seed=0)
     logits = model(input_ids)                          # [b, s] -> [b, s, vocab]
     loss = model(input_ids, labels=input_ids)          # mean token loss (shifted inside)
-    loss.backward(); allreduce_gradients(model, state)
+    loss.backward()   # then megazoo.training.gradients completes the gradients
 """
 from .block import TransformerBlock
 from .bloom import BloomModel
@@ -16,10 +16,10 @@ from .config import ModelConfig
 from .gpt import GPTModel
 from .llama import LlamaModel
 from .model import TransformerModel
-from .params import allreduce_gradients, count_parameters, describe_parameters, full_name
+from .params import count_parameters, describe_parameters, full_name
 from .presets import PRESETS
 
 __all__ = ["ModelConfig", "build_model", "PRESETS", "TransformerModel", "GPTModel",
-           "BloomModel", "LlamaModel", "count_parameters", "allreduce_gradients",
+           "BloomModel", "LlamaModel", "count_parameters",
            "describe_parameters", "full_name", "layer_ranges", "resolve_config", "MODEL_CLASSES",
            "check_layout", "TransformerBlock"]

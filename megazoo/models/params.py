@@ -1,12 +1,11 @@
-"""Parameters of a model: analytic count, full names and shard layout, gradient reduction."""
+"""Parameters of a model: analytic count, full names and shard layout (the gradient contract
+lives in `megazoo.training.gradients`)."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..layers.sharding import full_shape, tp_dim_of
-from ..parallel.state import ParallelState
 from .config import ModelConfig
 
 
@@ -66,42 +65,3 @@ def describe_parameters(model: nn.Module, tp_size: int) -> dict[str, dict]:
                          tp_unpadded=getattr(p, "tp_unpadded", None),
                          sequence_parallel=getattr(p, "sequence_parallel", False))
     return out
-
-
-def allreduce_gradients(model: nn.Module, state: ParallelState) -> None:
-    """Complete every gradient after backward, before the optimizer step (in place).
-
-    - sp (Ulysses): each sp rank saw different tokens of the one mean loss, so its gradients
-      are partial sums of the true one: SUM over sp.
-    - dp: each replica computed the mean loss of its own micro-batch: AVERAGE over dp.
-      Together: all-reduce (sum) over dp x sp (`state.dp_sp`), then divide by dp.
-    - tp under Megatron SP: parameters tagged `sequence_parallel` (norms, row biases) saw
-      only their rank's sequence shard: SUM over tp.
-    - pp with tied embeddings: the embedding (first stage) and its head copy (last stage) are
-      summed over `state.embedding`.
-    An engine that averages over dp x sp itself (DeepSpeed with a seq-data-parallel group)
-    gives 1/sp of the right gradient with this model's loss: scale the loss by sp for it.
-    """
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        g = p.grad
-        if state.dp_sp.size > 1:
-            dist.all_reduce(g, group=state.dp_sp.group)
-            if state.dp.size > 1:
-                g.div_(state.dp.size)
-        if getattr(p, "sequence_parallel", False) and state.tp.size > 1:
-            dist.all_reduce(g, group=state.tp.group)
-    _allreduce_tied(model, state)
-
-
-def _allreduce_tied(model: nn.Module, state: ParallelState) -> None:
-    if state.embedding.size == 1 or not getattr(model.config, "tie_word_embeddings", False):
-        return
-    weight = None
-    if getattr(model, "pre_process", False):
-        weight = model.embedding.word_embeddings.weight
-    elif getattr(model, "post_process", False):
-        weight = model.output_layer.weight
-    if weight is not None and weight.grad is not None:
-        dist.all_reduce(weight.grad, group=state.embedding.group)

@@ -11,7 +11,7 @@ returns the micro-batch's mean loss (or logits when there are no labels).
 Three phases, as the schedule's action list orders them: warm-up forwards, steady 1F1B, and
 cool-down backwards; the executor just walks the list. The loss is the mean over
 micro-batches (each micro-batch's loss is scaled by 1/m before its backward), so gradients
-equal those of the whole batch on one process once `megazoo.models.allreduce_gradients`
+equal those of the whole batch on one process once `megazoo.training.gradients`
 has summed the partial ones: the tied embedding's two copies (first and last stage), and
 the sp / dp / Megatron-SP reductions. The executor leaves that call to the training step.
 """
@@ -38,11 +38,13 @@ class _StageBuffers:
 
 def run_pipeline(model, microbatches: list[tuple[torch.Tensor, torch.Tensor | None]],
                  state: ParallelState, *, forward_only: bool = False,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, backward=None):
     """Run this rank's program; return the mean loss (last stage) or None (other stages).
 
     `microbatches` is the same list of (ids [b, s], labels [b, s] or None) on every rank.
     With forward_only and no labels the last stage returns the list of per-micro-batch logits.
+    `backward(loss)` runs the backward of each micro-batch's loss (already divided by m) on
+    the last stage (default `loss.backward()`; DeepSpeed passes its engine's own).
     """
     outputs = run_schedule(model, microbatches, state, forward_only=forward_only, dtype=dtype)
     if outputs is None or microbatches[0][1] is None:
@@ -68,7 +70,7 @@ def run_schedule(model, microbatches: list[tuple[torch.Tensor, torch.Tensor | No
             _forward(model, state, microbatches, key, buffers, forward_only)
         elif action.kind == ActionKind.B:
             if not forward_only:
-                _backward(state, key, buffers)
+                _backward(state, key, buffers, backward)
         elif action.kind == ActionKind.SEND_F:
             # Training keeps the output (its graph) for the backward but frees its values
             # once sent; forward-only drops it altogether.
@@ -109,9 +111,11 @@ def _forward(model, state, microbatches, key, buffers: _StageBuffers, forward_on
         buffers.outputs[key] = out
 
 
-def _backward(state, key, buffers: _StageBuffers):
+def _backward(state, key, buffers: _StageBuffers, backward=None):
     out = buffers.outputs.pop(key)
     if key in buffers.grads:
         backward_from_freed(out, buffers.grads.pop(key))
-    else:  # the loss on the last stage
+    elif backward is not None:  # the loss on the last stage
+        backward(out)
+    else:
         out.backward()

@@ -1,8 +1,11 @@
-"""Training: typed config and command line, optimizer and schedules, engines, checkpoints.
+"""Training: typed config and command line, one training step, backends, checkpoints.
 
-An *engine* (``megazoo.training.engine.Engine``) owns the model, the optimizer and the
-gradient reduction, and runs one optimizer step over a global batch's micro-batches; the
-training loop in ``pretrain_gpt.py`` only feeds it batches, logs and saves. Engines: plain
-data parallel (+ tp / sp / pp), DeepSpeed ZeRO (``zero.py``), FSDP2 with pipelines
-(``fsdp.py``).
+- `config`, `arguments`, `zero_config`, `ds_config`: the run's typed configuration and the
+  generated Megatron-style command line;
+- `run` (setup, entry point) and `loop` (steps, logs, evaluation, checkpoints);
+- `gradients` (the gradient contract: completion, global norm, clipping), `optim` (the one
+  AdamW builder), `lr_schedule` (the learning rate of the n-th applied step), `scaler`
+  (fp16 loss scaling), `nonfinite` (skipped-step accounting and the stop);
+- `backends/`: plain (Megatron DDP + distributed optimizer), FSDP2 and DeepSpeed, each
+  owning only wrap / backward / finish gradients / step / save / load, and the factory.
 """

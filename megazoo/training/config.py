@@ -46,15 +46,35 @@ class TrainingConfig:
     clip_grad: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
     bf16: bool = False
-    """bf16 autocast for matmuls; fp32 weights, gradients and optimizer state."""
+    """bf16 parameters and compute (plain engine: fp32 main gradients, fp32 master weights
+    and AdamW moments in the optimizer); without --bf16 / --fp16 everything is fp32."""
     fp16: bool = False
-    """fp16 autocast with dynamic loss scaling; fp32 weights and optimizer state."""
+    """fp16 parameters and compute with dynamic loss scaling; fp32 masters as with --bf16."""
+    fp32: bool = False
+    """fp32 parameters and compute (also what you get without --bf16 / --fp16)."""
     initial_loss_scale: float = 2.0 ** 16
     """fp16: loss scale at the start."""
     loss_scale_window: int = 1000
     """fp16: clean steps before the loss scale doubles."""
     min_loss_scale: float = 1.0
     """fp16: the loss scale never halves below this."""
+    max_skipped_steps: int = 10
+    """Stop the run after this many consecutive steps skipped for a non-finite loss or
+    gradient norm (fp16 overflow included); 0: never stop."""
+    use_distributed_optimizer: bool = False
+    """Plain engine: shard fp32 masters and AdamW moments over dp x sp (reduce-scatter the
+    gradients, all-gather the updated parameters)."""
+    overlap_grad_reduce: bool = False
+    """Plain engine: start each gradient bucket's reduction as soon as backward has
+    produced all of it (under pipelines: the last micro-batch of each chunk)."""
+    overlap_param_gather: bool = False
+    """With --use-distributed-optimizer: all-gather the updated parameters asynchronously,
+    each bucket waited for by the first module of the next forward that uses it."""
+    ddp_bucket_size: int | None = None
+    """Plain engine: elements per gradient bucket; None: max(40M, 1M x dp x sp) (Megatron's)."""
+    accumulate_allreduce_grads_in_fp32: bool = True
+    """Plain engine: fp32 main gradients, accumulated and reduced in fp32 (always on here:
+    bf16 / fp16 gradient buffers are not implemented)."""
     seed: int = 1234
     """Seed of the weights, the data order and dropout."""
     num_layers_per_virtual_pipeline_stage: int | None = None
@@ -75,10 +95,19 @@ class TrainingConfig:
         if self.lr_decay_style not in DECAY_STYLES:
             raise ValueError(f"--lr-decay-style must be one of {DECAY_STYLES}, "
                              f"got {self.lr_decay_style!r}")
-        if self.bf16 and self.fp16:
-            raise ValueError("--bf16 and --fp16 exclude each other: pass one of them")
+        if self.bf16 + self.fp16 + self.fp32 > 1:
+            raise ValueError("--bf16, --fp16 and --fp32 exclude each other: pass one of them")
         if self.clip_grad < 0 or self.weight_decay < 0:
             raise ValueError("--clip-grad and --weight-decay must be >= 0")
+        if self.max_skipped_steps < 0:
+            raise ValueError(f"--max-skipped-steps must be >= 0, got {self.max_skipped_steps}")
+        if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
+            raise ValueError(f"--ddp-bucket-size must be >= 1, got {self.ddp_bucket_size}")
+        if not self.accumulate_allreduce_grads_in_fp32:
+            raise ValueError("main gradients are always fp32 here: drop "
+                             "--no-accumulate-allreduce-grads-in-fp32")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
         if not 1.0 <= self.min_loss_scale <= self.initial_loss_scale or self.loss_scale_window < 1:
             raise ValueError("need 1 <= --min-loss-scale <= --initial-loss-scale and "
                              "--loss-scale-window >= 1")

@@ -1,122 +1,80 @@
-"""The training run behind `pretrain_gpt.py`: setup (checked on every rank), loop, summary.
+"""The training loop: steps, progress bar, logs, evaluation, checkpoints, final sample.
 
-    main(argv) -> exit status    # 0 done, 2 bad input ("error: ..." and no traceback)
-
-Setup validates everything before the first step: the layout against the world size, the
-batch sizes, the data files, the tokenizer against the data, a checkpoint against the
-model. Any of these raises a ValueError / FileNotFoundError on every rank, which `main`
-turns into one "error: ..." line and exit status 2.
+    out = train(run)       # run: megazoo.training.run.Run (what setup built)
 """
 from __future__ import annotations
 
-import os
-import sys
-from dataclasses import dataclass
+import math
+import time
 
 import torch
-import torch.distributed as dist
 
-from ..models import build_model
-from ..models.parts import check_sequence_length
-from ..parallel.state import ParallelState
-from .arguments import parse_args
-from .checkpoint import load_training_checkpoint
-from .config import PretrainArgs
-from .data import TrainData, build_data, resolve_data_source, unigram_entropy
-from .engine import Engine, build_engine
-from .logging import MetricsLogger
-
-USER_ERRORS = (ValueError, FileNotFoundError)
+from .checkpoint import save_training_checkpoint
+from .generate import generate
+from .logging import flops_per_iteration
+from .nonfinite import SkipWatch, check_finite_before_save
 
 
-@dataclass
-class Run:
-    """What setup produces: everything the loop needs."""
+class _Progress:
+    """A tqdm bar on rank 0 (if enabled and installed); log lines go through it."""
 
-    args: PretrainArgs
-    state: ParallelState
-    data: TrainData
-    engine: Engine
-    logger: MetricsLogger
-    start_iteration: int
-    entropy: float
-    owns_process_group: bool
+    def __init__(self, run, print_fn):
+        self.bar, self.print = None, print_fn
+        cfg = run.args
+        if run.state.global_rank == 0 and cfg.logging.progress:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=cfg.training.train_iters, initial=run.start_iteration,
+                                unit="it", dynamic_ncols=True)
+                run.logger.print = self.bar.write
+            except ImportError:
+                pass
 
+    def update(self, loss: float, tokens_per_s: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self.bar.update(1)
 
-def _barrier(state: ParallelState):
-    return (lambda: dist.barrier()) if state.world_size > 1 else (lambda: None)
-
-
-def _device() -> torch.device:
-    """This rank's accelerator (LOCAL_RANK) when there is one, else the CPU."""
-    if not torch.accelerator.is_available():
-        return torch.device("cpu")
-    index = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.accelerator.set_device_index(index)
-    return torch.device(torch.accelerator.current_accelerator().type, index)
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
-def _one_rank_group_for_zero(args: PretrainArgs) -> None:
-    """DeepSpeed and FSDP2 need torch.distributed even in a plain one-process run (no
-    launcher): give them a one-rank group (an in-memory store, no port) and the LOCAL_RANK
-    DeepSpeed insists on."""
-    if args.zero.zero_impl == "none" or dist.is_initialized() or \
-            int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return
-    from .zero_setup import init_one_rank_group
-
-    init_one_rank_group()
+def seed_step(seed: int, iteration: int, state) -> None:
+    """Seed torch's generators for step `iteration` (0-based) from (--seed, pipeline stage,
+    iteration) alone: dropout masks then depend on nothing that ran before in the process, and
+    a run resumed at iteration N draws on every rank what the uninterrupted run drew (a
+    checkpoint's RNG state is rank 0's, which another stage or tp rank did not have). Stages
+    get their own streams (Megatron's seed + 100 x pp rank); the tp, sp and dp ranks of a stage
+    share one, so activations replicated over tp get identical masks."""
+    torch.manual_seed(((seed + 100 * state.pp.rank) * 1_000_003 + iteration) % 2 ** 63)
 
 
-def setup(args: PretrainArgs, print_fn=print) -> Run:
-    """Initialise ranks, data, model, engine (and resume); raise USER_ERRORS on bad input."""
-    if args.training.cpu_threads:
-        torch.set_num_threads(args.training.cpu_threads)
-    owns = not dist.is_initialized()
-    _one_rank_group_for_zero(args)
-    state = ParallelState.initialize(args.parallel)
-    rank0 = state.global_rank == 0
-    log = print_fn if rank0 else (lambda *a, **k: None)
-    check_sequence_length(args.data.seq_length, state)
-    if args.model.position_embedding == "learned" and \
-            args.data.seq_length > args.model.max_position_embeddings:
-        raise ValueError(f"--seq-length {args.data.seq_length} exceeds "
-                         f"--max-position-embeddings {args.model.max_position_embeddings}")
-    resolve_data_source(args, rank0, _barrier(state), log)
-    eval_samples = args.logging.eval_iters * args.training.global_batch_size
-    data = build_data(args, state, eval_samples)
-    entropy = unigram_entropy(data.prefixes, data.tokenizer.vocab_size)
-    device = data.device = _device()
-    model = build_model(args.model, state, device=device, seed=args.training.seed)
-    engine = build_engine(args, model, state)
-    advice = host_thread_advice(engine.cpu_offload, torch.get_num_threads(), os.cpu_count() or 1,
-                                int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    if advice and not args.training.cpu_threads:
-        log(f"warning: {advice}")
-    start = 0
-    if args.checkpoint.load:
-        extra = load_training_checkpoint(engine, args.checkpoint.load)
-        start = int(extra.get("iteration", 0))
-        consumed = int(extra.get("consumed_samples", start * args.training.global_batch_size))
-        if consumed != start * args.training.global_batch_size:
-            raise ValueError(f"the checkpoint consumed {consumed} samples in {start} iterations; "
-                             f"resume with --global-batch-size {consumed // max(start, 1)}")
-        log(f"resumed from {args.checkpoint.load} at iteration {start}")
-    elif args.logging.eval_only:
-        raise ValueError("--eval-only needs --load DIR (the checkpoint to evaluate)")
-    logger = MetricsLogger(args.logging, device, rank0, print_fn=log)
-    return Run(args, state, data, engine, logger, start, entropy, owns)
+def _save(run, iteration: int) -> None:
+    save_dir = run.args.checkpoint.save
+    check_finite_before_save(run.engine, run.state, iteration)
+    extra = {"consumed_samples": iteration * run.args.training.global_batch_size,
+             "args": run.args.to_dict()}
+    path = save_training_checkpoint(run.engine, save_dir, iteration, extra, run.state)
+    run.logger.print(f"saved checkpoint {path}")
 
 
-def host_thread_advice(cpu_offload: bool, threads: int, cores: int, local_ranks: int) -> str | None:
-    """What to change when an offloaded optimizer would step on one host thread per rank
-    (torchrun's default OMP_NUM_THREADS=1) while the host has cores to spare; else None."""
-    per_rank = cores // max(local_ranks, 1)
-    if not cpu_offload or threads > 1 or per_rank < 2:
-        return None
-    return (f"the offloaded optimizer steps on 1 host thread per rank (OMP_NUM_THREADS=1 is "
-            f"torchrun's default); pass --cpu-threads {per_rank} ({cores} cores / {local_ranks} "
-            f"ranks on this host) or set OMP_NUM_THREADS")
+def _log_record(run, iteration, result, seconds, steps, skipped_total) -> dict:
+    a, t = run.args, run.args.training
+    tokens = t.global_batch_size * a.data.seq_length * steps
+    flops = steps * flops_per_iteration(t.global_batch_size, a.data.seq_length,
+                                        a.model.num_layers, a.model.hidden_size,
+                                        a.model.padded_vocab(1))
+    record = {"iteration": iteration, "loss": result.loss, "lr": result.lr,
+              "grad_norm": result.grad_norm}
+    if result.loss_scale is not None:
+        record["loss_scale"] = result.loss_scale
+    if result.skipped:
+        record["skipped"] = True
+    record["skipped_steps"] = skipped_total
+    record.update(run.logger.throughput(flops, seconds, run.state.world_size, tokens))
+    record.update(run.logger.memory())
+    return record
 
 
 def evaluate(run: Run) -> float | None:
@@ -128,44 +86,71 @@ def evaluate(run: Run) -> float | None:
     return sum(losses) / len(losses)
 
 
-def run_training(argv: list[str] | None = None, print_fn=print) -> dict:
-    """Parse, set up and train (or evaluate); return the summary (losses, valid loss, ...).
+def train(run, print_fn=print) -> dict:
+    """Train from run.start_iteration to --train-iters; return the final numbers."""
+    a, log = run.args, run.args.logging
+    tokens_per_iter = a.training.global_batch_size * a.data.seq_length
+    run.logger.print(f"{run.state} | model {a.model.family} L{a.model.num_layers} "
+                     f"h{a.model.hidden_size} vocab {a.model.vocab_size} | "
+                     f"unigram entropy of the data {run.entropy:.3f} nats/token")
+    progress, losses, steps = _Progress(run, print_fn), [], []
+    valid = None
+    start = window_start = time.perf_counter()
+    window_steps = 0
+    watch = SkipWatch(a, run.start_iteration, run.logger.print)
+    for it in range(run.start_iteration, a.training.train_iters):
+        step_start = time.perf_counter()
+        seed_step(a.training.seed, it, run.state)
+        result = run.engine.train_step(run.data.train_batch(it, run.state))
+        losses.append(result.loss)
+        steps.append(result)
+        window_steps += 1
+        progress.update(result.loss, tokens_per_iter / (time.perf_counter() - step_start))
+        n = it + 1
+        watch.after_step(n, result)
+        if n % log.log_interval == 0:
+            run.logger.write(_log_record(run, n, result, time.perf_counter() - window_start,
+                                         window_steps, watch.total))
+            window_start, window_steps = time.perf_counter(), 0
+        if n % log.eval_interval == 0 or n == a.training.train_iters:
+            valid = evaluate(run)
+            if valid is not None:
+                run.logger.write({"iteration": n, "valid_loss": valid})
+        stop = bool(a.training.exit_interval) and n % a.training.exit_interval == 0
+        if a.checkpoint.save and (n == a.training.train_iters or stop or (
+                a.checkpoint.save_interval and n % a.checkpoint.save_interval == 0)):
+            _save(run, n)
+        if stop:
+            break
+    progress.close()
+    elapsed = time.perf_counter() - start
+    out = _summary(run, losses, valid, elapsed, print_fn)
+    out["steps"] = steps
+    return out
 
-    Bad input raises USER_ERRORS before any step, on every rank.
-    """
-    from .train import train  # the loop itself
 
-    run = setup(parse_args(argv), print_fn)
-    try:
-        if run.args.logging.eval_only:
-            loss = evaluate(run)
-            run.logger.write({"iteration": run.start_iteration, "valid_loss": loss})
-            out = {"valid_loss": loss, "losses": []}
-        else:
-            out = train(run, print_fn)
-        if run.owns_process_group and run.state.world_size > 1:
-            dist.barrier()  # no rank tears gloo down while a peer still talks to it
-        return out
-    finally:
-        run.logger.close()
-        if run.owns_process_group and dist.is_initialized():
-            _shutdown()
-
-
-def _shutdown() -> None:
-    """Destroy the process group we created, except gloo's: with torch 2.13, destroying it
-    after a no-grad tensor-parallel forward (the sample at the end) aborts the process at
-    exit about one time in three ("terminate called without an active exception"); a gloo
-    group needs no teardown before exit, NCCL's does."""
-    if dist.get_backend() != "gloo":
-        dist.destroy_process_group()
-
-
-def main(argv: list[str] | None = None, print_fn=print) -> int:
-    """Command-line entry point: 0 when done; "error: ..." and 2 for bad input."""
-    try:
-        run_training(argv, print_fn)
-    except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+def _summary(run, losses, valid, elapsed, print_fn) -> dict:
+    a = run.args
+    steps = len(losses)
+    tail = losses[-max(1, min(10, steps)):] if losses else [math.nan]
+    train_loss = sum(tail) / len(tail)
+    tok_s = steps * a.training.global_batch_size * a.data.seq_length / max(elapsed, 1e-9)
+    out = {"train_loss": train_loss, "valid_loss": valid, "unigram_entropy": run.entropy,
+           "tokens_per_s": tok_s, "seconds": elapsed, "losses": losses}
+    if a.logging.generate_tokens:
+        k = a.logging.generate_top_k
+        text = generate(run.engine.model, run.data.tokenizer, a.logging.prompt,
+                        a.logging.generate_tokens, top_k=k, temperature=0.8,
+                        seed=a.training.seed, max_context=a.data.seq_length)
+        how = "greedy" if k == 1 else f"top-{k} sampling, temperature 0.8"
+        run.logger.print(f"sample ({how}):\n{text}")
+    if valid is not None:
+        gap = run.entropy - valid
+        where = "below" if gap >= 0 else "ABOVE"
+        run.logger.print(
+            f"done: {steps} steps in {elapsed:.0f} s, {tok_s:,.0f} tokens/s | train loss "
+            f"{train_loss:.3f}, valid loss {valid:.3f} nats/token: {abs(gap):.3f} {where} the "
+            f"unigram entropy {run.entropy:.3f} of the data ({abs(100 * gap / run.entropy):.0f}%)")
+    else:
+        run.logger.print(f"done: {steps} steps in {elapsed:.0f} s, train loss {train_loss:.3f}")
+    return out

@@ -2,7 +2,7 @@
 
 The command line is generated from this dataclass like the others (`--deepspeed`,
 `--deepspeed_config`, `--zero-stage`, `--offload-optimizer`, `--offload-param`,
-`--zero-impl`). `megazoo.training.zero` turns it into a DeepSpeed config.
+`--zero-impl`). `megazoo.training.backends.deepspeed_zero` turns it into a DeepSpeed config.
 """
 from __future__ import annotations
 

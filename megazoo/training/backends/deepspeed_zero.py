@@ -3,6 +3,11 @@
     engine = DeepSpeedEngine(model, state, args)       # args: PretrainArgs (.training, .zero)
     result = engine.train_step(micro_batches)          # one optimizer step
 
+Owns: `deepspeed.initialize` and its JSON config, the micro-batch backward and step
+(DeepSpeed's own `engine.backward` / `engine.step`, through the pipeline executor's
+`backward` hook), the skip decision (DeepSpeed's `skipped_steps` counter) and its checkpoint
+files. The learning-rate clock and the loss average are the shared `Engine.train_step`'s.
+
 ZeRO partitions over our `dp_sp` group (DeepSpeed's "sequence data parallel" group, from
 `ZeroMPU(state)`); tensor-parallel shards stay shards (DeepSpeed's "model parallel" group is
 our tp). Gradient scaling under Ulysses: each sp rank holds a partial sum of the true gradient
@@ -12,7 +17,7 @@ ZeRO-3 path leaves gradients at 1/sp of that, the case `allreduce_gradients`' do
 about: for stage 3 the backward loss is multiplied by sp (`grad_scale`). The sp tests against
 the plain engine (sp=2 at dp=1 and dp=2) guard both.
 Megatron-SP parameters get their tp sum from a gradient hook
-(`zero_setup.sum_sequence_parallel_grads`).
+(`gradients.hook_sequence_parallel_grads`).
 
 DeepSpeed has no place in our pipeline schedules (it only pipelines through its own
 PipelineEngine, and refuses ZeRO-2/3 there): pp > 1 is a ValueError pointing at
@@ -20,8 +25,9 @@ PipelineEngine, and refuses ZeRO-2/3 there): pp > 1 is a ValueError pointing at
 
 Precision is DeepSpeed's: with bf16 / fp16 enabled it casts the model to that dtype and keeps
 fp32 master weights in the (possibly offloaded) optimizer. The learning rate of each step is
-`megazoo.training.schedule.learning_rate`, written into the optimizer's groups before the
-step; the gradient norm is DeepSpeed's (before clipping, each tp shard counted once).
+`megazoo.training.lr_schedule.learning_rate` of the steps applied so far (a step DeepSpeed
+skips, by its own `skipped_steps` counter, does not advance it), written into the optimizer's
+groups before the step; the gradient norm is DeepSpeed's (before clipping, each tp shard counted once).
 
 Checkpoints: `save(path, extra)` writes DeepSpeed's own files under `path/zero/` (its format,
 including the partitioned optimizer state) and `path/megazoo.json` with format
@@ -38,12 +44,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..parallel.state import ParallelState
-from .ds_config import build_ds_config, offload_device, zero_stage
-from .engine import Engine, StepResult, dp_mean, mean_eval_loss
-from .schedule import learning_rate
-from .zero_setup import (ZeroMPU, build_optimizer, check_nvme, ensure_process_group,
-                         sum_sequence_parallel_grads, tag_tensor_parallel, use_accelerator_of)
+from ...parallel.state import ParallelState
+from ..ds_config import build_ds_config, offload_device, zero_stage
+from .base import Engine
+from ..gradients import hook_sequence_parallel_grads
+from .deepspeed_setup import (ZeroMPU, build_optimizer, check_nvme, ensure_process_group,
+                         tag_tensor_parallel, use_accelerator_of)
 
 DS_FORMAT = "megazoo-deepspeed-1"
 TAG = "zero"
@@ -81,7 +87,7 @@ class DeepSpeedEngine(Engine):
         import deepspeed
 
         tag_tensor_parallel(model, state)
-        self._hooks = sum_sequence_parallel_grads(model, state)
+        self._hooks = hook_sequence_parallel_grads(model, state)
         optimizer = build_optimizer(model, self.cfg, self.ds_config, cpu_adam)
         self.uses_cpu_adam = type(optimizer).__name__ == "DeepSpeedCPUAdam"
         self.cpu_offload = offload_device(self.ds_config) == "cpu"
@@ -89,7 +95,7 @@ class DeepSpeedEngine(Engine):
             model=model, optimizer=optimizer, config=self.ds_config, mpu=ZeroMPU(state))
         self.model = self.ds.module
         self.device = device
-        self.steps = 0  # optimizer steps taken (skipped included): drives the schedule
+        self.steps = 0  # optimizer steps applied (DeepSpeed's skipped ones not): the lr clock
         stage3_sp = zero_stage(self.ds_config) == 3 and state.sp.size > 1
         self.grad_scale = float(state.sp.size) if stage3_sp else 1.0  # see the module doc
 
@@ -98,42 +104,45 @@ class DeepSpeedEngine(Engine):
     def accumulation(self) -> int:
         return int(self.ds_config["gradient_accumulation_steps"])
 
-    def _check_batches(self, micro_batches) -> None:
-        if len(micro_batches) != self.accumulation:
-            raise ValueError(f"got {len(micro_batches)} micro-batches; the DeepSpeed config "
+    def _check_batches(self, count: int) -> None:
+        if count != self.accumulation:
+            raise ValueError(f"got {count} micro-batches; the DeepSpeed config "
                              f"accumulates {self.accumulation} per step (global batch / "
                              "(micro batch x dp)): pass that many")
 
-    def _loss_scale(self) -> float | None:
+    # -- the backend interface ---------------------------------------------------------------
+    def stage(self, num_microbatches: int, loss_scale: float):
+        return _DeepSpeedStage(self.ds)
+
+    def eval_module(self):
+        return _DeepSpeedStage(self.ds)
+
+    def start_step(self, num_microbatches: int, lr: float) -> None:
+        self._check_batches(num_microbatches)
+        self.ds.train()
+        for group in self.ds.optimizer.param_groups:
+            group["lr"] = lr
+        self._m, self._skipped_before = num_microbatches, self.ds.skipped_steps
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """DeepSpeed's own backward and step per micro-batch: it divides by the accumulation
+        itself (so the executor's 1/m is undone) and steps at the accumulation boundary."""
+        self.ds.backward(loss * (self._m * self.grad_scale))
+        self.ds.step()
+
+    def finish_gradients(self) -> float:
+        norm = self.ds.get_global_grad_norm()
+        return math.nan if norm is None else float(norm)
+
+    def step(self, lr: float, norm: float, loss_is_finite: bool) -> bool:
+        """DeepSpeed stepped already; whether it applied the step is its own overflow count."""
+        return self.ds.skipped_steps == self._skipped_before
+
+    def reported_loss_scale(self) -> float | None:
         if not self.cfg.fp16:
             return None
         return float(getattr(self.ds.optimizer, "cur_scale", getattr(self.ds.optimizer,
                                                                        "loss_scale", math.nan)))
-
-    # -- Engine interface ---------------------------------------------------------------
-    def train_step(self, micro_batches) -> StepResult:
-        self._check_batches(micro_batches)
-        self.ds.train()
-        lr = learning_rate(self.steps, self.cfg)
-        for group in self.ds.optimizer.param_groups:
-            group["lr"] = lr
-        self.steps += 1
-        skipped_before = self.ds.skipped_steps
-        total = torch.zeros((), device=self.device)
-        for b in micro_batches:
-            loss = self.ds(b["input_ids"], labels=b["labels"])
-            self.ds.backward(loss * self.grad_scale)  # DeepSpeed scales by 1 / accumulation
-            self.ds.step()          # steps the optimizer at the accumulation boundary
-            total += loss.detach().float() / len(micro_batches)
-        skipped = self.ds.skipped_steps != skipped_before
-        norm = self.ds.get_global_grad_norm()
-        norm = math.nan if skipped or norm is None else float(norm)
-        return StepResult(dp_mean(total, self.state), norm, lr, self._loss_scale(), skipped=skipped)
-
-    @torch.no_grad()
-    def eval_loss(self, micro_batches) -> float:
-        self.ds.eval()
-        return mean_eval_loss(self.ds, micro_batches, self.state, self.device)  # pp is 1 here
 
     def save(self, path: str, extra: dict) -> None:
         """DeepSpeed's files under `path/zero/`, then `path/megazoo.json` (rank 0)."""
@@ -165,6 +174,26 @@ class DeepSpeedEngine(Engine):
             raise ValueError(f"DeepSpeed could not load {path}/{meta['tag']}")
         self.steps = int(meta["engine"]["steps"])
         return meta.get("extra") or {}
+
+
+class _DeepSpeedStage:
+    """The DeepSpeed engine as the pipeline executor sees it: calls go through DeepSpeed's
+    forward, attributes (chunks, config, state, parameters) come from our model."""
+
+    def __init__(self, ds):
+        self._ds = ds
+
+    def __getattr__(self, name):
+        return getattr(self._ds.module, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._ds(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        self._ds.train(mode)
+
+    def eval(self):
+        self._ds.eval()
 
 
 def read_ds_metadata(path: str) -> dict:

@@ -5,7 +5,7 @@
 
 DeepSpeed refuses ZeRO-2/3 under pipeline parallelism; FSDP2 composes with it because each
 FSDP2 unit only hooks its own forward and backward. Each pipeline rank shards its stage over
-the dp x sp group (`fsdp_parts.shard_stage`), and `megazoo.pipeline.executor.run_pipeline`
+the dp x sp group (`fsdp2_sharding.shard_stage`), and `megazoo.pipeline.executor.run_pipeline`
 drives the micro-batches exactly as in the plain engine.
 
 Across micro-batches. With `reshard_after_forward=True` (the default, ZeRO-3 memory) each
@@ -15,7 +15,7 @@ gradient, which FSDP2 accumulates. Gradient sync is left on for every micro-batc
 1F1B schedule the last backward of a chunk is interleaved with other micro-batches' forwards,
 so by default gradient sync stays on for every micro-batch: m reduce-scatters per block per
 step, sharded gradients only (ZeRO-3 memory). `--no-fsdp-reduce-every-microbatch` wraps the
-stage in `fsdp_parts.SyncOnLastMicroBatch`, which flips `set_requires_gradient_sync` from a
+stage in `fsdp2_sharding.SyncOnLastMicroBatch`, which flips `set_requires_gradient_sync` from a
 pre-hook on each chunk output's grad_fn, so only each chunk's last backward reduce-scatters
 (unsharded gradients held meanwhile, m times fewer reduce-scatters). Without a pipeline
 (pp = 1) the engine syncs only on the last micro-batch. `reshard_after_forward=False` keeps the
@@ -24,6 +24,11 @@ gathered parameters from forward to backward (ZeRO-2-like memory, half the all-g
 Precision: fp32, or bf16 compute through FSDP2's MixedPrecisionPolicy (fp32 sharded master
 weights, fp32 gradient reduction). fp16 (needs loss scaling) is not supported here.
 CPU offload: `CPUOffloadPolicy` keeps sharded parameters, gradients and AdamW state on the host.
+
+Owns: the sharding of the stage, which micro-batch reduce-scatters (`stage`), the rest of
+the gradient contract on the shards and the norm (`finish_gradients`), the fused AdamW step
+(clipping folded into its gradient divisor; a non-finite loss or norm skips it), and the
+checkpoint files (`fsdp2_checkpoint`).
 """
 from __future__ import annotations
 
@@ -31,12 +36,11 @@ import math
 
 import torch
 
-from ..parallel.state import ParallelState
-from ..pipeline.executor import run_pipeline
-from .engine import Engine, StepResult, dp_mean, last_stage_loss, mean_eval_loss
-from .fsdp_parts import SyncOnLastMicroBatch, complete_gradients, shard_mesh, shard_stage
-from .optim import global_grad_norm, local, param_groups
-from .schedule import learning_rate
+from ...parallel.state import ParallelState
+from .base import Engine
+from .fsdp2_sharding import SyncOnLastMicroBatch, shard_mesh, shard_stage
+from ..gradients import complete_sharded_gradients, global_grad_norm, local
+from ..optim import build_optimizer, param_groups
 
 
 def check_args(args, state: ParallelState) -> None:
@@ -82,54 +86,41 @@ class FSDP2Engine(Engine):
         shard_stage(model, mesh, device=self.device, bf16=self.cfg.bf16, cpu_offload=cpu_offload,
                     reshard_after_forward=reshard_after_forward)
         self.model, self.cpu_offload = model, cpu_offload
-        self.optimizer = torch.optim.AdamW(
-            param_groups(model, self.cfg.weight_decay), lr=self.cfg.lr,
-            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), eps=self.cfg.adam_eps,
-            fused=True)  # also on the host (offload): 1.3B params 0.3 s vs 1.5 s foreach
+        # fused also on the host (offload): 1.3B params 0.3 s vs 1.5 s foreach
+        self.optimizer = build_optimizer(param_groups(model, self.cfg.weight_decay), self.cfg,
+                                         fused=True)
         self.steps = 0
 
-    # -- forward / backward -------------------------------------------------------------
-    def _forward_backward(self, micro_batches) -> torch.Tensor:
-        """Mean loss over the micro-batches on every stage (the last stage's, shared)."""
-        m = len(micro_batches)
-        if self.state.pp.size > 1:
-            pairs = [(b["input_ids"], b["labels"]) for b in micro_batches]
-            stage = self.model if self.reduce_every_microbatch else \
-                SyncOnLastMicroBatch(self.model, m)
-            loss = run_pipeline(stage, pairs, self.state, dtype=self._activation_dtype())
-            self.model.set_requires_gradient_sync(True)  # back to the default for the next step
-        else:
-            loss = torch.zeros((), device=self.device)
-            for i, b in enumerate(micro_batches):
-                # No pipeline: the last micro-batch's backward is known, so reduce-scatter
-                # only there (earlier ones accumulate unsharded gradients locally).
-                self.model.set_requires_gradient_sync(i == m - 1)
-                out = self.model(b["input_ids"], labels=b["labels"])
-                (out.float() / m).backward()
-                loss += out.detach().float() / m
-            self.model.set_requires_gradient_sync(True)
-        return last_stage_loss(loss, self.state, self.device)
+    # -- the backend interface ---------------------------------------------------------------
+    def stage(self, num_microbatches: int, loss_scale: float):
+        """Under a pipeline with --fsdp-reduce-every-microbatch: the model (reduce-scatter in
+        every micro-batch's backward); otherwise each chunk reduce-scatters in its last
+        micro-batch's backward only (pp = 1: the last micro-batch)."""
+        if self.state.pp.size > 1 and self.reduce_every_microbatch:
+            return self.model
+        return SyncOnLastMicroBatch(self.model, num_microbatches)
 
-    def _activation_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.cfg.bf16 else torch.float32
-
-    # -- Engine interface ---------------------------------------------------------------
-    def train_step(self, micro_batches) -> StepResult:
+    def start_step(self, num_microbatches: int, lr: float) -> None:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        lr = learning_rate(self.steps, self.cfg)
-        self.steps += 1
-        loss = dp_mean(self._forward_backward(micro_batches), self.state)
-        complete_gradients(self.model, self.state)
-        norm = global_grad_norm(self.model, self.state)
-        if not math.isfinite(norm):
+
+    def finish_gradients(self) -> float:
+        self.model.set_requires_gradient_sync(True)  # back to the default for the next step
+        complete_sharded_gradients(self.model, self.state)
+        return global_grad_norm(self.model, self.state)
+
+    def step(self, lr: float, norm: float, loss_is_finite: bool) -> bool:
+        if not (loss_is_finite and math.isfinite(norm)):
             self.optimizer.zero_grad(set_to_none=True)
-            return StepResult(loss, norm, lr, None, skipped=True)
+            return False
         self._clip_in_step(norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        return StepResult(loss, norm, lr)
+        return True
+
+    def activation_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.cfg.bf16 else torch.float32
 
     def _clip_in_step(self, norm: float) -> None:
         """Gradient clipping folded into the fused AdamW kernel, which divides every gradient
@@ -142,18 +133,12 @@ class FSDP2Engine(Engine):
             device = local(next(self.model.parameters())).device
             self.optimizer.grad_scale = torch.tensor((norm + 1e-6) / clip, device=device)
 
-    @torch.no_grad()
-    def eval_loss(self, micro_batches) -> float:
-        self.model.eval()
-        return mean_eval_loss(self.model, micro_batches, self.state, self.device,
-                              dtype=self._activation_dtype())
-
     def save(self, path: str, extra: dict) -> None:
-        from .fsdp_checkpoint import save_fsdp
+        from .fsdp2_checkpoint import save_fsdp
 
         save_fsdp(self, path, extra)
 
     def load(self, path: str) -> dict:
-        from .fsdp_checkpoint import load_fsdp
+        from .fsdp2_checkpoint import load_fsdp
 
         return load_fsdp(self, path)

@@ -12,12 +12,8 @@
 - `tag_tensor_parallel`: DeepSpeed counts a parameter in the gradient norm on every tp rank
   only when it carries `tensor_model_parallel=True` (else only on tp rank 0); megazoo marks
   tp shards with `tp_dim`, so the tag is derived from it.
-- `sum_sequence_parallel_grads`: Megatron-SP parameters (`sequence_parallel=True`: norms,
-  row-parallel biases) saw only their tp rank's sequence shard. A tensor hook sums each of
-  their gradients over tp as autograd produces it, before it is accumulated into `.grad`
-  and before DeepSpeed's reduction hooks (which run after accumulation) see it; summing per
-  micro-batch equals summing the accumulated gradient. Hook order is the same on every tp
-  rank (same graph), so the collectives match.
+- Megatron-SP parameters are summed over tp by `gradients.hook_sequence_parallel_grads`
+  (tensor hooks: before accumulation into `.grad`, so before DeepSpeed's reduction hooks).
 - `build_optimizer`: Megatron's two AdamW groups (no decay on 1-D parameters);
   DeepSpeedCPUAdam when the optimizer is offloaded and its C++ op builds, else torch AdamW
   (then `zero_force_ds_cpu_optimizer` is turned off in the config).
@@ -33,11 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..layers.sharding import tp_dim_of
-from ..parallel.mpu import _NAMES, DeepSpeedMPU
-from ..parallel.state import ParallelState
-from .ds_config import offload_device
-from .optim import param_groups
+from ...layers.sharding import tp_dim_of
+from ...parallel.mpu import _NAMES, DeepSpeedMPU
+from ...parallel.state import ParallelState
+from ..ds_config import offload_device
+from ..optim import build_optimizer as torch_adamw, param_groups
 
 log = logging.getLogger(__name__)
 
@@ -111,21 +107,6 @@ def tag_tensor_parallel(model: nn.Module, state: ParallelState) -> None:
                         "gradient norm counts those rows once per holder")
 
 
-def sum_sequence_parallel_grads(model: nn.Module, state: ParallelState) -> list:
-    """Hook every Megatron-SP parameter so its gradient is summed over tp; return handles."""
-    if state.tp.size == 1 or not state.config.sequence_parallel:
-        return []
-    group = state.tp.group
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=group)
-        return grad
-
-    return [p.register_hook(hook) for p in model.parameters()
-            if p.requires_grad and getattr(p, "sequence_parallel", False)]
-
-
 def cpu_adam_available() -> bool:
     """Whether DeepSpeedCPUAdam's C++ op loads (JIT-builds with g++ on first use)."""
     try:
@@ -144,18 +125,18 @@ def build_optimizer(model: nn.Module, training, ds: dict, cpu_adam: bool | None 
     `cpu_adam` None: use it when offloading and it loads. Mutates `ds` when falling back to
     torch AdamW under offload (DeepSpeed refuses a foreign optimizer there by default)."""
     groups = param_groups(model, training.weight_decay)
-    kwargs = dict(lr=training.lr, betas=(training.adam_beta1, training.adam_beta2),
-                  eps=training.adam_eps)
     offload = offload_device(ds) != "none"
     if cpu_adam is None:
         cpu_adam = offload and cpu_adam_available()
     if cpu_adam:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, lr=training.lr,
+                                betas=(training.adam_beta1, training.adam_beta2),
+                                eps=training.adam_eps)
     if offload:
         ds["zero_force_ds_cpu_optimizer"] = False
-    return torch.optim.AdamW(groups, foreach=False, **kwargs)
+    return torch_adamw(groups, training, foreach=False)
 
 
 def use_accelerator_of(device: torch.device) -> None:

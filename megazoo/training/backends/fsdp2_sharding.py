@@ -1,21 +1,15 @@
-"""Pieces of `FSDP2Engine`: the mesh, the sharding of a stage, and gradient completion.
+"""Pieces of `FSDP2Engine`: the mesh, the sharding of a stage, gradient sync per chunk.
 
 Sharding. Each transformer block of the stage (every chunk's blocks) is its own FSDP2 unit,
 and the stage object itself (embedding, final norm, head) the root unit, all over one
 1-D mesh made of our `dp_sp` group: every rank that holds the same tp shard of the same
 pipeline stage. FSDP2 shards each parameter along dim 0 over that mesh; tp shards stay shards.
 
-Gradient scaling. FSDP2's reduce-scatter averages over the mesh (dp x sp). The right
-reduction is "sum over sp, mean over dp" (`allreduce_gradients`), so after the whole step's
-backward passes the local gradient shards are multiplied by sp (FSDP2's
-`set_gradient_divide_factor(dp)` would do it inside the reduce-scatter, but it needs
-ReduceOp.PREMUL_SUM, which gloo lacks). Then:
-- Megatron-SP parameters (`sequence_parallel`) sum their local gradient shards over tp
-  (tp ranks holding the same dp_sp index hold the same rows of the same gradient, and the
-  reduce-scatter is linear, so summing shards equals summing the full gradients);
-- with pp > 1 and tied embeddings, the embedding (first stage) and its head copy (last
-  stage) sum their shards over `state.embedding` (both are sharded identically: same shape,
-  same mesh size, same dp_sp index on both ends of the group).
+Gradient scaling. FSDP2's reduce-scatter averages over the mesh (dp x sp); the rest of the
+contract ("sum over sp, mean over dp", Megatron-SP tp sums, GQA kv rows, tied embeddings)
+is `megazoo.training.gradients.complete_sharded_gradients` on the local shards (FSDP2's
+`set_gradient_divide_factor(dp)` would fold the sp factor into the reduce-scatter, but it
+needs ReduceOp.PREMUL_SUM, which gloo lacks).
 """
 from __future__ import annotations
 
@@ -23,8 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.state import ParallelState
-from .optim import fsdp_rows, local, on_comm_device
+from ...parallel.state import ParallelState
 
 
 def one_rank_groups(state: ParallelState):
@@ -70,38 +63,6 @@ def shard_stage(model: nn.Module, mesh, *, device: torch.device, bf16: bool,
         for key, value in tags[name].items():
             if not hasattr(p, key):
                 setattr(p, key, value)
-
-
-def complete_gradients(model: nn.Module, state: ParallelState) -> None:
-    """sp scaling, Megatron-SP tp sums, the tp sum of replicated GQA kv rows (FSDP2's
-    parameters drop the tensor hook that does it outside FSDP2) and the tied-embedding sum,
-    on the local shards."""
-    if state.sp.size > 1:
-        for p in model.parameters():
-            if p.grad is not None:
-                local(p.grad).mul_(state.sp.size)
-    if state.tp.size > 1:
-        for p in model.parameters():
-            if p.grad is None:
-                continue
-            if state.config.sequence_parallel and getattr(p, "sequence_parallel", False):
-                on_comm_device(local(p.grad), lambda t: dist.all_reduce(t, group=state.tp.group))
-            kv = getattr(p, "sum_replicated_kv", None)  # GQA kv rows held by several tp ranks
-            if kv is not None:
-                rows = fsdp_rows(p, local(p.grad)) or slice(0, p.shape[0])
-                on_comm_device(local(p.grad), lambda t: kv.sum_rows(t, rows.start))
-    if state.embedding.size == 1 or not getattr(model.config, "tie_word_embeddings", False):
-        return
-    weight = None
-    if model.pre_process:
-        weight = model.embedding.word_embeddings.weight
-    elif model.post_process:
-        weight = model.output_layer.weight
-    if weight is not None:
-        grad = weight.grad
-        if grad is None:  # this stage never used it this step: contribute zeros
-            grad = torch.zeros_like(local(weight))
-        on_comm_device(local(grad), lambda t: dist.all_reduce(t, group=state.embedding.group))
 
 
 class SyncOnLastMicroBatch:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..models import build_model
-from .fsdp_parts import local
+from ...models import build_model
+from ..gradients import local
 
 AUX = ("exp_avg", "exp_avg_sq")
 
@@ -37,7 +37,7 @@ def _adam_step(optimizer) -> int:
 
 
 def save_fsdp(engine, path: str, extra: dict) -> None:
-    from ..checkpoint import save_checkpoint
+    from ...checkpoint import save_checkpoint
 
     model, state, opt = engine.model, engine.state, engine.optimizer
     weights, aux = {}, {prefix: {} for prefix in AUX}
@@ -63,7 +63,7 @@ def _shard_like(full: torch.Tensor, p):
 
 
 def load_fsdp(engine, path: str) -> dict:
-    from ..checkpoint import load_model_weights
+    from ...checkpoint import load_model_weights
 
     model, state, opt = engine.model, engine.state, engine.optimizer
     twin = build_model(model.config, state, device="cpu")

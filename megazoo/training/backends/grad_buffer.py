@@ -1,0 +1,189 @@
+"""Contiguous parameter and fp32 main-gradient buffers in buckets, reduced over dp x sp.
+
+    buffers = GradBuffer(model, state, bucket_numel=..., overlap=True, shard=False)
+    buffers.start_step(num_microbatches)     # before the micro-batches' backwards
+    ... backward ...                         # hooks accumulate grads into p.main_grad and
+                                             # launch each bucket's reduction once it is ready
+    buffers.finish()                         # launch what is left, wait for everything
+
+Layout (Megatron's DDP): every trainable parameter of the stage becomes a view of one flat
+parameter buffer (the model's dtype), and owns the same range of one flat fp32 gradient
+buffer, `p.main_grad`. Parameters are laid out in reverse registration order (roughly the
+order backward produces their gradients), and cut into buckets of about `bucket_numel`
+elements, each padded to a multiple of the reduction group's size so that it splits into
+equal shards (the distributed optimizer's unit of ownership).
+
+Accumulation. A post-accumulate-grad hook adds the parameter's `.grad` (model dtype) into
+`main_grad` (fp32) and drops `.grad`, once per micro-batch. A parameter's gradient is final
+after its `num_microbatches`-th call, which under a pipeline schedule is the last backward
+of its chunk; a bucket is ready when all its parameters are final.
+
+Reduction (the dp x sp part of the gradient contract, `megazoo.training.gradients`): each
+bucket is divided by dp, then summed over `state.dp_sp` (sum over sp, mean over dp): an
+all-reduce, or with `shard=True` a reduce-scatter that leaves each rank its own shard of the
+bucket in place. With `overlap=True` the collective is launched (async_op) from the hook as
+soon as the bucket is ready, while backward continues; NCCL runs it on the process group's
+own stream, gloo on its own thread. `finish` launches the rest and waits. Buckets holding a
+tied embedding copy (`deferred`) are launched only by `finish`, after the caller's sum over
+the embedding group (that sum needs both pipeline ends to be done with backward).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...parallel.state import ParallelState
+
+
+class Bucket:
+    """A contiguous range [start, end) of the flat buffers and the parameters inside it."""
+
+    def __init__(self, index: int, start: int, end: int, params: list, deferred: bool):
+        self.index, self.start, self.end = index, start, end
+        self.params, self.deferred = params, deferred
+        self.ready = 0
+        self.handle = None
+        self.launch_time: float | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def shard_range(self, rank: int, size: int) -> tuple[int, int]:
+        """[lo, hi) in flat coordinates of the shard of this bucket that `rank` owns."""
+        k = self.numel // size
+        return self.start + rank * k, self.start + (rank + 1) * k
+
+
+def _layout(params: list, bucket_numel: int, pad_to: int, deferred_ids: set) -> tuple:
+    """Offsets of `params` (in the given order) and the buckets, padded to `pad_to`."""
+    offsets, buckets, current, start, pos = {}, [], [], 0, 0
+
+    def close(deferred: bool = False):
+        nonlocal current, start, pos
+        if not current:
+            return
+        pos = start + -(-(pos - start) // pad_to) * pad_to
+        buckets.append(Bucket(len(buckets), start, pos, current, deferred))
+        current, start = [], pos
+
+    for p in params:
+        alone = id(p) in deferred_ids
+        if alone:
+            close()
+        offsets[id(p)] = pos
+        current.append(p)
+        pos += p.numel()
+        if alone or pos - start >= bucket_numel:
+            close(alone)
+    close()
+    return offsets, buckets, pos
+
+
+class GradBuffer:
+    """Flat parameter and main-gradient buffers of a model; see the module docstring."""
+
+    def __init__(self, model: nn.Module, state: ParallelState, *, bucket_numel: int,
+                 overlap: bool, shard: bool, deferred: tuple = ()):
+        self.state, self.overlap, self.shard = state, overlap, shard
+        self.group = state.dp_sp
+        params = [p for p in model.parameters() if p.requires_grad][::-1]
+        self.params = params
+        self.offsets, self.buckets, self.numel = _layout(
+            params, max(int(bucket_numel), 1), self.group.size, {id(p) for p in deferred})
+        device, dtype = params[0].device, params[0].dtype
+        self.param_data = torch.zeros(self.numel, dtype=dtype, device=device)
+        self.main_grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self._bucket_of = {}
+        with torch.no_grad():
+            for bucket in self.buckets:
+                for p in bucket.params:
+                    self._bucket_of[id(p)] = bucket
+                    view = self.view(self.param_data, p)
+                    view.copy_(p.detach())
+                    p.data = view
+                    p.main_grad = self.view(self.main_grad, p)
+        self._calls = {id(p): 0 for p in params}
+        self._expected = 1
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def cast_params(self, dtype: torch.dtype) -> None:
+        """Re-point every parameter at a new flat buffer of `dtype` holding its values."""
+        if dtype == self.param_data.dtype:
+            return
+        self.param_data = self.param_data.to(dtype)
+        for p in self.params:
+            p.data = self.view(self.param_data, p)
+
+    # -- layout ---------------------------------------------------------------------------
+    def view(self, flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """`p`'s range of a flat buffer laid out like this one, shaped like `p`."""
+        off = self.offsets[id(p)]
+        return flat[off:off + p.numel()].view(p.shape)
+
+    def shard_ranges(self) -> list[tuple[int, int]]:
+        """The flat ranges this rank owns (one per bucket; everything without sharding)."""
+        if not self.shard:
+            return [(b.start, b.end) for b in self.buckets]
+        return [b.shard_range(self.group.rank, self.group.size) for b in self.buckets]
+
+    # -- one step -------------------------------------------------------------------------
+    def start_step(self, num_microbatches: int) -> None:
+        """Zero the main gradients; each parameter's gradient is final after this many
+        backward calls."""
+        self.wait()
+        self.main_grad.zero_()
+        self._expected = num_microbatches
+        for key in self._calls:
+            self._calls[key] = 0
+        for bucket in self.buckets:
+            bucket.ready, bucket.handle, bucket.launch_time = 0, None, None
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        self._calls[id(p)] += 1
+        if self._calls[id(p)] != self._expected:
+            return
+        bucket = self._bucket_of[id(p)]
+        bucket.ready += 1
+        if self.overlap and bucket.ready == len(bucket.params) and not bucket.deferred:
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        if bucket.handle is not None or bucket.launch_time is not None:
+            return
+        bucket.launch_time = time.perf_counter()
+        if self.group.size == 1:
+            return
+        data = self.main_grad[bucket.start:bucket.end]
+        if self.state.dp.size > 1:
+            data.div_(self.state.dp.size)
+        if self.shard:
+            lo, hi = bucket.shard_range(self.group.rank, self.group.size)
+            bucket.handle = dist.reduce_scatter_tensor(self.main_grad[lo:hi], data,
+                                                       group=self.group.group, async_op=True)
+        else:
+            bucket.handle = dist.all_reduce(data, group=self.group.group, async_op=True)
+
+    def finish(self, before_deferred=None) -> None:
+        """Launch every bucket not launched yet (deferred ones after `before_deferred()`,
+        the caller's tied-embedding sum), then wait for all of them."""
+        for bucket in self.buckets:
+            if not bucket.deferred:
+                self._launch(bucket)
+        if before_deferred is not None:
+            before_deferred()
+        for bucket in self.buckets:
+            if bucket.deferred:
+                self._launch(bucket)
+        self.wait()
+
+    def wait(self) -> None:
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.handle = None

@@ -1,0 +1,191 @@
+"""fp32 master parameters and AdamW moments over this rank's shard of a `GradBuffer`.
+
+    opt = MasterAdamW(buffers, training_config)
+    opt.step(lr, grad_divisor)        # AdamW on the fp32 shard, then masters -> model params
+    opt.wait_params()                 # (overlapped gather) before touching the parameters
+
+Megatron's `Float16OptimizerWithFloat16Params` / distributed optimizer semantics:
+- the model's parameters are views of the flat parameter buffer (bf16, fp16 or fp32);
+- the masters are fp32: a copy of the flat buffer, or of this rank's shard of every bucket
+  with `buffers.shard` (the distributed optimizer: 1/(dp x sp) of masters and moments each);
+  in fp32 without sharding the parameter buffer itself is the master (no copy);
+- AdamW is torch's fused kernel over "pieces": each parameter's intersection with the
+  owned ranges, as views of the flat master / moment / main-gradient buffers, so one
+  multi-tensor kernel family runs per step, and weight decay still follows the parameter
+  (matrices decayed, 1-D parameters not);
+- `grad_divisor` (fp16 loss scale times the clipping factor) is applied inside the kernel;
+- after the step the masters are copied into the parameter buffer once (one copy kernel),
+  and with sharding each bucket is all-gathered over dp x sp into it, either at once or,
+  with `overlap_param_gather`, launched asynchronously and waited for by a forward
+  pre-hook of the modules that own the bucket's parameters (overlapped with the next
+  forward).
+
+Checkpoints hold full fp32 tensors per parameter (`full_state` gathers the shards), so the
+files are the same with or without sharding and load at any dp.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .grad_buffer import GradBuffer
+from ..optim import build_optimizer
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _pieces(buffers: GradBuffer) -> list[tuple[torch.Tensor, int, int, int]]:
+    """(parameter, flat lo, flat hi, shard offset) of each parameter's owned part."""
+    out, shard_pos = [], 0
+    ranges = buffers.shard_ranges()
+    for (lo, hi), bucket in zip(ranges, buffers.buckets):
+        for p in bucket.params:
+            start = buffers.offsets[id(p)]
+            a, b = max(lo, start), min(hi, start + p.numel())
+            if a < b:
+                out.append((p, a, b, shard_pos + a - lo))
+        shard_pos += hi - lo
+    return out
+
+
+class MasterAdamW:
+    """See the module docstring. `cfg`: TrainingConfig (weight_decay, adam_*, lr)."""
+
+    def __init__(self, model: nn.Module, buffers: GradBuffer, cfg, *, overlap_param_gather=False):
+        self.buffers, self.cfg = buffers, cfg
+        self.ranges = buffers.shard_ranges()
+        self.shard_numel = sum(hi - lo for lo, hi in self.ranges)
+        data = buffers.param_data
+        alias = not buffers.shard and data.dtype == torch.float32
+        self.master = data if alias else self._to_shard(data.float())
+        self.moments = {k: torch.zeros_like(self.master) for k in MOMENTS}
+        self.pieces = _pieces(buffers)
+        decay, no_decay = [], []
+        for p, lo, hi, at in self.pieces:
+            view = self.master[at:at + hi - lo]
+            view.grad = buffers.main_grad[lo:hi]
+            (decay if p.ndim >= 2 else no_decay).append(view)
+            self._adopt_state(view, at, hi - lo)
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = build_optimizer([g for g in groups if g["params"]], cfg, fused=True)
+        for group in self.optimizer.param_groups:
+            for view in group["params"]:
+                self.optimizer.state[view] = self._states[id(view)]
+        self._divisor = torch.ones((), dtype=torch.float32, device=data.device)
+        self.overlap_param_gather = overlap_param_gather and buffers.shard
+        self._gathers: dict[int, object] = {}
+        if self.overlap_param_gather:
+            self._hook_modules(model)
+
+    def _adopt_state(self, view: torch.Tensor, at: int, n: int) -> None:
+        """The piece's AdamW state: views of the flat moments and its own step counter (the
+        fused kernel increments each piece's counter once per step)."""
+        self._states = getattr(self, "_states", {})
+        step = torch.zeros((), dtype=torch.float32, device=view.device)
+        self._states[id(view)] = {"step": step, **{k: m[at:at + n] for k, m in self.moments.items()}}
+
+    # -- shard <-> full flat ----------------------------------------------------------------
+    def _to_shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's owned ranges of a full flat tensor, concatenated (a copy)."""
+        if not self.buffers.shard:
+            return full
+        return torch.cat([full[lo:hi] for lo, hi in self.ranges])
+
+    def _to_full(self, shard: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Gather a shard-space tensor into the full flat tensor `out` (collective with
+        sharding; a copy without)."""
+        if not self.buffers.shard:
+            if out.data_ptr() != shard.data_ptr():
+                out.copy_(shard)
+            return out
+        pos, group = 0, self.buffers.group
+        for (lo, hi), bucket in zip(self.ranges, self.buffers.buckets):
+            out[lo:hi].copy_(shard[pos:pos + hi - lo])
+            pos += hi - lo
+            if group.size > 1:
+                dist.all_gather_into_tensor(out[bucket.start:bucket.end], out[lo:hi],
+                                            group=group.group)
+        return out
+
+    # -- the step ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, lr: float, grad_divisor: float = 1.0) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if grad_divisor == 1.0:
+            self.optimizer.grad_scale = None
+        else:  # a device scalar reused every step: a fill, no host-to-device copy
+            self._divisor.fill_(grad_divisor)
+            self.optimizer.grad_scale = self._divisor
+        self.optimizer.step()
+        self._publish()
+
+    def _publish(self) -> None:
+        """Masters -> the model's parameter buffer (and the other ranks' shards)."""
+        data, master = self.buffers.param_data, self.master
+        if not self.buffers.shard:
+            if master.data_ptr() != data.data_ptr():
+                data.copy_(master)
+            return
+        pos, group = 0, self.buffers.group
+        for (lo, hi), bucket in zip(self.ranges, self.buffers.buckets):
+            data[lo:hi].copy_(master[pos:pos + hi - lo])
+            pos += hi - lo
+        if group.size == 1:
+            return
+        for bucket in reversed(self.buffers.buckets):  # forward order: first needed first
+            lo, hi = bucket.shard_range(group.rank, group.size)
+            handle = dist.all_gather_into_tensor(data[bucket.start:bucket.end], data[lo:hi],
+                                                 group=group.group,
+                                                 async_op=self.overlap_param_gather)
+            if self.overlap_param_gather:
+                self._gathers[bucket.index] = handle
+
+    def wait_params(self, indices=None) -> None:
+        """Wait for the overlapped all-gathers of `indices` (None: all of them)."""
+        for index in list(self._gathers) if indices is None else indices:
+            handle = self._gathers.pop(index, None)
+            if handle is not None:
+                handle.wait()
+
+    def _hook_modules(self, model: nn.Module) -> None:
+        bucket_of = {id(p): b.index for b in self.buffers.buckets for p in b.params}
+        for module in model.modules():
+            indices = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False)
+                              if id(p) in bucket_of})
+            if indices:
+                module.register_forward_pre_hook(
+                    lambda _m, _a, ix=tuple(indices): self.wait_params(ix))
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """{"master", "exp_avg", "exp_avg_sq"}: full flat fp32 tensors (collective when
+        sharded; without sharding the masters and moments themselves)."""
+        self.wait_params()
+        if not self.buffers.shard:
+            return {"master": self.master, **self.moments}
+        out = {}
+        for key, shard in (("master", self.master), *self.moments.items()):
+            out[key] = self._to_full(shard, torch.zeros(self.buffers.numel,
+                                                       dtype=torch.float32, device=shard.device))
+        return out
+
+    def load_full_state(self, full: dict[str, torch.Tensor], step: int) -> None:
+        """Set masters (and moments, when given) from full flat fp32 tensors; publish."""
+        with torch.no_grad():
+            for key, target in (("master", self.master), *self.moments.items()):
+                if key not in full:
+                    target.zero_()  # weights only: a fresh optimizer
+                elif full[key].data_ptr() != target.data_ptr():
+                    target.copy_(self._to_shard(full[key]))
+            for st in self._states.values():
+                st["step"].fill_(float(step))
+            self.wait_params()
+            self._publish()
+            self.wait_params()
+
+    @property
+    def adam_step(self) -> int:
+        return int(next(iter(self._states.values()))["step"]) if self._states else 0

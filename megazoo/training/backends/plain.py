@@ -1,0 +1,182 @@
+"""`PlainEngine`: Megatron's data parallelism and mixed precision, with tp / sp / pp from the
+model itself.
+
+Owns: the model's dtype (bf16 / fp16 parameters, or fp32), the flat parameter and fp32
+main-gradient buffers in buckets (`grad_buffer.GradBuffer`: reduced over dp x sp, overlapped
+with backward under --overlap-grad-reduce, reduce-scattered under
+--use-distributed-optimizer), the fp32 masters and AdamW moments (`master_optimizer`), the
+fp16 loss scaler, and the checkpoint files (fp32 masters and moments, one format at any
+dp / tp / pp and with or without the distributed optimizer).
+
+Its part of the one `Engine.train_step`: the losses scaled by the fp16 loss scale
+(`stage`); backward hooks accumulate into the main gradients and launch bucket reductions;
+`finish_gradients` sums the tied embedding, waits for what is in flight and takes the
+global norm from the flat buffer (one multi-tensor kernel); `step` skips on a non-finite
+loss or norm in every precision (fp16 also backs the loss scale off), else runs the fused
+AdamW whose gradient divisor folds in the loss scale and the clipping factor.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...parallel.state import ParallelState
+from ..config import PretrainArgs
+from .base import Engine
+from .grad_buffer import GradBuffer
+from ..gradients import (clip_divisor, counted_flat_ranges, flat_grad_norm,
+                        hook_sequence_parallel_grads, intersect, sum_tied_embedding,
+                        tied_embedding_weight)
+from .master_optimizer import MOMENTS, MasterAdamW
+from ..scaler import DynamicLossScaler
+
+AUX_PREFIXES = MOMENTS
+
+
+class _ScaledLossStage:
+    """The model as `run_pipeline` sees it, with the last stage's loss multiplied by `scale`
+    (fp16 loss scaling inside the pipeline's own backward)."""
+
+    def __init__(self, model, scale: float):
+        self._model, self._scale = model, scale
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, *args, **kwargs):
+        out = self._model(*args, **kwargs)
+        if kwargs.get("labels") is not None or (len(args) > 1 and args[1] is not None):
+            if out.dim() == 0:
+                return out * self._scale
+        return out
+
+
+def model_dtype(cfg) -> torch.dtype:
+    return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
+
+
+class PlainEngine(Engine):
+    """`PlainEngine(model, state, config)` (config: PretrainArgs); the model arrives in fp32
+    and is cast to the run's dtype here (the masters keep the fp32 initial values)."""
+
+    def __init__(self, model: torch.nn.Module, state: ParallelState, config: PretrainArgs):
+        self.model, self.state, self.config = model, state, config
+        cfg = self.cfg = config.training
+        self._sp_hooks = hook_sequence_parallel_grads(model, state)
+        tied = tied_embedding_weight(model, state)
+        bucket = cfg.ddp_bucket_size or max(40_000_000, 1_000_000 * state.dp_sp.size)
+        self.buffers = GradBuffer(model, state, bucket_numel=bucket, overlap=cfg.overlap_grad_reduce,
+                                  shard=cfg.use_distributed_optimizer,
+                                  deferred=() if tied is None else (tied,))
+        self.optimizer = MasterAdamW(model, self.buffers, cfg,
+                                     overlap_param_gather=cfg.overlap_param_gather)
+        self.buffers.cast_params(model_dtype(cfg))
+        counted = counted_flat_ranges([(p, self.buffers.offsets[id(p)]) for p in self.buffers.params],
+                                      state)
+        owned = intersect(counted, self.buffers.shard_ranges())
+        self.norm_views = [self.buffers.main_grad[lo:hi] for lo, hi in owned]
+        self.scaler = (DynamicLossScaler(cfg.initial_loss_scale, cfg.loss_scale_window,
+                                         cfg.min_loss_scale) if cfg.fp16 else None)
+        self.steps, self._scale = 0, 1.0
+        self.device = next(model.parameters()).device
+
+    # -- the backend interface ---------------------------------------------------------------
+    def stage(self, num_microbatches: int, loss_scale: float):
+        return _ScaledLossStage(self.model, loss_scale) if loss_scale != 1.0 else self.model
+
+    def start_step(self, num_microbatches: int, lr: float) -> None:
+        self.model.train()
+        self._scale = self.loss_scale()
+        self.buffers.start_step(num_microbatches)
+
+    def finish_gradients(self) -> float:
+        """Tied-embedding sum, the buckets still to reduce, then the norm from the flat buffer
+        (divided by the fp16 loss scale)."""
+        self.buffers.finish(lambda: sum_tied_embedding(self.model, self.state,
+                                                       grad_of=lambda w: w.main_grad))
+        return flat_grad_norm(self.norm_views, self.state, self.buffers.shard) / self._scale
+
+    def step(self, lr: float, norm: float, loss_is_finite: bool) -> bool:
+        """Fused AdamW on the fp32 masters, its gradient divisor the loss scale times the
+        clipping factor; a non-finite loss or norm skips it (and backs the fp16 scale off)."""
+        ok = loss_is_finite and math.isfinite(norm)
+        if self.scaler is not None:
+            self.scaler.update(not ok)
+        if ok:
+            self.optimizer.step(lr, self._scale * clip_divisor(norm, self.cfg.clip_grad))
+        return ok
+
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    def reported_loss_scale(self) -> float | None:
+        return self.scaler.scale if self.scaler else None
+
+    def wait_params(self) -> None:
+        self.optimizer.wait_params()
+
+    @torch.no_grad()
+    def nonfinite_parameter(self) -> str | None:
+        """One check over the flat fp32 masters (this rank's shard), then the name."""
+        if bool(torch.isfinite(self.optimizer.master).all()):
+            return None
+        return super().nonfinite_parameter() or "an fp32 master weight"
+
+    # -- checkpoints: the fp32 masters and moments, full tensors per parameter --------------
+    def _as_params(self, flat: torch.Tensor) -> dict:
+        """{name: view of the full flat tensor shaped like the parameter}."""
+        return {n: self.buffers.view(flat, p) for n, p in self.model.named_parameters()}
+
+    def _swap_params(self, flat: torch.Tensor | None, saved: dict | None = None) -> dict:
+        """Point the parameters at views of `flat` (None: back to `saved`); return the old."""
+        old = {}
+        for n, p in self.model.named_parameters():
+            old[n] = p.data
+            p.data = saved[n] if flat is None else self.buffers.view(flat, p)
+        return old
+
+    def save(self, path: str, extra: dict) -> None:
+        from ...checkpoint import save_checkpoint
+
+        full = self.optimizer.full_state()
+        aux = {k: self._as_params(full[k]) for k in MOMENTS}
+        engine = {"steps": self.steps, "adam_step": self.optimizer.adam_step,
+                  "scaler": self.scaler.state_dict() if self.scaler else None}
+        old = self._swap_params(full["master"])
+        try:
+            save_checkpoint(self.model, path, state=self.state,
+                            extra={**extra, "engine": engine}, aux=aux)
+        finally:
+            self._swap_params(None, old)
+
+    def load(self, path: str) -> dict:
+        from ...checkpoint import load_model_weights
+        from ...checkpoint.load import CheckpointReader
+
+        # Weights-only checkpoints (converted from HF, say) start a fresh optimizer.
+        stored = set(CheckpointReader(path).aux_prefixes)
+        prefixes = AUX_PREFIXES if stored.issuperset(AUX_PREFIXES) else ()
+        self.optimizer.wait_params()
+        master = torch.zeros(self.buffers.numel, dtype=torch.float32, device=self.device)
+        old = self._swap_params(master)
+        try:
+            meta, aux = load_model_weights(self.model, path, state=self.state,
+                                           aux_prefixes=prefixes)
+        finally:
+            self._swap_params(None, old)
+        extra = meta.get("extra") or {}
+        engine = extra.get("engine", {})
+        self.steps = int(engine.get("steps", 0))
+        step = int(engine.get("adam_step", 0))
+        full = {"master": master}
+        if step > 0 and prefixes:
+            for k in MOMENTS:
+                full[k] = torch.zeros_like(master)
+                views = self._as_params(full[k])
+                for name, t in aux[k].items():
+                    views[name].copy_(t)
+        self.optimizer.load_full_state(full, step if len(full) > 1 else 0)
+        if self.scaler is not None and engine.get("scaler"):
+            self.scaler.load_state_dict(engine["scaler"])
+        return extra

@@ -1,0 +1,75 @@
+"""Steps skipped for non-finite values: counted, logged, and a stop with a clear reason.
+
+    watch = SkipWatch(args, resumed_from, log)
+    watch.after_step(iteration, result)      # raises TrainingStopped after too many in a row
+    check_finite_before_save(engine, state, iteration)
+
+Every engine skips a step whose loss or gradient norm is inf / nan (fp16 overflow is one
+case) and does not advance its learning-rate clock for it. A skip is logged with the
+running counts; `--max-skipped-steps` consecutive ones stop the run with one line naming the
+iteration and the likely cause. A checkpoint is never written from non-finite weights, so
+`latest` keeps naming the last good one.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .backends.base import StepResult, TrainingStopped
+
+
+def _bad(result: StepResult) -> bool:
+    return result.skipped or not math.isfinite(result.loss)
+
+
+class SkipWatch:
+    """Counts skipped steps (in a row and in all) and stops the run after too many."""
+
+    def __init__(self, args, resumed_from: int, log):
+        self.args, self.resumed_from, self.log = args, resumed_from, log
+        self.in_a_row = self.total = 0
+        self.first_of_streak: int | None = None
+
+    def after_step(self, iteration: int, result: StepResult) -> None:
+        """`iteration`: 1-based number of the step just taken."""
+        if not _bad(result):
+            self.in_a_row, self.first_of_streak = 0, None
+            return
+        self.in_a_row += 1
+        self.total += 1
+        if self.first_of_streak is None:
+            self.first_of_streak = iteration
+        self.log(f"iteration {iteration}: step skipped (loss {result.loss:.4g}, grad norm "
+                 f"{result.grad_norm:.4g}); {self.in_a_row} in a row, {self.total} in all")
+        limit = self.args.training.max_skipped_steps
+        if limit and self.in_a_row >= limit:
+            raise TrainingStopped(
+                f"iteration {iteration}: {self.in_a_row} steps in a row skipped for a non-finite "
+                f"loss or gradient norm (--max-skipped-steps {limit}); likely cause: "
+                f"{self.cause(result)}")
+
+    def cause(self, result: StepResult) -> str:
+        t, load = self.args.training, self.args.checkpoint.load
+        if load and self.first_of_streak == self.resumed_from + 1:
+            return (f"the checkpoint loaded from {load} holds non-finite weights or optimizer "
+                    "state: resume from an earlier checkpoint")
+        if t.fp16 and result.loss_scale is not None and result.loss_scale <= t.min_loss_scale:
+            return (f"the fp16 loss scale is at its minimum ({result.loss_scale:g}) and the "
+                    f"gradients still overflow: lower --lr (now {t.lr:g}) or use --bf16")
+        return f"the learning rate is too high (--lr {t.lr:g}): lower it or lengthen the warmup"
+
+
+def check_finite_before_save(engine, state, iteration: int) -> None:
+    """Raise TrainingStopped on every rank if any rank's weights hold inf / nan."""
+    name = engine.nonfinite_parameter()
+    flag = torch.tensor([0.0 if name is None else 1.0])
+    if state.world_size > 1:
+        if dist.get_backend() == "nccl":
+            flag = flag.to(torch.accelerator.current_accelerator())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if float(flag.max()) > 0:
+        where = f"{name} holds" if name else "another rank's weights hold"
+        raise TrainingStopped(f"not saving iteration {iteration}: {where} non-finite values; "
+                              "the last good checkpoint stays `latest`")

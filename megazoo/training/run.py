@@ -1,0 +1,167 @@
+"""The training run behind `pretrain_gpt.py`: setup (checked on every rank), then the loop
+(`megazoo.training.loop`), and the command-line entry point.
+
+    main(argv) -> exit status    # 0 done, 2 bad input ("error: ..." and no traceback)
+
+Setup validates everything before the first step: the layout against the world size, the
+batch sizes, the data files, the tokenizer against the data, a checkpoint against the
+model. Any of these raises a ValueError / FileNotFoundError on every rank, which `main`
+turns into one "error: ..." line and exit status 2.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..models import build_model
+from ..models.parts import check_sequence_length
+from ..parallel.state import ParallelState
+from .arguments import parse_args
+from .checkpoint import load_training_checkpoint
+from .config import PretrainArgs
+from .data import TrainData, build_data, resolve_data_source, unigram_entropy
+from .backends import Engine, TrainingStopped, build_engine
+from .logging import MetricsLogger
+from .loop import evaluate, train
+
+USER_ERRORS = (ValueError, FileNotFoundError)
+
+
+@dataclass
+class Run:
+    """What setup produces: everything the loop needs."""
+
+    args: PretrainArgs
+    state: ParallelState
+    data: TrainData
+    engine: Engine
+    logger: MetricsLogger
+    start_iteration: int
+    entropy: float
+    owns_process_group: bool
+
+
+def _barrier(state: ParallelState):
+    return (lambda: dist.barrier()) if state.world_size > 1 else (lambda: None)
+
+
+def _device() -> torch.device:
+    """This rank's accelerator (LOCAL_RANK) when there is one, else the CPU."""
+    if not torch.accelerator.is_available():
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.accelerator.set_device_index(index)
+    return torch.device(torch.accelerator.current_accelerator().type, index)
+
+
+def _one_rank_group_for_zero(args: PretrainArgs) -> None:
+    """DeepSpeed and FSDP2 need torch.distributed even in a plain one-process run (no
+    launcher): give them a one-rank group (an in-memory store, no port) and the LOCAL_RANK
+    DeepSpeed insists on."""
+    if args.zero.zero_impl == "none" or dist.is_initialized() or \
+            int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return
+    from .backends.deepspeed_setup import init_one_rank_group
+
+    init_one_rank_group()
+
+
+def setup(args: PretrainArgs, print_fn=print) -> Run:
+    """Initialise ranks, data, model, engine (and resume); raise USER_ERRORS on bad input."""
+    if args.training.cpu_threads:
+        torch.set_num_threads(args.training.cpu_threads)
+    owns = not dist.is_initialized()
+    _one_rank_group_for_zero(args)
+    state = ParallelState.initialize(args.parallel)
+    rank0 = state.global_rank == 0
+    log = print_fn if rank0 else (lambda *a, **k: None)
+    check_sequence_length(args.data.seq_length, state)
+    if args.model.position_embedding == "learned" and \
+            args.data.seq_length > args.model.max_position_embeddings:
+        raise ValueError(f"--seq-length {args.data.seq_length} exceeds "
+                         f"--max-position-embeddings {args.model.max_position_embeddings}")
+    resolve_data_source(args, rank0, _barrier(state), log)
+    eval_samples = args.logging.eval_iters * args.training.global_batch_size
+    data = build_data(args, state, eval_samples)
+    entropy = unigram_entropy(data.prefixes, data.tokenizer.vocab_size)
+    device = data.device = _device()
+    model = build_model(args.model, state, device=device, seed=args.training.seed)
+    engine = build_engine(args, model, state)
+    advice = host_thread_advice(engine.cpu_offload, torch.get_num_threads(), os.cpu_count() or 1,
+                                int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if advice and not args.training.cpu_threads:
+        log(f"warning: {advice}")
+    start = 0
+    if args.checkpoint.load:
+        extra = load_training_checkpoint(engine, args.checkpoint.load)
+        start = int(extra.get("iteration", 0))
+        consumed = int(extra.get("consumed_samples", start * args.training.global_batch_size))
+        if consumed != start * args.training.global_batch_size:
+            raise ValueError(f"the checkpoint consumed {consumed} samples in {start} iterations; "
+                             f"resume with --global-batch-size {consumed // max(start, 1)}")
+        log(f"resumed from {args.checkpoint.load} at iteration {start}")
+    elif args.logging.eval_only:
+        raise ValueError("--eval-only needs --load DIR (the checkpoint to evaluate)")
+    logger = MetricsLogger(args.logging, device, rank0, print_fn=log)
+    return Run(args, state, data, engine, logger, start, entropy, owns)
+
+
+def host_thread_advice(cpu_offload: bool, threads: int, cores: int, local_ranks: int) -> str | None:
+    """What to change when an offloaded optimizer would step on one host thread per rank
+    (torchrun's default OMP_NUM_THREADS=1) while the host has cores to spare; else None."""
+    per_rank = cores // max(local_ranks, 1)
+    if not cpu_offload or threads > 1 or per_rank < 2:
+        return None
+    return (f"the offloaded optimizer steps on 1 host thread per rank (OMP_NUM_THREADS=1 is "
+            f"torchrun's default); pass --cpu-threads {per_rank} ({cores} cores / {local_ranks} "
+            f"ranks on this host) or set OMP_NUM_THREADS")
+
+
+def run_training(argv: list[str] | None = None, print_fn=print) -> dict:
+    """Parse, set up and train (or evaluate); return the summary (losses, valid loss, ...).
+
+    Bad input raises USER_ERRORS before any step, on every rank.
+    """
+
+    run = setup(parse_args(argv), print_fn)
+    try:
+        if run.args.logging.eval_only:
+            loss = evaluate(run)
+            run.logger.write({"iteration": run.start_iteration, "valid_loss": loss})
+            out = {"valid_loss": loss, "losses": []}
+        else:
+            out = train(run, print_fn)
+        if run.owns_process_group and run.state.world_size > 1:
+            dist.barrier()  # no rank tears gloo down while a peer still talks to it
+        return out
+    finally:
+        run.logger.close()
+        if run.owns_process_group and dist.is_initialized():
+            _shutdown()
+
+
+def _shutdown() -> None:
+    """Destroy the process group we created, except gloo's: with torch 2.13, destroying it
+    after a no-grad tensor-parallel forward (the sample at the end) aborts the process at
+    exit about one time in three ("terminate called without an active exception"); a gloo
+    group needs no teardown before exit, NCCL's does."""
+    if dist.get_backend() != "gloo":
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None, print_fn=print) -> int:
+    """Command-line entry point: 0 when done; "error: ..." and 2 for bad input, 1 when the
+    run had to stop (too many skipped steps, non-finite weights)."""
+    try:
+        run_training(argv, print_fn)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except TrainingStopped as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
