@@ -46,7 +46,8 @@ def run_pipeline(model, microbatches: list[tuple[torch.Tensor, torch.Tensor | No
     `backward(loss)` runs the backward of each micro-batch's loss (already divided by m) on
     the last stage (default `loss.backward()`; DeepSpeed passes its engine's own).
     """
-    outputs = run_schedule(model, microbatches, state, forward_only=forward_only, dtype=dtype)
+    outputs = run_schedule(model, microbatches, state, forward_only=forward_only, dtype=dtype,
+                           backward=backward)
     if outputs is None or microbatches[0][1] is None:
         return outputs
     return torch.stack([loss.detach() for loss in outputs]).sum()
@@ -54,7 +55,7 @@ def run_pipeline(model, microbatches: list[tuple[torch.Tensor, torch.Tensor | No
 
 def run_schedule(model, microbatches: list[tuple[torch.Tensor, torch.Tensor | None]],
                  state: ParallelState, *, forward_only: bool = False,
-                 dtype: torch.dtype | None = None) -> list[torch.Tensor] | None:
+                 dtype: torch.dtype | None = None, backward=None) -> list[torch.Tensor] | None:
     """`run_pipeline`'s work: the last stage's output per micro-batch (each loss already
     divided by the number of micro-batches), None on the other stages."""
     pp, vpp, m = state.pp.size, len(model.chunks), len(microbatches)
