@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..layers.linear import allreduce_sequence_parallel_grads
 from ..layers.sharding import tp_dim_of
 from ..parallel.state import ParallelState
 
@@ -250,14 +251,11 @@ def allreduce_gradients(model: nn.Module, state: ParallelState) -> None:
     gives 1/sp of the right gradient with this model's loss: scale the loss by sp for it.
     """
     for p in model.parameters():
-        if p.grad is None:
-            continue
-        if state.dp_sp.size > 1:
+        if p.grad is not None and state.dp_sp.size > 1:
             dist.all_reduce(p.grad, group=state.dp_sp.group)
             if state.dp.size > 1:
                 p.grad.div_(state.dp.size)
-        if getattr(p, "sequence_parallel", False) and state.tp.size > 1:
-            dist.all_reduce(p.grad, group=state.tp.group)
+    allreduce_sequence_parallel_grads(model, state.tp)
     sum_tied_embedding(model, state)
 
 

@@ -145,8 +145,12 @@ class GradBuffer:
     def _on_grad(self, p: torch.Tensor) -> None:
         p.main_grad.add_(p.grad)
         p.grad = None
-        self._calls[id(p)] += 1
-        if self._calls[id(p)] != self._expected:
+        calls = self._calls[id(p)] = self._calls[id(p)] + 1
+        if calls != self._expected:
+            if calls > self._expected:  # its bucket may have been reduced already
+                raise RuntimeError("a parameter received more gradients than there are "
+                                   "micro-batches: reentrant checkpointing or a second "
+                                   "backward per micro-batch is not supported here")
             return
         bucket = self._bucket_of[id(p)]
         bucket.ready += 1
