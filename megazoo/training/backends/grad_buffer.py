@@ -132,10 +132,12 @@ class GradBuffer:
 
     # -- one step -------------------------------------------------------------------------
     def start_step(self, num_microbatches: int) -> None:
-        """Zero the main gradients; each parameter's gradient is final after this many
-        backward calls."""
+        """Start counting; each parameter's gradient is final after this many backward calls.
+
+        The main gradients are not zeroed here: a parameter's first gradient of the step is
+        copied into its range and later ones added (one pass less over the fp32 buffer than
+        zero + add); `finish` zeroes the ranges of parameters that got no gradient."""
         self.wait()
-        self.main_grad.zero_()
         self._expected = num_microbatches
         for key in self._calls:
             self._calls[key] = 0
@@ -143,9 +145,12 @@ class GradBuffer:
             bucket.ready, bucket.handle, bucket.launch_time = 0, None, None
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        p.main_grad.add_(p.grad)
-        p.grad = None
         calls = self._calls[id(p)] = self._calls[id(p)] + 1
+        if calls == 1:
+            p.main_grad.copy_(p.grad)
+        else:
+            p.main_grad.add_(p.grad)
+        p.grad = None
         if calls != self._expected:
             if calls > self._expected:  # its bucket may have been reduced already
                 raise RuntimeError("a parameter received more gradients than there are "
@@ -176,6 +181,10 @@ class GradBuffer:
     def finish(self, before_deferred=None) -> None:
         """Launch every bucket not launched yet (deferred ones after `before_deferred()`,
         the caller's tied-embedding sum), then wait for all of them."""
+        for bucket in self.buckets:
+            for p in bucket.params:
+                if self._calls[id(p)] == 0:  # no gradient this step: its range is stale
+                    p.main_grad.zero_()
         for bucket in self.buckets:
             if not bucket.deferred:
                 self._launch(bucket)
