@@ -23,6 +23,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -93,6 +94,28 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
+
+
+def remove_leftovers(folder: str, pattern: str) -> list[str]:
+    """Remove the files in `folder` whose names match `pattern` (a regex with a `pid` group:
+    a temp file a megazoo process names after itself) and whose process no longer exists on
+    this host; return their paths. Anything else, and files of live processes, stay."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        match = re.fullmatch(pattern, name)
+        if match is None or int(match["pid"]) == os.getpid() or _pid_alive(int(match["pid"])):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            os.remove(path)
+            removed.append(path)
+        except OSError:
+            pass  # gone already, or not ours to remove: leave it
+    return removed
 
 
 def _clear_stale_temp(tmp: str) -> None:

@@ -24,6 +24,12 @@ def _output_args(parser: argparse.ArgumentParser) -> None:
                              "written, holds nothing else, and is not (nor contains) the input")
 
 
+def _verify_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
+                        help="read the --load checkpoint without checking each tensor against "
+                             "the checksum megazoo.json recorded for it")
+
+
 def _dtype(args):
     """The torch dtype `--dtype` names, or None (keep the stored one)."""
     return parse_dtype(args.dtype) if args.dtype else None
@@ -66,26 +72,32 @@ def megazoo_to_hf_main(argv=None) -> int:
     parser.add_argument("--load", required=True, help="megazoo checkpoint directory")
     parser.add_argument("--out", required=True, help="Hugging Face directory to write")
     _output_args(parser)
+    _verify_args(parser)
     args = parser.parse_args(argv)
 
     def action(_):
         from .api import megazoo_to_hf
-        config = megazoo_to_hf(args.load, args.out, dtype=_dtype(args), overwrite=args.overwrite)
+        config = megazoo_to_hf(args.load, args.out, dtype=_dtype(args), overwrite=args.overwrite,
+                               verify_checksums=args.verify_checksums)
         return f"wrote {args.out}: {config['architectures'][0]}"
     return _run(action, args)
 
 
-def _relayout_main(argv, description: str, load_help: str, convert) -> int:
-    """--load + --out + layout flags -> `convert(load, out, tp=, pp=, vpp=, dtype=, overwrite=)`."""
+def _relayout_main(argv, description: str, load_help: str, convert, verify: bool) -> int:
+    """--load + --out + layout flags -> `convert(load, out, tp=, pp=, vpp=, dtype=, overwrite=)`
+    (and `verify_checksums=` when `verify`: the input is a megazoo checkpoint)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--load", required=True, help=load_help)
     parser.add_argument("--out", required=True, help="megazoo checkpoint folder to write")
     _layout_args(parser)
+    if verify:
+        _verify_args(parser)
     args = parser.parse_args(argv)
+    options = {"verify_checksums": args.verify_checksums} if verify else {}
 
     def action(_):
         convert(args.load, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, dtype=_dtype(args),
-                overwrite=args.overwrite)
+                overwrite=args.overwrite, **options)
         return f"wrote {args.out} at tp={args.tp} pp={args.pp} vpp={args.vpp}"
     return _run(action, args)
 
@@ -94,11 +106,11 @@ def reshard_main(argv=None) -> int:
     from .api import reshard
     return _relayout_main(argv, "Rewrite a megazoo checkpoint at another tp/pp/vpp layout "
                                 "(optimizer aux tensors included).", "megazoo checkpoint folder",
-                          reshard)
+                          reshard, verify=True)
 
 
 def zero_to_megazoo_main(argv=None) -> int:
     from .deepspeed import zero_to_megazoo
     return _relayout_main(argv, "Consolidate a DeepSpeedEngine (ZeRO-1/2/3) checkpoint into a "
                                 "megazoo checkpoint.", "DeepSpeedEngine checkpoint folder",
-                          zero_to_megazoo)
+                          zero_to_megazoo, verify=False)

@@ -131,6 +131,13 @@ class CheckpointConfig:
     """Resume from this folder's `latest` checkpoint (or from an iter_* folder)."""
     save_interval: int | None = None
     """Save every this many iterations (and at the end); None: only at the end."""
+    verify_checksums: bool = True
+    """Check every tensor read from --load against the checksum its megazoo.json recorded."""
+    allow_nonfinite_load: bool = False
+    """Load a checkpoint even if a tensor holds inf or nan (refused otherwise)."""
+    overwrite_checkpoints: bool = False
+    """Save into a --save folder holding another run's checkpoints (other model shape or
+    --seed); refused otherwise, so one run never moves another's `latest`."""
 
     def __post_init__(self) -> None:
         if self.save_interval is not None and self.save_interval < 1:

@@ -138,11 +138,13 @@ class PlainEngine(Engine):
         from ..checkpoint import load_model_weights
 
         from ..checkpoint.load import CheckpointReader
+        from .run_checks import read_options
 
         # Weights-only checkpoints (converted from HF, say) start a fresh optimizer.
         stored = set(CheckpointReader(path).aux_prefixes)
         prefixes = AUX_PREFIXES if stored.issuperset(AUX_PREFIXES) else ()
-        meta, aux = load_model_weights(self.model, path, state=self.state, aux_prefixes=prefixes)
+        meta, aux = load_model_weights(self.model, path, state=self.state, aux_prefixes=prefixes,
+                                       **read_options(self.config))
         extra = meta.get("extra") or {}
         engine = extra.get("engine", {})
         self.steps = int(engine.get("steps", 0))
