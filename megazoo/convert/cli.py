@@ -6,6 +6,7 @@ import sys
 import time
 
 from ..checkpoint.files import parse_dtype
+from ..cli_parser import HintingParser
 
 
 def _layout_args(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +52,7 @@ def _run(action, argv) -> int:
 
 
 def hf_to_megazoo_main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Convert a Hugging Face model (gpt2, bloom, "
+    parser = HintingParser(description="Convert a Hugging Face model (gpt2, bloom, "
                                                  "llama; safetensors) to a megazoo checkpoint.")
     parser.add_argument("--hf-dir", required=True, help="directory with config.json + safetensors")
     parser.add_argument("--out", required=True, help="megazoo checkpoint directory to write")
@@ -67,7 +68,7 @@ def hf_to_megazoo_main(argv=None) -> int:
 
 
 def megazoo_to_hf_main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Convert a megazoo checkpoint (any layout) to a "
+    parser = HintingParser(description="Convert a megazoo checkpoint (any layout) to a "
                                                  "Hugging Face model directory.")
     parser.add_argument("--load", required=True, help="megazoo checkpoint directory")
     parser.add_argument("--out", required=True, help="Hugging Face directory to write")
@@ -86,7 +87,7 @@ def megazoo_to_hf_main(argv=None) -> int:
 def _relayout_main(argv, description: str, load_help: str, convert, verify: bool) -> int:
     """--load + --out + layout flags -> `convert(load, out, tp=, pp=, vpp=, dtype=, overwrite=)`
     (and `verify_checksums=` when `verify`: the input is a megazoo checkpoint)."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = HintingParser(description=description)
     parser.add_argument("--load", required=True, help=load_help)
     parser.add_argument("--out", required=True, help="megazoo checkpoint folder to write")
     _layout_args(parser)

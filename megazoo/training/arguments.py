@@ -24,6 +24,7 @@ import typing
 
 import torch.distributed as dist
 
+from ..cli_parser import HintingParser
 from ..models.config import ModelConfig, _default_ffn
 from ..models.presets import PRESETS
 from ..parallel.config import ParallelConfig
@@ -95,7 +96,7 @@ def _add_field(group, dest: str, name: str, hint, doc: str, default) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser: one argument group per config dataclass."""
-    parser = argparse.ArgumentParser(
+    parser = HintingParser(
         prog="pretrain_gpt.py", description="Pre-train a GPT / BLOOM / LLaMA model "
         "(no flags: a small GPT on Python's standard library, on CPU, in minutes).")
     parser.add_argument("--model", dest="model_name", default=None, choices=sorted(PRESETS),

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from ..parallel.state import ParallelState
 from .ds_config import build_ds_config, offload_device, zero_stage
+from .ds_ops import prepare_ops
 from .engine import Engine, StepResult, dp_mean, mean_eval_loss
 from .schedule import learning_rate
 from .zero_setup import (ZeroMPU, build_optimizer, check_nvme, ensure_process_group,
@@ -77,6 +78,7 @@ class DeepSpeedEngine(Engine):
             raise ValueError("DeepSpeed's CPU accelerator has no fp16: on CPU use --bf16 or fp32")
         use_accelerator_of(device)
         check_nvme(self.ds_config)
+        prepare_ops(self.ds_config, announce=state.global_rank == 0)
         ensure_process_group(state)
         import deepspeed
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from ..layers.sharding import tp_dim_of
 from ..parallel.mpu import _NAMES, DeepSpeedMPU
 from ..parallel.state import ParallelState
 from .ds_config import offload_device
+from .ds_ops import before_build
 from .optim import param_groups
 
 log = logging.getLogger(__name__)
@@ -127,7 +129,10 @@ def sum_sequence_parallel_grads(model: nn.Module, state: ParallelState) -> list:
 
 
 def cpu_adam_available() -> bool:
-    """Whether DeepSpeedCPUAdam's C++ op loads (JIT-builds with g++ on first use)."""
+    """Whether DeepSpeedCPUAdam's C++ op loads (JIT-builds with g++ on first use, announced
+    on rank 0; a stale build lock is a ValueError naming it)."""
+    rank0 = os.environ.get("RANK", "0") == "0"
+    before_build("cpu_adam", lambda text: print(text, file=sys.stderr, flush=True) if rank0 else None)
     try:
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
