@@ -4,6 +4,8 @@ import torch
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs (skipped on CPU-only machines)")
+    config.addinivalue_line("markers", "slow: spawns training processes (runs in CI too; "
+                                       "-m 'not slow' leaves them out locally)")
 
 
 def pytest_collection_modifyitems(config, items):

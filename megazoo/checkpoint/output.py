@@ -27,6 +27,7 @@ import re
 import shutil
 import socket
 import sys
+import time
 
 OWNER_FILE = ".megazoo-writer.json"
 TEMP_SUFFIX, OLD_SUFFIX = ".megazoo-tmp", ".megazoo-old"
@@ -37,6 +38,18 @@ KINDS = {
     "hf": ("config.json", ("config.json", "generation_config.json", "model.safetensors",
                            "model-*-of-*.safetensors", "model.safetensors.index.json", OWNER_FILE)),
 }
+
+
+FAULT_ENV = "MEGAZOO_FAULT"
+
+
+def fault_point(point: str, path: str) -> None:
+    """For fault-injection tests: when $MEGAZOO_FAULT is "`point`:SUBSTRING" and SUBSTRING is
+    in `path`, say so on stderr and sleep, so a test can kill the process exactly here."""
+    want, _, where = os.environ.get(FAULT_ENV, "").partition(":")
+    if want == point and where and where in path:
+        print(f"megazoo fault point {point} reached for {path}", file=sys.stderr, flush=True)
+        time.sleep(3600)
 
 
 def clean_path(path: str | os.PathLike) -> str:

@@ -23,7 +23,8 @@ from ..layers.sharding import full_shape, tp_slice
 from ..models import ModelConfig
 from ..parallel.state import ParallelState
 from .files import CHECKSUM, NonFiniteError, SafetensorsWriter, dtype_name, write_json
-from .output import check_output_dir, discard, fresh_temp_dir, publish, temp_dir
+from .output import (check_output_dir, discard, fault_point, fresh_temp_dir, publish,
+                     temp_dir)
 from .layout import (FORMAT, METADATA_FILE, check_layout, full_shapes, layout_files, rank_file,
                      rank_model, stored_parameters)
 
@@ -169,6 +170,7 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
         if missing:
             raise RuntimeError(f"rank files {missing} were not written")
         meta["checksums"] = _gather_checksums(tmp, meta["files"])
+        fault_point("save-files-written", path)
         write_json(os.path.join(tmp, METADATA_FILE), meta)
         publish(path)
 

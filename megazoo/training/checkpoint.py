@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.files import NonFiniteError
+from ..checkpoint.output import fault_point
 
 LATEST = "latest"
 # The temp file `_write_latest` renames over `latest` (left behind only by a killed run).
@@ -73,12 +74,15 @@ def save_training_checkpoint(engine, save_dir: str, iteration: int, extra: dict,
                              overwrite: bool = False) -> str:
     """Write `save_dir/iter_N` (collective), then point `latest` at it; return the path.
 
-    `overwrite` (--overwrite-checkpoints): an existing `iter_N` holding a checkpoint is
-    replaced (removed first) instead of refused."""
+    An existing `iter_N` holding a checkpoint is replaced (removed first) when `latest` does
+    not reach it (a save killed between publishing it and moving `latest`; setup has checked
+    the folder is this run's) or with `overwrite` (--overwrite-checkpoints); else refused."""
     path = iteration_dir(save_dir, iteration)
     if state.global_rank == 0:
         os.makedirs(save_dir, exist_ok=True)
-        if overwrite and os.path.isfile(os.path.join(path, "megazoo.json")):
+        latest = read_latest(save_dir)
+        unreferenced = latest is None or iteration > latest  # left by a save killed before latest
+        if (overwrite or unreferenced) and os.path.isfile(os.path.join(path, "megazoo.json")):
             shutil.rmtree(path)
     if state.world_size > 1:
         dist.barrier()
@@ -92,6 +96,7 @@ def save_training_checkpoint(engine, save_dir: str, iteration: int, extra: dict,
                              f"--min-loss-scale with --fp16), or resume from an earlier "
                              f"checkpoint") from None
     if state.global_rank == 0:
+        fault_point("before-latest", path)
         _write_latest(save_dir, iteration)
     if state.world_size > 1:
         dist.barrier()
