@@ -25,22 +25,9 @@ from megazoo.convert import reshard
 from megazoo.training.loop import main, run_training
 
 from test_checkpoint_integrity import FILE, KEY, make_nonfinite, patch_bytes, tensor_span
-from test_training_run import make_data, tiny_argv
+from test_training_run import data, reference, tiny_argv  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_data(tmp_path_factory.mktemp("data"))
-
-
-@pytest.fixture(scope="module")
-def reference(data, tmp_path_factory):
-    """6 uninterrupted iterations, checkpoints at 3 and 6: (losses, save folder)."""
-    save = tmp_path_factory.mktemp("ref") / "ck"
-    out = run_training(tiny_argv(data, "--save", str(save), "--save-interval", "3"))
-    return out["losses"], save
 
 
 def launch(argv, **env) -> subprocess.Popen:
@@ -66,7 +53,7 @@ def wait_for(proc: subprocess.Popen, text: str, stream: str = "stderr") -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("point", ["save-files-written", "before-latest"])
 def test_kill_during_save_then_resume_is_exact(data, reference, tmp_path, point):
-    losses, ref_save = reference
+    losses, ref_save = reference[0]["losses"], reference[1]
     save = tmp_path / "ck"
     proc = launch(tiny_argv(data, "--save", str(save), "--save-interval", "3"),
                   **{FAULT_ENV: f"{point}:iter_0000006"})
