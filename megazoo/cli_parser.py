@@ -17,9 +17,9 @@ import re
 
 
 def closest(word: str, candidates, n: int = 1) -> list[str]:
-    """The `n` candidates most like `word`, ignoring case (similarity >= 0.5), best first."""
+    """The `n` candidates most like `word`, ignoring case (similarity >= 0.6), best first."""
     by_lower = {c.lower(): c for c in candidates}
-    return [by_lower[m] for m in difflib.get_close_matches(word.lower(), by_lower, n=n, cutoff=0.5)]
+    return [by_lower[m] for m in difflib.get_close_matches(word.lower(), by_lower, n=n, cutoff=0.6)]
 
 
 class HintingParser(argparse.ArgumentParser):
