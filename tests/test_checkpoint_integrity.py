@@ -176,3 +176,30 @@ def test_nonfinite_count_is_exact_where_the_sum_overflows():
     assert nonfinite_count(big) == 1
     assert nonfinite_count(torch.tensor([1.0, float("-inf")], dtype=torch.bfloat16)) == 1
     assert nonfinite_count(torch.arange(5)) == 0
+
+
+def _save_with_inf_on_rank_1(root: str) -> str:
+    from megazoo.models import ModelConfig, build_model
+    from megazoo.parallel import ParallelConfig
+
+    state = ParallelState.initialize(ParallelConfig(tp=2))
+    cfg = ModelConfig(family="gpt", num_layers=2, hidden_size=32, num_attention_heads=4,
+                      vocab_size=96, max_position_embeddings=16)
+    model = build_model(cfg, state, device="cpu", seed=0)
+    if state.tp.rank == 1:
+        with torch.no_grad():
+            dict(model.named_parameters())[KEY][0, 0] = float("inf")
+    try:
+        save_checkpoint(model, os.path.join(root, "ck"), state=state)
+    except NonFiniteError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_nonfinite_on_one_rank_stops_the_save_on_every_rank(tmp_path):
+    from megazoo.testing import run_distributed
+
+    rank0, rank1 = run_distributed(_save_with_inf_on_rank_1, 2, str(tmp_path), timeout=120)
+    assert "another rank found a tensor holding inf or nan" in rank0
+    assert f"tensor '{KEY}' holds 1 non-finite value (inf or nan)" in rank1
+    assert os.listdir(tmp_path) == []

@@ -100,20 +100,23 @@ def _collectively(step: Callable[[], object], state: ParallelState, device: torc
                   path: str, owns_temp: bool = True) -> object:
     """Run `step()` on this rank, then agree (one all-reduce, which also synchronises): if
     it raised on any rank, rank 0 removes the temp dir (when this write created it) and every
-    rank raises."""
+    rank raises (a NonFiniteError anywhere: NonFiniteError everywhere)."""
     result, error = None, None
     try:
         result = step()
     except Exception as exc:  # reported to every rank below, then re-raised here
         error = exc
-    failed = error is not None
+    code = 0 if error is None else 2 if isinstance(error, NonFiniteError) else 1
     if state.world_size > 1:
-        flag = torch.tensor([int(failed)], device=device)
-        dist.all_reduce(flag)
-        failed = flag.item() > 0
-    if failed:
+        flag = torch.tensor([code], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        code = int(flag.item())
+    if code:
         if state.global_rank == 0 and owns_temp:
             discard(path)
+        if error is None and code == 2:  # the same kind of error on every rank
+            error = NonFiniteError(f"not saving {path}: another rank found a tensor holding inf "
+                                   f"or nan (its error names it)")
         raise error or RuntimeError(f"saving {path} failed on another rank; see its error")
     return result
 
