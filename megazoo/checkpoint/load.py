@@ -8,7 +8,8 @@ and cut for the target rank with `tp_slice`; so any tp/pp/vpp loads into any oth
 
 Each tensor is checked as it is read (no extra pass): against the CRC-32 megazoo.json recorded
 for it (checkpoints written before checksums existed have none and load unchecked), and for
-inf / nan. Either failure is a ValueError naming the file and the tensor; `verify_checksums=
+inf / nan where no verified checksum already vouches for it (the writer records checksums of
+finite tensors only, so matching bytes are finite). Either failure is a ValueError naming the file and the tensor; `verify_checksums=
 False` and `allow_nonfinite=True` turn the checks off.
 """
 from __future__ import annotations
@@ -151,14 +152,16 @@ class CheckpointReader:
         """ValueError naming file and tensor if its bytes differ from the recorded checksum or
         it holds inf / nan (each check skipped when turned off)."""
         recorded = self.checksums.get(os.path.basename(file), {}).get(key)
-        if self.verify_checksums and recorded is not None:
+        verified = self.verify_checksums and recorded is not None
+        if verified:
             found = checksum(tensor)
             if found != recorded:
                 raise ValueError(f"checkpoint file {file} is corrupted: tensor {key!r} has "
                                  f"checksum {found}, megazoo.json recorded {recorded}; restore "
                                  f"the file or load another checkpoint (--no-verify-checksums, "
                                  f"verify_checksums=False, skips this check)")
-        bad = 0 if self.allow_nonfinite else nonfinite_count(tensor)
+        # The writer records checksums of finite tensors only: bytes matching one are finite.
+        bad = 0 if self.allow_nonfinite or verified else nonfinite_count(tensor)
         if bad:
             raise ValueError(f"checkpoint file {file}: tensor {key!r} holds {bad} non-finite "
                              f"value{'s' if bad > 1 else ''} (inf or nan); load an earlier "
