@@ -37,6 +37,8 @@ def _triton_skip_reason() -> str | None:
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs (skipped on CPU-only machines)")
     config.addinivalue_line("markers", "triton: runs Triton kernels (on CPU: the interpreter)")
+    config.addinivalue_line("markers", "slow: spawns training processes (runs in CI too; "
+                                       "-m 'not slow' leaves them out locally)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -67,7 +67,6 @@ def test_virtual_pipeline_from_layers_per_stage():
     (["--bf16", "--fp16"], "--fp16"),
     (["--lr-decay-style", "exp"], "--lr-decay-style"),
     (["--lr", "1e-4", "--min-lr", "1e-3"], "--min-lr"),
-    (["--data-path", "x"], "--tokenizer-type"),
     (["--tokenizer-type", "ByteLevelTokenizer"], "--data-path"),
     (["--zero-stage", "5"], "--zero-stage"),
 ])

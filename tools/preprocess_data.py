@@ -9,7 +9,10 @@ Examples::
 
 Inputs ending in ``.jsonl`` / ``.json`` are read one JSON object per line, taking the
 ``--json-key`` field; anything else is plain text: one document per file, or one per
-line with ``--split-lines``. Empty documents are skipped (and counted).
+line with ``--split-lines``. Empty documents are skipped (and counted). Text is decoded with
+``--encoding`` (default UTF-8); bytes that are not valid in it stop the run with the file and
+line (``--errors strict``), become U+FFFD (``--errors replace``), or drop that document
+(``--errors skip``, counted like empty ones).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Iterator
 if __package__ in (None, ""):  # run as a script from a source checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megazoo.cli_parser import HintingParser  # noqa: E402
 from megazoo.data.indexed import IndexedDatasetBuilder, best_dtype  # noqa: E402
 from megazoo.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
@@ -35,7 +39,7 @@ BATCH_DOCUMENTS = 64
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line, with Megatron's flag names."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = HintingParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", nargs="+", required=True,
                    help="input files or glob patterns (.jsonl/.json: JSON lines; else text)")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
@@ -48,6 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--append-eod", action="store_true",
                    help="append the end-of-document id to every document")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    p.add_argument("--encoding", default="utf-8", help="text encoding of the inputs")
+    p.add_argument("--errors", default="strict", choices=("strict", "replace", "skip"),
+                   help="bytes invalid in --encoding: stop (strict), decode them as U+FFFD "
+                        "(replace), or skip the document and count it (skip)")
     return p.parse_args(argv)
 
 
@@ -63,27 +71,47 @@ def expand_inputs(patterns: list[str]) -> list[Path]:
     return files
 
 
-def iter_documents(files: list[Path], json_key: str, split_lines: bool) -> Iterator[str]:
-    """Yield the text of every document, file by file."""
+def _decode(raw: bytes, path: Path, line: int | None, encoding: str, errors: str) -> str | None:
+    """`raw` as text with newlines made "\\n" (as text mode reads it); None when undecodable
+    under --errors skip; ValueError under strict."""
+    try:
+        text = raw.decode(encoding, "replace" if errors == "replace" else "strict")
+        return text.replace("\r\n", "\n").replace("\r", "\n")
+    except UnicodeDecodeError as exc:
+        if errors == "skip":
+            return None
+        where = f"{path}:{line}" if line else str(path)
+        raise ValueError(f"{where} is not {encoding} text (byte 0x{raw[exc.start]:02x} at "
+                         f"offset {exc.start}): pass --encoding (e.g. latin-1) if it is another "
+                         f"encoding, or --errors replace / --errors skip") from None
+    except LookupError:
+        raise ValueError(f"--encoding {encoding!r} is not an encoding Python knows") from None
+
+
+def iter_documents(files: list[Path], json_key: str, split_lines: bool,
+                   encoding: str = "utf-8", errors: str = "strict") -> Iterator[str | None]:
+    """Yield the text of every document, file by file (None: one skipped as undecodable)."""
     for path in files:
-        if path.suffix in JSON_SUFFIXES:
-            with open(path, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                        text = record[json_key]
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise ValueError(f"{path}:{lineno} is not a JSON object with key "
-                                         f"{json_key!r}; fix the line or pass --json-key") from None
-                    yield str(text)
-        elif split_lines:
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    yield line.rstrip("\n")
-        else:
-            yield path.read_text(encoding="utf-8")
+        if path.suffix not in JSON_SUFFIXES and not split_lines:
+            yield _decode(path.read_bytes(), path, None, encoding, errors)
+            continue
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                line = _decode(raw, path, lineno, encoding, errors)
+                if line is None or path.suffix not in JSON_SUFFIXES:
+                    yield None if line is None else line.rstrip("\n")
+                    continue
+                if not line.strip():
+                    continue
+                yield _json_text(line, json_key, path, lineno)
+
+
+def _json_text(line: str, json_key: str, path: Path, lineno: int) -> str:
+    try:
+        return str(json.loads(line)[json_key])
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ValueError(f"{path}:{lineno} is not a JSON object with key "
+                         f"{json_key!r}; fix the line or pass --json-key") from None
 
 
 @functools.lru_cache(maxsize=4)
@@ -104,6 +132,9 @@ class Encoder:
         tok = _cached_tokenizer(self.tokenizer_type, self.tokenizer_model)
         out = []
         for text in texts:
+            if text is None:  # undecodable, skipped
+                out.append(None)
+                continue
             ids = tok.encode(text) if text.strip() else []
             if ids and self.append_eod:
                 ids.append(tok.eod)
@@ -123,8 +154,9 @@ def _batches(docs: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def preprocess(args: argparse.Namespace) -> tuple[int, int, int]:
-    """Tokenize all inputs into the output files; return (documents, tokens, skipped)."""
+def preprocess(args: argparse.Namespace) -> tuple[int, int, int, int]:
+    """Tokenize all inputs into the output files; return (documents, tokens, skipped empty,
+    skipped undecodable)."""
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     files = expand_inputs(args.input)
@@ -133,8 +165,9 @@ def preprocess(args: argparse.Namespace) -> tuple[int, int, int]:
         raise FileNotFoundError(f"output directory {out_dir} does not exist; create it first")
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     encoder = Encoder(args.tokenizer_type, args.tokenizer_model, args.append_eod)
-    batches = _batches(iter_documents(files, args.json_key, args.split_lines), BATCH_DOCUMENTS)
-    docs = tokens = skipped = 0
+    batches = _batches(iter_documents(files, args.json_key, args.split_lines, args.encoding,
+                                      args.errors), BATCH_DOCUMENTS)
+    docs = tokens = skipped = undecodable = 0
     with IndexedDatasetBuilder(args.output_prefix, best_dtype(tokenizer.vocab_size)) as builder:
         if args.workers == 1:
             results = map(encoder, batches)
@@ -145,6 +178,9 @@ def preprocess(args: argparse.Namespace) -> tuple[int, int, int]:
         try:
             for encoded in results:
                 for ids in encoded:
+                    if ids is None:
+                        undecodable += 1
+                        continue
                     if not ids:
                         skipped += 1
                         continue
@@ -155,19 +191,20 @@ def preprocess(args: argparse.Namespace) -> tuple[int, int, int]:
             if pool is not None:
                 pool.close()
                 pool.join()
-    return docs, tokens, skipped
+    return docs, tokens, skipped, undecodable
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: prints the counts, or one error line and exit status 1."""
     args = parse_args(argv)
     try:
-        docs, tokens, skipped = preprocess(args)
-    except (FileNotFoundError, ValueError, UnicodeDecodeError) as exc:
+        docs, tokens, skipped, undecodable = preprocess(args)
+    except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    not_text = f", skipped undecodable documents {undecodable}" if args.errors == "skip" else ""
     print(f"wrote {args.output_prefix}.bin/.idx: documents {docs}, tokens {tokens}, "
-          f"skipped empty documents {skipped}")
+          f"skipped empty documents {skipped}{not_text}")
     return 0
 
 

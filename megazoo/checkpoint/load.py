@@ -5,6 +5,12 @@ allocate without init, load).
 A full tensor is rebuilt from the source layout's shards with `tp_unslice`, driven by the
 metadata of the source rank's parameters (a model of that rank built on the meta device),
 and cut for the target rank with `tp_slice`; so any tp/pp/vpp loads into any other.
+
+Each tensor is checked as it is read (no extra pass): against the CRC-32 megazoo.json recorded
+for it (checkpoints written before checksums existed have none and load unchecked), and for
+inf / nan where no verified checksum already vouches for it (the writer records checksums of
+finite tensors only, so matching bytes are finite). Either failure is a ValueError naming the file and the tensor; `verify_checksums=
+False` and `allow_nonfinite=True` turn the checks off.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from torch import nn
 from ..layers.sharding import full_shape, tp_slice, tp_unslice
 from ..models import ModelConfig, build_model, full_name
 from ..parallel.state import ParallelState
-from .files import parse_dtype
+from .files import BackgroundChecks, checksum, nonfinite_count, parse_dtype
 from .output import OLD_SUFFIX
 from .layout import FORMAT, METADATA_FILE, check_layout, rank_model, stored_parameters
 
@@ -68,12 +74,16 @@ class CheckpointReader:
         w = reader.full_tensor("layers.0.attention.qkv.weight")        # full, unpadded
         m = reader.full_tensor("layers.0.attention.qkv.weight", "exp_avg")
     Each call opens only the files of the stage holding the tensor (of the tp ranks that hold
-    a distinct shard) and reads only that key.
+    a distinct shard) and reads only that key, checking its checksum (unless
+    `verify_checksums=False`) and that it is finite (unless `allow_nonfinite`).
     """
 
-    def __init__(self, path):
+    def __init__(self, path, *, verify_checksums: bool = True, allow_nonfinite: bool = False):
         self.path = os.path.normpath(os.fspath(path))
+        self.verify_checksums, self.allow_nonfinite = verify_checksums, allow_nonfinite
+        self._background: BackgroundChecks | None = None
         self.metadata = _read_metadata(self.path)
+        self.checksums = self.metadata.get("checksums") or {}
         self.config = config_from_dict(self.metadata["model"])
         lay = self.metadata["layout"]
         self.layout = check_layout(lay["tp"], lay["pp"], lay.get("vpp", 1))
@@ -115,11 +125,48 @@ class CheckpointReader:
             with safe_open(file, framework="pt") as f:
                 if key not in f.keys():
                     raise ValueError(f"checkpoint file {file} has no tensor {key!r}")
-                return f.get_tensor(key)
+                tensor = f.get_tensor(key)
         except ValueError:
             raise
         except Exception as exc:
             raise ValueError(f"checkpoint file {file}: cannot read {key!r} ({exc})") from None
+        if self._background is not None:
+            self._background.submit(self._check_tensor, file, key, tensor)
+        else:
+            self._check_tensor(file, key, tensor)
+        return tensor
+
+    def check_in_background(self) -> None:
+        """From now on, check each tensor on a worker thread while the caller goes on (the
+        next read overlaps the check); `finish_checks()` must then be called before the
+        tensors read are trusted: it waits and raises the first failure."""
+        self._background = BackgroundChecks()
+
+    def finish_checks(self, wait: bool = True) -> None:
+        """Wait for the background checks (raising a failure) and stop the worker."""
+        background, self._background = self._background, None
+        if background is not None:
+            background.close(wait)
+
+    def _check_tensor(self, file: str, key: str, tensor: torch.Tensor) -> None:
+        """ValueError naming file and tensor if its bytes differ from the recorded checksum or
+        it holds inf / nan (each check skipped when turned off)."""
+        recorded = self.checksums.get(os.path.basename(file), {}).get(key)
+        verified = self.verify_checksums and recorded is not None
+        if verified:
+            found = checksum(tensor)
+            if found != recorded:
+                raise ValueError(f"checkpoint file {file} is corrupted: tensor {key!r} has "
+                                 f"checksum {found}, megazoo.json recorded {recorded}; restore "
+                                 f"the file or load another checkpoint (--no-verify-checksums, "
+                                 f"verify_checksums=False, skips this check)")
+        # The writer records checksums of finite tensors only: bytes matching one are finite.
+        bad = 0 if self.allow_nonfinite or verified else nonfinite_count(tensor)
+        if bad:
+            raise ValueError(f"checkpoint file {file}: tensor {key!r} holds {bad} non-finite "
+                             f"value{'s' if bad > 1 else ''} (inf or nan); load an earlier "
+                             f"checkpoint (--allow-nonfinite-load, allow_nonfinite=True, loads "
+                             f"it anyway)")
 
     def full_tensor(self, name: str, prefix: str | None = None) -> torch.Tensor:
         """The full (one-process, unpadded) parameter `name`, or its aux tensor `prefix`."""
@@ -158,20 +205,36 @@ def check_config(ckpt: ModelConfig, model: ModelConfig) -> None:
 
 
 def load_model_weights(model: nn.Module, path, *, state: ParallelState | None = None,
-                       aux_prefixes=()) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+                       aux_prefixes=(), verify_checksums: bool = True,
+                       allow_nonfinite: bool = False) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
     """Load the checkpoint at `path` into `model`, built at any layout.
 
     Returns (metadata, {prefix: {local parameter name: tensor shaped like it}}) for each of
-    `aux_prefixes`. No collective: each rank reads what it needs.
+    `aux_prefixes`. No collective: each rank reads what it needs. Every tensor read is checked
+    (`CheckpointReader`).
     """
     state = state or getattr(model, "state", None) or ParallelState.single()
-    reader = CheckpointReader(path)
+    reader = CheckpointReader(path, verify_checksums=verify_checksums,
+                              allow_nonfinite=allow_nonfinite)
     check_config(reader.config, model.config)
     missing = [a for a in aux_prefixes if a not in reader.aux_prefixes]
     if missing:
         raise ValueError(f"{reader.path} holds no aux tensors {missing}; it has {list(reader.aux_prefixes)}")
     tp, rank = state.tp.size, state.tp.rank
     aux: dict[str, dict[str, torch.Tensor]] = {a: {} for a in aux_prefixes}
+    reader.check_in_background()
+    try:
+        _copy_weights(model, reader, tp, rank, aux)
+    except BaseException:
+        reader.finish_checks(wait=False)
+        raise
+    reader.finish_checks()
+    return reader.metadata, aux
+
+
+def _copy_weights(model: nn.Module, reader: CheckpointReader, tp: int, rank: int,
+                  aux: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Each parameter of `model` (and its aux tensors) from `reader`, cut for tp rank `rank`."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             fname = full_name(name, p)
@@ -180,9 +243,8 @@ def load_model_weights(model: nn.Module, path, *, state: ParallelState | None = 
                 raise ValueError(f"{fname}: checkpoint shape {tuple(full.shape)}, model needs "
                                  f"{full_shape(p, tp)}")
             p.copy_(tp_slice(full, p, rank, tp))
-            for a in aux_prefixes:
+            for a in aux:
                 aux[a][name] = tp_slice(reader.full_tensor(fname, a), p, rank, tp).clone()
-    return reader.metadata, aux
 
 
 def can_materialize(model: nn.Module) -> bool:
@@ -209,13 +271,15 @@ def materialize(model: nn.Module, device) -> nn.Module:
 
 
 def load_pretrained(path, state: ParallelState | None = None, device="cpu",
-                    dtype: torch.dtype | None = None) -> nn.Module:
+                    dtype: torch.dtype | None = None, *, verify_checksums: bool = True,
+                    allow_nonfinite: bool = False) -> nn.Module:
     """Build the checkpoint's model at `state`'s layout (None: one process) and load it.
 
     The model is built on the meta device and allocated on `device` without running the
     weight initialisation (`materialize`); loading then overwrites every parameter (vocabulary
     padding rows with zeros), so the cost is reading the files, not a random init. A model
-    `materialize` cannot take is built on `device` with its initialisation, as before."""
+    `materialize` cannot take is built on `device` with its initialisation, as before.
+    Checksums and finiteness are checked as in `CheckpointReader`."""
     reader = CheckpointReader(path)
     dtype = dtype or reader.dtype
     model = build_model(reader.config, state, device="meta", dtype=dtype)
@@ -223,5 +287,6 @@ def load_pretrained(path, state: ParallelState | None = None, device="cpu",
         materialize(model, device)
     else:
         model = build_model(reader.config, state, device=device, dtype=dtype)
-    load_model_weights(model, path, state=state)
+    load_model_weights(model, path, state=state, verify_checksums=verify_checksums,
+                       allow_nonfinite=allow_nonfinite)
     return model

@@ -23,9 +23,11 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import shutil
 import socket
 import sys
+import time
 
 OWNER_FILE = ".megazoo-writer.json"
 TEMP_SUFFIX, OLD_SUFFIX = ".megazoo-tmp", ".megazoo-old"
@@ -36,6 +38,18 @@ KINDS = {
     "hf": ("config.json", ("config.json", "generation_config.json", "model.safetensors",
                            "model-*-of-*.safetensors", "model.safetensors.index.json", OWNER_FILE)),
 }
+
+
+FAULT_ENV = "MEGAZOO_FAULT"
+
+
+def fault_point(point: str, path: str) -> None:
+    """For fault-injection tests: when $MEGAZOO_FAULT is "`point`:SUBSTRING" and SUBSTRING is
+    in `path`, say so on stderr and sleep, so a test can kill the process exactly here."""
+    want, _, where = os.environ.get(FAULT_ENV, "").partition(":")
+    if want == point and where and where in path:
+        print(f"megazoo fault point {point} reached for {path}", file=sys.stderr, flush=True)
+        time.sleep(3600)
 
 
 def clean_path(path: str | os.PathLike) -> str:
@@ -93,6 +107,28 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
+
+
+def remove_leftovers(folder: str, pattern: str) -> list[str]:
+    """Remove the files in `folder` whose names match `pattern` (a regex with a `pid` group:
+    a temp file a megazoo process names after itself) and whose process no longer exists on
+    this host; return their paths. Anything else, and files of live processes, stay."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        match = re.fullmatch(pattern, name)
+        if match is None or int(match["pid"]) == os.getpid() or _pid_alive(int(match["pid"])):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            os.remove(path)
+            removed.append(path)
+        except OSError:
+            pass  # gone already, or not ours to remove: leave it
+    return removed
 
 
 def _clear_stale_temp(tmp: str) -> None:

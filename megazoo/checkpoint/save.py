@@ -3,10 +3,15 @@
 
 On disk: `megazoo.json` plus one `model-pp{p:03d}-tp{t:03d}.safetensors` per (pp, tp) rank,
 holding that rank's shards keyed by full parameter name (and `prefix/full name` for auxiliary
-tensors such as optimizer moments, sharded like their parameter).
+tensors such as optimizer moments, sharded like their parameter). `megazoo.json` records the
+CRC-32 of every tensor (`"checksums": {file: {key: crc}}`), computed while writing; each rank
+of `save_checkpoint` leaves its file's checksums next to it (`SUMS_SUFFIX`) for rank 0 to
+gather into megazoo.json before the folder is published. A tensor holding inf or nan stops the
+save before anything is published (`NonFiniteError`, naming the tensor and the checkpoint).
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Callable
 
@@ -17,21 +22,30 @@ from torch import nn
 from ..layers.sharding import full_shape, tp_slice
 from ..models import ModelConfig
 from ..parallel.state import ParallelState
-from .files import SafetensorsWriter, dtype_name, write_json
-from .output import check_output_dir, discard, fresh_temp_dir, publish, temp_dir
+from .files import CHECKSUM, NonFiniteError, SafetensorsWriter, dtype_name, write_json
+from .output import (check_output_dir, discard, fault_point, fresh_temp_dir, publish,
+                     temp_dir)
 from .layout import (FORMAT, METADATA_FILE, check_layout, full_shapes, layout_files, rank_file,
                      rank_model, stored_parameters)
 
+SUMS_SUFFIX = ".checksums.json"
+
 
 def build_metadata(config: ModelConfig, layout: dict, dtype: torch.dtype, extra: dict | None,
-                   aux_dtypes: dict[str, torch.dtype]) -> dict:
+                   aux_dtypes: dict[str, torch.dtype], checksums: dict[str, dict]) -> dict:
     """The contents of megazoo.json."""
     return {"format": FORMAT, "model": config.to_dict(), "layout": dict(layout),
             "dtype": dtype_name(dtype), "files": layout_files(layout),
             "params": {name: {"full_shape": list(shape), "dtype": dtype_name(dtype)}
                        for name, shape in full_shapes(config).items()},
             "aux": list(aux_dtypes), "aux_dtypes": {k: dtype_name(v) for k, v in aux_dtypes.items()},
-            "extra": extra or {}}
+            "extra": extra or {}, "checksum": CHECKSUM, "checksums": checksums}
+
+
+def _named(path: str, exc: NonFiniteError) -> NonFiniteError:
+    """The writer's error with the checkpoint it was refused for."""
+    return NonFiniteError(f"not saving {path}: {exc}; a checkpoint is never written with inf "
+                          f"or nan")
 
 
 def _check_aux(model: nn.Module, aux: dict) -> None:
@@ -68,26 +82,41 @@ def _write_rank_file(model: nn.Module, file: str, aux: dict) -> None:
     with SafetensorsWriter(file, specs) as writer:
         for key, t in tensors.items():
             writer.write(key, t)
+    write_json(file + SUMS_SUFFIX, writer.checksums)
+
+
+def _gather_checksums(tmp: str, files: list[str]) -> dict[str, dict]:
+    """{file: {key: crc}} from the rank files' checksum notes, which are then removed."""
+    sums = {}
+    for name in files:
+        note = os.path.join(tmp, name + SUMS_SUFFIX)
+        with open(note) as f:
+            sums[name] = json.load(f)
+        os.remove(note)
+    return sums
 
 
 def _collectively(step: Callable[[], object], state: ParallelState, device: torch.device,
                   path: str, owns_temp: bool = True) -> object:
     """Run `step()` on this rank, then agree (one all-reduce, which also synchronises): if
     it raised on any rank, rank 0 removes the temp dir (when this write created it) and every
-    rank raises."""
+    rank raises (a NonFiniteError anywhere: NonFiniteError everywhere)."""
     result, error = None, None
     try:
         result = step()
     except Exception as exc:  # reported to every rank below, then re-raised here
         error = exc
-    failed = error is not None
+    code = 0 if error is None else 2 if isinstance(error, NonFiniteError) else 1
     if state.world_size > 1:
-        flag = torch.tensor([int(failed)], device=device)
-        dist.all_reduce(flag)
-        failed = flag.item() > 0
-    if failed:
+        flag = torch.tensor([code], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        code = int(flag.item())
+    if code:
         if state.global_rank == 0 and owns_temp:
             discard(path)
+        if error is None and code == 2:  # the same kind of error on every rank
+            error = NonFiniteError(f"not saving {path}: another rank found a tensor holding inf "
+                                   f"or nan (its error names it)")
         raise error or RuntimeError(f"saving {path} failed on another rank; see its error")
     return result
 
@@ -123,13 +152,17 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
 
     def write() -> dict | None:
         if state.dp.rank == 0 and state.sp.rank == 0:
-            _write_rank_file(model, os.path.join(tmp, rank_file(state.pp.rank, state.tp.rank)), aux)
+            file = os.path.join(tmp, rank_file(state.pp.rank, state.tp.rank))
+            try:
+                _write_rank_file(model, file, aux)
+            except NonFiniteError as exc:
+                raise _named(path, exc) from None
         if not lead:
             return None
         layout = {"tp": state.tp.size, "pp": state.pp.size, "vpp": len(model.chunks)}
         aux_dtypes = {k: next(iter(v.values())).dtype for k, v in aux.items() if v}
         dtype = params[0].dtype if params else torch.float32
-        return build_metadata(model.config, layout, dtype, extra, aux_dtypes)
+        return build_metadata(model.config, layout, dtype, extra, aux_dtypes, {})
 
     meta = _collectively(write, state, device, path)
 
@@ -139,6 +172,8 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
         missing = [f for f in meta["files"] if not os.path.exists(os.path.join(tmp, f))]
         if missing:
             raise RuntimeError(f"rank files {missing} were not written")
+        meta["checksums"] = _gather_checksums(tmp, meta["files"])
+        fault_point("save-files-written", path)
         write_json(os.path.join(tmp, METADATA_FILE), meta)
         publish(path)
 
@@ -166,23 +201,30 @@ def write_checkpoint(config: ModelConfig, path, full_tensor: Callable[[str], tor
         dtype = full_tensor(next(iter(stored_parameters(first)))).dtype
     aux_dtype = aux_dtype or torch.float32
     tmp = fresh_temp_dir(path)
+    checksums = {}
     try:
         for p in range(pp):
             for t in range(tp):
                 model = first if p == t == 0 else rank_model(config, layout, p, t)
-                _stream_rank(model, t, tp, os.path.join(tmp, rank_file(p, t)), full_tensor,
-                             dtype, tuple(aux_prefixes), aux_dtype)
-        meta = build_metadata(config, layout, dtype, extra, {a: aux_dtype for a in aux_prefixes})
+                checksums[rank_file(p, t)] = _stream_rank(
+                    model, t, tp, os.path.join(tmp, rank_file(p, t)), full_tensor, dtype,
+                    tuple(aux_prefixes), aux_dtype)
+        meta = build_metadata(config, layout, dtype, extra, {a: aux_dtype for a in aux_prefixes},
+                              checksums)
         write_json(os.path.join(tmp, METADATA_FILE), meta)
         publish(path)
+    except NonFiniteError as exc:
+        discard(path)
+        raise _named(path, exc) from None
     except BaseException:
         discard(path)
         raise
 
 
 def _stream_rank(model: nn.Module, tp_rank: int, tp: int, file: str, full_tensor, dtype,
-                 aux_prefixes: tuple, aux_dtype) -> None:
-    """One rank file: plan every key from the meta model, then fetch, slice and write each."""
+                 aux_prefixes: tuple, aux_dtype) -> dict[str, str]:
+    """One rank file: plan every key from the meta model, then fetch, slice and write each;
+    returns the file's checksums {key: crc}."""
     stored = stored_parameters(model)
     specs = {}
     for fname, (_, p) in stored.items():
@@ -200,3 +242,4 @@ def _stream_rank(model: nn.Module, tp_rank: int, tp: int, file: str, full_tensor
                                  f"config needs {expected}: the config contradicts the weights")
             writer.write(key, tp_slice(full, p, tp_rank, tp))
             del full
+    return writer.checksums

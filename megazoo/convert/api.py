@@ -107,15 +107,17 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, tokens: dict | None = None) 
 
 
 def megazoo_to_hf(load, out, *, dtype: torch.dtype | None = None,
-                  max_shard_bytes: int = 5 * 2**30, overwrite: bool = False) -> dict:
+                  max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
+                  verify_checksums: bool = True) -> dict:
     """Write the megazoo checkpoint `load` (any layout) as an HF model directory `out`.
 
     `overwrite` as in `hf_to_megazoo`: only an HF model folder holding nothing but the files
-    this writes is replaced (a tokenizer or README beside them makes it a refusal).
+    this writes is replaced (a tokenizer or README beside them makes it a refusal). Each
+    tensor read is checked against its recorded checksum unless `verify_checksums=False`.
     """
     load, out = os.fspath(load), os.fspath(out)
     check_output_dir(out, kind="hf", overwrite=overwrite, inputs=[load])
-    reader = CheckpointReader(load)
+    reader = CheckpointReader(load, verify_checksums=verify_checksums)
     cfg, dtype = reader.config, dtype or reader.dtype
     config = hf_config(cfg, dtype, (reader.metadata.get("extra") or {}).get("hf_token_ids"))
     rules = BY_FAMILY[cfg.family].rules(cfg)
@@ -138,11 +140,13 @@ def megazoo_to_hf(load, out, *, dtype: torch.dtype | None = None,
 
 
 def reshard(load, out, *, tp: int = 1, pp: int = 1, vpp: int = 1,
-            dtype: torch.dtype | None = None, overwrite: bool = False) -> None:
+            dtype: torch.dtype | None = None, overwrite: bool = False,
+            verify_checksums: bool = True) -> None:
     """Rewrite checkpoint `load` at layout (tp, pp, vpp) into `out`, aux tensors included
-    (`overwrite` as in `hf_to_megazoo`; `out` is never `load` nor a folder containing it)."""
+    (`overwrite` as in `hf_to_megazoo`; `out` is never `load` nor a folder containing it;
+    `verify_checksums` as in `megazoo_to_hf`)."""
     check_output_dir(out, kind="megazoo", overwrite=overwrite, inputs=[load])
-    reader = CheckpointReader(load)
+    reader = CheckpointReader(load, verify_checksums=verify_checksums)
     meta = reader.metadata
     aux_dtypes = {meta.get("aux_dtypes", {}).get(a, "float32") for a in reader.aux_prefixes}
     aux_dtype = getattr(torch, aux_dtypes.pop()) if len(aux_dtypes) == 1 else torch.float32

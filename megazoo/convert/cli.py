@@ -6,6 +6,7 @@ import sys
 import time
 
 from ..checkpoint.files import parse_dtype
+from ..cli_parser import HintingParser
 
 
 def _layout_args(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +23,12 @@ def _output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --out, only if it is a checkpoint of the kind "
                              "written, holds nothing else, and is not (nor contains) the input")
+
+
+def _verify_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
+                        help="read the --load checkpoint without checking each tensor against "
+                             "the checksum megazoo.json recorded for it")
 
 
 def _dtype(args):
@@ -45,7 +52,7 @@ def _run(action, argv) -> int:
 
 
 def hf_to_megazoo_main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Convert a Hugging Face model (gpt2, bloom, "
+    parser = HintingParser(description="Convert a Hugging Face model (gpt2, bloom, "
                                                  "llama; safetensors) to a megazoo checkpoint.")
     parser.add_argument("--hf-dir", required=True, help="directory with config.json + safetensors")
     parser.add_argument("--out", required=True, help="megazoo checkpoint directory to write")
@@ -61,31 +68,37 @@ def hf_to_megazoo_main(argv=None) -> int:
 
 
 def megazoo_to_hf_main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Convert a megazoo checkpoint (any layout) to a "
+    parser = HintingParser(description="Convert a megazoo checkpoint (any layout) to a "
                                                  "Hugging Face model directory.")
     parser.add_argument("--load", required=True, help="megazoo checkpoint directory")
     parser.add_argument("--out", required=True, help="Hugging Face directory to write")
     _output_args(parser)
+    _verify_args(parser)
     args = parser.parse_args(argv)
 
     def action(_):
         from .api import megazoo_to_hf
-        config = megazoo_to_hf(args.load, args.out, dtype=_dtype(args), overwrite=args.overwrite)
+        config = megazoo_to_hf(args.load, args.out, dtype=_dtype(args), overwrite=args.overwrite,
+                               verify_checksums=args.verify_checksums)
         return f"wrote {args.out}: {config['architectures'][0]}"
     return _run(action, args)
 
 
-def _relayout_main(argv, description: str, load_help: str, convert) -> int:
-    """--load + --out + layout flags -> `convert(load, out, tp=, pp=, vpp=, dtype=, overwrite=)`."""
-    parser = argparse.ArgumentParser(description=description)
+def _relayout_main(argv, description: str, load_help: str, convert, verify: bool) -> int:
+    """--load + --out + layout flags -> `convert(load, out, tp=, pp=, vpp=, dtype=, overwrite=)`
+    (and `verify_checksums=` when `verify`: the input is a megazoo checkpoint)."""
+    parser = HintingParser(description=description)
     parser.add_argument("--load", required=True, help=load_help)
     parser.add_argument("--out", required=True, help="megazoo checkpoint folder to write")
     _layout_args(parser)
+    if verify:
+        _verify_args(parser)
     args = parser.parse_args(argv)
+    options = {"verify_checksums": args.verify_checksums} if verify else {}
 
     def action(_):
         convert(args.load, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, dtype=_dtype(args),
-                overwrite=args.overwrite)
+                overwrite=args.overwrite, **options)
         return f"wrote {args.out} at tp={args.tp} pp={args.pp} vpp={args.vpp}"
     return _run(action, args)
 
@@ -94,11 +107,11 @@ def reshard_main(argv=None) -> int:
     from .api import reshard
     return _relayout_main(argv, "Rewrite a megazoo checkpoint at another tp/pp/vpp layout "
                                 "(optimizer aux tensors included).", "megazoo checkpoint folder",
-                          reshard)
+                          reshard, verify=True)
 
 
 def zero_to_megazoo_main(argv=None) -> int:
     from .deepspeed import zero_to_megazoo
     return _relayout_main(argv, "Consolidate a DeepSpeedEngine (ZeRO-1/2/3) checkpoint into a "
                                 "megazoo checkpoint.", "DeepSpeedEngine checkpoint folder",
-                          zero_to_megazoo)
+                          zero_to_megazoo, verify=False)

@@ -51,6 +51,22 @@ def _dtype_code(dtype: np.dtype) -> int:
                      "(best_dtype(vocab_size) picks one)")
 
 
+def check_data_prefix(path_prefix: str | os.PathLike, must_exist: bool = True) -> None:
+    """FileNotFoundError saying what to change: a prefix naming one of the files itself
+    ("corpus.bin") is told to drop the suffix; with `must_exist`, PREFIX.idx and PREFIX.bin
+    must exist."""
+    prefix = str(path_prefix)
+    for suffix in (".bin", ".idx"):
+        stem = prefix.removesuffix(suffix)
+        if stem != prefix and not data_file_paths(prefix)[0].is_file():
+            raise FileNotFoundError(f"--data-path {prefix} names a data file; give the prefix "
+                                    f"of the pair: drop {suffix} (--data-path {stem})")
+    for path in data_file_paths(prefix) if must_exist else ():
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found; create it with "
+                                    f"tools/preprocess_data.py --output-prefix {prefix}")
+
+
 def data_file_paths(path_prefix: str | os.PathLike) -> tuple[Path, Path]:
     """Return ``(PREFIX.idx, PREFIX.bin)``."""
     prefix = str(path_prefix)
@@ -175,11 +191,7 @@ class IndexedDataset:
     def __init__(self, path_prefix: str | os.PathLike):
         self.path_prefix = str(path_prefix)
         idx_path, bin_path = data_file_paths(path_prefix)
-        for path in (idx_path, bin_path):
-            if not path.is_file():
-                raise FileNotFoundError(f"{path} not found; create it with "
-                                        "tools/preprocess_data.py --output-prefix "
-                                        f"{self.path_prefix}")
+        check_data_prefix(path_prefix)
         self.dtype, self._sizes, self._pointers, self._doc_idx = _read_index(idx_path)
         self._check_consistency(bin_path)
         nbytes = bin_path.stat().st_size

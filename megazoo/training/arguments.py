@@ -25,6 +25,7 @@ import typing
 
 import torch.distributed as dist
 
+from ..cli_parser import HintingParser
 from ..models.config import ModelConfig, _default_ffn
 from ..models.presets import PRESETS
 from ..parallel.config import ParallelConfig
@@ -99,7 +100,7 @@ def _add_field(group, dest: str, name: str, hint, doc: str, default) -> None:
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The full parser: one argument group per config dataclass (added to `parser` if given:
     the memory planner extends the run's own flags)."""
-    parser = parser or argparse.ArgumentParser(
+    parser = parser or HintingParser(
         prog="pretrain_gpt.py", description="Pre-train a GPT / BLOOM / LLaMA model "
         "(no flags: a small GPT on Python's standard library, on CPU, in minutes).")
     parser.add_argument("--model", dest="model_name", default=None, choices=sorted(PRESETS),

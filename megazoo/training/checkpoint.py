@@ -8,18 +8,26 @@ publishes it atomically), with `extra` = {iteration, consumed_samples, rng, args
 plus the engine's own (optimizer step, loss scaler). Only after it is complete does rank 0
 replace `latest` (a text file holding the iteration) by write-to-temp + os.replace, so a
 crash mid-save leaves the previous checkpoint loadable and `latest` pointing at it.
-RNG states are stored as lists of ints (JSON), never pickled.
+RNG states are stored as lists of ints (JSON), never pickled. A save refused for inf / nan
+in a tensor (`NonFiniteError`) leaves `latest` where it was, and says so.
 """
 from __future__ import annotations
 
 import os
 import random
+import re
+import shutil
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.files import NonFiniteError
+from ..checkpoint.output import fault_point
+
 LATEST = "latest"
+# The temp file `_write_latest` renames over `latest` (left behind only by a killed run).
+LATEST_TMP = r"\.latest\.tmp(?P<pid>\d+)"
 
 
 def iteration_dir(save_dir: str, iteration: int) -> str:
@@ -52,15 +60,43 @@ def _write_latest(save_dir: str, iteration: int) -> None:
     os.replace(tmp, os.path.join(save_dir, LATEST))
 
 
-def save_training_checkpoint(engine, save_dir: str, iteration: int, extra: dict, state) -> str:
-    """Write `save_dir/iter_N` (collective), then point `latest` at it; return the path."""
+def read_latest(save_dir: str) -> int | None:
+    """The iteration `save_dir/latest` names (None: no such file, or not a number)."""
+    try:
+        with open(os.path.join(save_dir, LATEST)) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def save_training_checkpoint(engine, save_dir: str, iteration: int, extra: dict, state, *,
+                             overwrite: bool = False) -> str:
+    """Write `save_dir/iter_N` (collective), then point `latest` at it; return the path.
+
+    An existing `iter_N` holding a checkpoint is replaced (removed first) when `latest` does
+    not reach it (a save killed between publishing it and moving `latest`; setup has checked
+    the folder is this run's) or with `overwrite` (--overwrite-checkpoints); else refused."""
     path = iteration_dir(save_dir, iteration)
     if state.global_rank == 0:
         os.makedirs(save_dir, exist_ok=True)
+        latest = read_latest(save_dir)
+        unreferenced = latest is None or iteration > latest  # left by a save killed before latest
+        if (overwrite or unreferenced) and os.path.isfile(os.path.join(path, "megazoo.json")):
+            shutil.rmtree(path)
     if state.world_size > 1:
         dist.barrier()
-    engine.save(path, {**extra, "iteration": iteration, "rng": rng_state()})
+    try:
+        engine.save(path, {**extra, "iteration": iteration, "rng": rng_state()})
+    except NonFiniteError as exc:
+        kept = read_latest(save_dir)
+        where = f"{LATEST} still names iteration {kept}" if kept is not None else \
+            f"no {LATEST} was written"
+        raise NonFiniteError(f"{exc}; {where}. Training diverged: lower --lr (or raise "
+                             f"--min-loss-scale with --fp16), or resume from an earlier "
+                             f"checkpoint") from None
     if state.global_rank == 0:
+        fault_point("before-latest", path)
         _write_latest(save_dir, iteration)
     if state.world_size > 1:
         dist.barrier()
@@ -80,8 +116,22 @@ def resolve_load_path(load: str) -> str:
         raise ValueError(f"{latest} holds {text!r}, not an iteration number: fix or delete it")
     path = iteration_dir(load, int(text))
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"{latest} names iteration {text} but {path} is missing")
+        earlier = _previous_checkpoint(load, int(text))
+        hint = (f"; the previous checkpoint {earlier} is there: resume from it with --load "
+                f"{earlier}" if earlier else "; no earlier iter_* checkpoint is there either")
+        raise FileNotFoundError(f"{latest} names iteration {text} but {path} is missing{hint}")
     return path
+
+
+def _previous_checkpoint(save_dir: str, before: int) -> str | None:
+    """The newest `iter_N` folder of `save_dir` with N < `before` and a megazoo.json."""
+    found = []
+    for name in os.listdir(save_dir):
+        match = re.fullmatch(r"iter_(\d+)", name)
+        if match and int(match[1]) < before and \
+                os.path.isfile(os.path.join(save_dir, name, "megazoo.json")):
+            found.append((int(match[1]), os.path.join(save_dir, name)))
+    return max(found)[1] if found else None
 
 
 def load_training_checkpoint(engine, load: str) -> dict:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..data.indexed import check_data_prefix
+from ..data.splits import parse_data_prefix
 from ..models.config import ModelConfig
 from ..parallel.config import ParallelConfig
 from .zero_config import ZeroConfig
@@ -145,6 +147,10 @@ class DataConfig:
         if self.data_path is None and (self.tokenizer_type or self.tokenizer_model):
             raise ValueError("--tokenizer-type/--tokenizer-model need --data-path: the default "
                              "corpus comes with its own tokenizer")
+        for _, prefix in parse_data_prefix(self.data_path) if self.data_path else ():
+            # a wrong path is the first thing to fix (whether files exist is checked here
+            # only when the tokenizer error would otherwise come first)
+            check_data_prefix(prefix, must_exist=self.tokenizer_type is None)
         if self.data_path is not None and self.tokenizer_type is None:
             raise ValueError("--data-path needs --tokenizer-type (and --tokenizer-model) "
                              "naming the tokenizer the data was made with")
@@ -160,6 +166,13 @@ class CheckpointConfig:
     """Resume from this folder's `latest` checkpoint (or from an iter_* folder)."""
     save_interval: int | None = None
     """Save every this many iterations (and at the end); None: only at the end."""
+    verify_checksums: bool = True
+    """Check every tensor read from --load against the checksum its megazoo.json recorded."""
+    allow_nonfinite_load: bool = False
+    """Load a checkpoint even if a tensor holds inf or nan (refused otherwise)."""
+    overwrite_checkpoints: bool = False
+    """Save into a --save folder holding another run's checkpoints (other model shape or
+    --seed); refused otherwise, so one run never moves another's `latest`."""
 
     def __post_init__(self) -> None:
         if self.save_interval is not None and self.save_interval < 1:

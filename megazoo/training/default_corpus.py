@@ -20,7 +20,12 @@ import os
 import sysconfig
 from pathlib import Path
 
+from ..checkpoint.output import remove_leftovers
 from ..data import IndexedDatasetBuilder, SentencePieceTokenizer, best_dtype
+
+# Temp files of a preparation, named after its process (removed at the next start once that
+# process is gone): the tokenizer's training text and its model under a temporary prefix.
+LEFTOVERS = r"(?:train_text|tok)\.(?P<pid>\d+)\.(?:txt|model|vocab)"
 
 
 def train_code_tokenizer(text_file: Path, vocab_size: int, prefix: Path) -> str:
@@ -68,6 +73,8 @@ def prepare_default_corpus(cache_dir: str, megabytes: float, vocab_size: int,
                        .encode()).hexdigest()[:10]
     folder = Path(cache_dir) / f"stdlib-{key}"
     prefix, model = folder / "corpus", folder / "tokenizer.model"
+    for path in remove_leftovers(str(folder), LEFTOVERS):
+        log(f"removed {path}, left by a killed run")
     if model.is_file() and Path(str(prefix) + ".idx").is_file():
         return str(prefix), str(model)
     folder.mkdir(parents=True, exist_ok=True)

@@ -30,11 +30,16 @@ def load_ds_json(path: str) -> dict:
     """The JSON object in `path`; a clear error if it is missing or not a JSON object."""
     if not os.path.isfile(path):
         raise ValueError(f"--deepspeed_config {path}: no such file")
-    with open(path) as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--deepspeed_config {path} is not valid JSON: {exc}") from None
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--deepspeed_config {path} is not UTF-8 text (byte "
+                         f"0x{raw[exc.start]:02x} at offset {exc.start}): save it as UTF-8 "
+                         f"JSON") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--deepspeed_config {path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--deepspeed_config {path} must hold a JSON object, got {type(data).__name__}")
     return data

@@ -55,7 +55,8 @@ def _save(run, iteration: int) -> None:
     check_finite_before_save(run.engine, run.state, iteration)
     extra = {"consumed_samples": iteration * run.args.training.global_batch_size,
              "args": run.args.to_dict()}
-    path = save_training_checkpoint(run.engine, save_dir, iteration, extra, run.state)
+    path = save_training_checkpoint(run.engine, save_dir, iteration, extra, run.state,
+                                    overwrite=run.args.checkpoint.overwrite_checkpoints)
     run.logger.print(f"saved checkpoint {path}")
 
 

@@ -26,6 +26,7 @@ from .config import PretrainArgs
 from .data import TrainData, build_data, resolve_data_source, unigram_entropy
 from .backends import Engine, TrainingStopped, build_engine
 from .logging import MetricsLogger
+from .run_checks import prepare_save_dir, resume_warnings
 from .loop import evaluate, train
 
 USER_ERRORS = (ValueError, FileNotFoundError)
@@ -87,6 +88,7 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     resolve_data_source(args, rank0, _barrier(state), log)
     eval_samples = args.logging.eval_iters * args.training.global_batch_size
     data = build_data(args, state, eval_samples)
+    prepare_save_dir(args, rank0, log)
     entropy = unigram_entropy(data.prefixes, data.tokenizer.vocab_size)
     device = data.device = _device()
     model = build_model(args.model, state, device=device, seed=args.training.seed)
@@ -98,6 +100,8 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     start = 0
     if args.checkpoint.load:
         extra = load_training_checkpoint(engine, args.checkpoint.load)
+        for warning in resume_warnings(args, extra):
+            log(f"warning: {warning}")
         start = int(extra.get("iteration", 0))
         consumed = int(extra.get("consumed_samples", start * args.training.global_batch_size))
         if consumed != start * args.training.global_batch_size:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from ...parallel.mpu import _NAMES, DeepSpeedMPU
 from ...parallel.state import ParallelState
 from ..ds_config import offload_device
 from ..optim import build_optimizer as torch_adamw, param_groups
+from ..ds_ops import before_build
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +110,10 @@ def tag_tensor_parallel(model: nn.Module, state: ParallelState) -> None:
 
 
 def cpu_adam_available() -> bool:
-    """Whether DeepSpeedCPUAdam's C++ op loads (JIT-builds with g++ on first use)."""
+    """Whether DeepSpeedCPUAdam's C++ op loads (JIT-builds with g++ on first use, announced
+    on rank 0; a stale build lock is a ValueError naming it)."""
+    rank0 = os.environ.get("RANK", "0") == "0"
+    before_build("cpu_adam", lambda text: print(text, file=sys.stderr, flush=True) if rank0 else None)
     try:
         from deepspeed.ops.op_builder import CPUAdamBuilder
 

@@ -50,6 +50,7 @@ from .base import Engine
 from ..gradients import hook_sequence_parallel_grads
 from .deepspeed_setup import (ZeroMPU, build_optimizer, check_nvme, ensure_process_group,
                          tag_tensor_parallel, use_accelerator_of)
+from ..ds_ops import prepare_ops
 
 DS_FORMAT = "megazoo-deepspeed-1"
 TAG = "zero"
@@ -83,6 +84,7 @@ class DeepSpeedEngine(Engine):
             raise ValueError("DeepSpeed's CPU accelerator has no fp16: on CPU use --bf16 or fp32")
         use_accelerator_of(device)
         check_nvme(self.ds_config)
+        prepare_ops(self.ds_config, announce=state.global_rank == 0)
         ensure_process_group(state)
         import deepspeed
 

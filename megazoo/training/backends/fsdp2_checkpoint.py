@@ -64,10 +64,12 @@ def _shard_like(full: torch.Tensor, p):
 
 def load_fsdp(engine, path: str) -> dict:
     from ...checkpoint import load_model_weights
+    from ..run_checks import read_options
 
     model, state, opt = engine.model, engine.state, engine.optimizer
     twin = build_model(model.config, state, device="cpu")
-    meta, aux = load_model_weights(twin, path, state=state, aux_prefixes=AUX)
+    meta, aux = load_model_weights(twin, path, state=state, aux_prefixes=AUX,
+                                   **read_options(engine.args))
     extra = meta.get("extra") or {}
     info = extra.get("engine", {})
     step = int(info.get("adam_step", 0))

@@ -153,6 +153,7 @@ class PlainEngine(Engine):
     def load(self, path: str) -> dict:
         from ...checkpoint import load_model_weights
         from ...checkpoint.load import CheckpointReader
+        from ..run_checks import read_options
 
         # Weights-only checkpoints (converted from HF, say) start a fresh optimizer.
         stored = set(CheckpointReader(path).aux_prefixes)
@@ -162,7 +163,7 @@ class PlainEngine(Engine):
         old = self._swap_params(master)
         try:
             meta, aux = load_model_weights(self.model, path, state=self.state,
-                                           aux_prefixes=prefixes)
+                                           aux_prefixes=prefixes, **read_options(self.config))
         finally:
             self._swap_params(None, old)
         extra = meta.get("extra") or {}

@@ -1,0 +1,108 @@
+"""Checks of a run against the checkpoints around it, made at setup before the first step.
+
+    read_options(args)                  # how --load is read: checksums, inf / nan
+    prepare_save_dir(args, rank0, log)  # leftovers removed; another run's folder refused
+    resume_warnings(args, extra)        # --seq-length / tokenizer differing from the checkpoint's
+
+A `--save` folder belongs to one run: a run that does not resume from it (no `--load` of that
+folder) and finds checkpoints there is refused, so it never moves another run's `latest`;
+`--overwrite-checkpoints` lets it save over them. Every rank makes the same checks on the same
+files, so a refusal happens on all ranks before any collective.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ..checkpoint.load import SHAPE_FIELDS
+from ..checkpoint.output import remove_leftovers
+from .checkpoint import LATEST_TMP, _previous_checkpoint, iteration_dir, read_latest
+
+
+def read_options(args) -> dict:
+    """Keyword arguments of `load_model_weights` for resuming with these args."""
+    return {"verify_checksums": args.checkpoint.verify_checksums,
+            "allow_nonfinite": args.checkpoint.allow_nonfinite_load}
+
+
+def _newest_checkpoint(save: str) -> tuple[int, dict] | None:
+    """(iteration, megazoo.json) of the checkpoint `latest` names, else of the newest
+    iter_* folder; None when the folder holds no checkpoint."""
+    iteration = read_latest(save)
+    path = iteration_dir(save, iteration) if iteration is not None else None
+    if path is None or not os.path.isdir(path):
+        path = _previous_checkpoint(save, 10 ** 12) if os.path.isdir(save) else None
+    if path is None:
+        return None
+    try:
+        with open(os.path.join(path, "megazoo.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        meta = {}
+    return int(os.path.basename(path).removeprefix("iter_")), meta
+
+
+def _differences(args, meta: dict) -> list[str]:
+    """'hidden_size 256 (this run 128)' for each model shape field and the seed that differ."""
+    theirs = dict(meta.get("model") or {})
+    run_args = (meta.get("extra") or {}).get("args") or {}
+    theirs["seed"] = (run_args.get("training") or {}).get("seed")
+    ours = {f: getattr(args.model, f) for f in SHAPE_FIELDS}
+    ours["seed"] = args.training.seed
+    return [f"{field} {theirs[field]} (this run {ours[field]})" for field in ours
+            if theirs.get(field) is not None and theirs[field] != ours[field]]
+
+
+def _resumes_from(args, save: str) -> bool:
+    load = args.checkpoint.load
+    if not load:
+        return False
+    save, load = os.path.realpath(save), os.path.realpath(load)
+    return load == save or os.path.dirname(load) == save
+
+
+def prepare_save_dir(args, rank0: bool, log) -> None:
+    """Remove `.latest.tmp<pid>` files of dead runs (rank 0), then refuse a --save folder
+    holding another run's checkpoints unless --overwrite-checkpoints (every rank)."""
+    save = args.checkpoint.save
+    if not save:
+        return
+    if rank0:
+        for path in remove_leftovers(save, LATEST_TMP):
+            log(f"removed {path}, left by a killed run")
+    found = _newest_checkpoint(save)
+    if found is None or _resumes_from(args, save):
+        return
+    iteration, meta = found
+    diffs = _differences(args, meta)
+    what = (f"another run's checkpoints (iteration {iteration}: {', '.join(diffs)})" if diffs
+            else f"checkpoints up to iteration {iteration} of an earlier run")
+    if args.checkpoint.overwrite_checkpoints:
+        log(f"warning: --save {save} holds {what}; --overwrite-checkpoints: saving over them")
+        return
+    raise ValueError(f"--save {save} holds {what}: pass --load {save} to resume it, choose "
+                     f"another --save, or pass --overwrite-checkpoints to save over them")
+
+
+def resume_warnings(args, extra: dict) -> list[str]:
+    """One line per data setting that differs from the run that wrote the checkpoint."""
+    data = ((extra.get("args") or {}).get("data")) or {}
+    out = []
+    if data.get("seq_length") not in (None, args.data.seq_length):
+        out.append(f"the checkpoint was trained with --seq-length {data['seq_length']}, this "
+                   f"run uses --seq-length {args.data.seq_length}")
+    for flag, field in (("--tokenizer-type", "tokenizer_type"),
+                        ("--tokenizer-model", "tokenizer_model")):
+        theirs, ours = data.get(field), getattr(args.data, field)
+        if theirs is not None and ours is not None and theirs != ours and not (
+                field == "tokenizer_model" and _same_file(theirs, ours)):
+            out.append(f"the checkpoint was trained with {flag} {theirs}, this run uses "
+                       f"{flag} {ours}")
+    return out
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

@@ -1,0 +1,143 @@
+"""Fault injection: kill -9 during a save and resume exactly; kill one of two gloo ranks and
+see the other end; corrupt a checkpoint (truncate, flip bytes, delete a shard, inf) and get
+one clear error line. (Converters into an existing folder: tests/test_output_safety.py.)
+
+Kills hit a chosen point: $MEGAZOO_FAULT="point:iter_0000006" makes the process announce that
+point on stderr and sleep there (`megazoo.checkpoint.output.fault_point`), and the test sends
+SIGKILL once it reads the announcement. A resumed run repeats the uninterrupted one bit for
+bit (same CPU kernels, same order), so losses are compared exactly.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megazoo.checkpoint import CheckpointReader
+from megazoo.checkpoint.output import FAULT_ENV
+from megazoo.convert import reshard
+from megazoo.training.loop import main, run_training
+
+from test_checkpoint_integrity import FILE, KEY, make_nonfinite, patch_bytes, tensor_span
+from test_training_run import data, reference, tiny_argv  # noqa: F401 (fixtures)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch(argv, **env) -> subprocess.Popen:
+    """pretrain_gpt.py in a child process (stderr piped, read by `wait_for`)."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **env}
+    return subprocess.Popen([sys.executable, str(ROOT / "pretrain_gpt.py"), *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env)
+
+
+def wait_for(proc: subprocess.Popen, text: str, stream: str = "stderr") -> None:
+    """Read the child's lines until one contains `text` (fails if the child exits first)."""
+    pipe = getattr(proc, stream)
+    seen = []
+    for line in pipe:
+        seen.append(line)
+        if text in line:
+            return
+    proc.wait()
+    pytest.fail(f"child exited ({proc.returncode}) before {text!r}:\n{''.join(seen[-20:])}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["save-files-written", "before-latest"])
+def test_kill_during_save_then_resume_is_exact(data, reference, tmp_path, point):
+    losses, ref_save = reference[0]["losses"], reference[1]
+    save = tmp_path / "ck"
+    proc = launch(tiny_argv(data, "--save", str(save), "--save-interval", "3"),
+                  **{FAULT_ENV: f"{point}:iter_0000006"})
+    wait_for(proc, f"megazoo fault point {point} reached")
+    proc.kill()
+    proc.communicate()
+    assert (save / "latest").read_text().strip() == "3"  # still the complete checkpoint
+    rest = run_training(tiny_argv(data, "--save", str(save), "--load", str(save)))["losses"]
+    assert rest == losses[3:]
+    assert (save / "latest").read_text().strip() == "6"
+    assert sorted(os.listdir(save)) == ["iter_0000003", "iter_0000006", "latest"]
+    ours, ref = CheckpointReader(save / "iter_0000006"), CheckpointReader(ref_save / "iter_0000006")
+    assert all(ours.full_tensor(n).equal(ref.full_tensor(n)) for n in ref.names())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_killing_one_of_two_ranks_ends_the_other_within_60_s(data):
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2"}
+    argv = tiny_argv(data, "--train-iters", "100000", "--eval-interval", "100000")
+    ranks = [launch(argv, **env, RANK=str(r), LOCAL_RANK=str(r)) for r in range(2)]
+    try:
+        wait_for(ranks[0], "iteration 2 |", stream="stdout")  # both ranks are training
+        ranks[1].kill()
+        start = time.monotonic()
+        ranks[0].wait(timeout=60)  # raises TimeoutExpired (a hang) otherwise
+        assert ranks[0].returncode != 0, "the surviving rank must not report success"
+        print(f"surviving rank exited {time.monotonic() - start:.1f} s after its peer was killed")
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.fixture
+def damaged(reference, tmp_path):
+    """A copy of the reference run's iteration-6 checkpoint, to damage."""
+    path = tmp_path / "ck"
+    shutil.copytree(reference[1] / "iter_0000006", path)
+    return path
+
+
+def eval_error(data, path, capsys, *extra) -> str:
+    """The one error line of `--eval-only --load path` (exit 2)."""
+    assert main(tiny_argv(data, "--load", str(path), "--eval-only", *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_truncated_checkpoint_file(data, damaged, capsys):
+    with open(damaged / FILE, "r+b") as f:
+        f.truncate(os.path.getsize(damaged / FILE) // 2)
+    assert f"checkpoint file {damaged / FILE} is damaged or truncated" in \
+        eval_error(data, damaged, capsys)
+
+
+def test_flipped_bytes_then_no_verify_checksums_loads(data, damaged, capsys):
+    begin, end = tensor_span(damaged / FILE, KEY)
+    for offset in range(begin, end, (end - begin) // 16)[:16]:  # 16 flips, as reported
+        patch_bytes(damaged / FILE, offset, b"\x40")
+    assert f"{damaged / FILE} is corrupted: tensor '{KEY}' has checksum" in \
+        eval_error(data, damaged, capsys)
+    assert main(tiny_argv(data, "--load", str(damaged), "--eval-only",
+                          "--no-verify-checksums")) == 0
+
+
+def test_deleted_shard(data, reference, tmp_path, capsys):
+    tp2 = tmp_path / "tp2"
+    reshard(reference[1] / "iter_0000006", tp2, tp=2)
+    (tp2 / "model-pp000-tp001.safetensors").unlink()
+    assert f"checkpoint file {tp2}/model-pp000-tp001.safetensors is missing" in \
+        eval_error(data, tp2, capsys)
+
+
+def test_nonfinite_tensor_then_allow_nonfinite_load(data, damaged, capsys):
+    make_nonfinite(damaged)
+    assert f"{damaged / FILE}: tensor '{KEY}' holds 2 non-finite values" in \
+        eval_error(data, damaged, capsys)
+    assert main(tiny_argv(data, "--load", str(damaged), "--eval-only",
+                          "--allow-nonfinite-load")) == 0
