@@ -22,7 +22,7 @@ import pytest
 from megazoo.checkpoint import CheckpointReader
 from megazoo.checkpoint.output import FAULT_ENV
 from megazoo.convert import reshard
-from megazoo.training.loop import main, run_training
+from megazoo.training.run import main, run_training
 
 from test_checkpoint_integrity import FILE, KEY, make_nonfinite, patch_bytes, tensor_span
 from test_training_run import data, reference, tiny_argv  # noqa: F401 (fixtures)

@@ -98,7 +98,8 @@ def test_latest_naming_a_missing_checkpoint_points_at_the_previous(tmp_path):
 
 def tiny_args(save, *extra):
     args = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-                       "--max-position-embeddings", "16", "--save", str(save), *extra])
+                       "--max-position-embeddings", "16", "--seq-length", "16", "--save", str(save),
+                       *extra])
     args.model = dataclasses.replace(args.model, vocab_size=96)  # as build_data sets it
     return args
 

@@ -96,9 +96,18 @@ def test_activation_terms_of_llama_and_bloom():
 
 def test_mixed_precision_and_zero_bytes():
     n = count_parameters(TOY)
+    # megazoo's engine: fp32 runs keep parameters = masters (4 B) + moments (8 B), fp32 main
+    # gradients (4 B); bf16 adds fp32 masters (2 + 4 + 12 B); the distributed optimizer
+    # shards masters and moments over dp x sp. Its buckets are views: no extra buffer.
     plain = estimate_memory(plan_args(seq_length=128))
-    assert (plain.parameters, plain.gradients, plain.optimizer_states) == (2 * n, 2 * n, 12 * n)
+    assert (plain.parameters, plain.gradients, plain.optimizer_states) == (4 * n, 4 * n, 8 * n)
     assert plain.communication_buffers == RUNTIME_BYTES
+    bf16 = plan_args(seq_length=128, dp=2, sp=2)
+    bf16 = dataclasses.replace(bf16, training=dataclasses.replace(bf16.training, bf16=True))
+    est = estimate_memory(bf16)
+    assert (est.parameters, est.gradients, est.optimizer_states) == (2 * n, 4 * n, 12 * n)
+    bf16.training = dataclasses.replace(bf16.training, use_distributed_optimizer=True)
+    assert estimate_memory(bf16).optimizer_states == 12 * n / 4
     z1 = estimate_memory(plan_args(seq_length=128, dp=4, zero_stage=1))
     assert z1.optimizer_states == 12 * n / 4 and z1.gradients == 2 * n
     z2 = estimate_memory(plan_args(seq_length=128, dp=2, sp=2, zero_stage=2),
@@ -202,3 +211,19 @@ def test_block_coefficients_match_what_a_gpt_block_saves(recompute):
     saved = sum(n for ptr, n in storages.items() if ptr not in params)
     layout = plan_args(cfg, seq_length=128, micro_batch_size=2, recompute=recompute)
     assert saved == pytest.approx(activation_bytes(layout)["block"], rel=0.01)
+
+
+@pytest.mark.parametrize("flags, measured_gb", [
+    (["--model", "gpt-1.3b", "--seq-length", "2048", "--micro-batch-size", "4"], 35.27),
+    (["--family", "llama", "--num-layers", "4", "--hidden-size", "4096",
+      "--num-attention-heads", "32", "--num-key-value-heads", "8", "--ffn-hidden-size", "14336",
+      "--seq-length", "4096", "--max-position-embeddings", "4096", "--micro-batch-size", "1"],
+     18.92)])
+def test_megazoo_engine_matches_h100_runs(flags, measured_gb):
+    """pretrain_gpt.py --bf16 on one H100 (bench/README.md, train_bench.py, vocabulary 2048):
+    the peak allocated memory it logged against the plan of the same flags, within 5%."""
+    from megazoo.training.arguments import parse_args
+
+    args = parse_args(flags + ["--bf16", "--global-batch-size", "8"])
+    args.model = dataclasses.replace(args.model, vocab_size=2048)
+    assert estimate_memory(args).allocated / 1e9 == pytest.approx(measured_gb, rel=0.05)

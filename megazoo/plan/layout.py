@@ -55,6 +55,15 @@ class Resolved:
     offload_param: str
     fsdp_reshard_after_forward: bool
     options: PlanOptions
+    low_precision: bool = True
+    """bf16 / fp16 parameters (else fp32: --fp32 or no precision flag)."""
+    distributed_optimizer: bool = False
+    """Plain engine: masters and moments sharded over dp x sp."""
+
+    @property
+    def plain_engine(self) -> bool:
+        """megazoo's own engine (no DeepSpeed, no FSDP2)."""
+        return self.zero_impl == "none"
 
     @property
     def world_size(self) -> int:
@@ -99,4 +108,5 @@ def resolve(args: PretrainArgs, options: PlanOptions | None = None) -> Resolved:
         zero_impl=args.zero.zero_impl, zero_stage=stage, offload_optimizer=offload_optimizer,
         offload_optimizer_ratio=ratio, offload_param=offload_param,
         fsdp_reshard_after_forward=args.zero.fsdp_reshard_after_forward,
-        options=options or PlanOptions())
+        options=options or PlanOptions(), low_precision=t.bf16 or t.fp16,
+        distributed_optimizer=t.use_distributed_optimizer)

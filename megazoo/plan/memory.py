@@ -12,7 +12,6 @@ from .layout import PlanOptions, Resolved, resolve
 
 GB = 1e9
 BUCKET_ELEMENTS = 5e8  # DeepSpeed reduce_bucket_size / allgather_bucket_size defaults
-DDP_BUCKET_BYTES = 25e6
 RUNTIME_BYTES = 2**30  # CUDA context, cuBLAS / NCCL workspaces
 SUB_GROUP_ELEMENTS = 1e9  # DeepSpeed ZeRO-3 sub_group_size default
 HOST_RUNTIME_BYTES = 3.2e9  # host side of an offloading process: Python, torch, CUDA, DeepSpeed
@@ -92,7 +91,9 @@ def _estimate(config: ModelConfig, layout: Resolved) -> MemoryEstimate:
     grads = grad_b * n_gpu / (z if layout.zero_stage >= 2 else 1)
     optim = 12 * n_gpu / (z if layout.zero_stage >= 1 else 1)
     host = 0.0
-    if layout.zero_impl == "fsdp2" and "cpu" in (layout.offload_optimizer, layout.offload_param):
+    if layout.plain_engine:
+        params, grads, optim, grad_b = _plain_engine_bytes(layout, n_gpu, notes)
+    elif layout.zero_impl == "fsdp2" and "cpu" in (layout.offload_optimizer, layout.offload_param):
         # CPUOffloadPolicy: only the working set (below) stays on the GPU
         params = grads = optim = 0.0
         host = 16 * n_gpu / z + FSDP2_HOST_RUNTIME_BYTES
@@ -133,6 +134,25 @@ def _estimate(config: ModelConfig, layout: Resolved) -> MemoryEstimate:
         fits=gpu_total <= layout.options.gpu_memory * GB, notes=notes)
 
 
+def _plain_engine_bytes(layout: Resolved, n_gpu: int, notes: list) -> tuple:
+    """(parameter, gradient, optimizer bytes, gradient element size) of megazoo's own engine:
+    bf16 / fp16 parameters (2 B), one contiguous fp32 main-gradient buffer (4 B; its buckets
+    are views, no extra copy), fp32 masters and AdamW moments (12 B), the latter over dp x sp
+    with the distributed optimizer. In fp32 the parameters are the masters (4 + 8 B) unless
+    the distributed optimizer keeps a master shard of its own."""
+    z = layout.dp * layout.sp
+    shard = z if layout.distributed_optimizer else 1
+    if layout.low_precision:
+        params, optim = 2 * n_gpu, 12 * n_gpu / shard
+    else:
+        params = 4 * n_gpu
+        optim = (12 if layout.distributed_optimizer else 8) * n_gpu / shard
+    notes.append("megazoo engine: " + ("bf16/fp16" if layout.low_precision else "fp32")
+                 + " parameters, fp32 main gradients, fp32 masters + AdamW moments"
+                 + (f" sharded over dp x sp = {z}" if layout.distributed_optimizer else ""))
+    return params, 4 * n_gpu, optim, 4
+
+
 def _comm_buffers(config: ModelConfig, layout: Resolved, n_gpu: int, grad_b: int) -> float:
     """ZeRO / DDP buckets and pipeline send/receive buffers, in bytes."""
     z = layout.dp * layout.sp
@@ -143,8 +163,8 @@ def _comm_buffers(config: ModelConfig, layout: Resolved, n_gpu: int, grad_b: int
         zero = bucket * grad_b + bucket * 2  # reduce bucket + all-gather bucket
     elif layout.zero_stage == 3:
         zero = bucket * grad_b  # reduce bucket; prefetching is in the working set
-    else:
-        zero = 2 * DDP_BUCKET_BYTES if z > 1 else 0.0
+    else:  # megazoo's engine reduces views of its main-gradient buffer in place
+        zero = 0.0
     seq_par = layout.megatron_sp_on
     p2p = 0.0
     if layout.pp > 1:
