@@ -9,9 +9,11 @@ Every command exists in up to three spellings that run the same function of the 
 | `megazoo-export-hf` | `checkpoints_tools/megazoo_to_hf.py` | |
 | `megazoo-reshard` | `checkpoints_tools/reshard.py` | |
 | `megazoo-convert-zero` | `checkpoints_tools/zero_to_megazoo.py` | |
+| `megazoo-preprocess-data` | `tools/preprocess_data.py` | |
 | `megazoo-plan` | | `python -m megazoo.plan` |
 | `megazoo-kernels` | | `python -m megazoo.kernels` |
 | `megazoo-pipeline-show` | | `python -m megazoo.pipeline.show` |
+| `megazoo-plot` | | `python -m megazoo.plot` |
 
 The scripts are three-line shims (import, call, exit) with no path set-up: they need megazoo
 importable, which `pip install -e .` gives. Each function below returns the exit code (0, or
@@ -27,9 +29,11 @@ COMMANDS = {
     "megazoo-export-hf": "megazoo.cli:export_hf",
     "megazoo-reshard": "megazoo.cli:reshard",
     "megazoo-convert-zero": "megazoo.cli:convert_zero",
+    "megazoo-preprocess-data": "megazoo.cli:preprocess_data",
     "megazoo-plan": "megazoo.cli:plan",
     "megazoo-kernels": "megazoo.cli:kernels",
     "megazoo-pipeline-show": "megazoo.cli:pipeline_show",
+    "megazoo-plot": "megazoo.cli:plot",
 }
 
 
@@ -89,3 +93,17 @@ def pipeline_show(argv: list[str] | None = None) -> int:
 
     main(argv)
     return 0
+
+
+def preprocess_data(argv: list[str] | None = None) -> int:
+    """`tools/preprocess_data.py`: text or JSON lines -> tokenized PREFIX.bin / PREFIX.idx."""
+    from .data.preprocess import main
+
+    return main(argv)
+
+
+def plot(argv: list[str] | None = None) -> int:
+    """`python -m megazoo.plot`: training curves of --log-json files (PNG)."""
+    from .plot import main
+
+    return main(argv)

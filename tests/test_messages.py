@@ -27,8 +27,7 @@ from megazoo.training.run_checks import prepare_save_dir, resume_warnings
 from test_output_safety import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-import preprocess_data  # noqa: E402
+from megazoo.data import preprocess as preprocess_data  # noqa: E402
 
 
 def one_line_exit_2(argv, capsys) -> str:
