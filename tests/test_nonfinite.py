@@ -90,13 +90,21 @@ def test_checkpoint_with_inf_weight_stops_and_latest_stays(data, tmp_path, capsy
     tensors[key][0] = math.inf
     save_file(tensors, str(file))
     capsys.readouterr()
-    rc = main(tiny_argv(data, "--save", str(save), "--load", str(save)))
+    # Loading refuses it twice over: the checksum, then (unverified) the inf itself.
+    assert main(tiny_argv(data, "--save", str(save), "--load", str(save))) == 2
+    assert "is corrupted" in capsys.readouterr().err
+    unchecked = ["--no-verify-checksums"]
+    assert main(tiny_argv(data, "--save", str(save), "--load", str(save), *unchecked)) == 2
+    assert "non-finite value" in capsys.readouterr().err
+    # Forced through, training skips every step and never saves the non-finite weights.
+    forced = unchecked + ["--allow-nonfinite-load"]
+    rc = main(tiny_argv(data, "--save", str(save), "--load", str(save), *forced))
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and "Traceback" not in err[0], err
     assert "non-finite" in err[0]
     assert (save / "latest").read_text().strip() == "3"
     assert not (save / "iter_0000006").exists()
     rc = main(tiny_argv(data, "--save", str(save), "--load", str(save), "--train-iters", "20",
-                        "--max-skipped-steps", "4"))
+                        "--max-skipped-steps", "4", *forced))
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and "iteration 7: 4 steps in a row" in err[0] and "checkpoint" in err[0], err
