@@ -1,6 +1,6 @@
 """Checks of a fused-kernel implementation against the PyTorch fallback, forward and backward.
 
-Shared by tests/test_kernels.py (CPU, Triton's interpreter on CPU tensors, GPU). Each ``check_*`` builds
+Shared by tests/layers/test_kernels.py (CPU, Triton's interpreter on CPU tensors, GPU). Each ``check_*`` builds
 random inputs (never zeros) on `device`, runs the kernel with ``impl=...`` and the fallback
 with autograd, and raises AssertionError naming the tensor and the error if they differ.
 

@@ -9,7 +9,7 @@ from megazoo.parallel import ParallelConfig
 from megazoo.testing import run_distributed
 from megazoo.training.run import main
 
-import test_zero_ranks as ranks
+import zero_checks as ranks
 from test_training_run import make_data, tiny_argv
 
 SKIP_AT = (1, 3, 4)  # steps whose loss is forced to nan

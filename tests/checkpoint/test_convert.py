@@ -33,7 +33,7 @@ from megazoo.pipeline.executor import run_pipeline
 from megazoo.testing import run_distributed
 from fixtures import tiny_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB, B, S, RTOL = 300, 2, 8, 1e-5
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 FAMILIES = ("gpt2", "bloom", "llama")

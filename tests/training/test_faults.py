@@ -1,6 +1,6 @@
 """Fault injection: kill -9 during a save and resume exactly; kill one of two gloo ranks and
 see the other end; corrupt a checkpoint (truncate, flip bytes, delete a shard, inf) and get
-one clear error line. (Converters into an existing folder: tests/test_output_safety.py.)
+one clear error line. (Converters into an existing folder: tests/checkpoint/test_output_safety.py.)
 
 Kills hit a chosen point: $MEGAZOO_FAULT="point:iter_0000006" makes the process announce that
 point on stderr and sleep there (`megazoo.checkpoint.output.fault_point`), and the test sends
@@ -27,7 +27,7 @@ from megazoo.training.run import main, run_training
 from test_checkpoint_integrity import FILE, KEY, make_nonfinite, patch_bytes, tensor_span
 from test_training_run import data, reference, tiny_argv  # noqa: F401 (fixtures)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def launch(argv, **env) -> subprocess.Popen:

@@ -18,7 +18,7 @@ from megazoo.data import IndexedDatasetBuilder
 from megazoo.testing import run_distributed
 from megazoo.training.run import run_training
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEXT = (ROOT / "megazoo" / "models" / "model.py").read_text() * 2
 
 

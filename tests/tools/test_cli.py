@@ -10,7 +10,7 @@ import pytest
 
 from megazoo import cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHIMS = ["pretrain_gpt.py", *sorted(p.relative_to(ROOT).as_posix()
                                     for p in (ROOT / "checkpoints_tools").glob("*.py"))]
 

@@ -13,7 +13,7 @@ import pytest
 from megazoo.data import (ByteLevelTokenizer, HFTokenizer, IndexedDataset, IndexedDatasetBuilder,
                           SentencePieceTokenizer, best_dtype, build_tokenizer, train_sentencepiece)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TEXT = "The quick brown fox jumps over the lazy dog. Ünïcödé and emoji 🦊 too!"
 
 

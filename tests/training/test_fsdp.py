@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-import test_zero_ranks as ranks
+import zero_checks as ranks
 from megazoo.parallel import ParallelConfig
 from megazoo.testing import run_distributed
 from test_zero import assert_close_runs

@@ -2,7 +2,7 @@
 (``@pytest.mark.triton``: on CPU under Triton's interpreter, see conftest.py), every fused
 kernel vs its fallback at large awkward sizes (GPU).
 
-GPU tests: ``python -m pytest tests/test_kernels.py -m gpu -v`` on a machine with a GPU.
+GPU tests: ``python -m pytest tests/layers/test_kernels.py -m gpu -v`` on a machine with a GPU.
 Tolerances are explained in tests/kernel_checks.py.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from bench.experimental import kernels as X
 from megazoo import kernels as K
 from megazoo.kernels import _dispatch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 F64 = torch.float64
 
 

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-import test_zero_ranks as ranks
+import zero_checks as ranks
 from megazoo.parallel import ParallelConfig
 from megazoo.testing import run_distributed
 
@@ -91,7 +91,7 @@ ZERO1 = {"zero_stage": 1}
 
 
 def _convert(load, out, *flags):
-    script = os.path.join(os.path.dirname(__file__), "..", "checkpoints_tools", "zero_to_megazoo.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints_tools", "zero_to_megazoo.py")
     proc = subprocess.run([sys.executable, script, "--load", load, "--out", out, *flags],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -120,7 +120,7 @@ def test_save_resume_and_convert(tmp_path):
 
 
 def test_convert_rejects_plain_folder(tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..",
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "..",
                            "checkpoints_tools", "zero_to_megazoo.py"), "--load", str(tmp_path),
                            "--out", str(tmp_path / "o")], capture_output=True, text=True,
                           timeout=120)

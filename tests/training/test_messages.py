@@ -26,7 +26,7 @@ from megazoo.training.run_checks import prepare_save_dir, resume_warnings
 
 from test_output_safety import tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 from megazoo.data import preprocess as preprocess_data  # noqa: E402
 
 
