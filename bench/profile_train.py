@@ -4,8 +4,8 @@
 
 Runs the training entry point in this process and wraps the engines' shared `train_step`:
 steps `skip` .. `skip + steps - 1` are recorded (CPU and CUDA activity), then the table of
-operators by total device time (self time, so nested ops are not counted twice) is printed,
-with the step time and the device's idle share of it.
+operators and kernels by device self time is printed, with the step time and the share of
+it in which a kernel ran (the sum over kernels; operators repeat their kernels' time).
 """
 from __future__ import annotations
 
@@ -60,7 +60,9 @@ def main(argv=None) -> int:
         return 2
     key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     events = prof.key_averages()
-    busy_us = sum(getattr(e, key) for e in events)
+    # Kernels (device events) only: an operator's device time repeats its kernels' time.
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA] or events
+    busy_us = sum(getattr(e, key) for e in kernels)
     step_ms = wall[0] / args.steps * 1e3
     print(f"step {step_ms:.1f} ms; device busy {busy_us / 1e3 / args.steps:.1f} ms per step "
           f"({100 * busy_us / 1e3 / args.steps / step_ms:.0f}%)")
