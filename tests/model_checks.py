@@ -41,10 +41,10 @@ def batch():
     return ids, labels
 
 
-def reference(cfg: ModelConfig) -> dict:
-    """One-process weights, grads, loss and logits."""
+def reference(cfg: ModelConfig, data=None) -> dict:
+    """One-process weights, grads, loss and logits (of `data` (ids, labels), default batch())."""
     model = build_model(cfg, None, device="cpu", seed=0)
-    ids, labels = batch()
+    ids, labels = batch() if data is None else data
     loss = model(ids, labels=labels)
     loss.backward()
     with torch.no_grad():

@@ -49,6 +49,7 @@ from .groups import Group, group_rank, group_size, process_group
 from .init import NormalInit, default_init
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .sharding import set_tp_layout
+from .sparse_config import SparseAttentionConfig
 from .ulysses import UlyssesAttention, check_global_inputs
 
 
@@ -78,6 +79,8 @@ class AttentionConfig:
     """Causal (decoder) masking."""
     attention_backend: str = "auto"
     """Local attention kernel (layers/attention.py); "auto" picks the best available."""
+    sparse: SparseAttentionConfig | None = None
+    """Block-sparse attention pattern (layers/sparse_attention.py); None: dense."""
 
     @property
     def resolved_head_dim(self) -> int:
@@ -156,7 +159,8 @@ class ParallelAttention(nn.Module):
             config.num_heads, head_dim, num_kv_heads=config.num_kv_heads, sp_group=sp_group,
             tp_group=tp_group, position_embedding=config.position_embedding,
             rope_theta=config.rope_theta, causal=config.causal,
-            attention_dropout=config.attention_dropout, attention_backend=config.attention_backend)
+            attention_dropout=config.attention_dropout, attention_backend=config.attention_backend,
+            sparse=config.sparse)
         self.layout = layout = self.attention.layout
         factory = {"device": device, "dtype": dtype}
         qkv_init = _FusedQKVInit(init_method or default_init(), layout.qkv_row_blocks(tp_rank))

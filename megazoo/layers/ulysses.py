@@ -17,7 +17,9 @@ heads.py), so a destination's share is a contiguous slice and needs no stacking 
 | position_ids | [s] or [b, s], the **full** sequence's global positions (default arange(s)) |
 
 ALiBi slopes are those of the global heads this rank holds (`HeadLayout.first_head`), and RoPE
-rotates with global positions, so every layout computes exactly the single-GPU function. When
+rotates with global positions, so every layout computes exactly the single-GPU function. With
+a block-sparse pattern (`sparse=`), the local attention is `SparseAttention` over the same
+global heads, so each rank uses its heads' rows of the one global layout. When
 a tp rank holds fewer kv heads than sp, each kv head is sent to every sp rank whose query heads
 use it (replicated; its gradients add up through the all-to-all's backward).
 
@@ -107,7 +109,7 @@ class UlyssesAttention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, *, num_kv_heads: int | None = None,
                  sp_group: Group = None, tp_group: Group = None, position_embedding: str = "none",
                  rope_theta: float = 10000.0, causal: bool = True, attention_dropout: float = 0.0,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", sparse=None):
         super().__init__()
         if position_embedding not in POSITION_EMBEDDINGS:
             raise ValueError(f"position_embedding must be one of {POSITION_EMBEDDINGS}, "
@@ -123,6 +125,7 @@ class UlyssesAttention(nn.Module):
         self.attention_dropout, self.attention_backend = attention_dropout, attention_backend
         self.first_head = self.layout.first_head(group_rank(tp_group), group_rank(sp_group))
         self._send_index = self.layout.ulysses_send_index()  # [sp * f] int64, or None
+        self.sparse = None if sparse is None else self._sparse(sparse, causal, attention_dropout)
         # Per-device caches, not buffers: module.to(bfloat16) must not round the slopes.
         self._on_device: dict[tuple[str, torch.device], torch.Tensor] = {}
 
@@ -135,6 +138,19 @@ class UlyssesAttention(nn.Module):
             full = alibi_slopes(self.layout.num_heads, device=device)
             self._on_device["slopes", device] = full[self.first_head:self.first_head + heads]
         return self._on_device["slopes", device]
+
+    def _sparse(self, config, causal: bool, dropout: float):
+        """SparseAttention over the global heads this rank holds (imported here: the layout
+        module is also a `python -m` script and must not load with the package)."""
+        from .sparse_attention import SparseAttention
+
+        if dropout > 0:
+            raise ValueError(f"attention_dropout {dropout} is not supported with sparse "
+                             f"attention: set it to 0")
+        heads = self.layout.num_heads // (self.layout.tp * self.layout.sp)
+        return SparseAttention(config, self.layout.num_heads,
+                               (self.first_head, self.first_head + heads), causal=causal,
+                               backend="math" if self.attention_backend == "math" else "auto")
 
     def send_index(self, device) -> torch.Tensor | None:
         """Feature indices of the first all-to-all's send buffer when kv heads are replicated."""
@@ -162,6 +178,11 @@ class UlyssesAttention(nn.Module):
                              f"{lay.qkv_rows_per_rank}], got {tuple(qkv.shape)}")
         s, b = qkv.shape[0] * lay.sp, qkv.shape[1]
         check_global_inputs(s, b, padding_mask, position_ids, type(self).__name__)
+        if self.sparse is not None:
+            if padding_mask is not None:
+                raise ValueError("sparse attention takes no padding_mask: pack the sequences "
+                                 "to full length or use dense attention")
+            self.sparse.layout(s)  # ValueError (s vs block, global indices) before the all-to-all
         send_index = self.send_index(qkv.device)
         if send_index is not None:  # kv heads shared by several sp ranks: send copies
             qkv = qkv.index_select(-1, send_index)
@@ -189,6 +210,8 @@ class UlyssesAttention(nn.Module):
         q, k, v = q.reshape(s, b, kc * gs, d), k.squeeze(3), v.squeeze(3)  # [s, b, heads, d]
         if rope is not None:
             q, k = apply_rope(q, k, *rope)
+        if self.sparse is not None:
+            return self.sparse(q, k, v, alibi_slopes=slopes).reshape(s, b, kc * gs * d)
         context = core_attention(q, k, v, causal=self.causal, padding_mask=padding_mask,
                                  alibi_slopes=slopes,
                                  dropout_p=self.attention_dropout if self.training else 0.0,

@@ -89,4 +89,5 @@ def attention_config(config: ModelConfig) -> AttentionConfig:
         hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads, position_embedding=positions,
         rope_theta=config.rope_theta, qkv_bias=config.qkv_bias, dense_bias=config.dense_bias,
-        attention_dropout=config.attention_dropout, attention_backend=config.attention_backend)
+        attention_dropout=config.attention_dropout, attention_backend=config.attention_backend,
+        sparse=config.sparse)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from ..layers.sparse_config import SparseAttentionConfig
+
 # Per-family defaults of the fields that are None unless given.
 FAMILY_DEFAULTS = {
     "gpt": dict(position_embedding="learned", norm="layernorm", activation="gelu",
@@ -82,6 +84,9 @@ class ModelConfig:
     """Recompute the first N blocks of each model chunk; None means all of them."""
     attention_backend: str = "auto"
     """Passed to ParallelAttention ("auto" picks the best available)."""
+    sparse_attention: dict | None = None
+    """Block-sparse attention: a ds_config `sparse_attention` section (layers/sparse_config.py),
+    kept as a plain dict so the config stays JSON (checkpoints); None: dense attention."""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILY_DEFAULTS:
@@ -122,6 +127,18 @@ class ModelConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0:
             raise ValueError("norm_eps, init_std and rope_theta must be positive")
+        if self.sparse_attention is not None:
+            self.sparse_attention = self.sparse.to_ds_config()  # validated, normalised
+            if self.attention_dropout > 0:
+                raise ValueError(f"attention_dropout {self.attention_dropout} is not supported "
+                                 f"with sparse attention: set it to 0")
+
+    @property
+    def sparse(self) -> SparseAttentionConfig | None:
+        """The sparse attention pattern (None: dense attention)."""
+        if self.sparse_attention is None:
+            return None
+        return SparseAttentionConfig.from_ds_config(dict(self.sparse_attention))
 
     @property
     def head_dim(self) -> int:

@@ -31,6 +31,7 @@ from ..models.presets import PRESETS
 from ..parallel.config import ParallelConfig
 from .config import CheckpointConfig, DataConfig, LoggingConfig, PretrainArgs, TrainingConfig
 from .ds_config import training_defaults_from_json
+from .sparse_args import add_sparse_flags, sparse_section, warn_unused_sections
 from .validate import check_args
 from .zero_config import ZeroConfig
 
@@ -114,6 +115,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
             if (names is None or f.name in names) and f.name in docs:
                 _add_field(group, f"{group_name}__{f.name}", f.name, hints[f.name],
                            docs[f.name], f.default)
+    add_sparse_flags(parser)
     return parser
 
 
@@ -165,6 +167,10 @@ def args_from_namespace(ns: argparse.Namespace) -> PretrainArgs:
     """Dataclasses from parsed flags; raises ValueError saying which flag to change."""
     model = _model_config(ns)
     zero = ZeroConfig(**_given(ns, "zero"))
+    sparse = sparse_section(ns, zero.deepspeed_config)
+    if sparse is not None:
+        model = dataclasses.replace(model, sparse_attention=sparse)
+    warn_unused_sections(zero.deepspeed_config, zero.zero_impl)
     par = _given(ns, "parallel")
     training = TrainingConfig(**_training_fields(ns, zero, par))
     if training.num_layers_per_virtual_pipeline_stage is not None:

@@ -19,7 +19,8 @@ class ZeroConfig:
     deepspeed: bool = False
     """Train with DeepSpeed (Megatron-DeepSpeed's flag); implies zero_impl="deepspeed"."""
     deepspeed_config: str | None = None
-    """Path of a DeepSpeed JSON config (ZeRO stage, offload, precision, clipping, batches)."""
+    """Path of a DeepSpeed JSON config (ZeRO stage, offload, precision, clipping, batches);
+    other engines read its batches, clipping, precision and sparse_attention sections."""
     zero_stage: int | None = None
     """ZeRO stage 0-3; None: the JSON's value, or 0 without one."""
     offload_optimizer: str | None = None
@@ -56,5 +57,3 @@ class ZeroConfig:
             raise ValueError(f"--offload-optimizer-ratio must be in (0, 1], got {ratio}")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
-        if self.deepspeed_config is not None and self.zero_impl != "deepspeed":
-            raise ValueError("--deepspeed_config needs --deepspeed (or --zero-impl deepspeed)")

@@ -53,8 +53,6 @@ def check_args(args, state: ParallelState) -> None:
                          "or --deepspeed for nvme")
     if cfg.fp16:
         raise ValueError("--zero-impl fsdp2 has no fp16 loss scaling: use --bf16, or --deepspeed")
-    if getattr(zero, "deepspeed_config", None):
-        raise ValueError("--deepspeed_config is read by the DeepSpeed engine, not by fsdp2")
     per_step = cfg.micro_batch_size * state.dp.size
     if cfg.global_batch_size % per_step:
         raise ValueError(f"--global-batch-size {cfg.global_batch_size} must divide by "
