@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from ..layers.fp8 import FP8Recipe
+
 # Per-family defaults of the fields that are None unless given.
 FAMILY_DEFAULTS = {
     "gpt": dict(position_embedding="learned", norm="layernorm", activation="gelu",
@@ -82,6 +84,12 @@ class ModelConfig:
     """Recompute the first N blocks of each model chunk; None means all of them."""
     attention_backend: str = "auto"
     """Passed to ParallelAttention ("auto" picks the best available)."""
+    fp8_format: str | None = None
+    """FP8 GEMMs (compute only; weights stay in the run's dtype): "e4m3" or "hybrid" (e5m2 gradients); None: off."""
+    fp8_recipe: str = "tensorwise"
+    """FP8 scaling: "tensorwise" (one scale per tensor) or "rowwise" (one per row)."""
+    fp8_layers: str = "all"
+    """Linears that run FP8: "all" (attention qkv / dense and MLP) or "mlp" (MLP only)."""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILY_DEFAULTS:
@@ -122,6 +130,8 @@ class ModelConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0:
             raise ValueError("norm_eps, init_std and rope_theta must be positive")
+        _check_choice("fp8_layers", self.fp8_layers, ("all", "mlp"))
+        FP8Recipe(self.fp8_format or "e4m3", self.fp8_recipe)  # its one-line errors
 
     @property
     def head_dim(self) -> int:
@@ -136,6 +146,13 @@ class ModelConfig:
             return self.padded_vocab_size
         multiple = self.make_vocab_size_divisible_by * tp
         return -(-self.vocab_size // multiple) * multiple
+
+    def fp8(self, layer: str = "mlp") -> FP8Recipe | None:
+        """The FP8Recipe of the linears of `layer` ("attention" or "mlp"), or None where
+        they run in the model dtype (fp8_format None, or attention with fp8_layers "mlp")."""
+        if self.fp8_format is None or (layer == "attention" and self.fp8_layers == "mlp"):
+            return None
+        return FP8Recipe(self.fp8_format, self.fp8_recipe)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
