@@ -8,6 +8,7 @@ error a few times that, far below the logits' size). Against a model whose linea
 `fp8_linear` with the same recipe directly: equal (same ops, same order).
 """
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -50,11 +51,12 @@ def test_fp8_logits_close_to_fp32_and_equal_direct_emulation(family, fmt, rec, m
     ids = fp8_model_checks.batch()[0]
     base = tiny_config(family)
     fp8_cfg = dataclasses.replace(base, fp8_format=fmt, fp8_recipe=rec)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no GEMM may fall back to the model dtype
         ref = build_model(base, device="cpu")(ids)
         got = build_model(fp8_cfg, device="cpu")(ids)
     err = ((got - ref).norm() / ref.norm()).item()
-    assert 0 < err < 0.1, err
+    assert 0 < err < 0.1, err  # measured 0.029-0.034
     recipe = FP8Recipe(fmt, rec, emulate=True)
     direct = build_model(base, device="cpu")  # model dtype layers whose F.linear is the emulation
     for name, m in direct.named_modules():
@@ -76,3 +78,23 @@ def test_checkpoint_loads_across_precisions(tmp_path, src, dst):
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         real = getattr(p, "tp_unpadded", None) or p.shape[0]  # padded vocab rows load as 0
         assert p.dtype == q.dtype and torch.equal(p[:real], q[:real]), n
+
+
+def _tp_configs():
+    return {f"{fam} {rec}": tiny_config(fam, fp8_format="hybrid", fp8_recipe=rec)
+            for fam in FAMILIES for rec in ("tensorwise", "rowwise")}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp2_and_megatron_sp_equal_per_shard_one_process(sequence_parallel):
+    """Whole models, forward and backward: see tests/fp8_model_checks.py (rtol 1e-4, atol 1e-5)."""
+    errors = run_distributed(fp8_model_checks.check_fp8_tp, 2, _tp_configs(), sequence_parallel,
+                             timeout=300)
+    assert errors == [[], []], "\n".join(errors[0][:20])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pipeline_pp2_equals_one_process(family):
+    cfg = tiny_config(family, fp8_format="hybrid", fp8_recipe="rowwise")
+    errors = run_distributed(fp8_model_checks.check_fp8_pp, 2, cfg, timeout=240)
+    assert errors == [[], []], "\n".join(errors[0] + errors[1])
