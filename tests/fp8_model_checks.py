@@ -81,7 +81,8 @@ def check_fp8_pp(cfg) -> list[str]:
     state = ParallelState.initialize(ParallelConfig(pp=2))
     model = build_model(cfg, state, device="cpu", seed=0)
     one = build_model(cfg, None, device="cpu", seed=0)
-    ids = torch.randint(0, model_checks.VOCAB, (2, 1, 16), generator=torch.Generator().manual_seed(5))
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, model_checks.VOCAB, (2, 1, 16), generator=gen)
     micro = [(i, i.clone()) for i in ids]
     ref = sum(one(i, labels=labels) / len(micro) for i, labels in micro)
     ref.backward()
@@ -92,7 +93,8 @@ def check_fp8_pp(cfg) -> list[str]:
         errors.append(f"pp2 loss {loss.item()} vs {ref.item()}")
     grads = {n: p.grad for n, p in one.named_parameters()}
     for n, p in model.named_parameters():
-        if not torch.allclose(p.grad, grads[full_name(n, p)], **model_checks.TOL):
-            errors.append(f"pp2 grads {n}: max diff {(p.grad - grads[full_name(n, p)]).abs().max():.3g}")
+        expected = grads[full_name(n, p)]
+        if not torch.allclose(p.grad, expected, **model_checks.TOL):
+            errors.append(f"pp2 grads {n}: max diff {(p.grad - expected).abs().max():.3g}")
     dist.barrier()
     return errors

@@ -85,7 +85,8 @@ class ModelConfig:
     attention_backend: str = "auto"
     """Passed to ParallelAttention ("auto" picks the best available)."""
     fp8_format: str | None = None
-    """FP8 GEMMs (compute only; weights stay in the run's dtype): "e4m3" or "hybrid" (e5m2 gradients); None: off."""
+    """FP8 GEMMs, compute only (weights stay in the model dtype): "e4m3", or "hybrid" (e5m2
+    gradients); None: off."""
     fp8_recipe: str = "tensorwise"
     """FP8 scaling: "tensorwise" (one scale per tensor) or "rowwise" (one per row)."""
     fp8_layers: str = "all"

@@ -81,8 +81,10 @@ def test_checkpoint_loads_across_precisions(tmp_path, src, dst):
 
 
 def _tp_configs():
-    return {f"{fam} {rec}": tiny_config(fam, fp8_format="hybrid", fp8_recipe=rec)
-            for fam in FAMILIES for rec in ("tensorwise", "rowwise")}
+    configs = {f"{fam} {rec}": tiny_config(fam, fp8_format="hybrid", fp8_recipe=rec)
+               for fam in FAMILIES for rec in ("tensorwise", "rowwise")}
+    configs["llama recompute full"] = tiny_config("llama", fp8_format="e4m3", recompute="full")
+    return configs
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
