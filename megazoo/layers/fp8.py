@@ -97,6 +97,18 @@ def check_fp8_device(recipe: FP8Recipe | None, device: torch.device) -> None:
                          f"Hopper); {device} is {arch}: run without FP8 (--fp8-format)")
 
 
+def check_fp8_run(recipe: FP8Recipe | None, device: torch.device) -> None:
+    """A training run's check, before its first collective: FP8 only pays on FP8 tensor
+    cores, and the CPU path is an emulation for tests (exact numbers, no speed-up)."""
+    if recipe is None:
+        return
+    if device.type != "cuda":
+        raise ValueError(f"--fp8-format needs a GPU with FP8 tensor cores (compute capability "
+                         f"8.9+: Ada, Hopper); this run is on {device.type}, where FP8 is only "
+                         f"emulated, for tests: remove --fp8-format")
+    check_fp8_device(recipe, device)
+
+
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
               out_dtype: torch.dtype, emulate: bool, fast_accum: bool = False) -> torch.Tensor:
     """(a @ b) * inv_a * inv_b: a [M, K] row-major fp8, b [K, N] column-major fp8.

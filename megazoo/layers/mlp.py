@@ -23,17 +23,18 @@ ACTIVATIONS = ("gelu", "gelu_exact", "swiglu")
 
 class ParallelMLP(nn.Module):
     """Feed-forward block. `activation`: "gelu" (tanh approximation, as GPT-2 and BLOOM),
-    "gelu_exact" (erf) or "swiglu" (gate and up fused in one column-parallel matmul)."""
+    "gelu_exact" (erf) or "swiglu" (gate and up fused in one column-parallel matmul).
+    `fp8`: an FP8Recipe for both linears' GEMMs (megazoo/layers/fp8.py), None: model dtype."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, *, group: Group,
                  activation: str = "gelu", bias: bool = True, sequence_parallel: bool = False,
-                 init_method=None, output_init_method=None, device=None, dtype=None):
+                 init_method=None, output_init_method=None, device=None, dtype=None, fp8=None):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.activation = activation
         common = dict(group=group, bias=bias, sequence_parallel=sequence_parallel,
-                      device=device, dtype=dtype)
+                      device=device, dtype=dtype, fp8=fp8)
         if activation == "swiglu":
             self.fc1 = FusedColumnParallelLinear(hidden_size, (ffn_hidden_size, ffn_hidden_size),
                                                  init_method=init_method, **common)

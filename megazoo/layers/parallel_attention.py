@@ -144,12 +144,12 @@ class ParallelAttention(nn.Module):
 
     `ParallelAttention(config, *, tp_group=None, sp_group=None, megatron_sp=False,
     init_method=None, output_init_method=None, recompute_core=False, device=None,
-    dtype=None)`; groups: GroupInfo, ProcessGroup or None (one rank).
+    dtype=None, fp8=None)`; groups: GroupInfo, ProcessGroup or None (one rank).
     """
 
     def __init__(self, config: AttentionConfig, *, tp_group: Group = None, sp_group: Group = None,
                  megatron_sp: bool = False, init_method=None, output_init_method=None,
-                 recompute_core: bool = False, device=None, dtype=None):
+                 recompute_core: bool = False, device=None, dtype=None, fp8=None):
         super().__init__()
         head_dim = config.resolved_head_dim
         self.config, self.hidden_size, self.tp_group = config, config.hidden_size, tp_group
@@ -162,7 +162,7 @@ class ParallelAttention(nn.Module):
             attention_dropout=config.attention_dropout, attention_backend=config.attention_backend,
             sparse=config.sparse)
         self.layout = layout = self.attention.layout
-        factory = {"device": device, "dtype": dtype}
+        factory = {"device": device, "dtype": dtype, "fp8": fp8}  # fp8: qkv and dense GEMMs
         qkv_init = _FusedQKVInit(init_method or default_init(), layout.qkv_row_blocks(tp_rank))
         self.qkv = ColumnParallelLinear(config.hidden_size, tp * layout.qkv_rows_per_rank,
                                         group=tp_group, bias=config.qkv_bias,

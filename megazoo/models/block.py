@@ -53,13 +53,14 @@ class TransformerBlock(nn.Module):
         self.attention = ParallelAttention(
             attention_config(config), tp_group=state.tp, sp_group=state.sp, megatron_sp=megatron_sp,
             init_method=init("attention.qkv.weight", std),
-            output_init_method=init("attention.dense.weight", out_std), device=device, dtype=dtype)
+            output_init_method=init("attention.dense.weight", out_std), device=device, dtype=dtype,
+            fp8=config.fp8("attention"))
         self.post_attention_norm = build_norm(config.norm, config.hidden_size, config.norm_eps, **norm)
         self.mlp = ParallelMLP(
             config.hidden_size, config.ffn_hidden_size, group=state.tp,
             activation=config.activation, bias=config.mlp_bias, sequence_parallel=megatron_sp,
             init_method=init("mlp.fc1.weight", std), output_init_method=init("mlp.fc2.weight", out_std),
-            device=device, dtype=dtype)
+            device=device, dtype=dtype, fp8=config.fp8("mlp"))
 
     def set_recompute(self, mode: str) -> None:
         """"none", "full" or "selective" (see the module docstring)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ..layers.sparse_config import SparseAttentionConfig
+from ..layers.fp8 import FP8Recipe
 
 # Per-family defaults of the fields that are None unless given.
 FAMILY_DEFAULTS = {
@@ -87,6 +88,13 @@ class ModelConfig:
     sparse_attention: dict | None = None
     """Block-sparse attention: a ds_config `sparse_attention` section (layers/sparse_config.py),
     kept as a plain dict so the config stays JSON (checkpoints); None: dense attention."""
+    fp8_format: str | None = None
+    """FP8 GEMMs, compute only (weights stay in the model dtype): "e4m3", or "hybrid" (e5m2
+    gradients); None: off."""
+    fp8_recipe: str = "tensorwise"
+    """FP8 scaling: "tensorwise" (one scale per tensor) or "rowwise" (one per row)."""
+    fp8_layers: str = "all"
+    """Linears that run FP8: "all" (attention qkv / dense and MLP) or "mlp" (MLP only)."""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILY_DEFAULTS:
@@ -132,6 +140,8 @@ class ModelConfig:
             if self.attention_dropout > 0:
                 raise ValueError(f"attention_dropout {self.attention_dropout} is not supported "
                                  f"with sparse attention: set it to 0")
+        _check_choice("fp8_layers", self.fp8_layers, ("all", "mlp"))
+        FP8Recipe(self.fp8_format or "e4m3", self.fp8_recipe)  # its one-line errors
 
     @property
     def sparse(self) -> SparseAttentionConfig | None:
@@ -153,6 +163,13 @@ class ModelConfig:
             return self.padded_vocab_size
         multiple = self.make_vocab_size_divisible_by * tp
         return -(-self.vocab_size // multiple) * multiple
+
+    def fp8(self, layer: str = "mlp") -> FP8Recipe | None:
+        """The FP8Recipe of the linears of `layer` ("attention" or "mlp"), or None where
+        they run in the model dtype (fp8_format None, or attention with fp8_layers "mlp")."""
+        if self.fp8_format is None or (layer == "attention" and self.fp8_layers == "mlp"):
+            return None
+        return FP8Recipe(self.fp8_format, self.fp8_recipe)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

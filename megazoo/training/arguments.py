@@ -26,6 +26,7 @@ import typing
 import torch.distributed as dist
 
 from ..cli_parser import HintingParser
+from ..layers.fp8 import FORMATS as FP8_FORMATS, RECIPES as FP8_RECIPES
 from ..models.config import ModelConfig, _default_ffn
 from ..models.presets import PRESETS
 from ..parallel.config import ParallelConfig
@@ -47,12 +48,15 @@ ALIASES = {
     "init_std": ["--init-method-std"],
     "deepspeed_config": ["--deepspeed_config", "--deepspeed-config"],
 }
+# Fields whose flag takes one of these values.
+CHOICES = {"fp8_format": FP8_FORMATS, "fp8_recipe": FP8_RECIPES, "fp8_layers": ("all", "mlp")}
 # The ModelConfig fields a user may override on top of a preset (vocab comes from the data).
 MODEL_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
                 "num_key_value_heads", "ffn_hidden_size", "max_position_embeddings",
                 "make_vocab_size_divisible_by", "position_embedding", "norm", "activation",
                 "rope_theta", "init_std", "hidden_dropout", "attention_dropout", "recompute",
-                "recompute_num_layers", "attention_backend")
+                "recompute_num_layers", "attention_backend", "fp8_format", "fp8_recipe",
+                "fp8_layers")
 PARALLEL_FIELDS = ("tp", "sp", "pp", "vpp", "megatron_sp", "order")
 # Group name in PretrainArgs -> (dataclass, fields exposed; None: all).
 GROUPS = {
@@ -94,7 +98,10 @@ def _add_field(group, dest: str, name: str, hint, doc: str, default) -> None:
         kwargs["type"] = str
     else:
         kwargs["type"] = base
-        kwargs["metavar"] = name.upper()
+        if name in CHOICES:
+            kwargs["choices"] = CHOICES[name]
+        else:
+            kwargs["metavar"] = name.upper()
     group.add_argument(*flags, **kwargs)
 
 

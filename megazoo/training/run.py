@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..layers.fp8 import check_fp8_run
 from ..models import build_model
 from ..models.parts import check_sequence_length
 from ..parallel.state import ParallelState
@@ -75,6 +76,7 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     """Initialise ranks, data, model, engine (and resume); raise USER_ERRORS on bad input."""
     if args.training.cpu_threads:
         torch.set_num_threads(args.training.cpu_threads)
+    check_fp8_run(args.model.fp8(), _device())  # every rank, before any collective
     owns = not dist.is_initialized()
     _one_rank_group_for_zero(args)
     state = ParallelState.initialize(args.parallel)
