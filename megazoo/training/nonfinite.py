@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .backends.base import StepResult, TrainingStopped
+from .gradients import on_comm_device
 
 
 def _bad(result: StepResult) -> bool:
@@ -66,9 +67,7 @@ def check_finite_before_save(engine, state, iteration: int) -> None:
     name = engine.nonfinite_parameter()
     flag = torch.tensor([0.0 if name is None else 1.0])
     if state.world_size > 1:
-        if dist.get_backend() == "nccl":
-            flag = flag.to(torch.accelerator.current_accelerator())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        on_comm_device(flag, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))
     if float(flag.max()) > 0:
         where = f"{name} holds" if name else "another rank's weights hold"
         raise TrainingStopped(f"not saving iteration {iteration}: {where} non-finite values; "
