@@ -28,11 +28,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.common import REPO, child_env, environment, module_command, time_ms, write_json
+
 VOCAB = 2048  # the default corpus' tokenizer (pretrain_gpt.py --default-vocab-size)
 
 SHAPES = {
@@ -61,19 +61,8 @@ def flops(shape: dict, batch: int) -> float:
 
 
 def timed(step, device: torch.device, warmup: int, iters: int) -> float:
-    """Median seconds of `step()` after `warmup` calls (synchronised on CUDA)."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of `step()` after `warmup` calls (bench.common.time_ms)."""
+    return time_ms(step, device, warmup, iters) / 1e3
 
 
 def model_row(shape: dict, device: torch.device, warmup: int, iters: int) -> dict:
@@ -153,7 +142,7 @@ def pretrain_row(shape: dict, global_batch: int, iters: int, extra: list[str], d
                "--eval-iters", "0", "--generate-tokens", "0", "--no-progress",
                "--data-cache-path", os.path.join(REPO, "data_cache"), "--log-json", log,
                *([] if dry else ["--bf16"]), *extra]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=child_env())
         if proc.returncode != 0:
             raise RuntimeError(f"pretrain_gpt.py failed: {proc.stderr[-2000:]}")
         with open(log) as f:
@@ -184,8 +173,9 @@ def child(kind: str, shape_name: str, global_batch: int, dry: bool) -> dict:
 
 
 def run_child(kind: str, shape: str, global_batch: int, dry: bool) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, shape, str(global_batch)]
-    proc = subprocess.run(cmd + (["--dry-run"] if dry else []), capture_output=True, text=True)
+    cmd = module_command("train_bench") + ["--child", kind, shape, str(global_batch)]
+    proc = subprocess.run(cmd + (["--dry-run"] if dry else []), capture_output=True, text=True,
+                          cwd=REPO, env=child_env())
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(proc.stderr[-2000:])
@@ -234,10 +224,8 @@ def main(argv=None) -> int:
     print("| " + " | ".join(cols) + " |")
     for r in rows:
         print("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                       "rows": rows}, f, indent=1)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    write_json(args.out, {"env": environment(device), "rows": rows})
     return 0
 
 
