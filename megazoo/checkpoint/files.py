@@ -8,14 +8,14 @@ writes the header first and then each tensor as it arrives: memory holds one ten
 whole file. Files are read back with `safetensors.safe_open` (lazy, memory-mapped).
 
 **Integrity.** The writer refuses a tensor holding inf or nan (a checkpoint is never written
-with them) and records a CRC-32 of each tensor's bytes as it writes them (`writer.checksums`),
-which `megazoo.json` keeps and the reader checks as it reads each tensor: no second pass over
-the data either way. CRC-32 (zlib) detects every burst error up to 32 bits and any random
-corruption with probability 1 - 2^-32; it runs at several GB/s, well above the disk.
+with them) and records a checksum of each tensor's bytes as it writes them (`writer.checksums`,
+hashed from the bytes in memory, never re-read from the file), which `megazoo.json` keeps and
+the reader checks as it reads each tensor: no second pass over the data either way. The hash
+(xxh3_64, or CRC-32 without xxhash) is chosen and named in `checksums.py`.
 `nonfinite_count` tests a tensor by its sum first (a nan or inf anywhere makes the sum
 non-finite), which is many times faster than `isfinite(t).all()`, and counts exactly only
 when the sum is not finite (which large finite values can also cause). Both checks run on a
-`BackgroundChecks` thread while the caller writes (or reads) the next tensor: zlib and torch
+`BackgroundChecks` thread while the caller writes (or reads) the next tensor: the hashes and torch
 release the GIL, so the checks overlap the file I/O instead of adding to it.
 
 Where a checkpoint may be written and the temp-folder + rename protocol live in `output.py`.
@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import json
 import struct
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from .checksums import default_algorithm, digest
 
 DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int8: "I8",
@@ -50,17 +51,14 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-CHECKSUM = "crc32"
-
-
 def tensor_bytes(tensor: torch.Tensor):
     """The raw little-endian bytes of a CPU tensor, as a buffer (no copy when contiguous)."""
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
-def checksum(tensor: torch.Tensor) -> str:
-    """CRC-32 of the tensor's raw bytes, as 8 hex digits (what megazoo.json records)."""
-    return f"{zlib.crc32(tensor_bytes(tensor)):08x}"
+def checksum(tensor: torch.Tensor, algorithm: str) -> str:
+    """The checksum of the tensor's raw bytes, as megazoo.json records it."""
+    return digest(tensor_bytes(tensor), algorithm)
 
 
 def nonfinite_count(tensor: torch.Tensor) -> int:
@@ -118,14 +116,17 @@ class SafetensorsWriter:
 
         with SafetensorsWriter(file, {"a": (torch.float32, (2, 3))}) as w:
             w.write("a", tensor)    # exactly once per key, in order; cast to the spec dtype
-        w.checksums                 # {key: CRC-32 hex of the bytes written}
+        w.checksums                 # {key: hex checksum of the bytes written}
+        w.algorithm                 # its hash ("xxh3_64" or "crc32"; default: the fastest here)
 
     A tensor with inf or nan raises `NonFiniteError` naming its key (nothing after it is
     written; the caller discards the file).
     """
 
-    def __init__(self, path: str, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]):
+    def __init__(self, path: str, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                 algorithm: str | None = None):
         self.path, self.specs = path, dict(specs)
+        self.algorithm = algorithm or default_algorithm()
         self.checksums: dict[str, str] = {}
         self._checks = BackgroundChecks()
         header, offset = {}, 0
@@ -157,7 +158,7 @@ class SafetensorsWriter:
 
     def _check(self, key: str, data: torch.Tensor, raw) -> None:
         check_finite(key, data)
-        self.checksums[key] = f"{zlib.crc32(raw):08x}"
+        self.checksums[key] = digest(raw, self.algorithm)
 
     def close(self) -> None:
         missing = list(self._order)

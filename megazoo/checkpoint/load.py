@@ -6,8 +6,9 @@ A full tensor is rebuilt from the source layout's shards with `tp_unslice`, driv
 metadata of the source rank's parameters (a model of that rank built on the meta device),
 and cut for the target rank with `tp_slice`; so any tp/pp/vpp loads into any other.
 
-Each tensor is checked as it is read (no extra pass): against the CRC-32 megazoo.json recorded
-for it (checkpoints written before checksums existed have none and load unchecked), and for
+Each tensor is checked as it is read (no extra pass): against the checksum megazoo.json recorded
+for it, with the hash megazoo.json names (`checksums.py`; CRC-32 where it names none;
+checkpoints written before checksums existed have none and load unchecked), and for
 inf / nan where no verified checksum already vouches for it (the writer records checksums of
 finite tensors only, so matching bytes are finite). Either failure is a ValueError naming the file and the tensor; `verify_checksums=
 False` and `allow_nonfinite=True` turn the checks off.
@@ -25,6 +26,7 @@ from torch import nn
 from ..layers.sharding import full_shape, tp_slice, tp_unslice
 from ..models import ModelConfig, build_model, full_name
 from ..parallel.state import ParallelState
+from .checksums import CRC32, check_algorithm
 from .files import BackgroundChecks, checksum, nonfinite_count, parse_dtype
 from .output import OLD_SUFFIX
 from .layout import FORMAT, METADATA_FILE, check_layout, rank_model, stored_parameters
@@ -84,6 +86,9 @@ class CheckpointReader:
         self._background: BackgroundChecks | None = None
         self.metadata = _read_metadata(self.path)
         self.checksums = self.metadata.get("checksums") or {}
+        self.algorithm = self.metadata.get("checksum") or CRC32
+        if verify_checksums and self.checksums:
+            check_algorithm(self.algorithm, f"checkpoint {self.path}")
         self.config = config_from_dict(self.metadata["model"])
         lay = self.metadata["layout"]
         self.layout = check_layout(lay["tp"], lay["pp"], lay.get("vpp", 1))
@@ -154,7 +159,7 @@ class CheckpointReader:
         recorded = self.checksums.get(os.path.basename(file), {}).get(key)
         verified = self.verify_checksums and recorded is not None
         if verified:
-            found = checksum(tensor)
+            found = checksum(tensor, self.algorithm)
             if found != recorded:
                 raise ValueError(f"checkpoint file {file} is corrupted: tensor {key!r} has "
                                  f"checksum {found}, megazoo.json recorded {recorded}; restore "
@@ -280,7 +285,7 @@ def load_pretrained(path, state: ParallelState | None = None, device="cpu",
     padding rows with zeros), so the cost is reading the files, not a random init. A model
     `materialize` cannot take is built on `device` with its initialisation, as before.
     Checksums and finiteness are checked as in `CheckpointReader`."""
-    reader = CheckpointReader(path)
+    reader = CheckpointReader(path, verify_checksums=verify_checksums)
     dtype = dtype or reader.dtype
     model = build_model(reader.config, state, device="meta", dtype=dtype)
     if can_materialize(model):

@@ -3,17 +3,19 @@
 
 On disk: `megazoo.json` plus one `model-pp{p:03d}-tp{t:03d}.safetensors` per (pp, tp) rank,
 holding that rank's shards keyed by full parameter name (and `prefix/full name` for auxiliary
-tensors such as optimizer moments, sharded like their parameter). `megazoo.json` records the
-CRC-32 of every tensor (`"checksums": {file: {key: crc}}`), computed while writing; each rank
-of `save_checkpoint` leaves its file's checksums next to it (`SUMS_SUFFIX`) for rank 0 to
-gather into megazoo.json before the folder is published. A tensor holding inf or nan stops the
-save before anything is published (`NonFiniteError`, naming the tensor and the checkpoint).
+tensors such as optimizer moments, sharded like their parameter). `megazoo.json` records a
+checksum of every tensor (`"checksums": {file: {key: hex}}`, the hash named by `"checksum"`),
+computed while writing; each rank of `save_checkpoint` leaves its file's checksums next to it
+(`SUMS_SUFFIX`) for rank 0 to gather into megazoo.json before the folder is published. A tensor holding inf or nan stops the
+save before anything is published (`NonFiniteError`, naming the tensor and the checkpoint, on
+every rank); `refuse_nonfinite` is the same check, message and agreement for a writer of
+another format (DeepSpeed's engine), run before it writes anything.
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -22,7 +24,8 @@ from torch import nn
 from ..layers.sharding import full_shape, tp_slice
 from ..models import ModelConfig
 from ..parallel.state import ParallelState
-from .files import CHECKSUM, NonFiniteError, SafetensorsWriter, dtype_name, write_json
+from .checksums import default_algorithm
+from .files import NonFiniteError, SafetensorsWriter, check_finite, dtype_name, write_json
 from .output import (check_output_dir, discard, fault_point, fresh_temp_dir, publish,
                      temp_dir)
 from .layout import (FORMAT, METADATA_FILE, check_layout, full_shapes, layout_files, rank_file,
@@ -32,14 +35,15 @@ SUMS_SUFFIX = ".checksums.json"
 
 
 def build_metadata(config: ModelConfig, layout: dict, dtype: torch.dtype, extra: dict | None,
-                   aux_dtypes: dict[str, torch.dtype], checksums: dict[str, dict]) -> dict:
-    """The contents of megazoo.json."""
+                   aux_dtypes: dict[str, torch.dtype], checksums: dict[str, dict],
+                   algorithm: str) -> dict:
+    """The contents of megazoo.json (`algorithm`: the hash of `checksums`)."""
     return {"format": FORMAT, "model": config.to_dict(), "layout": dict(layout),
             "dtype": dtype_name(dtype), "files": layout_files(layout),
             "params": {name: {"full_shape": list(shape), "dtype": dtype_name(dtype)}
                        for name, shape in full_shapes(config).items()},
             "aux": list(aux_dtypes), "aux_dtypes": {k: dtype_name(v) for k, v in aux_dtypes.items()},
-            "extra": extra or {}, "checksum": CHECKSUM, "checksums": checksums}
+            "extra": extra or {}, "checksum": algorithm, "checksums": checksums}
 
 
 def _named(path: str, exc: NonFiniteError) -> NonFiniteError:
@@ -82,18 +86,24 @@ def _write_rank_file(model: nn.Module, file: str, aux: dict) -> None:
     with SafetensorsWriter(file, specs) as writer:
         for key, t in tensors.items():
             writer.write(key, t)
-    write_json(file + SUMS_SUFFIX, writer.checksums)
+    write_json(file + SUMS_SUFFIX, {"checksum": writer.algorithm, "checksums": writer.checksums})
 
 
-def _gather_checksums(tmp: str, files: list[str]) -> dict[str, dict]:
-    """{file: {key: crc}} from the rank files' checksum notes, which are then removed."""
-    sums = {}
+def _gather_checksums(tmp: str, files: list[str]) -> tuple[str, dict[str, dict]]:
+    """(hash name, {file: {key: hex}}) from the rank files' checksum notes, which are then
+    removed; every rank must have used the same hash."""
+    sums, algorithms = {}, set()
     for name in files:
         note = os.path.join(tmp, name + SUMS_SUFFIX)
         with open(note) as f:
-            sums[name] = json.load(f)
+            data = json.load(f)
+        algorithms.add(data["checksum"])
+        sums[name] = data["checksums"]
         os.remove(note)
-    return sums
+    if len(algorithms) > 1:
+        raise RuntimeError(f"the ranks hashed their files with different checksums "
+                           f"{sorted(algorithms)}: install xxhash on every node, or on none")
+    return (algorithms.pop() if algorithms else default_algorithm()), sums
 
 
 def _collectively(step: Callable[[], object], state: ParallelState, device: torch.device,
@@ -119,6 +129,20 @@ def _collectively(step: Callable[[], object], state: ParallelState, device: torc
                                    f"or nan (its error names it)")
         raise error or RuntimeError(f"saving {path} failed on another rank; see its error")
     return result
+
+
+def refuse_nonfinite(tensors: Iterable[tuple[str, torch.Tensor]], path: str,
+                     state: ParallelState, device: torch.device) -> None:
+    """NonFiniteError on every rank, worded as `save_checkpoint`'s, if any rank's `tensors`
+    ((name, local tensor) pairs) hold inf or nan. Collective (one all-reduce)."""
+    def check() -> None:
+        for name, tensor in tensors:
+            try:
+                check_finite(name, tensor.detach())
+            except NonFiniteError as exc:
+                raise _named(path, exc) from None
+
+    _collectively(check, state, device, path, owns_temp=False)
 
 
 def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = None,
@@ -162,7 +186,7 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
         layout = {"tp": state.tp.size, "pp": state.pp.size, "vpp": len(model.chunks)}
         aux_dtypes = {k: next(iter(v.values())).dtype for k, v in aux.items() if v}
         dtype = params[0].dtype if params else torch.float32
-        return build_metadata(model.config, layout, dtype, extra, aux_dtypes, {})
+        return build_metadata(model.config, layout, dtype, extra, aux_dtypes, {}, "")
 
     meta = _collectively(write, state, device, path)
 
@@ -172,7 +196,7 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
         missing = [f for f in meta["files"] if not os.path.exists(os.path.join(tmp, f))]
         if missing:
             raise RuntimeError(f"rank files {missing} were not written")
-        meta["checksums"] = _gather_checksums(tmp, meta["files"])
+        meta["checksum"], meta["checksums"] = _gather_checksums(tmp, meta["files"])
         fault_point("save-files-written", path)
         write_json(os.path.join(tmp, METADATA_FILE), meta)
         publish(path)
@@ -201,16 +225,16 @@ def write_checkpoint(config: ModelConfig, path, full_tensor: Callable[[str], tor
         dtype = full_tensor(next(iter(stored_parameters(first)))).dtype
     aux_dtype = aux_dtype or torch.float32
     tmp = fresh_temp_dir(path)
-    checksums = {}
+    checksums, algorithm = {}, default_algorithm()
     try:
         for p in range(pp):
             for t in range(tp):
                 model = first if p == t == 0 else rank_model(config, layout, p, t)
                 checksums[rank_file(p, t)] = _stream_rank(
                     model, t, tp, os.path.join(tmp, rank_file(p, t)), full_tensor, dtype,
-                    tuple(aux_prefixes), aux_dtype)
+                    tuple(aux_prefixes), aux_dtype, algorithm)
         meta = build_metadata(config, layout, dtype, extra, {a: aux_dtype for a in aux_prefixes},
-                              checksums)
+                              checksums, algorithm)
         write_json(os.path.join(tmp, METADATA_FILE), meta)
         publish(path)
     except NonFiniteError as exc:
@@ -222,16 +246,16 @@ def write_checkpoint(config: ModelConfig, path, full_tensor: Callable[[str], tor
 
 
 def _stream_rank(model: nn.Module, tp_rank: int, tp: int, file: str, full_tensor, dtype,
-                 aux_prefixes: tuple, aux_dtype) -> dict[str, str]:
+                 aux_prefixes: tuple, aux_dtype, algorithm: str) -> dict[str, str]:
     """One rank file: plan every key from the meta model, then fetch, slice and write each;
-    returns the file's checksums {key: crc}."""
+    returns the file's checksums {key: hex} (hash `algorithm`)."""
     stored = stored_parameters(model)
     specs = {}
     for fname, (_, p) in stored.items():
         specs[fname] = (dtype, tuple(p.shape))
         for prefix in aux_prefixes:
             specs[f"{prefix}/{fname}"] = (aux_dtype, tuple(p.shape))
-    with SafetensorsWriter(file, specs) as writer:
+    with SafetensorsWriter(file, specs, algorithm) as writer:
         for key in specs:
             fname = key.split("/", 1)[-1]
             p = stored[fname][1]

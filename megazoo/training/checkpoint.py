@@ -9,7 +9,9 @@ plus the engine's own (optimizer step, loss scaler). Only after it is complete d
 replace `latest` (a text file holding the iteration) by write-to-temp + os.replace, so a
 crash mid-save leaves the previous checkpoint loadable and `latest` pointing at it.
 RNG states are stored as lists of ints (JSON), never pickled. A save refused for inf / nan
-in a tensor (`NonFiniteError`) leaves `latest` where it was, and says so.
+in a tensor (`NonFiniteError`, raised by every engine's save) leaves `latest` where it was,
+and the error says so; the training loop turns it into the run's stop
+(`nonfinite.stopped_by_nonfinite_save`).
 """
 from __future__ import annotations
 
@@ -92,9 +94,7 @@ def save_training_checkpoint(engine, save_dir: str, iteration: int, extra: dict,
         kept = read_latest(save_dir)
         where = f"{LATEST} still names iteration {kept}" if kept is not None else \
             f"no {LATEST} was written"
-        raise NonFiniteError(f"{exc}; {where}. Training diverged: lower --lr (or raise "
-                             f"--min-loss-scale with --fp16), or resume from an earlier "
-                             f"checkpoint") from None
+        raise NonFiniteError(f"{exc}; {where}") from None
     if state.global_rank == 0:
         fault_point("before-latest", path)
         _write_latest(save_dir, iteration)

@@ -12,7 +12,8 @@ import torch
 from .checkpoint import save_training_checkpoint
 from .generate import generate
 from .logging import flops_per_iteration
-from .nonfinite import SkipWatch, check_finite_before_save
+from ..checkpoint.files import NonFiniteError
+from .nonfinite import SkipWatch, stopped_by_nonfinite_save
 
 
 class _Progress:
@@ -50,13 +51,16 @@ def seed_step(seed: int, iteration: int, state) -> None:
     torch.manual_seed(((seed + 100 * state.pp.rank) * 1_000_003 + iteration) % 2 ** 63)
 
 
-def _save(run, iteration: int) -> None:
+def _save(run, iteration: int, watch: SkipWatch, result) -> None:
+    """Save iteration `iteration`; a save refused for inf / nan stops the run (exit 1)."""
     save_dir = run.args.checkpoint.save
-    check_finite_before_save(run.engine, run.state, iteration)
     extra = {"consumed_samples": iteration * run.args.training.global_batch_size,
              "args": run.args.to_dict()}
-    path = save_training_checkpoint(run.engine, save_dir, iteration, extra, run.state,
-                                    overwrite=run.args.checkpoint.overwrite_checkpoints)
+    try:
+        path = save_training_checkpoint(run.engine, save_dir, iteration, extra, run.state,
+                                        overwrite=run.args.checkpoint.overwrite_checkpoints)
+    except NonFiniteError as exc:
+        raise stopped_by_nonfinite_save(exc, iteration, watch, result) from None
     run.logger.print(f"saved checkpoint {path}")
 
 
@@ -120,7 +124,7 @@ def train(run, print_fn=print) -> dict:
         stop = bool(a.training.exit_interval) and n % a.training.exit_interval == 0
         if a.checkpoint.save and (n == a.training.train_iters or stop or (
                 a.checkpoint.save_interval and n % a.checkpoint.save_interval == 0)):
-            _save(run, n)
+            _save(run, n, watch, result)
         if stop:
             break
     progress.close()

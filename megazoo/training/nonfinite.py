@@ -2,23 +2,25 @@
 
     watch = SkipWatch(args, resumed_from, log)
     watch.after_step(iteration, result)      # raises TrainingStopped after too many in a row
-    check_finite_before_save(engine, state, iteration)
+    try:
+        save_training_checkpoint(engine, ...)
+    except NonFiniteError as exc:            # every engine's save refuses inf / nan
+        raise stopped_by_nonfinite_save(exc, iteration, watch, result)
 
 Every engine skips a step whose loss or gradient norm is inf / nan (fp16 overflow is one
 case) and does not advance its learning-rate clock for it. A skip is logged with the
 running counts; `--max-skipped-steps` consecutive ones stop the run with one line naming the
-iteration and the likely cause. A checkpoint is never written from non-finite weights, so
-`latest` keeps naming the last good one.
+iteration and the likely cause. A checkpoint is never written from non-finite weights or
+optimizer state: every engine's save refuses them (one check, made while writing or just
+before; `Engine.save`), `latest` keeps naming the last good one, and the run stops with the
+same kind of line, exit status 1.
 """
 from __future__ import annotations
 
 import math
 
-import torch
-import torch.distributed as dist
-
+from ..checkpoint.files import NonFiniteError
 from .backends.base import StepResult, TrainingStopped
-from .gradients import on_comm_device
 
 
 def _bad(result: StepResult) -> bool:
@@ -62,13 +64,9 @@ class SkipWatch:
         return f"the learning rate is too high (--lr {t.lr:g}): lower it or lengthen the warmup"
 
 
-def check_finite_before_save(engine, state, iteration: int) -> None:
-    """Raise TrainingStopped on every rank if any rank's weights hold inf / nan."""
-    name = engine.nonfinite_parameter()
-    flag = torch.tensor([0.0 if name is None else 1.0])
-    if state.world_size > 1:
-        on_comm_device(flag, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))
-    if float(flag.max()) > 0:
-        where = f"{name} holds" if name else "another rank's weights hold"
-        raise TrainingStopped(f"not saving iteration {iteration}: {where} non-finite values; "
-                              "the last good checkpoint stays `latest`")
+def stopped_by_nonfinite_save(exc: NonFiniteError, iteration: int, watch: SkipWatch,
+                              result: StepResult) -> TrainingStopped:
+    """The run's one error for a save refused for inf / nan (the engine's save check,
+    `megazoo.checkpoint.save.refuse_nonfinite` or the writer's: the same on every rank): it
+    names the iteration, the tensor and checkpoint (in `exc`) and the likely cause."""
+    return TrainingStopped(f"iteration {iteration}: {exc}; likely cause: {watch.cause(result)}")

@@ -3,7 +3,8 @@ converters), no checkpoint written with inf / nan, none loaded with them unless 
 
 Corruptions are made on the bytes of real checkpoints: a flipped byte in one tensor's data
 region, inf written over a weight (with the checksum then made to match, so only the
-finiteness check can catch it).
+finiteness check can catch it). Checkpoints are written with each hash: xxh3_64 (the default
+where xxhash is installed) and crc32 (the fallback, and what older checkpoints hold).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import zlib
 import pytest
 import torch
 
+from megazoo.checkpoint import checksums as hashes
 from megazoo.checkpoint import (CheckpointReader, load_model_weights, load_pretrained,
                                 save_checkpoint, write_checkpoint)
 from megazoo.checkpoint.files import NonFiniteError, nonfinite_count
@@ -43,21 +45,43 @@ def patch_bytes(file, offset: int, data: bytes) -> None:
         f.write(data)
 
 
+def without_xxhash(monkeypatch) -> None:
+    """As in an install without the xxhash package: CRC-32 is written, xxh3 cannot be read."""
+    monkeypatch.setattr(hashes, "xxhash", None)
+
+
+@pytest.fixture(params=["xxh3_64", "crc32"])
+def algorithm(request, monkeypatch):
+    if request.param == "xxh3_64":
+        pytest.importorskip("xxhash")
+    else:
+        without_xxhash(monkeypatch)
+    return request.param
+
+
 @pytest.fixture
-def ckpt(tmp_path):
+def ckpt(tmp_path, algorithm):
     model = tiny_model()
     aux = {"exp_avg": {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}}
     save_checkpoint(model, tmp_path / "ck", aux=aux)
     return tmp_path / "ck"
 
 
-def test_every_tensor_has_a_checksum_of_its_bytes(ckpt):
+def reference_digest(raw: bytes, algorithm: str) -> str:
+    """The checksum computed here from the library's own primitives, not megazoo's."""
+    if algorithm == "crc32":
+        return f"{zlib.crc32(raw):08x}"
+    import xxhash
+    return xxhash.xxh3_64(raw).hexdigest()
+
+
+def test_every_tensor_has_a_checksum_of_its_bytes(ckpt, algorithm):
     meta = json.loads((ckpt / "megazoo.json").read_text())
     sums = meta["checksums"][FILE]
-    assert meta["checksum"] == "crc32" and len(sums) == 2 * len(meta["params"])
+    assert meta["checksum"] == algorithm and len(sums) == 2 * len(meta["params"])
     begin, end = tensor_span(ckpt / FILE, KEY)
     raw = (ckpt / FILE).read_bytes()[begin:end]
-    assert sums[KEY] == f"{zlib.crc32(raw):08x}"
+    assert sums[KEY] == reference_digest(raw, algorithm)
     assert sorted(os.listdir(ckpt)) == ["megazoo.json", FILE]  # no checksum notes left
 
 
@@ -167,7 +191,8 @@ def test_latest_never_moves_to_a_nonfinite_checkpoint(tmp_path):
     save_training_checkpoint(_Engine(model), str(tmp_path), 10, {}, state)
     with torch.no_grad():
         dict(model.named_parameters())[KEY][0, 0] = float("nan")
-    with pytest.raises(NonFiniteError, match="latest still names iteration 10. Training diverged"):
+    with pytest.raises(NonFiniteError, match=f"not saving .*iter_0000020: tensor '{KEY}' holds 1 "
+                                             "non-finite value .*; latest still names iteration 10$"):
         save_training_checkpoint(_Engine(model), str(tmp_path), 20, {}, state)
     assert (tmp_path / "latest").read_text().strip() == "10"
     assert sorted(os.listdir(tmp_path)) == ["iter_0000010", "latest"]

@@ -96,15 +96,47 @@ def test_checkpoint_with_inf_weight_stops_and_latest_stays(data, tmp_path, capsy
     unchecked = ["--no-verify-checksums"]
     assert main(tiny_argv(data, "--save", str(save), "--load", str(save), *unchecked)) == 2
     assert "non-finite value" in capsys.readouterr().err
-    # Forced through, training skips every step and never saves the non-finite weights.
+    # Forced through, training skips every step and never saves the non-finite weights: the
+    # save's one check stops the run (exit 1) naming iteration, tensor and likely cause.
     forced = unchecked + ["--allow-nonfinite-load"]
     rc = main(tiny_argv(data, "--save", str(save), "--load", str(save), *forced))
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and "Traceback" not in err[0], err
-    assert "non-finite" in err[0]
+    assert err[0].startswith("error: iteration 6: not saving ") and f"tensor '{key}' holds" in err[0]
+    assert "latest still names iteration 3; likely cause: the checkpoint loaded from" in err[0]
     assert (save / "latest").read_text().strip() == "3"
     assert not (save / "iter_0000006").exists()
     rc = main(tiny_argv(data, "--save", str(save), "--load", str(save), "--train-iters", "20",
                         "--max-skipped-steps", "4", *forced))
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and "iteration 7: 4 steps in a row" in err[0] and "checkpoint" in err[0], err
+
+
+def _deepspeed_save_with_inf(root: str, stage: int) -> str:
+    """ZeRO `stage` on 2 dp ranks, an inf in rank 1's part of one weight: the engine's save."""
+    import os
+
+    from megazoo.checkpoint.files import NonFiniteError
+
+    engine, state = ranks.deepspeed_engine(ParallelConfig(), zero_stage=stage)
+    name, p = next((n, p) for n, p in engine.model.named_parameters() if n.endswith("fc1.weight"))
+    if state.dp.rank == 1:
+        with torch.no_grad():
+            getattr(p, "ds_tensor", p).view(-1)[0] = math.inf
+    path = os.path.join(root, f"z{stage}")
+    try:
+        engine.save(path, {})
+    except NonFiniteError as exc:
+        return f"{exc} | written: {os.path.exists(path)}"
+    return f"saved {name}"
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_deepspeed_save_refuses_nonfinite_weights_on_every_rank(tmp_path, stage):
+    """The DeepSpeed engine writes its own format, so its save makes the check itself
+    (ZeRO-3: on each rank's partition) with the same agreement and wording as the others'."""
+    rank0, rank1 = run_distributed(_deepspeed_save_with_inf, 2, str(tmp_path), stage,
+                                   timeout=300)
+    assert "another rank found a tensor holding inf or nan" in rank0 and "written: False" in rank0
+    assert "fc1.weight' holds 1 non-finite value (inf or nan)" in rank1, rank1
+    assert rank1.endswith("written: False")

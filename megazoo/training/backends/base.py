@@ -133,21 +133,15 @@ class Engine:
         """Wait for parameter updates still in flight (overlapped all-gathers)."""
 
     def save(self, path: str, extra: dict) -> None:
-        """Write a checkpoint directory (collective: every rank calls it)."""
+        """Write a checkpoint directory (collective: every rank calls it). When any rank's
+        weights or optimizer state hold inf or nan it writes nothing and raises
+        `megazoo.checkpoint.files.NonFiniteError` on every rank, naming the tensor where it
+        was found (`megazoo.save_checkpoint` does this, or `refuse_nonfinite` beforehand)."""
         raise NotImplementedError
 
     def load(self, path: str) -> dict:
         """Restore model, optimizer, scheduler and scaler from `path`; return its `extra`."""
         raise NotImplementedError
-
-    @torch.no_grad()
-    def nonfinite_parameter(self) -> str | None:
-        """The name of a parameter (this rank's part of it) holding inf / nan, else None."""
-        for name, p in self.model.named_parameters():
-            t = p.to_local() if hasattr(p, "to_local") else p
-            if t.numel() and not bool(torch.isfinite(t).all()):
-                return name
-        return None
 
 
 def mean_eval_loss(model, micro_batches, state, device, *, dtype=None) -> float:

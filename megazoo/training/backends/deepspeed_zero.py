@@ -44,6 +44,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ...checkpoint.save import refuse_nonfinite
 from ...parallel.state import ParallelState
 from ..ds_config import build_ds_config, offload_device, zero_stage
 from .base import Engine
@@ -146,8 +147,17 @@ class DeepSpeedEngine(Engine):
         return float(getattr(self.ds.optimizer, "cur_scale", getattr(self.ds.optimizer,
                                                                        "loss_scale", math.nan)))
 
+    def _local_parameters(self):
+        """(name, this rank's tensor of it): the ZeRO-3 partition where parameters are
+        partitioned (their module tensors are then empty placeholders), else the parameter."""
+        for name, p in self.model.named_parameters():
+            yield name, getattr(p, "ds_tensor", p)
+
     def save(self, path: str, extra: dict) -> None:
-        """DeepSpeed's files under `path/zero/`, then `path/megazoo.json` (rank 0)."""
+        """DeepSpeed's files under `path/zero/`, then `path/megazoo.json` (rank 0); first
+        the check every engine's save makes (`refuse_nonfinite`): nothing is written when any
+        rank's weights hold inf or nan."""
+        refuse_nonfinite(self._local_parameters(), path, self.state, self.device)
         self.ds.save_checkpoint(path, tag=TAG)
         if self.state.global_rank == 0:
             meta = {"format": DS_FORMAT, "tag": TAG, "model": self.model.config.to_dict(),

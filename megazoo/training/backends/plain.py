@@ -116,13 +116,6 @@ class PlainEngine(Engine):
     def wait_params(self) -> None:
         self.optimizer.wait_params()
 
-    @torch.no_grad()
-    def nonfinite_parameter(self) -> str | None:
-        """One check over the flat fp32 masters (this rank's shard), then the name."""
-        if bool(torch.isfinite(self.optimizer.master).all()):
-            return None
-        return super().nonfinite_parameter() or "an fp32 master weight"
-
     # -- checkpoints: the fp32 masters and moments, full tensors per parameter --------------
     def _as_params(self, flat: torch.Tensor) -> dict:
         """{name: view of the full flat tensor shaped like the parameter}."""
@@ -155,8 +148,9 @@ class PlainEngine(Engine):
         from ...checkpoint.load import CheckpointReader
         from ..run_checks import read_options
 
-        # Weights-only checkpoints (converted from HF, say) start a fresh optimizer.
-        stored = set(CheckpointReader(path).aux_prefixes)
+        # Weights-only checkpoints (converted from HF, say) start a fresh optimizer (this
+        # reader only looks at the metadata; load_model_weights checks the tensors).
+        stored = set(CheckpointReader(path, verify_checksums=False).aux_prefixes)
         prefixes = AUX_PREFIXES if stored.issuperset(AUX_PREFIXES) else ()
         self.optimizer.wait_params()
         master = torch.zeros(self.buffers.numel, dtype=torch.float32, device=self.device)

@@ -1,0 +1,105 @@
+"""Which hash a checkpoint records, and that every recorded kind still verifies: xxh3_64
+checkpoints, CRC-32 ones (the fallback without xxhash, and every checkpoint written before
+xxh3), CRC-32 ones from before megazoo.json named its hash, and the errors when this install
+cannot compute the recorded hash."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megazoo.checkpoint import checksums as hashes
+from megazoo.checkpoint import load_pretrained, save_checkpoint
+from megazoo.checkpoint.save import SUMS_SUFFIX, _gather_checksums
+
+from test_checkpoint_integrity import FILE, KEY, patch_bytes, tensor_span
+from test_output_safety import tiny_model
+
+
+def saved(path, monkeypatch, algorithm: str):
+    """A tiny checkpoint written with `algorithm` (crc32: as an install without xxhash)."""
+    if algorithm == "xxh3_64":
+        pytest.importorskip("xxhash")
+    with monkeypatch.context() as m:
+        if algorithm == "crc32":
+            m.setattr(hashes, "xxhash", None)
+        save_checkpoint(tiny_model(), path)
+    assert json.loads((path / "megazoo.json").read_text())["checksum"] == algorithm
+    return path
+
+
+def edit_metadata(ckpt, **changes) -> None:
+    meta = json.loads((ckpt / "megazoo.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            del meta[key]
+        else:
+            meta[key] = value
+    (ckpt / "megazoo.json").write_text(json.dumps(meta))
+
+
+def flip(ckpt) -> None:
+    begin, _ = tensor_span(ckpt / FILE, KEY)
+    patch_bytes(ckpt / FILE, begin + 3, b"\xa5")
+
+
+def test_the_default_hash_is_xxh3_where_xxhash_is_installed(monkeypatch):
+    pytest.importorskip("xxhash")
+    assert hashes.default_algorithm() == "xxh3_64"
+    monkeypatch.setattr(hashes, "xxhash", None)
+    assert hashes.default_algorithm() == "crc32"
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "unnamed"])
+def test_crc32_checkpoints_verify_where_xxhash_is_installed(tmp_path, monkeypatch, named):
+    """Written without xxhash (or before the hash was named: no "checksum" field), read with
+    it: the CRC-32 values are checked as CRC-32."""
+    ckpt = saved(tmp_path / "ck", monkeypatch, "crc32")
+    if not named:
+        edit_metadata(ckpt, checksum=None)
+    load_pretrained(ckpt)
+    flip(ckpt)
+    with pytest.raises(ValueError, match=f"{FILE} is corrupted: tensor '{KEY}' has checksum "
+                                         r"[0-9a-f]{8}, megazoo.json recorded [0-9a-f]{8};"):
+        load_pretrained(ckpt)
+
+
+@pytest.mark.parametrize("case", ["xxh3 without xxhash", "unknown hash"])
+def test_a_hash_this_install_cannot_compute_is_one_clear_error(tmp_path, monkeypatch, case):
+    """Refused before any tensor is read, naming what to do; --no-verify-checksums loads."""
+    if case == "xxh3 without xxhash":
+        ckpt = saved(tmp_path / "ck", monkeypatch, "xxh3_64")
+        monkeypatch.setattr(hashes, "xxhash", None)
+        message = "records xxh3_64 checksums and the xxhash package is not installed: pip install"
+    else:
+        ckpt = saved(tmp_path / "ck", monkeypatch, "crc32")
+        edit_metadata(ckpt, checksum="sha3")
+        message = "records 'sha3' checksums, which this megazoo does not know"
+    with pytest.raises(ValueError, match=message):
+        load_pretrained(ckpt)
+    load_pretrained(ckpt, verify_checksums=False)
+
+
+def test_xxh3_catches_a_flip_in_the_last_byte(tmp_path, monkeypatch):
+    ckpt = saved(tmp_path / "ck", monkeypatch, "xxh3_64")
+    _, end = tensor_span(ckpt / FILE, KEY)
+    data = (ckpt / FILE).read_bytes()[end - 1]
+    patch_bytes(ckpt / FILE, end - 1, bytes([data ^ 1]))
+    with pytest.raises(ValueError, match=f"tensor '{KEY}' has checksum [0-9a-f]{{16}}"):
+        load_pretrained(ckpt)
+
+
+def test_ranks_that_hashed_differently_are_refused(tmp_path):
+    for name, algorithm in (("a", "crc32"), ("b", "xxh3_64")):
+        (tmp_path / (name + SUMS_SUFFIX)).write_text(
+            json.dumps({"checksum": algorithm, "checksums": {}}))
+    with pytest.raises(RuntimeError, match="different checksums .*install xxhash on every node"):
+        _gather_checksums(str(tmp_path), ["a", "b"])
+
+
+def test_digest_of_an_empty_tensor():
+    raw = torch.empty(0).numpy().data
+    assert hashes.digest(raw, "crc32") == "00000000"
+    with pytest.raises(ValueError, match="unknown checksum algorithm 'md5'"):
+        hashes.digest(raw, "md5")
