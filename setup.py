@@ -75,6 +75,9 @@ setup(
         "transformers",
         "deepspeed",
         "tqdm",
+        # checkpoint checksums: xxh3_64 hides beside the file I/O where zlib's CRC-32 does
+        # not; without it megazoo writes and checks CRC-32 (megazoo.checkpoint.checksums)
+        "xxhash",
     ],
     extras_require={
         # triton: the Triton kernels' tests run on CPU tensors under its interpreter

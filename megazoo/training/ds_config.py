@@ -15,6 +15,13 @@ A key the JSON sets to a value other than what the flags say is an error naming 
 Batch sizes are checked against each other and the data-parallel size: DeepSpeed's
 `train_batch_size = micro * accumulation * dp`, where dp is our dp (not dp x sp: sp ranks see
 pieces of the same sequences).
+
+The JSON's `sparse_attention` section configures megazoo's own block-sparse attention (the
+model's, `sparse_args.py`, in every engine) and is left out of the dict DeepSpeed gets:
+DeepSpeed's sparse attention only ever served models built from its own SparseSelfAttention
+modules, and DeepSpeed releases without it refuse a config holding the block
+("DeepSpeed Sparse Attention has been removed"), which would stop every --deepspeed run of a
+Megatron-DeepSpeed ds_config that has one. The file itself is never changed.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import math
 import os
 
 AUTO = "auto"
+SPARSE_SECTION = "sparse_attention"  # megazoo's model reads it; DeepSpeed never gets it
 
 
 def load_ds_json(path: str) -> dict:
@@ -128,6 +136,7 @@ def build_ds_config(args, dp: int) -> dict:
     ds: dict = {}
     if zero.deepspeed_config:
         ds = copy.deepcopy(load_ds_json(zero.deepspeed_config))
+        ds.pop(SPARSE_SECTION, None)  # the model's (see the module doc)
         source = f"--deepspeed_config {zero.deepspeed_config}"
     _zero_flags(ds, zero, source)
     _precision(ds, training, source)

@@ -7,7 +7,8 @@
 in the JSON file and by a flag must agree; the merged section becomes
 `ModelConfig.sparse_attention` (validated there). Engines other than DeepSpeed use only the
 JSON's sparse section and the training values (`ds_config.training_defaults_from_json`); one
-warning line names the sections they ignore.
+warning line names the sections they ignore. DeepSpeed's engine gets the rest of the JSON, not
+this section (`ds_config.build_ds_config`).
 """
 from __future__ import annotations
 
@@ -15,9 +16,8 @@ import json
 import os
 import sys
 
-from .ds_config import JSON_TRAINING_KEYS, load_ds_json
+from .ds_config import JSON_TRAINING_KEYS, SPARSE_SECTION as SECTION, load_ds_json
 
-SECTION = "sparse_attention"
 FLAGS = {"mode": "--sparse-attention-mode", "block": "--sparse-block"}
 # Top-level keys of a ds_config that the plain and FSDP2 engines read.
 READ_BY_ALL = {SECTION, "gradient_accumulation_steps"} | {k[0] for k in JSON_TRAINING_KEYS.values()}
