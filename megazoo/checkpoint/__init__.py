@@ -8,7 +8,8 @@
 
 Layout on disk: `megazoo.json` ({"format": "megazoo-checkpoint-1", "model": config dict,
 "layout": {"tp", "pp", "vpp"}, "dtype", "files", "params": {full name: {"full_shape",
-"dtype"}}, "aux": [prefixes], "extra"}) and `model-pp{p:03d}-tp{t:03d}.safetensors`, the
+"dtype"}}, "aux": [prefixes], "extra", "checksum": "xxh3_64" | "crc32" and the values
+{file: {key: hex}} under "checksums_xxh3_64" | "checksums"}) and `model-pp{p:03d}-tp{t:03d}.safetensors`, the
 shards of rank (p, t) keyed by full parameter name (`prefix/name` for aux tensors). Nothing is
 read with pickle.
 """

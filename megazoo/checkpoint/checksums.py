@@ -4,8 +4,11 @@
     digest(raw, algorithm)                   # hex string, what megazoo.json stores per tensor
     check_algorithm(algorithm, where)        # ValueError if this install cannot compute it
 
-Two algorithms, named in megazoo.json's "checksum" field (checkpoints written before it had
-a name hold CRC-32 values):
+Two algorithms, named in megazoo.json's "checksum" field, each with its own key for the
+values (`values_key`): CRC-32 values under "checksums", as every checkpoint written before
+xxh3 holds them, xxh3 values under "checksums_xxh3_64". A megazoo that predates xxh3 then
+finds no "checksums" in a new checkpoint and loads it unchecked, instead of calling every
+tensor corrupted.
 
 - `xxh3_64` (the `xxhash` package): several times faster than CRC-32 on one core, fast
   enough to hide beside the file I/O of a save or load; any random corruption goes unseen
@@ -26,6 +29,11 @@ except ImportError:  # optional: CRC-32 is the fallback
 
 CRC32, XXH3 = "crc32", "xxh3_64"
 ALGORITHMS = (XXH3, CRC32)
+
+
+def values_key(algorithm: str) -> str:
+    """The megazoo.json key holding the checksums of `algorithm`."""
+    return "checksums" if algorithm == CRC32 else f"checksums_{algorithm}"
 
 
 def default_algorithm() -> str:

@@ -26,7 +26,7 @@ from torch import nn
 from ..layers.sharding import full_shape, tp_slice, tp_unslice
 from ..models import ModelConfig, build_model, full_name
 from ..parallel.state import ParallelState
-from .checksums import CRC32, check_algorithm
+from .checksums import CRC32, check_algorithm, values_key
 from .files import BackgroundChecks, checksum, nonfinite_count, parse_dtype
 from .output import OLD_SUFFIX
 from .layout import FORMAT, METADATA_FILE, check_layout, rank_model, stored_parameters
@@ -85,9 +85,9 @@ class CheckpointReader:
         self.verify_checksums, self.allow_nonfinite = verify_checksums, allow_nonfinite
         self._background: BackgroundChecks | None = None
         self.metadata = _read_metadata(self.path)
-        self.checksums = self.metadata.get("checksums") or {}
         self.algorithm = self.metadata.get("checksum") or CRC32
-        if verify_checksums and self.checksums:
+        self.checksums = self.metadata.get(values_key(self.algorithm)) or {}
+        if verify_checksums and "checksum" in self.metadata:
             check_algorithm(self.algorithm, f"checkpoint {self.path}")
         self.config = config_from_dict(self.metadata["model"])
         lay = self.metadata["layout"]

@@ -4,8 +4,8 @@
 On disk: `megazoo.json` plus one `model-pp{p:03d}-tp{t:03d}.safetensors` per (pp, tp) rank,
 holding that rank's shards keyed by full parameter name (and `prefix/full name` for auxiliary
 tensors such as optimizer moments, sharded like their parameter). `megazoo.json` records a
-checksum of every tensor (`"checksums": {file: {key: hex}}`, the hash named by `"checksum"`),
-computed while writing; each rank of `save_checkpoint` leaves its file's checksums next to it
+checksum of every tensor (`{file: {key: hex}}` under `checksums.values_key` of the hash that
+`"checksum"` names), computed while writing; each rank of `save_checkpoint` leaves its file's checksums next to it
 (`SUMS_SUFFIX`) for rank 0 to gather into megazoo.json before the folder is published. A tensor holding inf or nan stops the
 save before anything is published (`NonFiniteError`, naming the tensor and the checkpoint, on
 every rank); `refuse_nonfinite` is the same check, message and agreement for a writer of
@@ -24,7 +24,7 @@ from torch import nn
 from ..layers.sharding import full_shape, tp_slice
 from ..models import ModelConfig
 from ..parallel.state import ParallelState
-from .checksums import default_algorithm
+from .checksums import default_algorithm, values_key
 from .files import NonFiniteError, SafetensorsWriter, check_finite, dtype_name, write_json
 from .output import (check_output_dir, discard, fault_point, fresh_temp_dir, publish,
                      temp_dir)
@@ -35,15 +35,20 @@ SUMS_SUFFIX = ".checksums.json"
 
 
 def build_metadata(config: ModelConfig, layout: dict, dtype: torch.dtype, extra: dict | None,
-                   aux_dtypes: dict[str, torch.dtype], checksums: dict[str, dict],
-                   algorithm: str) -> dict:
-    """The contents of megazoo.json (`algorithm`: the hash of `checksums`)."""
+                   aux_dtypes: dict[str, torch.dtype]) -> dict:
+    """The contents of megazoo.json, less the checksums (`add_checksums`)."""
     return {"format": FORMAT, "model": config.to_dict(), "layout": dict(layout),
             "dtype": dtype_name(dtype), "files": layout_files(layout),
             "params": {name: {"full_shape": list(shape), "dtype": dtype_name(dtype)}
                        for name, shape in full_shapes(config).items()},
             "aux": list(aux_dtypes), "aux_dtypes": {k: dtype_name(v) for k, v in aux_dtypes.items()},
-            "extra": extra or {}, "checksum": algorithm, "checksums": checksums}
+            "extra": extra or {}}
+
+
+def add_checksums(meta: dict, algorithm: str, checksums: dict[str, dict]) -> dict:
+    """`meta` with the hash's name and its values ({file: {key: hex}})."""
+    meta["checksum"], meta[values_key(algorithm)] = algorithm, checksums
+    return meta
 
 
 def _named(path: str, exc: NonFiniteError) -> NonFiniteError:
@@ -186,7 +191,7 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
         layout = {"tp": state.tp.size, "pp": state.pp.size, "vpp": len(model.chunks)}
         aux_dtypes = {k: next(iter(v.values())).dtype for k, v in aux.items() if v}
         dtype = params[0].dtype if params else torch.float32
-        return build_metadata(model.config, layout, dtype, extra, aux_dtypes, {}, "")
+        return build_metadata(model.config, layout, dtype, extra, aux_dtypes)
 
     meta = _collectively(write, state, device, path)
 
@@ -196,7 +201,7 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
         missing = [f for f in meta["files"] if not os.path.exists(os.path.join(tmp, f))]
         if missing:
             raise RuntimeError(f"rank files {missing} were not written")
-        meta["checksum"], meta["checksums"] = _gather_checksums(tmp, meta["files"])
+        add_checksums(meta, *_gather_checksums(tmp, meta["files"]))
         fault_point("save-files-written", path)
         write_json(os.path.join(tmp, METADATA_FILE), meta)
         publish(path)
@@ -233,8 +238,9 @@ def write_checkpoint(config: ModelConfig, path, full_tensor: Callable[[str], tor
                 checksums[rank_file(p, t)] = _stream_rank(
                     model, t, tp, os.path.join(tmp, rank_file(p, t)), full_tensor, dtype,
                     tuple(aux_prefixes), aux_dtype, algorithm)
-        meta = build_metadata(config, layout, dtype, extra, {a: aux_dtype for a in aux_prefixes},
-                              checksums, algorithm)
+        meta = add_checksums(build_metadata(config, layout, dtype, extra,
+                                            {a: aux_dtype for a in aux_prefixes}),
+                             algorithm, checksums)
         write_json(os.path.join(tmp, METADATA_FILE), meta)
         publish(path)
     except NonFiniteError as exc:

@@ -51,6 +51,14 @@ def test_the_default_hash_is_xxh3_where_xxhash_is_installed(monkeypatch):
     assert hashes.default_algorithm() == "crc32"
 
 
+def test_xxh3_values_are_where_older_readers_do_not_look(tmp_path, monkeypatch):
+    """A megazoo from before xxh3 reads "checksums" as CRC-32: an xxh3 checkpoint keeps its
+    values under another key, so such a reader loads it unchecked rather than refusing every
+    tensor as corrupted."""
+    meta = json.loads((saved(tmp_path / "ck", monkeypatch, "xxh3_64") / "megazoo.json").read_text())
+    assert "checksums" not in meta and FILE in meta["checksums_xxh3_64"]
+
+
 @pytest.mark.parametrize("named", [True, False], ids=["named", "unnamed"])
 def test_crc32_checkpoints_verify_where_xxhash_is_installed(tmp_path, monkeypatch, named):
     """Written without xxhash (or before the hash was named: no "checksum" field), read with
