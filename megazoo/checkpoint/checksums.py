@@ -53,6 +53,25 @@ def check_algorithm(algorithm: str, where: str) -> None:
                          f"--no-verify-checksums (verify_checksums=False)")
 
 
+class Hasher:
+    """Incremental checksum: `update(buf)` over consecutive pieces, then `hexdigest()`, equal
+    to `digest` of the pieces joined (both hashes are defined to stream)."""
+
+    def __init__(self, algorithm: str):
+        self.algorithm = algorithm
+        self._xxh = xxhash.xxh3_64() if algorithm == XXH3 else None
+        self._crc = 0
+
+    def update(self, buf) -> None:
+        if self._xxh is not None:
+            self._xxh.update(buf)
+        else:
+            self._crc = zlib.crc32(buf, self._crc)
+
+    def hexdigest(self) -> str:
+        return f"{self._xxh.intdigest():016x}" if self._xxh is not None else f"{self._crc:08x}"
+
+
 def digest(raw, algorithm: str) -> str:
     """Hex checksum of the buffer `raw` (8 digits for crc32, 16 for xxh3_64)."""
     if algorithm == XXH3:

@@ -56,9 +56,38 @@ def tensor_bytes(tensor: torch.Tensor):
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
-def checksum(tensor: torch.Tensor, algorithm: str) -> str:
-    """The checksum of the tensor's raw bytes, as megazoo.json records it."""
-    return digest(tensor_bytes(tensor), algorithm)
+# Bytes read per call when reading a tensor: each piece is hashed right after it arrives,
+# while it is still in the CPU cache, where xxh3 runs about 4x faster than from memory.
+READ_CHUNK = 1 << 20
+_BY_NAME = {name: dtype for dtype, name in DTYPES.items()}
+
+
+def read_header(path: str) -> tuple[int, dict[str, tuple]]:
+    """(where the data starts, {key: (dtype, shape, begin, end)}) of a safetensors file."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return 8 + n, {k: (_BY_NAME[v["dtype"]], tuple(v["shape"]), *v["data_offsets"])
+                   for k, v in header.items()}
+
+
+def read_tensor(f, start: int, entry: tuple, hasher=None) -> torch.Tensor:
+    """One tensor (`entry` from `read_header`) from the open unbuffered file `f`, read into
+    its own memory piece by piece; `hasher` (a `checksums.Hasher`) sees each piece as it
+    arrives. ValueError if the file ends early."""
+    dtype, shape, begin, end = entry
+    out = torch.empty(shape, dtype=dtype)
+    view, pos = memoryview(tensor_bytes(out)), 0
+    f.seek(start + begin)
+    while pos < end - begin:
+        got = f.readinto(view[pos:pos + min(READ_CHUNK, end - begin - pos)])
+        if not got:
+            raise ValueError(f"the file ends {end - begin - pos} bytes early")
+        if hasher is not None:
+            hasher.update(view[pos:pos + got])
+        pos += got
+    return out
 
 
 def nonfinite_count(tensor: torch.Tensor) -> int:

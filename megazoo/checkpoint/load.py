@@ -6,7 +6,8 @@ A full tensor is rebuilt from the source layout's shards with `tp_unslice`, driv
 metadata of the source rank's parameters (a model of that rank built on the meta device),
 and cut for the target rank with `tp_slice`; so any tp/pp/vpp loads into any other.
 
-Each tensor is checked as it is read (no extra pass): against the checksum megazoo.json recorded
+Each tensor is checked as it is read (hashed piece by piece as the pieces arrive, while they are
+still in the CPU cache: no extra pass over memory): against the checksum megazoo.json recorded
 for it, with the hash megazoo.json names (`checksums.py`; CRC-32 where it names none;
 checkpoints written before checksums existed have none and load unchecked), and for
 inf / nan where no verified checksum already vouches for it (the writer records checksums of
@@ -27,7 +28,8 @@ from ..layers.sharding import full_shape, tp_slice, tp_unslice
 from ..models import ModelConfig, build_model, full_name
 from ..parallel.state import ParallelState
 from .checksums import CRC32, check_algorithm, values_key
-from .files import BackgroundChecks, checksum, nonfinite_count, parse_dtype
+from .checksums import Hasher
+from .files import BackgroundChecks, nonfinite_count, parse_dtype, read_header, read_tensor
 from .output import OLD_SUFFIX
 from .layout import FORMAT, METADATA_FILE, check_layout, rank_model, stored_parameters
 
@@ -96,6 +98,8 @@ class CheckpointReader:
         self.dtype = parse_dtype(self.metadata.get("dtype", "float32"))
         for name in self.metadata["files"]:
             self._check_file(name)
+        self._headers = {name: read_header(os.path.join(self.path, name))
+                         for name in self.metadata["files"]}
         self._stages: dict[int, list[dict]] = {}
         self._stage_of: dict[str, int] = {}
         for p in range(self.layout["pp"]):
@@ -126,19 +130,29 @@ class CheckpointReader:
         return self._stages[stage]
 
     def _read(self, file: str, key: str) -> torch.Tensor:
+        """`key` from `file`, its checksum verified as it is read (each piece hashed while
+        still in the CPU cache); then the non-finite test where no checksum vouches for it."""
+        start, entries = self._headers[os.path.basename(file)]
+        if key not in entries:
+            raise ValueError(f"checkpoint file {file} has no tensor {key!r}")
+        recorded = self.checksums.get(os.path.basename(file), {}).get(key)
+        hasher = Hasher(self.algorithm) if self.verify_checksums and recorded else None
         try:
-            with safe_open(file, framework="pt") as f:
-                if key not in f.keys():
-                    raise ValueError(f"checkpoint file {file} has no tensor {key!r}")
-                tensor = f.get_tensor(key)
-        except ValueError:
-            raise
-        except Exception as exc:
+            with open(file, "rb", buffering=0) as f:
+                tensor = read_tensor(f, start, entries[key], hasher)
+        except (OSError, ValueError) as exc:
             raise ValueError(f"checkpoint file {file}: cannot read {key!r} ({exc})") from None
-        if self._background is not None:
-            self._background.submit(self._check_tensor, file, key, tensor)
-        else:
-            self._check_tensor(file, key, tensor)
+        if hasher is not None and hasher.hexdigest() != recorded:
+            raise ValueError(f"checkpoint file {file} is corrupted: tensor {key!r} has checksum "
+                             f"{hasher.hexdigest()}, megazoo.json recorded {recorded}; restore "
+                             f"the file or load another checkpoint (--no-verify-checksums, "
+                             f"verify_checksums=False, skips this check)")
+        # The writer records checksums of finite tensors only: bytes matching one are finite.
+        if hasher is None and not self.allow_nonfinite:
+            if self._background is not None:
+                self._background.submit(self._check_finite, file, key, tensor)
+            else:
+                self._check_finite(file, key, tensor)
         return tensor
 
     def check_in_background(self) -> None:
@@ -153,20 +167,10 @@ class CheckpointReader:
         if background is not None:
             background.close(wait)
 
-    def _check_tensor(self, file: str, key: str, tensor: torch.Tensor) -> None:
-        """ValueError naming file and tensor if its bytes differ from the recorded checksum or
-        it holds inf / nan (each check skipped when turned off)."""
-        recorded = self.checksums.get(os.path.basename(file), {}).get(key)
-        verified = self.verify_checksums and recorded is not None
-        if verified:
-            found = checksum(tensor, self.algorithm)
-            if found != recorded:
-                raise ValueError(f"checkpoint file {file} is corrupted: tensor {key!r} has "
-                                 f"checksum {found}, megazoo.json recorded {recorded}; restore "
-                                 f"the file or load another checkpoint (--no-verify-checksums, "
-                                 f"verify_checksums=False, skips this check)")
-        # The writer records checksums of finite tensors only: bytes matching one are finite.
-        bad = 0 if self.allow_nonfinite or verified else nonfinite_count(tensor)
+    @staticmethod
+    def _check_finite(file: str, key: str, tensor: torch.Tensor) -> None:
+        """ValueError naming file and tensor if it holds inf / nan."""
+        bad = nonfinite_count(tensor)
         if bad:
             raise ValueError(f"checkpoint file {file}: tensor {key!r} holds {bad} non-finite "
                              f"value{'s' if bad > 1 else ''} (inf or nan); load an earlier "
