@@ -5,7 +5,8 @@ header {key: {"dtype", "shape", "data_offsets": [begin, end]}} (padded with spac
 multiple of 8 bytes), then the raw little-endian bytes of each tensor. All shapes and dtypes
 of a rank file are known from its meta model before any tensor exists, so `SafetensorsWriter`
 writes the header first and then each tensor as it arrives: memory holds one tensor, never the
-whole file. Files are read back with `safetensors.safe_open` (lazy, memory-mapped).
+whole file. `read_tensor` reads one tensor back (the header from `read_header`) in pieces,
+hashing each as it arrives; any safetensors reader opens these files too.
 
 **Integrity.** The writer refuses a tensor holding inf or nan (a checkpoint is never written
 with them) and records a checksum of each tensor's bytes as it writes them (`writer.checksums`,
@@ -68,6 +69,10 @@ def read_header(path: str) -> tuple[int, dict[str, tuple]]:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
     header.pop("__metadata__", None)
+    unknown = sorted({v["dtype"] for v in header.values()} - set(_BY_NAME))
+    if unknown:
+        raise ValueError(f"{path} holds tensors of dtype {unknown}, which megazoo checkpoints "
+                         f"do not use ({', '.join(_BY_NAME)})")
     return 8 + n, {k: (_BY_NAME[v["dtype"]], tuple(v["shape"]), *v["data_offsets"])
                    for k, v in header.items()}
 

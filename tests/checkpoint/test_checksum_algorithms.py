@@ -111,3 +111,49 @@ def test_digest_of_an_empty_tensor():
     assert hashes.digest(raw, "crc32") == "00000000"
     with pytest.raises(ValueError, match="unknown checksum algorithm 'md5'"):
         hashes.digest(raw, "md5")
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_64", "crc32"])
+def test_piecewise_read_equals_safetensors_and_the_one_shot_hash(tmp_path, monkeypatch,
+                                                                 algorithm):
+    """Tensors of every stored dtype read in 100-byte pieces (odd sizes: the last piece is
+    short): the values safetensors reads, and the hash of the pieces equals the digest of
+    the whole buffer."""
+    from safetensors.torch import load_file
+
+    from megazoo.checkpoint import files
+
+    if algorithm == "xxh3_64":
+        pytest.importorskip("xxhash")
+    monkeypatch.setattr(files, "READ_CHUNK", 100)
+    g = torch.Generator().manual_seed(0)
+    tensors = {"f32": torch.randn(7, 33, generator=g), "bf16": torch.randn(301, generator=g).bfloat16(),
+               "f16": torch.randn(3, 5, generator=g).half(), "i64": torch.arange(40),
+               "empty": torch.empty(0, 4), "scalar": torch.tensor(2.5)}
+    file = str(tmp_path / "t.safetensors")
+    with files.SafetensorsWriter(file, {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()},
+                                 algorithm) as writer:
+        for key, t in tensors.items():
+            writer.write(key, t)
+    start, entries = files.read_header(file)
+    reference = load_file(file)
+    with open(file, "rb", buffering=0) as f:
+        for key in tensors:
+            hasher = hashes.Hasher(algorithm)
+            got = files.read_tensor(f, start, entries[key], hasher)
+            assert got.dtype == reference[key].dtype and torch.equal(got, reference[key]), key
+            assert hasher.hexdigest() == writer.checksums[key], key
+
+
+def test_a_truncated_file_is_named(tmp_path, monkeypatch):
+    ckpt = saved(tmp_path / "ck", monkeypatch, "crc32")
+    file = ckpt / FILE
+    begin, _ = tensor_span(file, KEY)
+    data = file.read_bytes()
+    from megazoo.checkpoint import CheckpointReader
+
+    reader = CheckpointReader(ckpt)  # header intact: the cut is found when KEY is read
+    file.write_bytes(data[:begin + 10])
+    with pytest.raises(ValueError, match=f"{FILE}: cannot read '{KEY}' \\(the file ends "
+                                         r"\d+ bytes early\)"):
+        reader.full_tensor(KEY)
