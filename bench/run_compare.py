@@ -4,6 +4,7 @@ tokens/s, the training and validation loss at the end, peak GPU memory, and the 
     python -m bench.run_compare --common "--model gpt-350m --bf16 --train-iters 500" \
         --variant bf16= --variant fp8="--fp8-format hybrid" --logs runs/ --out fp8_loss.json
     python -m bench.run_compare --dry-run       # two tiny CPU runs: checks the plumbing
+    python -m bench.run_compare --nproc 2 ...   # each variant on 2 ranks through torchrun
 
 Each variant is one `pretrain_gpt.py` process (its own peak memory) with the `--common` flags
 followed by its own; the run's `--log-json` goes to `--logs/NAME.jsonl`, so
@@ -18,11 +19,10 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 
-from bench.common import REPO, child_env, print_table, write_json
+from bench.common import REPO, failure_line, print_table, run_command, torchrun, write_json
 
 DRY_FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
              "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4 "
@@ -55,22 +55,23 @@ def summarize(log_path: str) -> dict:
     return out
 
 
-def run_variant(name: str, flags: list[str], logs: str, timeout: float | None) -> dict:
+def run_variant(name: str, flags: list[str], logs: str, timeout: float | None,
+                nproc: int = 1) -> dict:
+    """One pretrain_gpt.py run (through torchrun with `nproc` ranks when > 1), summarized."""
     log = os.path.join(logs, f"{name}.jsonl")
     if os.path.exists(log):
         os.remove(log)
-    cmd = [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), "--save", "",
-           "--generate-tokens", "0", "--no-progress", "--log-json", log,
+    launcher = torchrun(nproc) if nproc > 1 else [sys.executable]
+    cmd = [*launcher, os.path.join(REPO, "pretrain_gpt.py"), "--save", "",
+           "--generate-tokens", "0", "--no-progress", "--log-json", os.path.abspath(log),
            "--data-cache-path", os.path.join(REPO, "data_cache"), *flags]
     print(f"[{name}] {shlex.join(cmd[1:])}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=child_env(),
-                                  timeout=timeout)
-            error = None if proc.returncode == 0 else proc.stderr[-1500:]
-        except subprocess.TimeoutExpired:
-            error = f"stopped after {timeout:.0f} s (--timeout); the row is what was logged"
-    row = {"variant": name}
+        rc, _, err = run_command(cmd, timeout, cwd=tmp)
+    error = None if rc == 0 else (
+        failure_line(err) if rc is not None else
+        f"stopped after {timeout:.0f} s (--timeout); the row is what was logged")
+    row = {"variant": name, "nproc": nproc}
     try:
         row.update(summarize(log))
     except (OSError, RuntimeError) as exc:
@@ -89,14 +90,20 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=None, help="seconds per variant")
     p.add_argument("--plot", default=None, help="also write the overlaid curves to this PNG")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="ranks per variant: > 1 launches each through torchrun (data parallel "
+                        "unless the flags say otherwise; tokens/s counts all ranks)")
     p.add_argument("--dry-run", action="store_true", help="two tiny CPU runs")
     args = p.parse_args(argv)
     common = shlex.split(DRY_FLAGS if args.dry_run else args.common)
     variants = args.variant or ([("a", []), ("b", ["--lr", "5e-4"])] if args.dry_run else [])
     if not variants:
         p.error("give at least one --variant NAME=FLAGS")
+    if args.nproc < 1:
+        p.error(f"--nproc {args.nproc}: give 1 or more ranks")
     os.makedirs(args.logs, exist_ok=True)
-    rows = [run_variant(name, common + flags, args.logs, args.timeout) for name, flags in variants]
+    rows = [run_variant(name, common + flags, args.logs, args.timeout, args.nproc)
+            for name, flags in variants]
     first = rows[0].get("tokens_per_s")
     for row in rows:
         if first and "tokens_per_s" in row:

@@ -1,8 +1,8 @@
 """Block-sparse attention (FlexAttention from a layout) against dense causal attention, one GPU.
 
-    python bench/sparse_attention_bench.py --out sparse.json     # the sweep (GPU, < 5 min)
-    python bench/sparse_attention_bench.py --check                # sparse vs dense-mask math
-    python bench/sparse_attention_bench.py --dry-run              # CPU: every layout and mask
+    python -m bench.sparse_attention_bench --out sparse.json     # the sweep (GPU, < 5 min)
+    python -m bench.sparse_attention_bench --check                # sparse vs dense-mask math
+    python -m bench.sparse_attention_bench --dry-run              # CPU: every layout and mask
 
 Forward + backward of causal attention, 16 heads x 128, bf16, batch 1, at s = 16k, 32k, 64k:
 dense SDPA (cuDNN's fused kernel), dense FlexAttention (causal BlockMask), and the sparse
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from common import environment, print_table, time_ms, write_json
+from bench.common import environment, print_table, time_ms, write_json
 from megazoo.layers import core_attention
 from megazoo.layers.sparse_attention import block_mask_from_layout, sparse_attention
 from megazoo.layers.sparse_config import SparseAttentionConfig
