@@ -137,12 +137,18 @@ def sparse_row(s, label, cfg, inputs, args, device) -> dict:
     return row
 
 
-def sweep(args, device) -> list[dict]:
+def allow_recompiles(limit: int = 256) -> None:
+    """Let the compiled FlexAttention recompile per sequence length and layout shape (a sweep
+    expects one compile each) instead of falling back to eager FlexAttention at dynamo's limit."""
     import torch._dynamo
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
-                 "accumulated_cache_size_limit"):  # one compile per s is expected; be safe
+                 "accumulated_cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 256)
+            setattr(torch._dynamo.config, name, limit)
+
+
+def sweep(args, device) -> list[dict]:
+    allow_recompiles()
     start, rows = time.perf_counter(), []
     configs = sparse_configs(args.modes, args.blocks, args.window)
     for s in args.seqs:

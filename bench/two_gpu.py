@@ -9,7 +9,8 @@ Each part runs its measurements as child processes (torchrun with 2 ranks where 
 needed, one process for the one-GPU baselines) and writes `OUT/<part>.json`; a later call
 with the same --out adds to what earlier calls wrote (rows of the same name are replaced),
 so a part can be split over several calls. After the parts ran, the ratios of everything in
-OUT are printed and written to `OUT/summary.json` (bench/two_gpu_summary.py).
+OUT are printed and written to `OUT/summary.json` (bench/two_gpu_summary.py). What the
+children print goes to `OUT/*.log` and `OUT/logs/` (pretrain_gpt.py's --log-json there too).
 
 - dp: gpt-1.3b (train_bench.py's shape, vocabulary 2048), s 2048, micro-batch 4, bf16, at
   each --dp-batches: pretrain_gpt.py at dp = 1 and 2 in each of DP_VARIANTS (through
@@ -82,29 +83,39 @@ def save(path: str, payload: dict) -> None:
     print(f"wrote {path}", flush=True)
 
 
-def child_json(cmd: list[str], path: str, timeout: float) -> dict:
-    """Run `cmd` (which writes JSON to `path`); its JSON, or {"error": what went wrong}."""
-    if os.path.exists(path):
-        os.remove(path)
+def run_logged(cmd: list[str], timeout: float, log: str) -> tuple[int | None, str, str]:
+    """Run `cmd` (bench.common.run_command); its stdout and stderr also go to the file `log`
+    (the profiler's tables, the children's own prints) for reading after the session."""
     print("$ " + " ".join(cmd), flush=True)
     rc, out, err = run_command(cmd, timeout)
-    if rc == 0 and os.path.exists(path):
-        return load(path)
-    why = f"stopped after {timeout:.0f} s" if rc is None else f"exit {rc}: {failure_line(err or out)}"
-    print(f"  failed: {why}", flush=True)
-    return {"error": why}
+    with open(log, "w") as f:
+        f.write(f"$ {' '.join(cmd)}\n# exit {rc}\n{out}\n# stderr\n{err}")
+    return rc, out, err
 
 
-def result_line(cmd: list[str], timeout: float) -> dict:
-    """Run `cmd` and parse its last "RESULT {json}" line, or {"error": ...}."""
-    print("$ " + " ".join(cmd), flush=True)
-    rc, out, err = run_command(cmd, timeout)
-    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-    if rc == 0 and lines:
-        return json.loads(lines[-1][len("RESULT "):])
+def _failure(rc: int | None, timeout: float, err: str) -> dict:
     why = f"stopped after {timeout:.0f} s" if rc is None else f"exit {rc}: {failure_line(err)}"
     print(f"  failed: {why}", flush=True)
     return {"error": why}
+
+
+def child_json(cmd: list[str], path: str, timeout: float) -> dict:
+    """Run `cmd` (which writes JSON to `path`; log in `path`.log): its JSON, or {"error": why}."""
+    if os.path.exists(path):
+        os.remove(path)
+    rc, out, err = run_logged(cmd, timeout, path + ".log")
+    if rc == 0 and os.path.exists(path):
+        return load(path)
+    return _failure(rc, timeout, err or out)
+
+
+def result_line(cmd: list[str], timeout: float, log: str) -> dict:
+    """Run `cmd` and parse its last "RESULT {json}" line, or {"error": why}."""
+    rc, out, err = run_logged(cmd, timeout, log)
+    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    if rc == 0 and lines:
+        return json.loads(lines[-1][len("RESULT "):])
+    return _failure(rc, timeout, err)
 
 
 def plan(flags: list[str]) -> dict:
@@ -113,7 +124,10 @@ def plan(flags: list[str]) -> dict:
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = plan_main(flags + ["--dp", "2", "--json"])
+        try:
+            rc = plan_main(flags + ["--dp", "2", "--json"])
+        except SystemExit as exc:  # its parser's one-line error (a flag it does not know)
+            rc = exc.code or 2
     if rc:
         return {"error": err.getvalue().strip()}
     est = json.loads(out.getvalue())
@@ -138,7 +152,8 @@ def part_dp(cfg) -> None:
             save(path, saved)
         if "deepspeed" in cfg.dp_extras:
             cmd = module_command("train_bench", torchrun(2)) + ["--child", "deepspeed", cfg.shape, str(gb)]
-            saved["deepspeed"] = result_line(cmd + (["--dry-run"] if cfg.dry_run else []), cfg.timeout)
+            saved["deepspeed"] = result_line(cmd + (["--dry-run"] if cfg.dry_run else []), cfg.timeout,
+                                             os.path.join(logs, f"deepspeed_gb{gb}.log"))
             save(path, saved)
         if "profile" in cfg.dp_extras:
             profiles = saved.setdefault("profile", {})
@@ -146,7 +161,7 @@ def part_dp(cfg) -> None:
                 out = os.path.join(cfg.out, f"profile_gb{gb}_{name}.json")
                 run = common + DP_VARIANTS[name] + RUN_FLAGS + ["--train-iters", "6"]
                 cmd = module_command("profile_train", torchrun(2)) + [
-                    "--skip", "2", "--steps", "3", "--rows", "15", "--out", out, "--", *run]
+                    "--skip", "3", "--steps", "3", "--rows", "15", "--out", out, "--", *run]
                 profiles[name] = child_json(cmd, out, cfg.timeout)
             save(path, saved)
 

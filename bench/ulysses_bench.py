@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from bench.common import environment, print_table, time_ms, write_json
 from megazoo.layers import UlyssesAttention
 from bench.experimental.ulysses_overlap import UlyssesOverlapAttention
-from bench.sparse_attention_bench import sparse_configs
+from bench.sparse_attention_bench import allow_recompiles, sparse_configs
 
 
 def parse_args(argv=None):
@@ -217,6 +217,7 @@ def main(argv=None) -> int:
         device, dtype = torch.device("cuda", int(os.environ["LOCAL_RANK"])), torch.bfloat16
         torch.cuda.set_device(device)
     if args.sparse:
+        allow_recompiles()  # FlexAttention: one compile per length, head count and grad mode
         rows = [r for s in args.seqs for r in sparse_rows(s, args, device, dtype)]
         if rank == 0:
             print_table(rows, SPARSE_COLUMNS)
