@@ -49,9 +49,12 @@ def check_request(prompts, max_new_tokens: int, config) -> None:
 
 
 def cache_length(total: int, config) -> int:
-    """Slots of the static cache: the total length, rounded up to the sparse block."""
+    """Slots of the static cache: the total length rounded up to the sparse block, or to a
+    multiple of 8 (aligned rows of the attention mask for SDPA's fused kernels; the slots past
+    the total are never written and, being in every query's future, never seen)."""
     sparse = config.sparse
-    return total if sparse is None else -(-total // sparse.block) * sparse.block
+    unit = 8 if sparse is None else sparse.block
+    return -(-total // unit) * unit
 
 
 def build_cache(model, pad: torch.Tensor, total: int) -> KVCache:
