@@ -26,6 +26,7 @@ from .loop import check_request, generate_ids
 from .sampling import Sampling
 
 SEPARATOR = "-" * 40
+DEFAULT_NEW_TOKENS = 64
 
 
 def build_parser() -> HintingParser:
@@ -37,8 +38,8 @@ def build_parser() -> HintingParser:
                    "for a batch of prompts")
     p.add_argument("--prompt-file", help="a text file with one prompt per line (added after "
                    "the --prompt ones)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per "
-                   "prompt (default: 64)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate per "
+                   f"prompt (default: {DEFAULT_NEW_TOKENS}, or fewer to fit the model's positions)")
     p.add_argument("--temperature", type=float, default=1.0, help="divide the logits by it "
                    "before sampling (default: 1.0)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens "
@@ -62,7 +63,7 @@ def build_parser() -> HintingParser:
                    help="same as --dtype float16")
     p.add_argument("--cuda-graphs", action=__import__("argparse").BooleanOptionalAction,
                    default=None, help="capture the decode step as a CUDA graph (default: on "
-                   "CUDA without pipeline parallelism, with an eager fallback)")
+                   "CUDA at tp = pp = 1, with an eager fallback)")
     return p
 
 
@@ -90,6 +91,9 @@ def prepare(args):
         config = config_from_dict(json.load(f)["model"])
     tokenizer = find_tokenizer(checkpoint, args.tokenizer)
     ids = [tokenizer.encode(text) for text in prompts]
+    if args.max_new_tokens is None:  # as many as fit, up to the default
+        room = config.max_position_embeddings - max(len(i) for i in ids)
+        args.max_new_tokens = min(DEFAULT_NEW_TOKENS, max(room, 1))
     check_request(ids, args.max_new_tokens, config)
     if args.tp < 1 or args.pp < 1:
         raise ValueError(f"--tp and --pp must be >= 1, got {args.tp} and {args.pp}")

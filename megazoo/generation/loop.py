@@ -11,7 +11,7 @@ pipeline group, so the first stage embeds them in the next step. tp ranks hold t
 gathered logits and the same seeded generator, so they pick the same tokens.
 
 The decode step has fixed shapes (the static cache of cache.py, the slot a device tensor) and
-is the same code on CPU and GPU; on CUDA with pp = 1 it is captured once as a CUDA graph
+is the same code on CPU and GPU; on CUDA at tp = pp = 1 it is captured once as a CUDA graph
 and replayed per token (graphs.py), unless `cuda_graphs=False`.
 """
 from __future__ import annotations
@@ -24,6 +24,8 @@ from .cache import KVCache, StepInputs
 from .graphs import DecodeStep
 from .sampling import Sampling, sample
 from .step import check_layout, chunk_step, embed, head, local_step
+
+STOP_CHECK = 8  # decode steps between checks whether every row has stopped
 
 
 def check_request(prompts, max_new_tokens: int, config) -> None:
@@ -123,13 +125,15 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int,
                  stop_id: int | None = None, cuda_graphs: bool | None = None) -> list[list[int]]:
     """The new tokens of each prompt (up to `max_new_tokens`; a row stops before `stop_id`).
 
-    cuda_graphs: None captures the decode step on CUDA when pp = 1 (falling back to eager
-    with a warning if capture fails), True asks for it, False never captures.
+    cuda_graphs: None captures the decode step on CUDA at tp = pp = 1 (falling back to eager
+    with a warning if capture fails), True asks for it (also at tp > 1, NCCL collectives
+    inside the graph; never at pp > 1), False never captures.
     """
     check_request(prompts, max_new_tokens, model.config)
     check_layout(model)
     model.eval()
     state, device = model.state, model.layers[str(model.chunks[0][0])].attention.qkv.weight.device
+    graphs = use_graphs(cuda_graphs, device, state)
     ids, pad = left_pad(prompts, device)
     batch, longest = ids.shape
     cache = build_cache(model, pad, longest + max_new_tokens)
@@ -139,17 +143,27 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int,
     out = [tokens]
     finished = None if stop_id is None else tokens == stop_id
     if max_new_tokens > 1:
-        graphs = cuda_graphs if cuda_graphs is not None else (device.type == "cuda" and state.pp.size == 1)
         step = DecodeStep(lambda t, inp: model_step(model, t, cache, inp), cache, batch, longest,
                           use_graph=graphs)
-    for _ in range(max_new_tokens - 1):
-        if finished is not None and bool(finished.all()):
+    for n in range(1, max_new_tokens):
+        # Reading `finished` waits for the GPU: look every STOP_CHECK tokens only.
+        if finished is not None and n % STOP_CHECK == 0 and bool(finished.all()):
             break
         tokens = choose(step(tokens), sampling, generator, state, batch, device)
         out.append(tokens)
         if finished is not None:
             finished |= tokens == stop_id
     return _trim(torch.stack(out, dim=1).tolist(), stop_id)
+
+
+def use_graphs(requested: bool | None, device, state) -> bool:
+    """Whether to capture the decode step (see `generate_ids`); never under pipeline
+    parallelism, whose step sends and receives between stages."""
+    if requested and device.type != "cuda":
+        raise ValueError("--cuda-graphs needs a CUDA device; drop the flag on CPU")
+    if requested is None:
+        return device.type == "cuda" and state.pp.size == 1 and state.tp.size == 1
+    return requested and state.pp.size == 1
 
 
 def _trim(rows: list[list[int]], stop_id: int | None) -> list[list[int]]:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import megazoo
 from megazoo.generation.cli import SEPARATOR, main
@@ -113,7 +114,10 @@ def test_hf_tokenizer_next_to_the_checkpoint_and_missing_tokenizer(tmp_path, cap
     (["--prompt", "x", "--top-p", "2"], "--top-p must be in (0, 1]"),
     (["--prompt", "x", "--tokenizer", "nowhere.json"], "--tokenizer nowhere.json: not found"),
     (["--prompt", "x", "--prompt-file", "nowhere.txt"], "--prompt-file nowhere.txt: no such"),
-])
+    (["--prompt", "x", "--dtype", "float8"], "float8"),
+    (["--prompt", "x", "--pp", "3"], "--pp 3 exceeds the model's 2 layers"),
+] + ([] if torch.accelerator.is_available() else [
+    (["--prompt", "x", "--cuda-graphs"], "--cuda-graphs needs a CUDA device")]))
 def test_bad_input_is_one_line_exit_2(trained, capsys, extra, message):
     save, _ = trained
     code, out, err = run_main(["--load", str(save), *extra], capsys)
