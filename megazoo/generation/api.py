@@ -8,7 +8,8 @@ needs: the checkpoint behind a `--save` folder, and the tokenizer a checkpoint w
 
 A checkpoint's tokenizer, in this order: the one its training run recorded in megazoo.json
 (`extra.args.data`: the SentencePiece model or HF tokenizer.json of `--tokenizer-model`, or
-the byte-level one); a `tokenizer.json` (or SentencePiece `tokenizer.model`) in the
+the byte-level one; a relative path is looked up from here, then from the folder holding the
+`--save` folder); a `tokenizer.json` (or SentencePiece `tokenizer.model`) in the
 checkpoint folder or the folder above it (where a converted Hugging Face model's tokenizer
 is put). `tokenizer=` overrides the lookup.
 """
@@ -61,6 +62,10 @@ def recorded_tokenizer(checkpoint: str) -> Tokenizer | None:
     kind, model = data.get("tokenizer_type"), data.get("tokenizer_model")
     if not kind:
         return None
+    if model and not os.path.isabs(model) and not os.path.exists(model):
+        # recorded relative to the run's folder: the one holding the --save folder
+        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))
+        model = os.path.join(run_dir, model) if os.path.exists(os.path.join(run_dir, model)) else model
     if model and not os.path.exists(model):
         raise ValueError(f"the tokenizer this checkpoint was trained with ({model}, recorded in "
                          f"{checkpoint}/megazoo.json) is missing; {TOKENIZER_HINT}")

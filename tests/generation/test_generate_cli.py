@@ -138,3 +138,30 @@ def test_script_runs(trained):
                           capture_output=True, text=True, timeout=120, cwd=save.parent)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("def")
+
+
+def test_recorded_sentencepiece_model_found_from_another_folder(tmp_path, capsys, monkeypatch):
+    """The default run records its tokenizer relative to where it ran ("data_cache/..."):
+    found from another working folder through the folder holding the --save folder."""
+    from megazoo.data.tokenizer import train_sentencepiece
+
+    run = tmp_path / "run"
+    (run / "data_cache").mkdir(parents=True)
+    corpus = run / "data_cache" / "text.txt"
+    corpus.write_text("def main():\n    return value\nimport os\n" * 50)
+    monkeypatch.chdir(run)
+    with capsys.disabled():  # sentencepiece writes to the real stdout's file descriptor
+        train_sentencepiece([corpus], 60, "data_cache/tok")
+    model = build_model(ModelConfig(family="gpt", num_layers=2, hidden_size=32,
+                                    num_attention_heads=4, vocab_size=64,
+                                    max_position_embeddings=64), None, device="cpu", seed=1)
+    data = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": "data_cache/tok.model"}
+    megazoo.save_checkpoint(model, run / "ck" / "iter_0000001", extra={"args": {"data": data}})
+    (run / "ck" / "latest").write_text("1")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(["--load", "run/ck", "--prompt", "def main", "--max-new-tokens",
+                               "4", "--greedy"], capsys)
+    assert code == 0 and out.startswith("def main"), err
+    (run / "data_cache" / "tok.model").unlink()
+    code, out, err = run_main(["--load", "run/ck", "--prompt", "x"], capsys)
+    assert code == 2 and "data_cache/tok.model, recorded in" in err and "--tokenizer" in err
