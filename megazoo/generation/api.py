@@ -95,6 +95,21 @@ def load_model(path, state=None, device=None, dtype=None):
                            device=device or local_device(), dtype=dtype)
 
 
+def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A prompt's ids: an HF tokenizer adds its template's special tokens (LLaMA's <s>), as
+    transformers does for a prompt; the others encode the text alone, as megazoo's data is."""
+    if isinstance(tokenizer, HFTokenizer):
+        return tokenizer.encode(text, add_special_tokens=True)
+    return tokenizer.encode(text)
+
+
+def decode_text(tokenizer: Tokenizer, ids: list[int]) -> str:
+    """Text of prompt + continuation ids, without an HF tokenizer's special tokens."""
+    if isinstance(tokenizer, HFTokenizer):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    return tokenizer.decode(ids)
+
+
 def _as_ids(prompts, tokenizer) -> tuple[list[list[int]], bool]:
     """(token ids per prompt, whether the prompts were text)."""
     if isinstance(prompts, str) or (prompts and all(isinstance(p, str) for p in prompts)):
@@ -102,7 +117,7 @@ def _as_ids(prompts, tokenizer) -> tuple[list[list[int]], bool]:
         if tokenizer is None:
             raise ValueError("text prompts need a tokenizer: pass tokenizer= (or a checkpoint "
                              "folder, whose tokenizer is found for you)")
-        return [tokenizer.encode(t) for t in texts], True
+        return [encode_prompt(tokenizer, t) for t in texts], True
     return [list(p) for p in prompts], False
 
 
@@ -133,7 +148,7 @@ def generate(model_or_dir, prompts, max_new_tokens: int = 64, *, temperature: fl
                        cuda_graphs=cuda_graphs)
     if not text:
         return new
-    out = [tokenizer.decode(p + n) for p, n in zip(ids, new)]
+    out = [decode_text(tokenizer, p + n) for p, n in zip(ids, new)]
     return out[0] if isinstance(prompts, str) else out
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..checkpoint import config_from_dict, parse_dtype
 from ..cli_parser import HintingParser
 from ..parallel.device import local_device
-from .api import find_tokenizer, resolve_checkpoint
+from .api import decode_text, encode_prompt, find_tokenizer, resolve_checkpoint
 from .loop import check_request, generate_ids
 from .sampling import Sampling
 
@@ -90,7 +90,7 @@ def prepare(args):
     with open(os.path.join(checkpoint, "megazoo.json")) as f:
         config = config_from_dict(json.load(f)["model"])
     tokenizer = find_tokenizer(checkpoint, args.tokenizer)
-    ids = [tokenizer.encode(text) for text in prompts]
+    ids = [encode_prompt(tokenizer, text) for text in prompts]
     if args.max_new_tokens is None:  # as many as fit, up to the default
         room = config.max_position_embeddings - max(len(i) for i in ids)
         args.max_new_tokens = min(DEFAULT_NEW_TOKENS, max(room, 1))
@@ -116,7 +116,7 @@ def run(args) -> None:
                        cuda_graphs=args.cuda_graphs)
     seconds = time.perf_counter() - start
     if state.global_rank == 0:
-        texts = [tokenizer.decode(p + n) for p, n in zip(ids, new)]
+        texts = [decode_text(tokenizer, p + n) for p, n in zip(ids, new)]
         print(f"\n{SEPARATOR}\n".join(texts))
         count = sum(len(n) for n in new)
         print(f"generated {count} tokens for {len(ids)} prompt{'s' if len(ids) > 1 else ''} "

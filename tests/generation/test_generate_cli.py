@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import megazoo
+from megazoo.generation.api import encode_prompt, find_tokenizer
 from megazoo.generation.cli import SEPARATOR, main
 from megazoo.models import ModelConfig, build_model
 from megazoo.testing import run_distributed
@@ -76,15 +77,18 @@ def test_cli_at_tp2_and_pp2_prints_the_one_process_text(trained, capsys):
 
 
 def hf_tokenizer_json(path: Path) -> None:
-    """A byte-level BPE tokenizer.json (with </s>) trained on a few lines, < 300 ids."""
+    """A byte-level BPE tokenizer.json trained on a few lines (< 300 ids), with </s> and a
+    template that starts every text with <s>, as LLaMA's does."""
     tokenizers = pytest.importorskip("tokenizers")
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
     trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=280, special_tokens=["</s>"],
+        vocab_size=280, special_tokens=["<s>", "</s>"],
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["hello world", "def main(): return 0"] * 20, trainer)
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
     tok.save(str(path))
 
 
@@ -102,7 +106,9 @@ def test_hf_tokenizer_next_to_the_checkpoint_and_missing_tokenizer(tmp_path, cap
     assert code == 0 and out.startswith("hello")
     hf_tokenizer_json(tmp_path / "mz" / "tokenizer.json")
     code, out, err = run_main(flags + ["--greedy"], capsys)
-    assert code == 0 and out.startswith("hello"), err
+    assert code == 0 and out.startswith("hello"), err  # printed without the <s> it was fed
+    tok = find_tokenizer(str(tmp_path / "mz"))
+    assert encode_prompt(tok, "hello")[0] == 0 and tok.encode("hello")[0] != 0  # <s> is id 0
 
 
 @pytest.mark.parametrize("extra, message", [
