@@ -7,8 +7,9 @@ file naming the newest complete one. Everything that reads a checkpoint (resumin
     resolve_checkpoint("checkpoints")                  # -> "checkpoints/iter_0000800"
     resolve_checkpoint("checkpoints/iter_0000400")     # -> itself (it holds megazoo.json)
 
-A folder holding neither, a `latest` that is not a number, or one naming a missing folder is
-a FileNotFoundError / ValueError that says what to pass instead.
+A missing folder, one holding neither, or a `latest` naming a missing folder is a
+`CheckpointNotFound` (both a FileNotFoundError and a ValueError, what the command lines turn
+into one "error: ..." line); a `latest` that is not a number is a ValueError.
 """
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ from .layout import METADATA_FILE
 from .output import OLD_SUFFIX
 
 LATEST = "latest"
+
+
+class CheckpointNotFound(FileNotFoundError, ValueError):
+    """No checkpoint where a path points; the message says what to pass instead."""
 
 
 def iteration_dir(save_dir: str, iteration: int) -> str:
@@ -57,14 +62,14 @@ def resolve_checkpoint(path) -> str:
         old = path + OLD_SUFFIX
         hint = (f" (an interrupted save left the previous checkpoint at {old}: rename it back)"
                 if os.path.isdir(old) else "")
-        raise FileNotFoundError(f"no checkpoint directory at {path}{hint}")
+        raise CheckpointNotFound(f"no checkpoint directory at {path}{hint}")
     latest = os.path.join(path, LATEST)
     if not os.path.isfile(latest):
         newest = previous_checkpoint(path, 10 ** 12)
         hint = f" (it holds {newest}: pass that)" if newest else ""
-        raise FileNotFoundError(f"{path}: no checkpoint there (no {LATEST} file and no "
-                                f"{METADATA_FILE}){hint}; pass a --save folder or one of its "
-                                f"iter_* folders")
+        raise CheckpointNotFound(f"{path} is not a megazoo checkpoint (no {METADATA_FILE}) nor "
+                                 f"a --save folder (no {LATEST} file){hint}; pass a --save "
+                                 f"folder or one of its iter_* folders")
     with open(latest) as f:
         text = f.read().strip()
     if not text.isdigit():
@@ -74,5 +79,5 @@ def resolve_checkpoint(path) -> str:
         earlier = previous_checkpoint(path, int(text))
         hint = (f"; the previous checkpoint {earlier} is there: resume from it with --load "
                 f"{earlier}" if earlier else "; no earlier iter_* checkpoint is there either")
-        raise FileNotFoundError(f"{latest} names iteration {text} but {found} is missing{hint}")
+        raise CheckpointNotFound(f"{latest} names iteration {text} but {found} is missing{hint}")
     return found
