@@ -67,9 +67,9 @@ def resolve_checkpoint(path) -> str:
     if not os.path.isfile(latest):
         newest = previous_checkpoint(path, 10 ** 12)
         hint = f" (it holds {newest}: pass that)" if newest else ""
-        raise CheckpointNotFound(f"{path} is not a megazoo checkpoint (no {METADATA_FILE}) nor "
-                                 f"a --save folder (no {LATEST} file){hint}; pass a --save "
-                                 f"folder or one of its iter_* folders")
+        raise CheckpointNotFound(f"{path} is not a megazoo checkpoint ({METADATA_FILE} is "
+                                 f"missing) nor a --save folder (no {LATEST} file){hint}; pass "
+                                 f"a --save folder or one of its iter_* folders")
     with open(latest) as f:
         text = f.read().strip()
     if not text.isdigit():

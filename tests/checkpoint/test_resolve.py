@@ -43,9 +43,9 @@ def test_converters_take_the_save_folder(save_dir, tmp_path, capsys):
 
 
 def test_folder_without_checkpoint_says_what_to_pass(save_dir, tmp_path):
-    with pytest.raises(ValueError, match=r"is not a megazoo checkpoint \(no megazoo.json\) nor a "
-                       r"--save folder \(no latest file\); pass a --save folder or one of its "
-                       r"iter_\* folders"):
+    with pytest.raises(ValueError, match=r"is not a megazoo checkpoint \(megazoo.json is missing\) "
+                       r"nor a --save folder \(no latest file\); pass a --save folder or one of "
+                       r"its iter_\* folders"):
         resolve_checkpoint(tmp_path)
     (tmp_path / "iter_0000009").symlink_to(save_dir / "iter_0000006")
     with pytest.raises(FileNotFoundError, match="it holds .*iter_0000009: pass that"):
