@@ -4,9 +4,9 @@
 
 Panels (each drawn only when some run logged its key): training and validation loss against
 tokens seen, learning rate, tokens/s, MFU, gradient norm, memory (GPU peak allocated, else
-host RSS). Tokens seen are counted from the log itself: iteration x tokens per step, where a
-run's tokens per step is read from its `run` record (written by pretrain_gpt.py) or, failing
-that, the x axis is the iteration. matplotlib is an optional dependency (`pip install -e
+host RSS). Tokens seen are counted from the log itself: iteration x tokens per step, read from the
+`{"tokens_per_step": N, ...}` record pretrain_gpt.py writes first; without one, the x axis is
+the iteration. matplotlib is an optional dependency (`pip install -e
 ".[plot]"`): without it the command says so in one line.
 """
 from __future__ import annotations

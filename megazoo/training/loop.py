@@ -84,7 +84,6 @@ def _draw_curves(run, tokens_per_step: int) -> None:
     if not has_matplotlib():
         say(f"no {out}: matplotlib is not installed: {INSTALL}")
         return
-
     try:
         draw([(os.path.basename(os.path.normpath(a.checkpoint.save)), run.logger.records,
                tokens_per_step)], out)
