@@ -81,9 +81,12 @@ def activation_bytes(args: PretrainArgs, options: PlanOptions | None = None) -> 
     return stage_activations(args.model, resolve(args, options))
 
 
-def _estimate(config: ModelConfig, layout: Resolved) -> MemoryEstimate:
+def _estimate(config: ModelConfig, layout: Resolved, n_gpu: int | None = None,
+              act: float | None = None) -> MemoryEstimate:
+    """The estimate of the most loaded rank; `n_gpu` (parameters per tp rank before ZeRO)
+    and `act` (activation bytes) given: of the pipeline stage they describe."""
     counts = stage_parameters(config, layout.tp, layout.pp)
-    n_gpu = counts["stage"]
+    n_gpu = counts["stage"] if n_gpu is None else n_gpu
     z = layout.dp * layout.sp
     grad_b = 4 if layout.options.fp32_grad_accumulation else 2
     notes = []
@@ -122,7 +125,7 @@ def _estimate(config: ModelConfig, layout: Resolved) -> MemoryEstimate:
             notes.append(f"FSDP2 without resharding after forward: all {n_gpu / 1e9:.2f}e9 "
                          f"params of the stage gathered (bf16) + 1 unit of full gradients")
     comm = RUNTIME_BYTES + _comm_buffers(config, layout, n_gpu, grad_b)
-    act = stage_activations(config, layout)["total"]
+    act = stage_activations(config, layout)["total"] if act is None else act
     subtotal = params + grads + optim + act + comm
     frag = FRAGMENTATION * subtotal
     gpu_total = subtotal + frag

@@ -87,7 +87,8 @@ def field_docs(cls) -> dict[str, str]:
 
 def _add_field(group, dest: str, name: str, hint, doc: str, default) -> None:
     flags = ALIASES.get(name, ["--" + name.replace("_", "-")])
-    kwargs = dict(dest=dest, default=argparse.SUPPRESS, help=doc.replace("%", "%%"))
+    shown = f"{doc} (default: {_shown_default(default)})".replace("%", "%%")
+    kwargs = dict(dest=dest, default=argparse.SUPPRESS, help=shown)
     args = typing.get_args(hint)
     base = next((a for a in args if a is not type(None)), hint) if args else hint
     if typing.get_origin(hint) is list or typing.get_origin(base) is list:
@@ -105,6 +106,19 @@ def _add_field(group, dest: str, name: str, hint, doc: str, default) -> None:
     group.add_argument(*flags, **kwargs)
 
 
+def _shown_default(value) -> str:
+    """How --help shows a default: on / off, none, list items separated by spaces."""
+    if value is dataclasses.MISSING:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return " ".join(str(v) for v in value)
+    return str(value)
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The full parser: one argument group per config dataclass (added to `parser` if given:
     the memory planner extends the run's own flags)."""
@@ -120,8 +134,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         hints, docs = typing.get_type_hints(cls), field_docs(cls)
         for f in dataclasses.fields(cls):
             if (names is None or f.name in names) and f.name in docs:
+                # model fields: the no-flag run's model (a --model preset brings its own)
+                default = getattr(DEFAULT_MODEL, f.name) if cls is ModelConfig else f.default
                 _add_field(group, f"{group_name}__{f.name}", f.name, hints[f.name],
-                           docs[f.name], f.default)
+                           docs[f.name], default)
     add_sparse_flags(parser)
     return parser
 

@@ -192,7 +192,17 @@ class LoggingConfig:
     log_json: str | None = None
     """Also write every log line as a JSON object to this file."""
     tensorboard_dir: str | None = None
-    """TensorBoard event folder (when tensorboard is installed)."""
+    """TensorBoard event folder (needs the tensorboard package)."""
+    wandb_project: str | None = None
+    """Log to this Weights & Biases project (needs the wandb package; offline without an API
+    key or with WANDB_MODE=offline)."""
+    wandb_exp_name: str | None = None
+    """Weights & Biases run name (None: wandb picks one)."""
+    wandb_save_dir: str | None = None
+    """Weights & Biases files folder (None: SAVE/wandb, or ./wandb without --save)."""
+    plot_curves: bool = True
+    """At the end, draw the run's curves (loss, lr, tokens/s, ...) to SAVE/curves.png
+    (needs matplotlib)."""
     peak_tflops: float | None = None
     """Peak TFLOP/s of one device for MFU; None: measure a bf16 matmul once (GPU only)."""
     eval_only: bool = False
@@ -204,7 +214,7 @@ class LoggingConfig:
     generate_top_k: int = 10
     """Sample among the k most likely tokens (1: greedy)."""
     progress: bool = True
-    """Show a tqdm progress bar (rank 0)."""
+    """Show a tqdm progress bar (rank 0, on a terminal; a redirected log gets log lines only)."""
 
     def __post_init__(self) -> None:
         for name in ("log_interval", "eval_interval"):

@@ -105,7 +105,8 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
         log(f"resumed from {args.checkpoint.load} at iteration {start}")
     elif args.logging.eval_only:
         raise ValueError("--eval-only needs --load DIR (the checkpoint to evaluate)")
-    logger = MetricsLogger(args.logging, device, rank0, print_fn=log)
+    logger = MetricsLogger(args.logging, device, rank0, print_fn=log,
+                           save_dir=args.checkpoint.save, run_config=args.to_dict())
     return Run(args, state, data, engine, logger, start, entropy, owns)
 
 

@@ -27,11 +27,14 @@ def add_sparse_flags(parser) -> None:
     group = parser.add_argument_group("sparse attention", "Block-sparse attention (DeepSpeed's "
                                       "sparse_attention keys; see README).")
     group.add_argument("--sparse-attention-mode", dest="sparse__mode", default=None,
-                       metavar="MODE", help="dense, fixed, variable, bigbird or bslongformer")
+                       metavar="MODE", help="dense, fixed, variable, bigbird or bslongformer (default: the "
+                       "--deepspeed_config section's, else dense)")
     group.add_argument("--sparse-block", dest="sparse__block", type=int, default=None,
-                       metavar="N", help="tokens per block side (a power of two >= 16)")
+                       metavar="N", help="tokens per block side, a power of two >= 16 (default: the "
+                       "section's, else 16)")
     group.add_argument("--sparse-attention-config", dest="sparse__config", default=None,
-                       metavar="JSON", help="JSON object with the other sparse_attention keys")
+                       metavar="JSON", help="JSON object with the other sparse_attention keys (default: "
+                       "none: the section's, else each mode's defaults)")
 
 
 def sparse_section(ns, deepspeed_config: str | None) -> dict | None:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...parallel.collectives import reduce_scatter_flat
 from ...parallel.state import ParallelState
 
 
@@ -173,8 +174,8 @@ class GradBuffer:
             data.div_(self.state.dp.size)
         if self.shard:
             lo, hi = bucket.shard_range(self.group.rank, self.group.size)
-            bucket.handle = dist.reduce_scatter_tensor(self.main_grad[lo:hi], data,
-                                                       group=self.group.group, async_op=True)
+            bucket.handle = reduce_scatter_flat(self.main_grad[lo:hi], data,
+                                                group=self.group.group, async_op=True)
         else:
             bucket.handle = dist.all_reduce(data, group=self.group.group, async_op=True)
 

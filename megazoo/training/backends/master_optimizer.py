@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...parallel.collectives import all_gather_flat
 from .grad_buffer import GradBuffer
 from ..optim import build_optimizer
 
@@ -105,8 +106,7 @@ class MasterAdamW:
             out[lo:hi].copy_(shard[pos:pos + hi - lo])
             pos += hi - lo
             if group.size > 1:
-                dist.all_gather_into_tensor(out[bucket.start:bucket.end], out[lo:hi],
-                                            group=group.group)
+                all_gather_flat(out[bucket.start:bucket.end], out[lo:hi], group=group.group)
         return out
 
     # -- the step ---------------------------------------------------------------------------
@@ -137,9 +137,8 @@ class MasterAdamW:
             return
         for bucket in reversed(self.buffers.buckets):  # forward order: first needed first
             lo, hi = bucket.shard_range(group.rank, group.size)
-            handle = dist.all_gather_into_tensor(data[bucket.start:bucket.end], data[lo:hi],
-                                                 group=group.group,
-                                                 async_op=self.overlap_param_gather)
+            handle = all_gather_flat(data[bucket.start:bucket.end], data[lo:hi],
+                                     group=group.group, async_op=self.overlap_param_gather)
             if self.overlap_param_gather:
                 self._gathers[bucket.index] = handle
 
