@@ -31,14 +31,15 @@ TOKENIZER_HINT = ("pass --tokenizer PATH (a tokenizer.json or a folder holding o
 
 
 def resolve_checkpoint(path) -> str:
-    """An iter_* folder as given, or the one a --save folder's `latest` names."""
-    from ..training.checkpoint import resolve_load_path
+    """An iter_* folder as given, or the one a --save folder's `latest` names
+    (`megazoo.checkpoint.resolve`), as one line for the command."""
+    from ..checkpoint.resolve import resolve_checkpoint as resolve
 
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"--load {path}: no such folder")
     try:
-        return resolve_load_path(path)
+        return resolve(path)
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from None
 
