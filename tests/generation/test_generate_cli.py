@@ -134,7 +134,7 @@ def test_bad_load_folder(tmp_path, capsys):
     code, out, err = run_main(["--load", str(tmp_path / "none"), "--prompt", "x"], capsys)
     assert code == 2 and err == f"error: --load {tmp_path / 'none'}: no such folder\n"
     code, out, err = run_main(["--load", str(tmp_path), "--prompt", "x"], capsys)
-    assert code == 2 and "no checkpoint there" in err
+    assert code == 2 and "is not a megazoo checkpoint" in err and "pass a --save folder" in err
 
 
 def test_script_runs(trained):
