@@ -47,6 +47,16 @@ def conservation(algorithm: str, steps: int, numel: int, shard: bool) -> dict:
             "sent": red.sent_bytes, "dense": red.dense_bytes}
 
 
+def conservation_both(algorithm: str, steps: int, numel: int) -> dict:
+    """`conservation` for the all-reduce and the reduce-scatter form, in one spawn."""
+    return {shard: conservation(algorithm, steps, numel, shard) for shard in (False, True)}
+
+
+def lossless_all(numel: int) -> dict:
+    """`lossless` for every algorithm, in one spawn."""
+    return {alg: lossless(alg, numel) for alg in ("topk", "1bit", "2bit")}
+
+
 def lossless(algorithm: str, numel: int) -> dict:
     """Inputs a codec represents exactly (ratio 1 for topk; for 1bit / 2bit every block
     +-s_rank, or 0 for 2bit, with one sign pattern on every rank): the reduced bucket must
