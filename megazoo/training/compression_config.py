@@ -143,3 +143,38 @@ def check_engine_compression(cfg: CompressionConfig, zero_impl: str) -> None:
     raise ValueError(f"gradient_compression {cfg.algorithm} compresses the plain engine's "
                      f"gradient buckets; {engine} reduces gradients itself{hint}: drop "
                      f"gradient_compression / --gradient-compression, or the ZeRO engine")
+
+
+ONEBIT_ALTERNATIVE = ("the plain engine's \"gradient_compression\": {\"algorithm\": \"1bit\"} "
+                      "(--gradient-compression 1bit, without --deepspeed) is the alternative")
+
+
+def check_onebit_backend(kind: str, ds: dict, device: torch.device) -> None:
+    """ValueError (one line) unless DeepSpeed's 1-bit optimizer `kind` can run here: this
+    DeepSpeed release must have it, the model must be on CUDA GPUs, and its communication
+    backend's packages must import (nccl: cupy; mpi: cupy and mpi4py)."""
+    import importlib.util
+
+    try:
+        present = importlib.util.find_spec("deepspeed.runtime.fp16.onebit") is not None
+    except ModuleNotFoundError:
+        present = False
+    if not present:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            release = f"DeepSpeed {version('deepspeed')}"
+        except PackageNotFoundError:
+            release = "DeepSpeed (not installed)"
+        raise ValueError(f"\"optimizer\": {kind} needs DeepSpeed's 1-bit optimizers, which "
+                         f"{release} does not ship: {ONEBIT_ALTERNATIVE}")
+    if device.type != "cuda":
+        raise ValueError(f"DeepSpeed's {kind} runs its compressed all-reduce on CUDA GPUs only, "
+                         f"not on {device.type}: {ONEBIT_ALTERNATIVE}")
+    backend = ((ds.get("optimizer") or {}).get("params") or {}).get("comm_backend_name", "nccl")
+    needs = {"nccl": ("cupy",), "mpi": ("cupy", "mpi4py")}.get(backend, ())
+    missing = [m for m in needs if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"DeepSpeed's {kind} with comm_backend_name {backend} needs "
+                         f"{' and '.join(missing)} installed: install them, or note that "
+                         f"{ONEBIT_ALTERNATIVE}")
