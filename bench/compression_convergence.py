@@ -27,6 +27,13 @@ VARIANTS = {
     "topk": ["--gradient-compression", "topk", "--topk-ratio", "0.01"],
     "1bit": ["--gradient-compression", "1bit", "--compression-start-step", "100"],
     "2bit": ["--gradient-compression", "2bit", "--compression-start-step", "100"],
+    # 1-bit Adam's recipe: AdamW's variance frozen when compression starts
+    "topk-fv": ["--gradient-compression", "topk", "--topk-ratio", "0.01",
+                "--compression-start-step", "100", "--freeze-variance"],
+    "1bit-fv": ["--gradient-compression", "1bit", "--compression-start-step", "100",
+                "--freeze-variance"],
+    "2bit-fv": ["--gradient-compression", "2bit", "--compression-start-step", "100",
+                "--freeze-variance"],
 }
 
 
@@ -59,7 +66,7 @@ def run_variant(name: str, iters: int, folder: str, extra: list[str]) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=800)
-    parser.add_argument("--variants", nargs="+", default=["none", "topk", "1bit"],
+    parser.add_argument("--variants", nargs="+", default=["none", "topk-fv", "1bit-fv"],
                         choices=sorted(VARIANTS))
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],

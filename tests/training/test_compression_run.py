@@ -71,3 +71,30 @@ def test_resume_is_exact_with_residuals_and_dp_change_drops_them(data, tmp_path)
     run_training([*argv, "--load", save, "--save", ""], print_fn=lines.append)
     assert any("residuals were saved with dp 2 (this run 1): dropping them" in line
                for line in lines), lines
+
+
+def test_frozen_variance_step_is_adamw_when_v_would_not_move():
+    """With v = g^2 already, AdamW's own update leaves v unchanged, so the frozen step (v
+    frozen at that step count) must give the same parameters as the fused kernel (rtol 1e-6:
+    the same formula, other kernels)."""
+    from megazoo.training.backends.frozen_adam import frozen_variance_step
+
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for frozen in (False, True):
+        p = torch.randn(50, generator=torch.Generator().manual_seed(1))
+        p.grad = torch.randn(50, generator=gen.manual_seed(2))
+        opt = torch.optim.AdamW([p], lr=0.1, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+        opt.state[p] = {"step": torch.tensor(4.0), "exp_avg": torch.randn(50, generator=gen),
+                        "exp_avg_sq": (p.grad / 2).square()}  # the gradient divisor is 2
+        opt.grad_scale = torch.tensor(2.0)
+        if frozen:
+            frozen_variance_step(opt, 0.1, 2.0, frozen_at=5)
+        else:
+            opt.step()
+        results.append((p.detach().clone(), opt.state[p]["exp_avg"].clone(),
+                        float(opt.state[p]["step"])))
+    (a, ma, sa), (b, mb, sb) = results
+    assert sa == sb == 5.0
+    torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(mb, ma, rtol=1e-6, atol=1e-7)

@@ -51,9 +51,9 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """[rows, n] integer codes < 2**bits -> [rows, n x bits / 8] uint8 (big-end first)."""
     shifts = _SIGN_SHIFTS if bits == 1 else _TERNARY_SHIFTS
     per = len(shifts)
-    weights = torch.tensor([1 << s for s in shifts], dtype=torch.uint8, device=codes.device)
-    grouped = codes.to(torch.uint8).reshape(codes.shape[0], -1, per)  # [rows, n/per, per]
-    return (grouped * weights).sum(-1, dtype=torch.uint8)
+    weights = torch.tensor([1 << s for s in shifts], dtype=torch.int32, device=codes.device)
+    grouped = codes.to(torch.int32).reshape(codes.shape[0], -1, per)  # [rows, n/per, per]
+    return (grouped * weights).sum(-1).to(torch.uint8)  # int32: CPU's uint8 sum is slow
 
 
 def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:

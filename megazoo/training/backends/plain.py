@@ -78,6 +78,7 @@ class PlainEngine(Engine):
                                   deferred=() if tied is None else (tied,),
                                   wire_dtype=comp.wire_dtype, compressed=self.compressed,
                                   compress_from=comp.value("compression_start_step"))
+        self.freeze_at = comp.value("compression_start_step") if comp.freeze_variance else None
         self.resume_notes: list[str] = []
         self.optimizer = MasterAdamW(model, self.buffers, cfg,
                                      overlap_param_gather=cfg.overlap_param_gather)
@@ -114,7 +115,8 @@ class PlainEngine(Engine):
         if self.scaler is not None:
             self.scaler.update(not ok)
         if ok:
-            self.optimizer.step(lr, self._scale * clip_divisor(norm, self.cfg.clip_grad))
+            frozen = self.freeze_at if self.buffers.reduction.compressed else None
+            self.optimizer.step(lr, self._scale * clip_divisor(norm, self.cfg.clip_grad), frozen)
         elif self.compressed is not None:  # the residuals took this step's inf / nan in
             self.compressed.reset_errors()
         return ok
