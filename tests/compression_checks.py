@@ -122,3 +122,23 @@ def resume(path: str, compression: dict, training: dict) -> dict:
     engine, state = compressed_engine(compression, **training)
     engine.load(path)
     return {"after": train(engine, state, range(3, 6)), "notes": engine.resume_notes}
+
+
+def dense_wire_dtypes(numel: int) -> dict:
+    """communication_data_type: the dense all-reduce and reduce-scatter in fp16 / bf16 of
+    small integers (exact in both) give the exact fp32 sum; bytes halve."""
+    group, rank, n = world_group(), dist.get_rank(), dist.get_world_size()
+    out = {}
+    for wire in (torch.float16, torch.bfloat16):
+        red = build_reduction(None, group, wire_dtype=wire)
+        data = torch.randint(-20, 20, (numel,), generator=torch.Generator().manual_seed(rank)).float()
+        expected = sum(_all_gather(data))
+        full = data.clone()
+        red.launch("b0", full).wait()
+        k = numel // n
+        shard = data.clone()
+        red.launch("b0", shard, shard[rank * k:(rank + 1) * k]).wait()
+        out[str(wire)] = (torch.equal(full, expected),
+                          torch.equal(shard[rank * k:(rank + 1) * k], expected[rank * k:(rank + 1) * k]),
+                          red.dense_bytes / red.sent_bytes, full.dtype)
+    return out

@@ -70,3 +70,10 @@ def test_three_ranks_conserve_mass():
     """Chunks of uneven blocks (4000 / 3 is not a block multiple) and an odd group."""
     out = run_distributed(checks.conservation, 3, "1bit", 3, 3999, False, timeout=TIMEOUT)
     assert all(r["deviation"] < 1e-12 * max(r["scale"], 1.0) for r in out)
+
+
+def test_communication_data_type_halves_the_bytes_of_an_exact_sum():
+    out = run_distributed(checks.dense_wire_dtypes, 2, 1000, timeout=TIMEOUT)
+    for rank_out in out:
+        for full_ok, shard_ok, ratio, dtype in rank_out.values():
+            assert full_ok and shard_ok and ratio == 2 and dtype == torch.float32

@@ -23,11 +23,13 @@ bucket is divided by dp, then summed over `state.dp_sp` (sum over sp, mean over 
 `megazoo.parallel.compress` reduction: a dense all-reduce (in `communication_data_type` when
 given), or with `shard=True` a reduce-scatter that leaves each rank its own shard of the
 bucket in place; or, from optimizer step `compress_from` on, the `compressed` one (topk /
-1bit / 2bit with error feedback, its state keyed "bucket{index}"). With `overlap=True` the collective is launched (async_op) from the hook as
-soon as the bucket is ready, while backward continues; NCCL runs it on the process group's
-own stream, gloo on its own thread. `finish` launches the rest and waits. Buckets holding a
-tied embedding copy (`deferred`) are launched only by `finish`, after the caller's sum over
-the embedding group (that sum needs both pipeline ends to be done with backward).
+1bit / 2bit with error feedback, its state keyed "bucket{index}"). With `overlap=True` the
+collective is launched (async_op) from the hook as soon as the bucket is ready, while
+backward continues; NCCL runs it on the process group's own stream, gloo on its own thread
+(a compressed reduction: its first collective; the decoding and its second phase run in
+`wait`). `finish` launches the rest and waits. Buckets holding a tied embedding copy
+(`deferred`) are launched only by `finish`, after the caller's sum over the embedding group
+(that sum needs both pipeline ends to be done with backward).
 """
 from __future__ import annotations
 
