@@ -148,7 +148,8 @@ def check_engine_compression(cfg: CompressionConfig, zero_impl: str) -> None:
         return
     engine = "DeepSpeed" if zero_impl == "deepspeed" else "FSDP2 (--zero-impl fsdp2)"
     hint = (" (DeepSpeed's own compressed optimizers are the \"optimizer\" types OneBitAdam, "
-            "ZeroOneAdam, OneBitLamb)" if zero_impl == "deepspeed" else "")
+            "ZeroOneAdam, OneBitLamb, in the releases that ship them)"
+            if zero_impl == "deepspeed" else "")
     raise ValueError(f"gradient_compression {cfg.algorithm} compresses the plain engine's "
                      f"gradient buckets; {engine} reduces gradients itself{hint}: drop "
                      f"gradient_compression / --gradient-compression, or the ZeRO engine")

@@ -86,3 +86,25 @@ def test_pretrain_gpt_refuses_onebit_adam_here_in_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "--gradient-compression 1bit" in lines[0], proc.stderr[-2000:]
+
+
+def test_memory_planner_counts_the_residuals():
+    """gpt-125m at dp 2: 1bit adds a worker residual (4 B per parameter) and a server
+    residual of half that buffer; topk only the worker's; dp 1 nothing (no reduction)."""
+    import dataclasses
+
+    from megazoo.parallel import ParallelConfig
+    from megazoo.plan import PlanOptions, estimate_memory
+
+    def optim(dp, *flags):
+        args = parse_args(["--model", "gpt-125m", *flags])
+        args = dataclasses.replace(args, parallel=ParallelConfig(dp=dp))
+        return estimate_memory(args, PlanOptions())
+
+    base, one = optim(2), optim(2, "--gradient-compression", "1bit")
+    top = optim(2, "--gradient-compression", "topk")
+    n = base.parameters_per_gpu
+    assert one.optimizer_states - base.optimizer_states == 4 * n * 1.5
+    assert top.optimizer_states - base.optimizer_states == 4 * n
+    assert optim(1, "--gradient-compression", "1bit").optimizer_states == \
+        optim(1).optimizer_states

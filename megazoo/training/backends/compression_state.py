@@ -62,8 +62,8 @@ def read_errors(path: str, saved: dict | None, here: dict, rank: int,
     diff = _difference(saved, here)
     if diff is not None:
         return {}, (f"the checkpoint's gradient-compression residuals were saved with {diff}: "
-                    f"dropping them and starting from zero residuals (what was not yet sent, "
-                    f"at most a step's worth of gradient, is lost)")
+                    f"dropping them and starting from zero residuals (the gradient they still "
+                    f"held back is lost)")
     from safetensors import safe_open
 
     file = _file(path, rank)
