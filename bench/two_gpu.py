@@ -18,7 +18,7 @@ children print goes to `OUT/*.log` and `OUT/logs/` (pretrain_gpt.py's --log-json
   torchrun); `python -m megazoo.plan --dp 2 --json` for each dp = 2 variant; torch.profiler
   at dp = 2 with overlap on and off (profile_train.py: exposed communication per step).
 - sparse: ulysses_bench.py --sparse bigbird bslongformer at 64k and 128k, block 128.
-- compress: bench/compression_bench.py --dp-mode where the module exists, and pretrain_gpt.py
+- compress: bench/compression_bench.py under torchrun (dp = 2) where the module exists, and pretrain_gpt.py
   at dp = 2 with each row of COMPRESSION (step time, vs the plain NCCL all-reduce).
 - offload: zero_bench.py --two-gpu (DeepSpeed and FSDP2 ZeRO-3 + CPU offload at tp = 2, each
   rank on its share of the host cores, as --cpu-threads does for pretrain_gpt.py).
@@ -37,12 +37,12 @@ from bench.common import REPO, failure_line, module_command, run_command, torchr
 from bench.run_compare import run_variant
 from bench.train_bench import SHAPES, model_flags
 
-# pretrain_gpt.py flags of each gradient reduction at dp = 2. The compression flag names are
-# a guess at what the compressed-communication work will call them: edit them here.
+# pretrain_gpt.py flags of each gradient reduction at dp = 2 (1bit after a short warmup, as
+# its convergence runs use it).
 COMPRESSION = {
     "nccl": [],
-    "topk": ["--gradient-compression-algorithm", "topk", "--topk-ratio", "0.01"],
-    "1bit": ["--gradient-compression-algorithm", "1bit"],
+    "topk": ["--gradient-compression", "topk", "--topk-ratio", "0.01"],
+    "1bit": ["--gradient-compression", "1bit", "--compression-start-step", "10"],
 }
 # pretrain_gpt.py data-parallel variants, each run at dp = 1 and dp = 2.
 DP_VARIANTS = {
@@ -180,7 +180,7 @@ def part_compress(cfg) -> None:
     if importlib.util.find_spec("bench.compression_bench") is None:
         saved["reduction"] = {"error": "not available: bench/compression_bench.py is not on this branch"}
     else:
-        cmd = module_command("compression_bench", torchrun(2)) + ["--dp-mode", "--out", path + ".part"]
+        cmd = module_command("compression_bench", torchrun(2)) + ["--out", path + ".part"]
         saved["reduction"] = child_json(cmd + (["--dry-run"] if cfg.dry_run else []),
                                         path + ".part", cfg.timeout)
     save(path, saved)

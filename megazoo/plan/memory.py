@@ -142,7 +142,9 @@ def _plain_engine_bytes(layout: Resolved, n_gpu: int, notes: list) -> tuple:
     bf16 / fp16 parameters (2 B), one contiguous fp32 main-gradient buffer (4 B; its buckets
     are views, no extra copy), fp32 masters and AdamW moments (12 B), the latter over dp x sp
     with the distributed optimizer. In fp32 the parameters are the masters (4 + 8 B) unless
-    the distributed optimizer keeps a master shard of its own."""
+    the distributed optimizer keeps a master shard of its own. Gradient compression adds its
+    fp32 residuals (counted with the optimizer state): a gradient-sized worker residual, and
+    for 1bit / 2bit without the distributed optimizer a 1/(dp x sp) server residual."""
     z = layout.dp * layout.sp
     shard = z if layout.distributed_optimizer else 1
     if layout.low_precision:
@@ -150,6 +152,10 @@ def _plain_engine_bytes(layout: Resolved, n_gpu: int, notes: list) -> tuple:
     else:
         params = 4 * n_gpu
         optim = (12 if layout.distributed_optimizer else 8) * n_gpu / shard
+    if layout.gradient_compression is not None and z > 1:
+        server = layout.gradient_compression != "topk" and not layout.distributed_optimizer
+        optim += 4 * n_gpu * (1 + (1 / z if server else 0))
+        notes.append(f"gradient compression {layout.gradient_compression}: fp32 residuals")
     notes.append("megazoo engine: " + ("bf16/fp16" if layout.low_precision else "fp32")
                  + " parameters, fp32 main gradients, fp32 masters + AdamW moments"
                  + (f" sharded over dp x sp = {z}" if layout.distributed_optimizer else ""))

@@ -30,6 +30,8 @@ from ..layers.fp8 import FORMATS as FP8_FORMATS, RECIPES as FP8_RECIPES
 from ..models.config import ModelConfig, _default_ffn
 from ..models.presets import PRESETS
 from ..parallel.config import ParallelConfig
+from .compression_config import ALGORITHMS, DTYPES as COMM_DTYPES, CompressionConfig, \
+    resolve_compression
 from .config import CheckpointConfig, DataConfig, LoggingConfig, PretrainArgs, TrainingConfig
 from .ds_config import training_defaults_from_json
 from .sparse_args import add_sparse_flags, sparse_section, warn_unused_sections
@@ -49,7 +51,8 @@ ALIASES = {
     "deepspeed_config": ["--deepspeed_config", "--deepspeed-config"],
 }
 # Fields whose flag takes one of these values.
-CHOICES = {"fp8_format": FP8_FORMATS, "fp8_recipe": FP8_RECIPES, "fp8_layers": ("all", "mlp")}
+CHOICES = {"fp8_format": FP8_FORMATS, "fp8_recipe": FP8_RECIPES, "fp8_layers": ("all", "mlp"),
+           "gradient_compression": ALGORITHMS, "communication_data_type": tuple(COMM_DTYPES)}
 # The ModelConfig fields a user may override on top of a preset (vocab comes from the data).
 MODEL_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
                 "num_key_value_heads", "ffn_hidden_size", "max_position_embeddings",
@@ -67,6 +70,7 @@ GROUPS = {
     "checkpoint": (CheckpointConfig, None),
     "logging": (LoggingConfig, None),
     "zero": (ZeroConfig, None),
+    "compression": (CompressionConfig, None),
 }
 # The model of the no-argument run: small enough to learn Python source on 2 CPU cores.
 DEFAULT_MODEL = ModelConfig(family="gpt", num_layers=4, hidden_size=128, num_attention_heads=4,
@@ -193,6 +197,7 @@ def args_from_namespace(ns: argparse.Namespace) -> PretrainArgs:
     sparse = sparse_section(ns, zero.deepspeed_config)
     if sparse is not None:
         model = dataclasses.replace(model, sparse_attention=sparse)
+    compression = resolve_compression(_given(ns, "compression"), zero.deepspeed_config)
     warn_unused_sections(zero.deepspeed_config, zero.zero_impl)
     par = _given(ns, "parallel")
     training = TrainingConfig(**_training_fields(ns, zero, par))
@@ -207,7 +212,7 @@ def args_from_namespace(ns: argparse.Namespace) -> PretrainArgs:
                         data=DataConfig(**_given(ns, "data")),
                         checkpoint=CheckpointConfig(**_given(ns, "checkpoint")),
                         logging=LoggingConfig(**_given(ns, "logging")),
-                        zero=zero, model_name=ns.model_name)
+                        zero=zero, compression=compression, model_name=ns.model_name)
     check_args(args)
     return args
 

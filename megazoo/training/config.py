@@ -12,6 +12,7 @@ from ..data.indexed import check_data_prefix
 from ..data.splits import parse_data_prefix
 from ..models.config import ModelConfig
 from ..parallel.config import ParallelConfig
+from .compression_config import CompressionConfig
 from .zero_config import ZeroConfig
 
 DECAY_STYLES = ("cosine", "linear", "constant")
@@ -235,6 +236,7 @@ class PretrainArgs:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
     model_name: str | None = None
     """The --model preset, if one was given."""
 
@@ -242,7 +244,8 @@ class PretrainArgs:
         """Plain JSON-able dict (stored in checkpoints)."""
         from dataclasses import asdict
         out = {k: asdict(getattr(self, k)) for k in
-               ("model", "parallel", "training", "data", "checkpoint", "logging", "zero")}
+               ("model", "parallel", "training", "data", "checkpoint", "logging", "zero",
+                "compression")}
         out["model_name"] = self.model_name
         return out
 

@@ -106,6 +106,7 @@ def _log_record(run, iteration, result, seconds, steps, skipped_total) -> dict:
     if result.skipped:
         record["skipped"] = True
     record["skipped_steps"] = skipped_total
+    record.update(getattr(run.engine, "comm_stats", dict)())
     record.update(run.logger.throughput(flops, seconds, run.state.world_size, tokens))
     record.update(run.logger.memory())
     return record

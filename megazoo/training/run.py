@@ -95,7 +95,7 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     start = 0
     if args.checkpoint.load:
         extra = load_training_checkpoint(engine, args.checkpoint.load)
-        for warning in resume_warnings(args, extra):
+        for warning in resume_warnings(args, extra) + getattr(engine, "resume_notes", []):
             log(f"warning: {warning}")
         start = int(extra.get("iteration", 0))
         consumed = int(extra.get("consumed_samples", start * args.training.global_batch_size))

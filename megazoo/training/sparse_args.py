@@ -20,7 +20,8 @@ from .ds_config import JSON_TRAINING_KEYS, load_ds_json
 SECTION = "sparse_attention"
 FLAGS = {"mode": "--sparse-attention-mode", "block": "--sparse-block"}
 # Top-level keys of a ds_config that the plain and FSDP2 engines read.
-READ_BY_ALL = {SECTION, "gradient_accumulation_steps"} | {k[0] for k in JSON_TRAINING_KEYS.values()}
+READ_BY_ALL = {SECTION, "gradient_accumulation_steps", "gradient_compression",
+               "communication_data_type"} | {k[0] for k in JSON_TRAINING_KEYS.values()}
 
 
 def add_sparse_flags(parser) -> None:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...parallel.collectives import all_gather_flat
+from .frozen_adam import frozen_variance_step
 from .grad_buffer import GradBuffer
 from ..optim import build_optimizer
 
@@ -111,7 +112,13 @@ class MasterAdamW:
 
     # -- the step ---------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, lr: float, grad_divisor: float = 1.0) -> None:
+    def step(self, lr: float, grad_divisor: float = 1.0, frozen_at: int | None = None) -> None:
+        """AdamW at `lr`; `frozen_at` (a step count): v stays as it was at that step
+        (`frozen_adam`, for compressed gradients)."""
+        if frozen_at is not None:
+            frozen_variance_step(self.optimizer, lr, grad_divisor, frozen_at)
+            self._publish()
+            return
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if grad_divisor == 1.0:
