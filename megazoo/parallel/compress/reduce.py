@@ -77,7 +77,8 @@ class DenseReduction:
 
     def launch(self, key: str, data: torch.Tensor, shard: torch.Tensor | None = None) -> _Done:
         group = self.group.group
-        cast = self.wire_dtype not in (None, data.dtype)
+        # One rank's sum is its own data: no wire, so no rounding to the wire dtype.
+        cast = self.wire_dtype not in (None, data.dtype) and self.group.size > 1
         buf = data.to(self.wire_dtype) if cast else data
         self._count(data.numel(), buf.element_size(), shard)
         if shard is None:
