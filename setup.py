@@ -82,7 +82,12 @@ setup(
     extras_require={
         # triton: the Triton kernels' tests run on CPU tensors under its interpreter
         # (tests/conftest.py); wheels exist for Linux only, elsewhere those tests skip.
-        "test": ["pytest", "pytest-timeout", "matplotlib", "triton; platform_system == 'Linux'"],
+        # tensorboard, wandb: the --tensorboard-dir / --wandb-project writers' tests (wandb
+        # runs offline there: no account, no network).
+        "test": ["pytest", "pytest-timeout", "matplotlib", "tensorboard", "wandb",
+                 "triton; platform_system == 'Linux'"],
+        # matplotlib: python -m megazoo.plot, megazoo.plan --out, megazoo.pipeline.show and
+        # the curves picture a run draws next to its checkpoints.
         "plot": ["matplotlib"],
     },
 )

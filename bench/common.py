@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import statistics
+import subprocess
 import sys
 import time
 
@@ -96,3 +99,37 @@ def child_env(**extra: str) -> dict:
 def module_command(module: str, launcher: list[str] | None = None) -> list[str]:
     """The command that runs `bench.<module>` (under `launcher`, e.g. torchrun, if given)."""
     return (launcher or [sys.executable]) + ["-m", f"bench.{module}"]
+
+
+def torchrun(nproc: int) -> list[str]:
+    """The launcher of `nproc` local ranks (torchrun, standalone: a free port of its own)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(nproc)]
+
+
+def run_command(cmd: list[str], timeout: float | None = None, **kwargs) -> tuple[int | None, str, str]:
+    """(return code, stdout, stderr) of `cmd` run from the repository root with `child_env()`;
+    return code None when it ran past `timeout` seconds, after which its whole process group
+    (a launcher's ranks too) is killed."""
+    kwargs.setdefault("cwd", REPO)
+    kwargs.setdefault("env", child_env())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return None, out, err
+
+
+def failure_line(stderr: str, limit: int = 300) -> str:
+    """The line of a failed child's stderr that says why: its last "error: ..." line, else its
+    last exception line other than a launcher's report (ChildFailedError), else the tail."""
+    lines = [re.sub(r"^\[[^\]]*\]:?\s*", "", x.strip()) for x in stderr.splitlines() if x.strip()]
+    said = [x for x in lines if re.match(r"([\w.]+: )?error:", x)]  # "prog: error: ..." too
+    raised = [x for x in lines if re.match(r"[\w.]+(Error|Exception)\b", x) and "ChildFailed" not in x]
+    if said or raised:
+        return (said or raised)[-1][-limit:]
+    return " ".join(" ".join(lines).split())[-limit:]

@@ -1,19 +1,69 @@
 """Where a `pretrain_gpt.py` step spends its time: torch.profiler over a few steps of the real run.
 
     python -m bench.profile_train [--steps 3 --skip 5 --rows 20] -- <pretrain_gpt.py flags>
+    torchrun --nproc-per-node 2 -m bench.profile_train --out prof.json -- <flags>   # dp = 2
 
 Runs the training entry point in this process and wraps the engines' shared `train_step`:
 steps `skip` .. `skip + steps - 1` are recorded (CPU and CUDA activity), then the table of
 operators and kernels by device self time is printed, with the step time and the share of
 it in which a kernel ran (the sum over kernels; operators repeat their kernels' time).
+
+Under torchrun every rank profiles its own steps and rank 0 prints and writes its own. Exposed
+communication per step: the time in which a collective ran and no compute did, from the
+recorded intervals. On GPUs a collective is a kernel whose name holds "nccl" and compute is
+every other kernel (copies included), so it is the NCCL time no other kernel hides. On CPU
+(gloo) there are no kernels; the proxy is the collective's host-side events (names holding
+"gloo", "nccl" or "c10d::") against the `aten::` operators: rough, it only checks the path.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 
 import torch
+
+COMM_MARKS = ("nccl", "gloo", "c10d::")
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def exposed_communication(events, on_gpu: bool) -> tuple[float, float]:
+    """(communication us, exposed communication us) over the recorded events: the union of
+    collective intervals, and the part of it that no compute interval covers."""
+    comm, compute = [], []
+    for e in events:
+        name = e.name.lower()
+        is_comm = any(m in name for m in COMM_MARKS)
+        if on_gpu and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if not on_gpu and not (is_comm or e.name.startswith("aten::")):
+            continue
+        (comm if is_comm else compute).append((e.time_range.start, e.time_range.end))
+    comm, compute = _union(comm), _union(compute)
+    covered, j = 0.0, 0
+    for start, end in comm:  # both sorted and disjoint: one sweep
+        while j < len(compute) and compute[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(compute) and compute[k][0] < end:
+            covered += min(end, compute[k][1]) - max(start, compute[k][0])
+            k += 1
+    return _length(comm), _length(comm) - covered
 
 
 def main(argv=None) -> int:
@@ -23,6 +73,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--skip", type=int, default=5)
     p.add_argument("--rows", type=int, default=20)
+    p.add_argument("--out", default=None, help="write the step summary as JSON here (rank 0)")
     args = p.parse_args(argv[:split])
     run_flags = argv[split + 1:]
 
@@ -58,20 +109,37 @@ def main(argv=None) -> int:
     if seen[0] < args.skip + args.steps:
         print(f"the run made {seen[0]} steps; give --train-iters >= {args.skip + args.steps}")
         return 2
-    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    if int(os.environ.get("RANK", "0")) == 0:
+        summary = report(prof, wall[0], args.steps, args.rows)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(summary, f, indent=2)
+    return rc
+
+
+def report(prof, wall_s: float, steps: int, rows: int) -> dict:
+    """Print the step time, device busy share, exposed communication and the op table."""
+    on_gpu = torch.cuda.is_available()
+    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     events = prof.key_averages()
     # Kernels (device events) only: an operator's device time repeats its kernels' time.
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA] or events
     busy_us = sum(getattr(e, key) for e in kernels)
-    step_ms = wall[0] / args.steps * 1e3
-    print(f"step {step_ms:.1f} ms; device busy {busy_us / 1e3 / args.steps:.1f} ms per step "
-          f"({100 * busy_us / 1e3 / args.steps / step_ms:.0f}%)")
+    step_ms = wall_s / steps * 1e3
+    comm_us, exposed_us = exposed_communication(prof.events(), on_gpu)
+    summary = {"step_ms": step_ms, "busy_ms": busy_us / 1e3 / steps,
+               "comm_ms": comm_us / 1e3 / steps, "exposed_comm_ms": exposed_us / 1e3 / steps,
+               "proxy": "nccl kernels vs other kernels" if on_gpu else "gloo host events vs aten ops",
+               "world": int(os.environ.get("WORLD_SIZE", "1"))}
+    print(f"step {step_ms:.1f} ms; device busy {summary['busy_ms']:.1f} ms per step "
+          f"({100 * summary['busy_ms'] / step_ms:.0f}%); communication {summary['comm_ms']:.1f} ms, "
+          f"exposed {summary['exposed_comm_ms']:.1f} ms per step ({summary['proxy']})")
     print("| op | calls/step | ms/step | % of step |")
     print("|---|---|---|---|")
-    for e in sorted(events, key=lambda e: getattr(e, key), reverse=True)[:args.rows]:
-        ms = getattr(e, key) / 1e3 / args.steps
-        print(f"| {e.key[:60]} | {e.count / args.steps:.0f} | {ms:.1f} | {100 * ms / step_ms:.1f} |")
-    return rc
+    for e in sorted(events, key=lambda e: getattr(e, key), reverse=True)[:rows]:
+        ms = getattr(e, key) / 1e3 / steps
+        print(f"| {e.key[:60]} | {e.count / steps:.0f} | {ms:.1f} | {100 * ms / step_ms:.1f} |")
+    return summary
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Block-sparse attention (FlexAttention from a layout) against dense causal attention, one GPU.
 
-    python bench/sparse_attention_bench.py --out sparse.json     # the sweep (GPU, < 5 min)
-    python bench/sparse_attention_bench.py --check                # sparse vs dense-mask math
-    python bench/sparse_attention_bench.py --dry-run              # CPU: every layout and mask
+    python -m bench.sparse_attention_bench --out sparse.json     # the sweep (GPU, < 5 min)
+    python -m bench.sparse_attention_bench --check                # sparse vs dense-mask math
+    python -m bench.sparse_attention_bench --dry-run              # CPU: every layout and mask
 
 Forward + backward of causal attention, 16 heads x 128, bf16, batch 1, at s = 16k, 32k, 64k:
 dense SDPA (cuDNN's fused kernel), dense FlexAttention (causal BlockMask), and the sparse
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from common import environment, print_table, time_ms, write_json
+from bench.common import environment, print_table, time_ms, write_json
 from megazoo.layers import core_attention
 from megazoo.layers.sparse_attention import block_mask_from_layout, sparse_attention
 from megazoo.layers.sparse_config import SparseAttentionConfig
@@ -137,12 +137,18 @@ def sparse_row(s, label, cfg, inputs, args, device) -> dict:
     return row
 
 
-def sweep(args, device) -> list[dict]:
+def allow_recompiles(limit: int = 256) -> None:
+    """Let the compiled FlexAttention recompile per sequence length and layout shape (a sweep
+    expects one compile each) instead of falling back to eager FlexAttention at dynamo's limit."""
     import torch._dynamo
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
-                 "accumulated_cache_size_limit"):  # one compile per s is expected; be safe
+                 "accumulated_cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 256)
+            setattr(torch._dynamo.config, name, limit)
+
+
+def sweep(args, device) -> list[dict]:
+    allow_recompiles()
     start, rows = time.perf_counter(), []
     configs = sparse_configs(args.modes, args.blocks, args.window)
     for s in args.seqs:

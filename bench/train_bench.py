@@ -14,6 +14,9 @@ Rows, each in its own subprocess (its own peak memory):
 - `deepspeed`: DeepSpeed ZeRO-1 with bf16 around the Hugging Face model of the same shape
   (GPT2LMHeadModel / LlamaForCausalLM, SDPA), micro-batches accumulated to the global batch,
   torch's fused AdamW, gradient clipping 1.0 (the engine's default clip in pretrain_gpt.py).
+  Its child also runs data parallel under torchrun (`torchrun --nproc-per-node 2 -m
+  bench.train_bench --child deepspeed gpt-1.3b 16`): the world size comes from the launcher,
+  each rank accumulates global batch / (micro-batch x ranks), tokens/s counts all ranks.
 
 All three use the vocabulary of the default corpus' tokenizer (2048 ids), so the logits cost
 the same everywhere. Model TFLOP/s count F = 72 B s l h^2 (1 + s / 6h) + 6 B s h V
@@ -108,12 +111,16 @@ def deepspeed_row(shape: dict, device: torch.device, global_batch: int, warmup: 
                   iters: int) -> dict:
     import deepspeed
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    if "RANK" not in os.environ:  # no launcher: one rank of our own
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT="29517")
+    world = int(os.environ["WORLD_SIZE"])
+    if global_batch % (shape["micro"] * world):
+        raise ValueError(f"global batch {global_batch} must divide by micro-batch "
+                         f"{shape['micro']} x {world} ranks")
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     model = hf_model(shape, device)
-    accumulation = global_batch // shape["micro"]
+    accumulation = global_batch // (shape["micro"] * world)
     config = {"train_micro_batch_size_per_gpu": shape["micro"],
               "gradient_accumulation_steps": accumulation, "gradient_clipping": 1.0,
               "bf16": {"enabled": device.type == "cuda"}, "zero_optimization": {"stage": 1}}
@@ -158,10 +165,11 @@ def pretrain_row(shape: dict, global_batch: int, iters: int, extra: list[str], d
 
 
 def child(kind: str, shape_name: str, global_batch: int, dry: bool) -> dict:
-    device = torch.device("cpu" if dry else "cuda")
+    device = torch.device("cpu") if dry else torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     shape = SHAPES[shape_name]
     warmup, iters = (1, 2) if dry else (3, 8)
     if device.type == "cuda":
+        torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats()
     if kind == "model":
         row = model_row(shape, device, warmup, iters)
@@ -195,7 +203,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.child:
         kind, shape, gb = args.child
-        print("RESULT " + json.dumps(child(kind, shape, int(gb), args.dry_run)))
+        row = child(kind, shape, int(gb), args.dry_run)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 reports for all
+            print("RESULT " + json.dumps({**row, "world": int(os.environ.get("WORLD_SIZE", "1"))}))
         return 0
     shapes = ["tiny"] if args.dry_run else args.shapes
     rows = []

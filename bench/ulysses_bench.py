@@ -3,6 +3,8 @@
     torchrun --nproc-per-node 2 -m bench.ulysses_bench --out ulysses.json
     torchrun --nproc-per-node 2 -m bench.ulysses_bench --chunks 2 8 --out ulysses.json  # k=2, 8 too
     torchrun --nproc-per-node 2 -m bench.ulysses_bench --dry-run        # CPU, gloo, tiny
+    torchrun --nproc-per-node 2 -m bench.ulysses_bench --sparse bigbird bslongformer \
+        --seqs 65536 131072 --out ulysses_sparse.json      # the block-sparse layer instead
 
 Three implementations in one run: "ours" = UlyssesOverlapAttention (experimental/ulysses_overlap.py: the
 rank's heads in k chunks, each chunk's all-to-alls overlapping another chunk's attention in
@@ -19,6 +21,13 @@ Each side gets the input its projection produces: ours the fused QKV activation
 [s/2, b, 32 x 3 x 128] (per head [q, k, v], one all-to-all for all three), DeepSpeed three
 tensors q, k, v [s/2, b, 32, 128] (three all-to-alls). Before timing, both outputs are checked
 against each other on the same numbers.
+
+`--sparse MODE ...` times the block-sparse layer instead (UlyssesAttention(sparse=...), the
+layouts of `bench/sparse_attention_bench.py` at --sparse-block with a causal window of about
+--window tokens): per mode, dense and sparse Ulysses on all ranks, the same two modules on
+one GPU over the full sequence (sp group of one rank), sparse time vs dense (x_dense) and the
+efficiency t(1 GPU) / (ranks x t(ranks)) of each. The ranks' outputs are checked against the
+one-GPU output of the same numbers (max_diff).
 """
 from __future__ import annotations
 
@@ -32,7 +41,8 @@ import torch.nn.functional as F
 
 from bench.common import environment, print_table, time_ms, write_json
 from megazoo.layers import UlyssesAttention
-from experimental.ulysses_overlap import UlyssesOverlapAttention
+from bench.experimental.ulysses_overlap import UlyssesOverlapAttention
+from bench.sparse_attention_bench import allow_recompiles, sparse_configs
 
 
 def parse_args(argv=None):
@@ -47,11 +57,17 @@ def parse_args(argv=None):
     p.add_argument("--chunks", type=int, nargs="*", default=[2],
                    help="also time the overlapped version with these chunk counts (none: --chunks)")
     p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed rows")
+    p.add_argument("--sparse", nargs="+", metavar="MODE",
+                   help="time the block-sparse layer in these modes (bigbird, bslongformer, fixed)")
+    p.add_argument("--sparse-block", type=int, default=128)
+    p.add_argument("--window", type=int, default=256, help="--sparse: causal window in tokens")
     p.add_argument("--dry-run", action="store_true", help="tiny float32 run on CPU with gloo")
     p.add_argument("--out", help="write the results as JSON here (rank 0)")
     args = p.parse_args(argv)
     if args.dry_run:
         args.seqs, args.heads, args.head_dim, args.warmup, args.iters = [64, 128], 8, 16, 1, 2
+        if args.sparse:  # a few blocks of --sparse-block: the layouts need a window's worth
+            args.seqs = [8 * args.sparse_block]
     return args
 
 
@@ -126,6 +142,47 @@ def bench_seq(s, args, device, dtype, ds_attn) -> dict:
     return row
 
 
+def sparse_rows(s, args, device, dtype) -> list[dict]:
+    """Dense and block-sparse UlyssesAttention over all ranks and on this rank alone, per mode."""
+    world, rank, h, d, b = dist.get_world_size(), dist.get_rank(), args.heads, args.head_dim, args.batch
+    g = torch.Generator(device=device).manual_seed(0)  # the same full inputs on every rank
+    full = torch.randn(s, b, h * 3 * d, device=device, dtype=dtype, generator=g).requires_grad_()
+    full_grad = torch.randn(s, b, h * d, device=device, dtype=dtype, generator=g)
+    chunk = slice(rank * s // world, (rank + 1) * s // world)
+    shard = full.detach()[chunk].clone().requires_grad_()
+    grad = full_grad[chunk]
+
+    def timed(module, x, dy) -> float:
+        dist.barrier()
+        return _slowest(time_ms(lambda: torch.autograd.grad(module(x), x, dy), device,
+                                args.warmup, args.iters))
+
+    def pair(sparse):
+        common = dict(attention_backend=args.backend, sparse=sparse)
+        return (UlyssesAttention(h, d, sp_group=dist.group.WORLD, **common),
+                UlyssesAttention(h, d, sp_group=None, **common))
+
+    dense, dense_one = pair(None)
+    base = {"seq": s, "dense_ms": timed(dense, shard, grad), "one_dense_ms": timed(dense_one, full, full_grad)}
+    base["eff_dense"] = base["one_dense_ms"] / (world * base["dense_ms"])
+    rows = []
+    for label, cfg in sparse_configs(args.sparse, [args.sparse_block], args.window):
+        many, one = pair(cfg)
+        with torch.no_grad():
+            diff = (many(shard).float() - one(full)[chunk].float()).abs().max()
+        row = {**base, "mode": label, "block": cfg.block, "max_diff": _slowest(diff.item()),
+               "sparse_ms": timed(many, shard, grad), "one_sparse_ms": timed(one, full, full_grad)}
+        row["x_dense"] = row["dense_ms"] / row["sparse_ms"]
+        row["x_dense_one"] = row["one_dense_ms"] / row["one_sparse_ms"]
+        row["eff_sparse"] = row["one_sparse_ms"] / (world * row["sparse_ms"])
+        rows.append(row)
+    return rows
+
+
+SPARSE_COLUMNS = ["seq", "mode", "block", "dense_ms", "sparse_ms", "x_dense", "one_dense_ms",
+                  "one_sparse_ms", "x_dense_one", "eff_dense", "eff_sparse", "max_diff"]
+
+
 def _one_gpu(s, args, device, dtype) -> float:
     """SDPA causal fwd+bwd over the full sequence on this rank's device alone."""
     q, k, v = (torch.randn(args.batch, args.heads, s, args.head_dim, device=device, dtype=dtype)
@@ -159,6 +216,16 @@ def main(argv=None) -> int:
     else:
         device, dtype = torch.device("cuda", int(os.environ["LOCAL_RANK"])), torch.bfloat16
         torch.cuda.set_device(device)
+    if args.sparse:
+        allow_recompiles()  # FlexAttention: one compile per length, head count and grad mode
+        rows = [r for s in args.seqs for r in sparse_rows(s, args, device, dtype)]
+        if rank == 0:
+            print_table(rows, SPARSE_COLUMNS)
+            write_json(args.out, {"env": environment(device), "world": dist.get_world_size(),
+                                  "args": vars(args), "rows": rows})
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
     ds_attn = None if args.no_deepspeed else deepspeed_attention(dist.group.WORLD)
     rows = [bench_seq(s, args, device, dtype, ds_attn) for s in args.seqs]
     if rank == 0:

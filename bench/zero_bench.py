@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from bench.common import REPO, child_env, module_command, print_table, write_json
+from bench.common import REPO, child_env, module_command, print_table, torchrun, write_json
 from megazoo.training.logging import flops_per_iteration, measure_peak_tflops
 
 SHAPE = dict(hidden=2048, layers=24, heads=16, seq=2048, batch=4, vocab=50304)
@@ -345,9 +345,8 @@ def main(argv=None) -> int:
     result = {"compare": rows}
     if dry:  # exercise the other two modes as well, on CPU
         result["largest"] = run_child(["--largest", "--dry-run", "--steps", "3"])[0]
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
         result["two_gpu"] = run_child(["--two-gpu", "--dry-run", "--iters", "2", "--warmup", "1"],
-                                      torchrun)[0]
+                                      torchrun(2))[0]
         print(json.dumps({k: result[k] for k in ("largest", "two_gpu")}, indent=1)[:3000])
     write_json(a.out, result)
     return 0

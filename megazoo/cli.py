@@ -10,6 +10,7 @@ Every command exists in up to three spellings that run the same function of the 
 | `megazoo-reshard` | `checkpoints_tools/reshard.py` | |
 | `megazoo-convert-zero` | `checkpoints_tools/zero_to_megazoo.py` | |
 | `megazoo-preprocess-data` | `tools/preprocess_data.py` | |
+| `megazoo-generate` | `generate.py` | |
 | `megazoo-plan` | | `python -m megazoo.plan` |
 | `megazoo-kernels` | | `python -m megazoo.kernels` |
 | `megazoo-pipeline-show` | | `python -m megazoo.pipeline.show` |
@@ -30,6 +31,7 @@ COMMANDS = {
     "megazoo-reshard": "megazoo.cli:reshard",
     "megazoo-convert-zero": "megazoo.cli:convert_zero",
     "megazoo-preprocess-data": "megazoo.cli:preprocess_data",
+    "megazoo-generate": "megazoo.cli:generate",
     "megazoo-plan": "megazoo.cli:plan",
     "megazoo-kernels": "megazoo.cli:kernels",
     "megazoo-pipeline-show": "megazoo.cli:pipeline_show",
@@ -70,6 +72,13 @@ def convert_zero(argv: list[str] | None = None) -> int:
     from .convert.cli import zero_to_megazoo_main
 
     return zero_to_megazoo_main(argv)
+
+
+def generate(argv: list[str] | None = None) -> int:
+    """`generate.py`: text from a checkpoint with a KV cache (megazoo.generation)."""
+    from .generation.cli import main
+
+    return main(argv)
 
 
 def plan(argv: list[str] | None = None) -> int:

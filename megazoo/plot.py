@@ -4,10 +4,10 @@
 
 Panels (each drawn only when some run logged its key): training and validation loss against
 tokens seen, learning rate, tokens/s, MFU, gradient norm, memory (GPU peak allocated, else
-host RSS). Tokens seen are counted from the log itself: iteration x tokens per step, where a
-run's tokens per step is read from its `run` record (written by pretrain_gpt.py) or, failing
-that, the x axis is the iteration. matplotlib is an optional dependency (`pip install
-"megazoo[plot]"`): without it the command says so in one line.
+host RSS). Tokens seen are counted from the log itself: iteration x tokens per step, read from the
+`{"tokens_per_step": N, ...}` record pretrain_gpt.py writes first; without one, the x axis is
+the iteration. matplotlib is an optional dependency (`pip install -e
+".[plot]"`): without it the command says so in one line.
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import argparse
 import json
 import os
 import sys
+
+from .figures import new_figure
 
 PANELS = (  # (title, keys drawn in it, y scale)
     ("loss (nats/token)", ("loss", "valid_loss"), "linear"),
@@ -59,20 +61,14 @@ def series(records: list[dict], key: str, tokens_per_step: int | None) -> tuple[
 
 def draw(runs: list[tuple[str, list[dict], int | None]], out: str) -> list[str]:
     """Write the picture to `out`; return the titles of the panels drawn."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ValueError('plotting needs matplotlib: pip install "megazoo[plot]" '
-                         '(or pip install matplotlib)') from None
     panels = [p for p in PANELS
               if any(any(k in r for r in recs for k in p[1]) for _, recs, _ in runs)]
     if not panels:
         raise ValueError("the logs hold none of the plotted keys (loss, lr, tokens_per_s, ...)")
     cols = 2 if len(panels) > 1 else 1
     rows = (len(panels) + cols - 1) // cols
-    fig = Figure(figsize=(6 * cols, 3.2 * rows), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = new_figure("plotting training curves", figsize=(6 * cols, 3.2 * rows),
+                     layout="constrained")
     by_tokens = all(tps for _, _, tps in runs)
     for i, (title, keys, yscale) in enumerate(panels):
         ax = fig.add_subplot(rows, cols, i + 1)

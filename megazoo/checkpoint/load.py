@@ -30,7 +30,7 @@ from ..parallel.state import ParallelState
 from .checksums import CRC32, check_algorithm, values_key
 from .checksums import Hasher
 from .files import BackgroundChecks, nonfinite_count, parse_dtype, read_header, read_tensor
-from .output import OLD_SUFFIX
+from .resolve import resolve_checkpoint
 from .layout import FORMAT, METADATA_FILE, check_layout, rank_model, stored_parameters
 
 # Fields that must agree between a checkpoint and the model it is loaded into.
@@ -42,13 +42,6 @@ SHAPE_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
 
 def _read_metadata(path: str) -> dict:
     file = os.path.join(path, METADATA_FILE)
-    if not os.path.isdir(path):
-        old = path + OLD_SUFFIX
-        hint = (f" (an interrupted save left the previous checkpoint at {old}: rename it back)"
-                if os.path.isdir(old) else "")
-        raise ValueError(f"no checkpoint directory at {path}{hint}")
-    if not os.path.isfile(file):
-        raise ValueError(f"{path} is not a megazoo checkpoint: {METADATA_FILE} is missing")
     try:
         with open(file) as f:
             meta = json.load(f)
@@ -73,7 +66,7 @@ def config_from_dict(data: dict) -> ModelConfig:
 class CheckpointReader:
     """Lazy access to a checkpoint's full tensors, whatever layout wrote it.
 
-        reader = CheckpointReader("ckpt/")
+        reader = CheckpointReader("ckpt/")        # or a --save folder: its `latest`
         reader.config, reader.layout, reader.names(), reader.aux_prefixes
         w = reader.full_tensor("layers.0.attention.qkv.weight")        # full, unpadded
         m = reader.full_tensor("layers.0.attention.qkv.weight", "exp_avg")
@@ -83,7 +76,7 @@ class CheckpointReader:
     """
 
     def __init__(self, path, *, verify_checksums: bool = True, allow_nonfinite: bool = False):
-        self.path = os.path.normpath(os.fspath(path))
+        self.path = resolve_checkpoint(path)  # a --save folder means its `latest`
         self.verify_checksums, self.allow_nonfinite = verify_checksums, allow_nonfinite
         self._background: BackgroundChecks | None = None
         self.metadata = _read_metadata(self.path)
@@ -283,6 +276,7 @@ def load_pretrained(path, state: ParallelState | None = None, device="cpu",
                     dtype: torch.dtype | None = None, *, verify_checksums: bool = True,
                     allow_nonfinite: bool = False) -> nn.Module:
     """Build the checkpoint's model at `state`'s layout (None: one process) and load it.
+    `path`: a checkpoint folder, or a training run's --save folder (its `latest` one).
 
     The model is built on the meta device and allocated on `device` without running the
     weight initialisation (`materialize`); loading then overwrites every parameter (vocabulary

@@ -34,7 +34,8 @@ TEMP_SUFFIX, OLD_SUFFIX = ".megazoo-tmp", ".megazoo-old"
 
 # kind -> (marker file that makes a folder a checkpoint of that kind, file patterns it owns)
 KINDS = {
-    "megazoo": ("megazoo.json", ("megazoo.json", "model-pp*-tp*.safetensors", OWNER_FILE)),
+    "megazoo": ("megazoo.json", ("megazoo.json", "model-pp*-tp*.safetensors", "compression",
+                                 OWNER_FILE)),
     "hf": ("config.json", ("config.json", "generation_config.json", "model.safetensors",
                            "model-*-of-*.safetensors", "model.safetensors.index.json", OWNER_FILE)),
 }

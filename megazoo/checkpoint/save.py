@@ -153,7 +153,8 @@ def refuse_nonfinite(tensors: Iterable[tuple[str, torch.Tensor]], path: str,
 def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = None,
                     extra: dict | None = None,
                     aux: dict[str, dict[str, torch.Tensor]] | None = None,
-                    overwrite: bool = False) -> None:
+                    overwrite: bool = False,
+                    rank_files: Callable[[str], None] | None = None) -> None:
     """Save `model` (this rank's part of it) to the checkpoint directory `path`.
 
     Collective: every rank of `state` calls it (state None: `model.state`, else one process).
@@ -162,7 +163,9 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
     ("exp_avg") to {local parameter name: tensor shaped like that parameter}, for every
     parameter. Raises on every rank if any rank failed; `path` is then left as it was.
     An existing non-empty `path` is refused unless `overwrite`, which replaces only a megazoo
-    checkpoint folder holding nothing else (`output.check_output_dir`).
+    checkpoint folder holding nothing else (`output.check_output_dir`). `rank_files(tmp)`, if
+    given, runs on every rank to add that rank's own files to the folder before it is
+    published (per-rank state such as gradient-compression residuals).
     """
     state = state or getattr(model, "state", None) or ParallelState.single()
     aux = aux or {}
@@ -180,6 +183,8 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
     _collectively(start, state, device, path, owns_temp=False)
 
     def write() -> dict | None:
+        if rank_files is not None:
+            rank_files(tmp)
         if state.dp.rank == 0 and state.sp.rank == 0:
             file = os.path.join(tmp, rank_file(state.pp.rank, state.tp.rank))
             try:

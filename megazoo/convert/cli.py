@@ -8,6 +8,8 @@ import time
 from ..checkpoint.files import parse_dtype
 from ..cli_parser import HintingParser
 
+LOAD_FORMS = "a --save folder (its `latest` checkpoint) or one iter_* folder"
+
 
 def _layout_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1,
@@ -70,7 +72,7 @@ def hf_to_megazoo_main(argv=None) -> int:
 def megazoo_to_hf_main(argv=None) -> int:
     parser = HintingParser(description="Convert a megazoo checkpoint (any layout) to a "
                                                  "Hugging Face model directory.")
-    parser.add_argument("--load", required=True, help="megazoo checkpoint directory")
+    parser.add_argument("--load", required=True, help=f"megazoo checkpoint: {LOAD_FORMS}")
     parser.add_argument("--out", required=True, help="Hugging Face directory to write")
     _output_args(parser)
     _verify_args(parser)
@@ -106,12 +108,14 @@ def _relayout_main(argv, description: str, load_help: str, convert, verify: bool
 def reshard_main(argv=None) -> int:
     from .api import reshard
     return _relayout_main(argv, "Rewrite a megazoo checkpoint at another tp/pp/vpp layout "
-                                "(optimizer aux tensors included).", "megazoo checkpoint folder",
+                                "(optimizer aux tensors included).",
+                          f"megazoo checkpoint: {LOAD_FORMS}",
                           reshard, verify=True)
 
 
 def zero_to_megazoo_main(argv=None) -> int:
     from .deepspeed import zero_to_megazoo
     return _relayout_main(argv, "Consolidate a DeepSpeedEngine (ZeRO-1/2/3) checkpoint into a "
-                                "megazoo checkpoint.", "DeepSpeedEngine checkpoint folder",
+                                "megazoo checkpoint.",
+                          f"DeepSpeedEngine checkpoint: {LOAD_FORMS}",
                           zero_to_megazoo, verify=False)

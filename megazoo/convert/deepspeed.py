@@ -68,10 +68,11 @@ def zero_to_megazoo(load, out, *, tp: int = 1, pp: int = 1, vpp: int = 1,
     (`overwrite` as in `hf_to_megazoo`; `out` is never `load` nor a folder containing it)."""
     from ..checkpoint import write_checkpoint
     from ..checkpoint.output import check_output_dir
+    from ..checkpoint.resolve import resolve_checkpoint
 
     load, out = os.fspath(load), os.fspath(out)
     check_output_dir(out, kind="megazoo", overwrite=overwrite, inputs=[load])
-    config, full, meta = full_state_dict(load)
+    config, full, meta = full_state_dict(resolve_checkpoint(load))  # a --save folder: its latest
     extra = {"converted_from": "deepspeed", "zero_stage": meta.get("zero_stage"),
              "source_layout": meta["layout"], "source_extra": meta.get("extra") or {}}
     write_checkpoint(config, out, lambda name: full[name].to(dtype or torch.float32),

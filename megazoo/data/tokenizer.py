@@ -160,11 +160,13 @@ class HFTokenizer(Tokenizer):
     def eod(self) -> int:
         return self._eod
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens=True`` adds what the tokenizer's own
+        template adds (LLaMA's leading ``<s>``), as transformers does for a prompt."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
 
 #: ``--tokenizer-type`` names and whether they need ``--tokenizer-model``.

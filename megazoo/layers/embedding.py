@@ -61,6 +61,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         check_token_ids(ids, self.num_embeddings)
+        return self.lookup(ids)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """`forward` without the range check, which reads the ids back to the host: for callers
+        whose ids are known to be in range (a generation step replayed as a CUDA graph)."""
         if group_size(self.group) == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..parallel.collectives import all_gather_flat, reduce_scatter_flat
 from .groups import Group, group_rank, group_size, process_group
 
 
@@ -40,7 +41,7 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     world = group_size(group)
     x = x.contiguous()
     out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=process_group(group))
+    all_gather_flat(out, x, group=process_group(group))
     if dim in (0, -x.dim()):
         return out
     return torch.cat(out.chunk(world, dim=0), dim=dim)
@@ -53,7 +54,7 @@ def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
         raise ValueError(f"sequence dimension {x.shape[0]} is not divisible by the group size "
                          f"{world}: choose a sequence length that divides")
     out = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=process_group(group))
+    reduce_scatter_flat(out, x.contiguous(), group=process_group(group))
     return out
 
 

@@ -4,13 +4,21 @@
 
 Forward blocks are blue, backward blocks red/orange; darker shades are later model
 chunks (see the legend). Each block is labelled with its micro-batch number when it is
-wide enough. The title gives the bubble and the peak activations held per rank. Needs matplotlib (optional dependency); it draws
-off-screen with the Agg canvas and leaves matplotlib's global backend alone.
+wide enough. The title gives the bubble and the peak activations held per rank.
+
+Times are per rank's whole share of the model: `--forward-time` is one micro-batch's forward
+through all of a rank's layers, so with vpp chunks per rank one chunk takes forward-time / vpp
+(the same for backward). The same flags then draw 1F1B and interleaved schedules of the same
+model on the same time axis, and the shorter makespan is the interleaved schedule's gain.
+
+Needs matplotlib (`pip install -e ".[plot]"`); without it, one "error: ..." line and exit
+status 2. It draws off-screen on the Agg canvas.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,25 +29,12 @@ from megazoo.pipeline.schedules import (
     one_f_one_b_schedule,
 )
 from megazoo.pipeline.simulate import SimulationResult, simulate
+from ..figures import new_figure
 
 __all__ = ["draw_timeline", "main"]
 
 _FORWARD_SHADES = ("#9ecae1", "#6baed6", "#4292c6", "#2171b5", "#08519c", "#08306b")
 _BACKWARD_SHADES = ("#fdae6b", "#fd8d3c", "#f16913", "#d94801", "#a63603", "#7f2704")
-
-
-def _import_matplotlib():
-    """Return (Figure, FigureCanvasAgg, Patch), or raise ImportError saying what to do."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "drawing a pipeline schedule needs matplotlib, which is an optional "
-            "dependency of megazoo; install it with `pip install matplotlib`"
-        ) from error
-    return Figure, FigureCanvasAgg, Patch
 
 
 def _shade(shades: Sequence[str], chunk: int, vpp: int) -> str:
@@ -50,13 +45,14 @@ def _shade(shades: Sequence[str], chunk: int, vpp: int) -> str:
 
 
 def draw_timeline(result: SimulationResult, out: str | Path, title: str) -> Path:
-    """Write a PNG of ``result``'s per-rank timelines to ``out``; return the path."""
-    Figure, FigureCanvasAgg, Patch = _import_matplotlib()
+    """Write a PNG of ``result``'s per-rank timelines to ``out``; return the path (ValueError
+    without matplotlib)."""
     pp = len(result.timelines)
     vpp = 1 + max((e.action.chunk for t in result.timelines for e in t), default=0)
-    width = min(40.0, max(8.0, 0.35 * result.makespan))
-    figure = Figure(figsize=(width, 1.4 + 0.5 * pp))
-    FigureCanvasAgg(figure)
+    width = min(40.0, max(8.0, 0.6 * result.makespan))  # inches per time unit: one scale
+    figure = new_figure("drawing a pipeline schedule", figsize=(width, 1.4 + 0.5 * pp))
+    from matplotlib.patches import Patch
+
     axes = figure.add_subplot()
     inches_per_unit = 0.85 * width / result.makespan
     for rank, timeline in enumerate(result.timelines):
@@ -74,7 +70,8 @@ def draw_timeline(result: SimulationResult, out: str | Path, title: str) -> Path
     axes.set_yticks(range(pp), [f"rank {r}" for r in range(pp)])
     axes.set_ylim(pp - 0.5, -0.5)
     axes.set_xlim(0, result.makespan)
-    axes.set_xlabel("time")
+    axes.set_xlabel("time (units of --forward-time: one micro-batch's forward through a "
+                    "rank's layers)")
     handles = [Patch(color=_shade(_FORWARD_SHADES, c, vpp), label=f"F chunk {c}")
                for c in range(vpp)]
     handles += [Patch(color=_shade(_BACKWARD_SHADES, c, vpp), label=f"B chunk {c}")
@@ -92,17 +89,19 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line flags."""
     parser = argparse.ArgumentParser(prog="python -m megazoo.pipeline.show",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks")
-    parser.add_argument("--vpp", type=int, default=1, help="model chunks per rank")
-    parser.add_argument("--microbatches", type=int, default=8, help="micro-batches (m)")
+    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks (default: %(default)s)")
+    parser.add_argument("--vpp", type=int, default=1, help="model chunks per rank (default: %(default)s)")
+    parser.add_argument("--microbatches", type=int, default=8, help="micro-batches, m (default: %(default)s)")
     parser.add_argument("--schedule", choices=("1f1b", "interleaved"), default=None,
                         help="default: interleaved when vpp > 1, else 1f1b")
     parser.add_argument("--forward-time", type=float, default=1.0,
-                        help="forward time per chunk per micro-batch")
+                        help="one micro-batch's forward through all of a rank's layers; a "
+                        "chunk takes this / vpp (default: %(default)s)")
     parser.add_argument("--backward-time", type=float, default=2.0,
-                        help="backward time per chunk per micro-batch")
-    parser.add_argument("--p2p-time", type=float, default=0.0, help="latency of one send")
-    parser.add_argument("--out", default="sched.png", help="PNG file to write")
+                        help="the same for backward (default: %(default)s)")
+    parser.add_argument("--p2p-time", type=float, default=0.0,
+                        help="latency of one send (default: %(default)s)")
+    parser.add_argument("--out", default="sched.png", help="PNG file to write (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.schedule is None:
         args.schedule = "interleaved" if args.vpp > 1 else "1f1b"
@@ -112,9 +111,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> Path:
-    """Build, simulate and draw a schedule from command-line flags; return the PNG path."""
-    args = _parse(argv)
+def simulate_flags(args: argparse.Namespace) -> SimulationResult:
+    """The simulated schedule the flags describe, each chunk taking 1/vpp of the rank's
+    forward / backward time (so 1F1B and interleaved share one time axis)."""
     pp, vpp, m = args.pp, args.vpp, args.microbatches
     if args.schedule == "interleaved":
         schedule = interleaved_schedule(pp, vpp, m)
@@ -122,13 +121,24 @@ def main(argv: Sequence[str] | None = None) -> Path:
         schedule = one_f_one_b_schedule(pp, m)
     else:
         schedule = build_schedule(pp, vpp, m)
-    result = simulate(schedule, args.forward_time, args.backward_time, args.p2p_time)
-    title = (f"{args.schedule} pp={pp} vpp={vpp} m={m} (tf={args.forward_time:g}, "
-             f"tb={args.backward_time:g}, p2p={args.p2p_time:g})\nmakespan "
+    return simulate(schedule, args.forward_time / vpp, args.backward_time / vpp, args.p2p_time)
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    """Build, simulate and draw a schedule from command-line flags; return the PNG path."""
+    args = _parse(argv)
+    pp, vpp, m = args.pp, args.vpp, args.microbatches
+    result = simulate_flags(args)
+    title = (f"{args.schedule} pp={pp} vpp={vpp} m={m} (per rank tf={args.forward_time:g}, "
+             f"tb={args.backward_time:g}; per chunk /{vpp}; p2p={args.p2p_time:g})\nmakespan "
              f"{result.makespan:g}, bubble {result.bubble_fraction:.1%} of makespan "
              f"= {result.bubble_ratio:.3f} x ideal; peak in flight per rank "
              f"{result.peak_inflight}")
-    path = draw_timeline(result, args.out, title)
+    try:
+        path = draw_timeline(result, args.out, title)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"wrote {path}: {title}")
     return path
 

@@ -7,7 +7,8 @@
 The planner reads a run's own configuration: its command line is `pretrain_gpt.py`'s (the
 same flags, names and defaults, generated from the same dataclasses) plus `--dp` (the
 data-parallel size, which a launched run takes from its world size), `--gpu-memory`,
-`--gpus-per-node`, `--fp32-grad-accumulation` and `--json`; it checks them with the run's
+`--gpus-per-node`, `--fp32-grad-accumulation`, `--json` and `--out PNG` (the plan of each
+pipeline stage as a stacked bar, `stages.py`); it checks them with the run's
 own `megazoo.training.validate.check_args`, so a layout it plans is one the run accepts.
 `estimate_memory(args)` takes the run's `PretrainArgs` and is a pure function returning a
 `MemoryEstimate` (bytes). It plans bf16 mixed precision whatever `--bf16` says.
@@ -68,7 +69,8 @@ from .cli import format_table, main
 from .layout import PlanOptions, Resolved, resolve
 from .memory import (GB, RUNTIME_BYTES, MemoryEstimate, activation_bytes, estimate_memory,
                      stage_parameters)
+from .stages import stage_estimates
 
 __all__ = ["GB", "RUNTIME_BYTES", "MemoryEstimate", "PlanOptions", "Resolved", "activation_bytes",
            "block_coefficients", "estimate_memory", "format_table", "main", "resolve",
-           "stage_activations", "stage_parameters"]
+           "stage_activations", "stage_estimates", "stage_parameters"]

@@ -68,7 +68,8 @@ def stage_activations(config: ModelConfig, layout: Resolved) -> dict[str, float]
 
     Returns block (as kept under the layout's recompute),
     full_block (no recompute), first / last (stage totals), logits (the loss's peak), post
-    (outside the blocks) and total (the rank the planner reports).
+    (outside the blocks: head_side on the last stage + embed_side on the first), working
+    (full recompute's one recomputed block) and total (the rank the planner reports).
     """
     s, b, h = layout.seq_length, layout.micro_batch_size, config.hidden_size
     t, sp = layout.tp, layout.sp
@@ -93,4 +94,5 @@ def stage_activations(config: ModelConfig, layout: Resolved) -> dict[str, float]
     else:
         total = max(first, last)
     return dict(block=block, full_block=full_block, first=first, last=last, logits=logits,
-                post=head_side + embed_side, total=total)
+                post=head_side + embed_side, head_side=head_side, embed_side=embed_side,
+                working=working, total=total)

@@ -1,4 +1,4 @@
-"""`python -m megazoo.plan [pretrain_gpt.py flags] [--dp N] [--gpu-memory GB] [--json]`.
+"""`python -m megazoo.plan [pretrain_gpt.py flags] [--dp N] [--gpu-memory GB] [--json] [--out PNG]`.
 
 The parser is `pretrain_gpt.py`'s own (`megazoo.training.arguments.build_parser`), extended
 with the planner's few flags; the parsed flags become the run's `PretrainArgs` through the
@@ -20,6 +20,7 @@ from ..training.arguments import args_from_namespace, build_parser, field_docs
 from ..training.config import PretrainArgs
 from .layout import PlanOptions, resolve
 from .memory import GB, MemoryEstimate, _estimate
+from .stages import draw_plan, stage_estimates
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -63,6 +64,10 @@ def plan_parser() -> argparse.ArgumentParser:
             group.add_argument(flag, type=hints[f.name], default=f.default,
                                metavar=f.name.upper(), **kwargs)
     group.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+    group.add_argument("--out", metavar="PNG", default=None,
+                       help="Also draw the plan: a stacked bar per pipeline stage (weights, "
+                       "gradients, optimizer, activations, buffers) against --gpu-memory; "
+                       "needs matplotlib. Default: no picture.")
     return parser
 
 
@@ -99,13 +104,30 @@ def main(argv: list[str] | None = None) -> int:
         args = args_from_namespace(ns)  # the run's own configs and checks
         layout = resolve(args, options)
         est = _estimate(args.model, layout)
+        name = args.model_name or "the default model"
+        if ns.out:
+            picture = _draw(name, args, layout, ns.out)
     except (ValueError, OSError) as exc:  # a layout that cannot be: say what, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    name = args.model_name or "the default model"
     if ns.json:
         print(json.dumps({"model": name, "layout": dataclasses.asdict(layout),
                           "args": args.to_dict(), **est.to_dict()}, indent=2))
     else:
         print(format_table(name, args, est, options))
+        if ns.out:
+            print(picture)
     return 0
+
+
+def _draw(name: str, args: PretrainArgs, layout, out: str) -> str:
+    """Write the per-stage picture to `out`; return the line that says so."""
+    stages = stage_estimates(args.model, layout)
+    top = max(range(len(stages)), key=lambda r: stages[r].gpu_total)
+    title = (f"{name}: TP{layout.tp}-SP{layout.sp}-PP{layout.pp}-VPP{layout.vpp}-DP{layout.dp}, "
+             f"{'megazoo engine' if layout.plain_engine else layout.zero_impl} ZeRO-"
+             f"{layout.zero_stage}, micro-batch "
+             f"{layout.micro_batch_size} x {layout.seq_length}, recompute {layout.recompute}")
+    draw_plan(stages, layout.options.gpu_memory, title, out)
+    return (f"wrote {out}: one bar per pipeline stage; stage {top} is the most loaded at "
+            f"{stages[top].gpu_total / GB:.2f} GB")

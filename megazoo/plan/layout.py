@@ -59,6 +59,8 @@ class Resolved:
     """bf16 / fp16 parameters (else fp32: --fp32 or no precision flag)."""
     distributed_optimizer: bool = False
     """Plain engine: masters and moments sharded over dp x sp."""
+    gradient_compression: str | None = None
+    """Plain engine: topk / 1bit / 2bit (its error-feedback residuals take memory)."""
 
     @property
     def plain_engine(self) -> bool:
@@ -109,4 +111,5 @@ def resolve(args: PretrainArgs, options: PlanOptions | None = None) -> Resolved:
         offload_optimizer_ratio=ratio, offload_param=offload_param,
         fsdp_reshard_after_forward=args.zero.fsdp_reshard_after_forward,
         options=options or PlanOptions(), low_precision=t.bf16 or t.fp16,
-        distributed_optimizer=t.use_distributed_optimizer)
+        distributed_optimizer=t.use_distributed_optimizer,
+        gradient_compression=args.compression.algorithm)

@@ -81,9 +81,12 @@ def activation_bytes(args: PretrainArgs, options: PlanOptions | None = None) -> 
     return stage_activations(args.model, resolve(args, options))
 
 
-def _estimate(config: ModelConfig, layout: Resolved) -> MemoryEstimate:
+def _estimate(config: ModelConfig, layout: Resolved, n_gpu: int | None = None,
+              act: float | None = None) -> MemoryEstimate:
+    """The estimate of the most loaded rank; `n_gpu` (parameters per tp rank before ZeRO)
+    and `act` (activation bytes) given: of the pipeline stage they describe."""
     counts = stage_parameters(config, layout.tp, layout.pp)
-    n_gpu = counts["stage"]
+    n_gpu = counts["stage"] if n_gpu is None else n_gpu
     z = layout.dp * layout.sp
     grad_b = 4 if layout.options.fp32_grad_accumulation else 2
     notes = []
@@ -122,7 +125,7 @@ def _estimate(config: ModelConfig, layout: Resolved) -> MemoryEstimate:
             notes.append(f"FSDP2 without resharding after forward: all {n_gpu / 1e9:.2f}e9 "
                          f"params of the stage gathered (bf16) + 1 unit of full gradients")
     comm = RUNTIME_BYTES + _comm_buffers(config, layout, n_gpu, grad_b)
-    act = stage_activations(config, layout)["total"]
+    act = stage_activations(config, layout)["total"] if act is None else act
     subtotal = params + grads + optim + act + comm
     frag = FRAGMENTATION * subtotal
     gpu_total = subtotal + frag
@@ -139,7 +142,9 @@ def _plain_engine_bytes(layout: Resolved, n_gpu: int, notes: list) -> tuple:
     bf16 / fp16 parameters (2 B), one contiguous fp32 main-gradient buffer (4 B; its buckets
     are views, no extra copy), fp32 masters and AdamW moments (12 B), the latter over dp x sp
     with the distributed optimizer. In fp32 the parameters are the masters (4 + 8 B) unless
-    the distributed optimizer keeps a master shard of its own."""
+    the distributed optimizer keeps a master shard of its own. Gradient compression adds its
+    fp32 residuals (counted with the optimizer state): a gradient-sized worker residual, and
+    for 1bit / 2bit without the distributed optimizer a 1/(dp x sp) server residual."""
     z = layout.dp * layout.sp
     shard = z if layout.distributed_optimizer else 1
     if layout.low_precision:
@@ -147,6 +152,10 @@ def _plain_engine_bytes(layout: Resolved, n_gpu: int, notes: list) -> tuple:
     else:
         params = 4 * n_gpu
         optim = (12 if layout.distributed_optimizer else 8) * n_gpu / shard
+    if layout.gradient_compression is not None and z > 1:
+        server = layout.gradient_compression != "topk" and not layout.distributed_optimizer
+        optim += 4 * n_gpu * (1 + (1 / z if server else 0))
+        notes.append(f"gradient compression {layout.gradient_compression}: fp32 residuals")
     notes.append("megazoo engine: " + ("bf16/fp16" if layout.low_precision else "fp32")
                  + " parameters, fp32 main gradients, fp32 masters + AdamW moments"
                  + (f" sharded over dp x sp = {z}" if layout.distributed_optimizer else ""))

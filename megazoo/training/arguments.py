@@ -30,6 +30,8 @@ from ..layers.fp8 import FORMATS as FP8_FORMATS, RECIPES as FP8_RECIPES
 from ..models.config import ModelConfig, _default_ffn
 from ..models.presets import PRESETS
 from ..parallel.config import ParallelConfig
+from .compression_config import ALGORITHMS, DTYPES as COMM_DTYPES, CompressionConfig, \
+    resolve_compression
 from .config import CheckpointConfig, DataConfig, LoggingConfig, PretrainArgs, TrainingConfig
 from .ds_config import training_defaults_from_json
 from .sparse_args import add_sparse_flags, sparse_section, warn_unused_sections
@@ -49,7 +51,8 @@ ALIASES = {
     "deepspeed_config": ["--deepspeed_config", "--deepspeed-config"],
 }
 # Fields whose flag takes one of these values.
-CHOICES = {"fp8_format": FP8_FORMATS, "fp8_recipe": FP8_RECIPES, "fp8_layers": ("all", "mlp")}
+CHOICES = {"fp8_format": FP8_FORMATS, "fp8_recipe": FP8_RECIPES, "fp8_layers": ("all", "mlp"),
+           "gradient_compression": ALGORITHMS, "communication_data_type": tuple(COMM_DTYPES)}
 # The ModelConfig fields a user may override on top of a preset (vocab comes from the data).
 MODEL_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
                 "num_key_value_heads", "ffn_hidden_size", "max_position_embeddings",
@@ -67,6 +70,7 @@ GROUPS = {
     "checkpoint": (CheckpointConfig, None),
     "logging": (LoggingConfig, None),
     "zero": (ZeroConfig, None),
+    "compression": (CompressionConfig, None),
 }
 # The model of the no-argument run: small enough to learn Python source on 2 CPU cores.
 DEFAULT_MODEL = ModelConfig(family="gpt", num_layers=4, hidden_size=128, num_attention_heads=4,
@@ -87,7 +91,8 @@ def field_docs(cls) -> dict[str, str]:
 
 def _add_field(group, dest: str, name: str, hint, doc: str, default) -> None:
     flags = ALIASES.get(name, ["--" + name.replace("_", "-")])
-    kwargs = dict(dest=dest, default=argparse.SUPPRESS, help=doc.replace("%", "%%"))
+    shown = f"{doc} (default: {_shown_default(default)})".replace("%", "%%")
+    kwargs = dict(dest=dest, default=argparse.SUPPRESS, help=shown)
     args = typing.get_args(hint)
     base = next((a for a in args if a is not type(None)), hint) if args else hint
     if typing.get_origin(hint) is list or typing.get_origin(base) is list:
@@ -105,6 +110,19 @@ def _add_field(group, dest: str, name: str, hint, doc: str, default) -> None:
     group.add_argument(*flags, **kwargs)
 
 
+def _shown_default(value) -> str:
+    """How --help shows a default: on / off, none, list items separated by spaces."""
+    if value is dataclasses.MISSING:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return " ".join(str(v) for v in value)
+    return str(value)
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The full parser: one argument group per config dataclass (added to `parser` if given:
     the memory planner extends the run's own flags)."""
@@ -120,8 +138,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         hints, docs = typing.get_type_hints(cls), field_docs(cls)
         for f in dataclasses.fields(cls):
             if (names is None or f.name in names) and f.name in docs:
+                # model fields: the no-flag run's model (a --model preset brings its own)
+                default = getattr(DEFAULT_MODEL, f.name) if cls is ModelConfig else f.default
                 _add_field(group, f"{group_name}__{f.name}", f.name, hints[f.name],
-                           docs[f.name], f.default)
+                           docs[f.name], default)
     add_sparse_flags(parser)
     return parser
 
@@ -177,6 +197,7 @@ def args_from_namespace(ns: argparse.Namespace) -> PretrainArgs:
     sparse = sparse_section(ns, zero.deepspeed_config)
     if sparse is not None:
         model = dataclasses.replace(model, sparse_attention=sparse)
+    compression = resolve_compression(_given(ns, "compression"), zero.deepspeed_config)
     warn_unused_sections(zero.deepspeed_config, zero.zero_impl)
     par = _given(ns, "parallel")
     training = TrainingConfig(**_training_fields(ns, zero, par))
@@ -191,7 +212,7 @@ def args_from_namespace(ns: argparse.Namespace) -> PretrainArgs:
                         data=DataConfig(**_given(ns, "data")),
                         checkpoint=CheckpointConfig(**_given(ns, "checkpoint")),
                         logging=LoggingConfig(**_given(ns, "logging")),
-                        zero=zero, model_name=ns.model_name)
+                        zero=zero, compression=compression, model_name=ns.model_name)
     check_args(args)
     return args
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import shutil
 
 import numpy as np
@@ -26,14 +25,10 @@ import torch.distributed as dist
 
 from ..checkpoint.files import NonFiniteError
 from ..checkpoint.output import fault_point
+from ..checkpoint.resolve import LATEST, iteration_dir, read_latest, resolve_checkpoint
 
-LATEST = "latest"
 # The temp file `_write_latest` renames over `latest` (left behind only by a killed run).
 LATEST_TMP = r"\.latest\.tmp(?P<pid>\d+)"
-
-
-def iteration_dir(save_dir: str, iteration: int) -> str:
-    return os.path.join(save_dir, f"iter_{iteration:07d}")
 
 
 def rng_state() -> dict:
@@ -60,16 +55,6 @@ def _write_latest(save_dir: str, iteration: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(save_dir, LATEST))
-
-
-def read_latest(save_dir: str) -> int | None:
-    """The iteration `save_dir/latest` names (None: no such file, or not a number)."""
-    try:
-        with open(os.path.join(save_dir, LATEST)) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
 
 
 def save_training_checkpoint(engine, save_dir: str, iteration: int, extra: dict, state, *,
@@ -103,40 +88,9 @@ def save_training_checkpoint(engine, save_dir: str, iteration: int, extra: dict,
     return path
 
 
-def resolve_load_path(load: str) -> str:
-    """An iter_* directory as given, or `load/latest`'s; clear error if neither exists."""
-    if os.path.isfile(os.path.join(load, "megazoo.json")):
-        return load
-    latest = os.path.join(load, LATEST)
-    if not os.path.isfile(latest):
-        raise FileNotFoundError(f"--load {load}: no checkpoint there (no {LATEST} file and no "
-                                "megazoo.json); point it at a --save folder or an iter_* folder")
-    text = open(latest).read().strip()
-    if not text.isdigit():
-        raise ValueError(f"{latest} holds {text!r}, not an iteration number: fix or delete it")
-    path = iteration_dir(load, int(text))
-    if not os.path.isdir(path):
-        earlier = _previous_checkpoint(load, int(text))
-        hint = (f"; the previous checkpoint {earlier} is there: resume from it with --load "
-                f"{earlier}" if earlier else "; no earlier iter_* checkpoint is there either")
-        raise FileNotFoundError(f"{latest} names iteration {text} but {path} is missing{hint}")
-    return path
-
-
-def _previous_checkpoint(save_dir: str, before: int) -> str | None:
-    """The newest `iter_N` folder of `save_dir` with N < `before` and a megazoo.json."""
-    found = []
-    for name in os.listdir(save_dir):
-        match = re.fullmatch(r"iter_(\d+)", name)
-        if match and int(match[1]) < before and \
-                os.path.isfile(os.path.join(save_dir, name, "megazoo.json")):
-            found.append((int(match[1]), os.path.join(save_dir, name)))
-    return max(found)[1] if found else None
-
-
 def load_training_checkpoint(engine, load: str) -> dict:
     """Restore model, optimizer, scaler (engine) and RNG states; return the checkpoint's extra."""
-    extra = engine.load(resolve_load_path(load))
+    extra = engine.load(resolve_checkpoint(load))
     if "rng" in extra:
         set_rng_state(extra["rng"])
     return extra

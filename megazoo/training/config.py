@@ -12,6 +12,7 @@ from ..data.indexed import check_data_prefix
 from ..data.splits import parse_data_prefix
 from ..models.config import ModelConfig
 from ..parallel.config import ParallelConfig
+from .compression_config import CompressionConfig
 from .zero_config import ZeroConfig
 
 DECAY_STYLES = ("cosine", "linear", "constant")
@@ -192,7 +193,17 @@ class LoggingConfig:
     log_json: str | None = None
     """Also write every log line as a JSON object to this file."""
     tensorboard_dir: str | None = None
-    """TensorBoard event folder (when tensorboard is installed)."""
+    """TensorBoard event folder (needs the tensorboard package)."""
+    wandb_project: str | None = None
+    """Log to this Weights & Biases project (needs the wandb package; offline without an API
+    key or with WANDB_MODE=offline)."""
+    wandb_exp_name: str | None = None
+    """Weights & Biases run name (None: wandb picks one)."""
+    wandb_save_dir: str | None = None
+    """Weights & Biases files folder (None: SAVE/wandb, or ./wandb without --save)."""
+    plot_curves: bool = True
+    """At the end, draw the run's curves (loss, lr, tokens/s, ...) to SAVE/curves.png
+    (needs matplotlib)."""
     peak_tflops: float | None = None
     """Peak TFLOP/s of one device for MFU; None: measure a bf16 matmul once (GPU only)."""
     eval_only: bool = False
@@ -204,7 +215,7 @@ class LoggingConfig:
     generate_top_k: int = 10
     """Sample among the k most likely tokens (1: greedy)."""
     progress: bool = True
-    """Show a tqdm progress bar (rank 0)."""
+    """Show a tqdm progress bar (rank 0, on a terminal; a redirected log gets log lines only)."""
 
     def __post_init__(self) -> None:
         for name in ("log_interval", "eval_interval"):
@@ -225,6 +236,7 @@ class PretrainArgs:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
     model_name: str | None = None
     """The --model preset, if one was given."""
 
@@ -232,7 +244,8 @@ class PretrainArgs:
         """Plain JSON-able dict (stored in checkpoints)."""
         from dataclasses import asdict
         out = {k: asdict(getattr(self, k)) for k in
-               ("model", "parallel", "training", "data", "checkpoint", "logging", "zero")}
+               ("model", "parallel", "training", "data", "checkpoint", "logging", "zero",
+                "compression")}
         out["model_name"] = self.model_name
         return out
 

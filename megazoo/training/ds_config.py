@@ -32,6 +32,8 @@ import os
 
 AUTO = "auto"
 SPARSE_SECTION = "sparse_attention"  # megazoo's model reads it; DeepSpeed never gets it
+# DeepSpeed's compressed-communication optimizers: their "optimizer" section passes through.
+ONEBIT_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
 
 
 def load_ds_json(path: str) -> dict:
@@ -143,7 +145,12 @@ def build_ds_config(args, dp: int) -> dict:
     _merge(ds, ("gradient_clipping",), float(training.clip_grad), f"--clip-grad {training.clip_grad}",
            source)
     _batches(ds, training, dp, source)
+    comm = getattr(getattr(args, "compression", None), "communication_data_type", None)
+    if comm is not None:
+        _merge(ds, ("communication_data_type",), comm, f"--communication-data-type {comm}", source)
     for key in ("optimizer", "scheduler"):
+        if key == "optimizer" and onebit_optimizer(ds) is not None:
+            continue
         if key in ds:
             raise ValueError(f"{source} has an \"{key}\" section: megazoo builds AdamW and the "
                              "learning-rate schedule from --lr, --weight-decay, --lr-* flags; "
@@ -151,6 +158,13 @@ def build_ds_config(args, dp: int) -> dict:
     ds.setdefault("steps_per_print", 2 ** 31 - 1)  # megazoo logs; DeepSpeed stays quiet
     ds.setdefault("wall_clock_breakdown", False)
     return ds
+
+
+def onebit_optimizer(ds: dict) -> str | None:
+    """The "optimizer" section's type when it is one of DeepSpeed's 1-bit optimizers."""
+    section = ds.get("optimizer")
+    kind = section.get("type") if isinstance(section, dict) else None
+    return kind if isinstance(kind, str) and kind.lower() in ONEBIT_OPTIMIZERS else None
 
 
 def _lookup(ds: dict, keys: tuple[str, ...]):

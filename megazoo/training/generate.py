@@ -5,7 +5,9 @@
 Every rank of a tp x sp group runs the same loop: the model returns the same full logits on
 each, and sampling draws from a generator seeded identically everywhere, so all ranks pick
 the same token with no broadcast. No KV cache: the whole context is recomputed per token
-(fine for the short samples shown at the end of training). The context is right-padded to
+(fine for the short samples shown at the end of training, at every layout and engine,
+Ulysses and Megatron SP included); it is also the reference the cached generation of
+`megazoo.generation` (`megazoo.generate`, `generate.py`) is tested against. The context is right-padded to
 a multiple of the sequence-parallel size; with causal attention the padding cannot change
 the logits at the last real position. With pp > 1 every rank runs the forward-only pipeline
 schedule; the last stage picks the token and sends it to its pipeline group.

@@ -1,4 +1,5 @@
-"""Training metrics: the log line, JSON lines, TensorBoard, FLOPs and MFU, memory.
+"""Training metrics: the log line, JSON lines, TensorBoard / Weights & Biases
+(`log_writers.py`), FLOPs and MFU, memory.
 
 Model FLOPs per iteration (Megatron's formula, Narayanan et al. 2021, with the logit layer),
 for B sequences of s tokens, l layers, width h, vocabulary V:
@@ -18,6 +19,8 @@ import sys
 import time
 
 import torch
+
+from .log_writers import open_writers
 
 
 def flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
@@ -51,19 +54,17 @@ def host_rss_gb() -> float:
 class MetricsLogger:
     """Formats, prints (rank 0) and records metrics; `write` takes a dict of numbers."""
 
-    def __init__(self, logging_cfg, device: torch.device, is_rank0: bool, print_fn=print):
+    def __init__(self, logging_cfg, device: torch.device, is_rank0: bool, print_fn=print,
+                 save_dir: str | None = None, run_config: dict | None = None):
         self.cfg, self.device, self.is_rank0, self.print = logging_cfg, device, is_rank0, print_fn
-        self.json_file = self.tb = None
+        self.json_file, self.writers = None, []
+        self.records: list[dict] = []  # what the curves picture at the end draws
         if is_rank0 and logging_cfg.log_json:
             folder = os.path.dirname(os.path.abspath(logging_cfg.log_json))
             os.makedirs(folder, exist_ok=True)
             self.json_file = open(logging_cfg.log_json, "a")
-        if is_rank0 and logging_cfg.tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(logging_cfg.tensorboard_dir)
-            except ImportError:
-                print_fn("tensorboard is not installed: --tensorboard-dir ignored")
+        if is_rank0:
+            self.writers = open_writers(logging_cfg, save_dir, run_config or {}, print_fn)
         self.peak = logging_cfg.peak_tflops
         if self.peak is None:
             self.peak = measure_peak_tflops(device)
@@ -84,7 +85,8 @@ class MetricsLogger:
         return out
 
     def write(self, record: dict, show: bool = True) -> None:
-        """One log record (rank 0): printed as a line, appended as JSON, sent to TensorBoard."""
+        """One log record (rank 0): printed as a line, appended as JSON, and, when it has an
+        iteration, its numbers sent to TensorBoard / Weights & Biases."""
         if not self.is_rank0:
             return
         if show:
@@ -92,16 +94,20 @@ class MetricsLogger:
         if self.json_file is not None:
             self.json_file.write(json.dumps(record) + "\n")
             self.json_file.flush()
-        if self.tb is not None and "iteration" in record:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "iteration" and v == v:
-                    self.tb.add_scalar(k, v, record["iteration"])
+        if "iteration" not in record:
+            return
+        self.records.append(record)
+        numbers = {k: v for k, v in record.items() if k != "iteration" and v == v
+                   and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for writer in self.writers:
+            writer.scalars(numbers, record["iteration"])
 
     def close(self) -> None:
         if self.json_file is not None:
             self.json_file.close()
-        if self.tb is not None:
-            self.tb.close()
+        for writer in self.writers:
+            writer.close()
+        self.json_file, self.writers = None, []
 
 
 def _fmt(key: str, value) -> str:

@@ -5,24 +5,32 @@
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 
 import torch
 
+from ..figures import INSTALL, has_matplotlib
+from ..plot import draw
 from .checkpoint import save_training_checkpoint
 from .generate import generate
 from .logging import flops_per_iteration
 from ..checkpoint.files import NonFiniteError
 from .nonfinite import SkipWatch, stopped_by_nonfinite_save
 
+SUMMARY_STEPS = 10  # the final train loss averages this many last iterations
+
 
 class _Progress:
-    """A tqdm bar on rank 0 (if enabled and installed); log lines go through it."""
+    """A tqdm bar on rank 0 (if enabled and installed, and only on a terminal: redirected to
+    a file, its redraws would be carriage-return noise, so a log gets the log lines only);
+    log lines go through it."""
 
     def __init__(self, run, print_fn):
         self.bar, self.print = None, print_fn
         cfg = run.args
-        if run.state.global_rank == 0 and cfg.logging.progress:
+        if run.state.global_rank == 0 and cfg.logging.progress and _on_terminal():
             try:
                 from tqdm import tqdm
                 self.bar = tqdm(total=cfg.training.train_iters, initial=run.start_iteration,
@@ -39,6 +47,11 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _on_terminal() -> bool:
+    """Whether the bar (stderr) and the log lines (stdout) both go to a terminal."""
+    return all(getattr(s, "isatty", lambda: False)() for s in (sys.stdout, sys.stderr))
 
 
 def seed_step(seed: int, iteration: int, state) -> None:
@@ -64,6 +77,26 @@ def _save(run, iteration: int, watch: SkipWatch, result) -> None:
     run.logger.print(f"saved checkpoint {path}")
 
 
+def _draw_curves(run, tokens_per_step: int) -> None:
+    """SAVE/curves.png from this run's log records (rank 0, with --save and --plot-curves).
+    A missing matplotlib or a failed drawing is one line: the picture never fails the run."""
+    a, say = run.args, run.logger.print
+    if run.state.global_rank != 0 or not (a.checkpoint.save and a.logging.plot_curves) \
+            or not run.logger.records:
+        return
+    out = os.path.join(a.checkpoint.save, "curves.png")
+    if not has_matplotlib():
+        say(f"no {out}: matplotlib is not installed: {INSTALL}")
+        return
+    try:
+        draw([(os.path.basename(os.path.normpath(a.checkpoint.save)), run.logger.records,
+               tokens_per_step)], out)
+    except Exception as exc:  # a picture is a convenience, never a reason to fail a run
+        say(f"no {out}: drawing the curves failed ({type(exc).__name__}: {exc})")
+        return
+    say(f"curves: {out} (python -m megazoo.plot draws and overlays --log-json files)")
+
+
 def _log_record(run, iteration, result, seconds, steps, skipped_total) -> dict:
     a, t = run.args, run.args.training
     tokens = t.global_batch_size * a.data.seq_length * steps
@@ -77,6 +110,7 @@ def _log_record(run, iteration, result, seconds, steps, skipped_total) -> dict:
     if result.skipped:
         record["skipped"] = True
     record["skipped_steps"] = skipped_total
+    record.update(getattr(run.engine, "comm_stats", dict)())
     record.update(run.logger.throughput(flops, seconds, run.state.world_size, tokens))
     record.update(run.logger.memory())
     return record
@@ -91,13 +125,25 @@ def evaluate(run: Run) -> float | None:
     return sum(losses) / len(losses)
 
 
+def _header(run, tokens_per_iter: int) -> None:
+    """The run's first lines, and the --log-json record the curves' token axis comes from."""
+    a = run.args
+    run.logger.print(f"{run.state} | model {a.model.family} L{a.model.num_layers} "
+                     f"h{a.model.hidden_size} vocab {a.model.vocab_size} | "
+                     f"unigram entropy of the data {run.entropy:.3f} nats/token")
+    run.logger.print(f"each logged loss is that one iteration's mean over its "
+                     f"{a.training.global_batch_size} x {a.data.seq_length} tokens; the final "
+                     f"train loss averages the last {SUMMARY_STEPS} iterations' losses")
+    run.logger.write({"tokens_per_step": tokens_per_iter, "start_iteration": run.start_iteration,
+                      "global_batch_size": a.training.global_batch_size,
+                      "seq_length": a.data.seq_length}, show=False)
+
+
 def train(run, print_fn=print) -> dict:
     """Train from run.start_iteration to --train-iters; return the final numbers."""
     a, log = run.args, run.args.logging
     tokens_per_iter = a.training.global_batch_size * a.data.seq_length
-    run.logger.print(f"{run.state} | model {a.model.family} L{a.model.num_layers} "
-                     f"h{a.model.hidden_size} vocab {a.model.vocab_size} | "
-                     f"unigram entropy of the data {run.entropy:.3f} nats/token")
+    _header(run, tokens_per_iter)
     progress, losses, steps = _Progress(run, print_fn), [], []
     valid = None
     start = window_start = time.perf_counter()
@@ -129,6 +175,7 @@ def train(run, print_fn=print) -> dict:
             break
     progress.close()
     elapsed = time.perf_counter() - start
+    _draw_curves(run, tokens_per_iter)
     out = _summary(run, losses, valid, elapsed, print_fn)
     out["steps"] = steps
     return out
@@ -137,7 +184,7 @@ def train(run, print_fn=print) -> dict:
 def _summary(run, losses, valid, elapsed, print_fn) -> dict:
     a = run.args
     steps = len(losses)
-    tail = losses[-max(1, min(10, steps)):] if losses else [math.nan]
+    tail = losses[-max(1, min(SUMMARY_STEPS, steps)):] if losses else [math.nan]
     train_loss = sum(tail) / len(tail)
     tok_s = steps * a.training.global_batch_size * a.data.seq_length / max(elapsed, 1e-9)
     out = {"train_loss": train_loss, "valid_loss": valid, "unigram_entropy": run.entropy,
@@ -154,8 +201,9 @@ def _summary(run, losses, valid, elapsed, print_fn) -> dict:
         where = "below" if gap >= 0 else "ABOVE"
         run.logger.print(
             f"done: {steps} steps in {elapsed:.0f} s, {tok_s:,.0f} tokens/s | train loss "
-            f"{train_loss:.3f}, valid loss {valid:.3f} nats/token: {abs(gap):.3f} {where} the "
+            f"{train_loss:.3f} (last {len(tail)} iterations), valid loss {valid:.3f} nats/token: {abs(gap):.3f} {where} the "
             f"unigram entropy {run.entropy:.3f} of the data ({abs(100 * gap / run.entropy):.0f}%)")
     else:
-        run.logger.print(f"done: {steps} steps in {elapsed:.0f} s, train loss {train_loss:.3f}")
+        run.logger.print(f"done: {steps} steps in {elapsed:.0f} s, train loss {train_loss:.3f} "
+                         f"(last {len(tail)} iterations)")
     return out

@@ -11,6 +11,7 @@ turns into one "error: ..." line and exit status 2.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from ..layers.fp8 import check_fp8_run
 from ..models import build_model
 from ..models.parts import check_sequence_length
+from ..parallel.device import local_device
 from ..parallel.state import ParallelState
 from .arguments import parse_args
 from .checkpoint import load_training_checkpoint
@@ -51,15 +53,6 @@ def _barrier(state: ParallelState):
     return (lambda: dist.barrier()) if state.world_size > 1 else (lambda: None)
 
 
-def _device() -> torch.device:
-    """This rank's accelerator (LOCAL_RANK) when there is one, else the CPU."""
-    if not torch.accelerator.is_available():
-        return torch.device("cpu")
-    index = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.accelerator.set_device_index(index)
-    return torch.device(torch.accelerator.current_accelerator().type, index)
-
-
 def _one_rank_group_for_zero(args: PretrainArgs) -> None:
     """DeepSpeed and FSDP2 need torch.distributed even in a plain one-process run (no
     launcher): give them a one-rank group (an in-memory store, no port) and the LOCAL_RANK
@@ -76,7 +69,7 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     """Initialise ranks, data, model, engine (and resume); raise USER_ERRORS on bad input."""
     if args.training.cpu_threads:
         torch.set_num_threads(args.training.cpu_threads)
-    check_fp8_run(args.model.fp8(), _device())  # every rank, before any collective
+    check_fp8_run(args.model.fp8(), local_device())  # every rank, before any collective
     owns = not dist.is_initialized()
     _one_rank_group_for_zero(args)
     state = ParallelState.initialize(args.parallel)
@@ -92,7 +85,7 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     data = build_data(args, state, eval_samples)
     prepare_save_dir(args, rank0, log)
     entropy = unigram_entropy(data.prefixes, data.tokenizer.vocab_size)
-    device = data.device = _device()
+    device = data.device = local_device()
     model = build_model(args.model, state, device=device, seed=args.training.seed)
     engine = build_engine(args, model, state)
     advice = host_thread_advice(engine.cpu_offload, torch.get_num_threads(), os.cpu_count() or 1,
@@ -102,7 +95,7 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     start = 0
     if args.checkpoint.load:
         extra = load_training_checkpoint(engine, args.checkpoint.load)
-        for warning in resume_warnings(args, extra):
+        for warning in resume_warnings(args, extra) + getattr(engine, "resume_notes", []):
             log(f"warning: {warning}")
         start = int(extra.get("iteration", 0))
         consumed = int(extra.get("consumed_samples", start * args.training.global_batch_size))
@@ -112,7 +105,8 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
         log(f"resumed from {args.checkpoint.load} at iteration {start}")
     elif args.logging.eval_only:
         raise ValueError("--eval-only needs --load DIR (the checkpoint to evaluate)")
-    logger = MetricsLogger(args.logging, device, rank0, print_fn=log)
+    logger = MetricsLogger(args.logging, device, rank0, print_fn=log,
+                           save_dir=args.checkpoint.save, run_config=args.to_dict())
     return Run(args, state, data, engine, logger, start, entropy, owns)
 
 
@@ -127,6 +121,13 @@ def host_thread_advice(cpu_offload: bool, threads: int, cores: int, local_ranks:
             f"ranks on this host) or set OMP_NUM_THREADS")
 
 
+def generate_hint(args: PretrainArgs) -> str:
+    """--eval-only measures the loss only: the command that generates from the checkpoint."""
+    return (f"to generate text from this checkpoint: python generate.py --load "
+            f"{shlex.quote(args.checkpoint.load)} --prompt {shlex.quote(args.logging.prompt)} "
+            f"--max-new-tokens {args.logging.generate_tokens or 64}")
+
+
 def run_training(argv: list[str] | None = None, print_fn=print) -> dict:
     """Parse, set up and train (or evaluate); return the summary (losses, valid loss, ...).
 
@@ -138,6 +139,7 @@ def run_training(argv: list[str] | None = None, print_fn=print) -> dict:
         if run.args.logging.eval_only:
             loss = evaluate(run)
             run.logger.write({"iteration": run.start_iteration, "valid_loss": loss})
+            run.logger.print(generate_hint(run.args))
             out = {"valid_loss": loss, "losses": []}
         else:
             out = train(run, print_fn)

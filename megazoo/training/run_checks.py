@@ -16,7 +16,8 @@ import os
 
 from ..checkpoint.load import SHAPE_FIELDS
 from ..checkpoint.output import remove_leftovers
-from .checkpoint import LATEST_TMP, _previous_checkpoint, iteration_dir, read_latest
+from ..checkpoint.resolve import iteration_dir, previous_checkpoint, read_latest
+from .checkpoint import LATEST_TMP
 
 
 def read_options(args) -> dict:
@@ -31,7 +32,7 @@ def _newest_checkpoint(save: str) -> tuple[int, dict] | None:
     iteration = read_latest(save)
     path = iteration_dir(save, iteration) if iteration is not None else None
     if path is None or not os.path.isdir(path):
-        path = _previous_checkpoint(save, 10 ** 12) if os.path.isdir(save) else None
+        path = previous_checkpoint(save, 10 ** 12) if os.path.isdir(save) else None
     if path is None:
         return None
     try:

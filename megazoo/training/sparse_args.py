@@ -20,18 +20,22 @@ from .ds_config import JSON_TRAINING_KEYS, SPARSE_SECTION as SECTION, load_ds_js
 
 FLAGS = {"mode": "--sparse-attention-mode", "block": "--sparse-block"}
 # Top-level keys of a ds_config that the plain and FSDP2 engines read.
-READ_BY_ALL = {SECTION, "gradient_accumulation_steps"} | {k[0] for k in JSON_TRAINING_KEYS.values()}
+READ_BY_ALL = {SECTION, "gradient_accumulation_steps", "gradient_compression",
+               "communication_data_type"} | {k[0] for k in JSON_TRAINING_KEYS.values()}
 
 
 def add_sparse_flags(parser) -> None:
     group = parser.add_argument_group("sparse attention", "Block-sparse attention (DeepSpeed's "
                                       "sparse_attention keys; see README).")
     group.add_argument("--sparse-attention-mode", dest="sparse__mode", default=None,
-                       metavar="MODE", help="dense, fixed, variable, bigbird or bslongformer")
+                       metavar="MODE", help="dense, fixed, variable, bigbird or bslongformer (default: the "
+                       "--deepspeed_config section's, else dense)")
     group.add_argument("--sparse-block", dest="sparse__block", type=int, default=None,
-                       metavar="N", help="tokens per block side (a power of two >= 16)")
+                       metavar="N", help="tokens per block side, a power of two >= 16 (default: the "
+                       "section's, else 16)")
     group.add_argument("--sparse-attention-config", dest="sparse__config", default=None,
-                       metavar="JSON", help="JSON object with the other sparse_attention keys")
+                       metavar="JSON", help="JSON object with the other sparse_attention keys (default: "
+                       "none: the section's, else each mode's defaults)")
 
 
 def sparse_section(ns, deepspeed_config: str | None) -> dict | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ..models.build import check_layout
 from ..parallel.config import ParallelConfig
+from .compression_config import check_engine_compression
 from .config import PretrainArgs
 from .zero_config import ZeroConfig
 
@@ -20,6 +21,7 @@ def check_args(args: PretrainArgs) -> None:
     """Raise a ValueError unless `args` describes a run that can start (see the module doc)."""
     check_layout(args.model, args.parallel, args.data.seq_length)
     check_engine(args.zero, args.parallel)
+    check_engine_compression(args.compression, args.zero.zero_impl)
     dp, t = args.parallel.dp, args.training
     if dp is not None and t.global_batch_size % (t.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size {t.global_batch_size} must divide by "

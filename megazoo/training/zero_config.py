@@ -20,7 +20,8 @@ class ZeroConfig:
     """Train with DeepSpeed (Megatron-DeepSpeed's flag); implies zero_impl="deepspeed"."""
     deepspeed_config: str | None = None
     """Path of a DeepSpeed JSON config (ZeRO stage, offload, precision, clipping, batches);
-    other engines read its batches, clipping, precision and sparse_attention sections."""
+    other engines read its batches, clipping, precision, sparse_attention,
+    gradient_compression and communication_data_type."""
     zero_stage: int | None = None
     """ZeRO stage 0-3; None: the JSON's value, or 0 without one."""
     offload_optimizer: str | None = None

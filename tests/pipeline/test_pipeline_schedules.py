@@ -225,3 +225,29 @@ def test_show_writes_png(tmp_path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit):
         main(["--pp", "4", "--vpp", "2", "--schedule", "1f1b", "--out", str(out)])
+
+
+def test_show_time_axis_is_per_rank_so_schedules_compare() -> None:
+    """--forward-time / --backward-time are a rank's whole share: each of vpp chunks takes
+    1/vpp, so every rank is busy m (tf + tb) whatever vpp, and interleaving shortens the
+    makespan of the same model (pp 4, m 8: 1F1B (m + p - 1)(tf + tb) = 33, interleaved vpp 2
+    (m v + p - 1)(tf + tb) / v = 28.5)."""
+    from megazoo.pipeline.show import _parse, simulate_flags
+
+    one = simulate_flags(_parse(["--pp", "4", "--microbatches", "8"]))
+    two = simulate_flags(_parse(["--pp", "4", "--vpp", "2", "--microbatches", "8"]))
+    assert one.ideal_time == two.ideal_time == 8 * (1.0 + 2.0)
+    assert (one.makespan, two.makespan) == (33.0, 28.5)
+
+
+def test_show_without_matplotlib_is_one_line(tmp_path, monkeypatch, capsys) -> None:
+    import sys
+
+    from megazoo.pipeline.show import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--out", str(tmp_path / "s.png")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: drawing a pipeline schedule needs matplotlib: pip install")

@@ -19,7 +19,7 @@ from megazoo.checkpoint.output import remove_leftovers
 from megazoo.data import IndexedDatasetBuilder
 from megazoo.training import ds_ops
 from megazoo.training.arguments import parse_args
-from megazoo.training.checkpoint import resolve_load_path
+from megazoo.checkpoint.resolve import resolve_checkpoint
 from megazoo.training.default_corpus import LEFTOVERS
 from megazoo.training.ds_config import load_ds_json
 from megazoo.training.run_checks import prepare_save_dir, resume_warnings
@@ -92,7 +92,7 @@ def test_latest_naming_a_missing_checkpoint_points_at_the_previous(tmp_path):
     (tmp_path / "latest").write_text("20\n")
     with pytest.raises(FileNotFoundError, match="iter_0000020 is missing; the previous "
                                                 f"checkpoint {tmp_path}/iter_0000010 is there"):
-        resolve_load_path(str(tmp_path))
+        resolve_checkpoint(str(tmp_path))
 
 
 def tiny_args(save, *extra):

@@ -103,3 +103,17 @@ def test_plain_engine_flags_are_refused_with_zero_engines():
     a = parse_args(["--deepspeed", "--use-distributed-optimizer"])
     with pytest.raises(ValueError, match="--use-distributed-optimizer is for the plain engine"):
         build_engine(a, None, None)
+
+
+def test_help_shows_every_flags_default():
+    parser = build_parser()
+    text = " ".join(parser.format_help().split())  # argparse wraps lines
+    for shown in ("Optimizer steps to train for. (default: 800)",
+                  "(default: checkpoints)", "(default: tp sp dp pp)",
+                  "Number of transformer blocks. (default: 4)",       # the no-flag run's model
+                  "(default: off) --fp16", "redirected log gets log lines only). (default: on)"):
+        assert shown in text, shown
+    documented = [a for a in parser._actions if a.help and a.option_strings[0].startswith("--")
+                  and a.dest not in ("model_name", "local_rank", "help")]
+    assert documented and all("(default: " in a.help for a in documented), \
+        [a.option_strings[0] for a in documented if "(default: " not in a.help]

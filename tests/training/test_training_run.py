@@ -38,7 +38,7 @@ def tiny_argv(prefix: str, *extra: str) -> list[str]:
             "--global-batch-size", "4", "--train-iters", "6", "--lr-warmup-iters", "2",
             "--lr", "1e-2", "--min-lr", "1e-3", "--log-interval", "1", "--eval-interval", "3",
             "--eval-iters", "1", "--generate-tokens", "3", "--no-progress", "--save", "",
-            "--cpu-threads", "1", *extra]
+            "--cpu-threads", "1", "--no-plot-curves", *extra]
 
 
 @pytest.fixture(scope="module")

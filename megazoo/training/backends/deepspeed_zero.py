@@ -46,7 +46,9 @@ import torch.distributed as dist
 
 from ...checkpoint.save import refuse_nonfinite
 from ...parallel.state import ParallelState
-from ..ds_config import build_ds_config, offload_device, zero_stage
+from ..compression_config import check_onebit_backend
+from ..ds_config import build_ds_config, offload_device, onebit_optimizer, zero_stage
+from ..optim import param_groups
 from .base import Engine
 from ..gradients import hook_sequence_parallel_grads
 from .deepspeed_setup import (ZeroMPU, build_optimizer, check_nvme, ensure_process_group,
@@ -83,6 +85,9 @@ class DeepSpeedEngine(Engine):
             raise ValueError("optimizer offload needs ZeRO stage 1-3: pass --zero-stage")
         if device.type == "cpu" and self.cfg.fp16:
             raise ValueError("DeepSpeed's CPU accelerator has no fp16: on CPU use --bf16 or fp32")
+        onebit = onebit_optimizer(self.ds_config)
+        if onebit is not None:  # DeepSpeed builds it from the "optimizer" section
+            check_onebit_backend(onebit, self.ds_config, device)
         use_accelerator_of(device)
         check_nvme(self.ds_config)
         prepare_ops(self.ds_config, announce=state.global_rank == 0)
@@ -91,11 +96,13 @@ class DeepSpeedEngine(Engine):
 
         tag_tensor_parallel(model, state)
         self._hooks = hook_sequence_parallel_grads(model, state)
-        optimizer = build_optimizer(model, self.cfg, self.ds_config, cpu_adam)
+        optimizer = None if onebit else build_optimizer(model, self.cfg, self.ds_config, cpu_adam)
         self.uses_cpu_adam = type(optimizer).__name__ == "DeepSpeedCPUAdam"
         self.cpu_offload = offload_device(self.ds_config) == "cpu"
+        params = param_groups(model, self.cfg.weight_decay) if onebit else None
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=self.ds_config, mpu=ZeroMPU(state))
+            model=model, optimizer=optimizer, model_parameters=params, config=self.ds_config,
+            mpu=ZeroMPU(state))
         self.model = self.ds.module
         self.device = device
         self.steps = 0  # optimizer steps applied (DeepSpeed's skipped ones not): the lr clock

@@ -81,8 +81,10 @@ class FSDP2Engine(Engine):
         self.reduce_every_microbatch = reduce_every_microbatch
         self.device = next(model.parameters()).device
         mesh = shard_mesh(state, self.device)
+        comp = getattr(args, "compression", None)
         shard_stage(model, mesh, device=self.device, bf16=self.cfg.bf16, cpu_offload=cpu_offload,
-                    reshard_after_forward=reshard_after_forward)
+                    reshard_after_forward=reshard_after_forward,
+                    reduce_dtype=comp.wire_dtype if comp is not None else None)
         self.model, self.cpu_offload = model, cpu_offload
         # fused also on the host (offload): 1.3B params 0.3 s vs 1.5 s foreach
         self.optimizer = build_optimizer(param_groups(model, self.cfg.weight_decay), self.cfg,

@@ -42,13 +42,16 @@ def shard_mesh(state: ParallelState, device: torch.device):
 
 
 def shard_stage(model: nn.Module, mesh, *, device: torch.device, bf16: bool,
-                cpu_offload: bool, reshard_after_forward: bool) -> None:
-    """fully_shard every block, then the stage root (in place; see the module docstring)."""
+                cpu_offload: bool, reshard_after_forward: bool,
+                reduce_dtype: torch.dtype | None = None) -> None:
+    """fully_shard every block, then the stage root (in place; see the module docstring).
+    `reduce_dtype` (communication_data_type): the dtype of the gradient reduce-scatter
+    (default fp32 under bf16, else the parameters')."""
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                                         fully_shard)
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if bf16 else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                              reduce_dtype=reduce_dtype or (torch.float32 if bf16 else None))
     # Pinned host memory needs an accelerator; on CPU-only ranks plain memory is the same.
     offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload,

@@ -19,22 +19,26 @@ after its `num_microbatches`-th call, which under a pipeline schedule is the las
 of its chunk; a bucket is ready when all its parameters are final.
 
 Reduction (the dp x sp part of the gradient contract, `megazoo.training.gradients`): each
-bucket is divided by dp, then summed over `state.dp_sp` (sum over sp, mean over dp): an
-all-reduce, or with `shard=True` a reduce-scatter that leaves each rank its own shard of the
-bucket in place. With `overlap=True` the collective is launched (async_op) from the hook as
-soon as the bucket is ready, while backward continues; NCCL runs it on the process group's
-own stream, gloo on its own thread. `finish` launches the rest and waits. Buckets holding a
-tied embedding copy (`deferred`) are launched only by `finish`, after the caller's sum over
-the embedding group (that sum needs both pipeline ends to be done with backward).
+bucket is divided by dp, then summed over `state.dp_sp` (sum over sp, mean over dp) by a
+`megazoo.parallel.compress` reduction: a dense all-reduce (in `communication_data_type` when
+given), or with `shard=True` a reduce-scatter that leaves each rank its own shard of the
+bucket in place; or, from optimizer step `compress_from` on, the `compressed` one (topk /
+1bit / 2bit with error feedback, its state keyed "bucket{index}"). With `overlap=True` the
+collective is launched (async_op) from the hook as soon as the bucket is ready, while
+backward continues; NCCL runs it on the process group's own stream, gloo on its own thread
+(a compressed reduction: its first collective; the decoding and its second phase run in
+`wait`). `finish` launches the rest and waits. Buckets holding a tied embedding copy
+(`deferred`) are launched only by `finish`, after the caller's sum over the embedding group
+(that sum needs both pipeline ends to be done with backward).
 """
 from __future__ import annotations
 
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ...parallel.compress import DenseReduction
 from ...parallel.state import ParallelState
 
 
@@ -87,9 +91,13 @@ class GradBuffer:
     """Flat parameter and main-gradient buffers of a model; see the module docstring."""
 
     def __init__(self, model: nn.Module, state: ParallelState, *, bucket_numel: int,
-                 overlap: bool, shard: bool, deferred: tuple = ()):
+                 overlap: bool, shard: bool, deferred: tuple = (), wire_dtype=None,
+                 compressed=None, compress_from: int = 0):
         self.state, self.overlap, self.shard = state, overlap, shard
         self.group = state.dp_sp
+        self.dense = DenseReduction(self.group, wire_dtype)
+        self.compressed, self.compress_from = compressed, compress_from
+        self.reduction = self.dense
         params = [p for p in model.parameters() if p.requires_grad][::-1]
         self.params = params
         self.offsets, self.buckets, self.numel = _layout(
@@ -131,13 +139,17 @@ class GradBuffer:
         return [b.shard_range(self.group.rank, self.group.size) for b in self.buckets]
 
     # -- one step -------------------------------------------------------------------------
-    def start_step(self, num_microbatches: int) -> None:
+    def start_step(self, num_microbatches: int, step: int = 0) -> None:
         """Start counting; each parameter's gradient is final after this many backward calls.
+        `step` (optimizer steps so far) picks the dense or the compressed reduction.
 
         The main gradients are not zeroed here: a parameter's first gradient of the step is
         copied into its range and later ones added (one pass less over the fp32 buffer than
         zero + add); `finish` zeroes the ranges of parameters that got no gradient."""
         self.wait()
+        use = self.compressed is not None and step >= self.compress_from
+        self.reduction = self.compressed if use else self.dense
+        self.reduction.reset_bytes()
         self._expected = num_microbatches
         for key in self._calls:
             self._calls[key] = 0
@@ -171,12 +183,11 @@ class GradBuffer:
         data = self.main_grad[bucket.start:bucket.end]
         if self.state.dp.size > 1:
             data.div_(self.state.dp.size)
+        shard = None
         if self.shard:
             lo, hi = bucket.shard_range(self.group.rank, self.group.size)
-            bucket.handle = dist.reduce_scatter_tensor(self.main_grad[lo:hi], data,
-                                                       group=self.group.group, async_op=True)
-        else:
-            bucket.handle = dist.all_reduce(data, group=self.group.group, async_op=True)
+            shard = self.main_grad[lo:hi]
+        bucket.handle = self.reduction.launch(f"bucket{bucket.index}", data, shard)
 
     def finish(self, before_deferred=None) -> None:
         """Launch every bucket not launched yet (deferred ones after `before_deferred()`,

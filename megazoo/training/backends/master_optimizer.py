@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...parallel.collectives import all_gather_flat
+from .frozen_adam import frozen_variance_step
 from .grad_buffer import GradBuffer
 from ..optim import build_optimizer
 
@@ -105,13 +107,18 @@ class MasterAdamW:
             out[lo:hi].copy_(shard[pos:pos + hi - lo])
             pos += hi - lo
             if group.size > 1:
-                dist.all_gather_into_tensor(out[bucket.start:bucket.end], out[lo:hi],
-                                            group=group.group)
+                all_gather_flat(out[bucket.start:bucket.end], out[lo:hi], group=group.group)
         return out
 
     # -- the step ---------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, lr: float, grad_divisor: float = 1.0) -> None:
+    def step(self, lr: float, grad_divisor: float = 1.0, frozen_at: int | None = None) -> None:
+        """AdamW at `lr`; `frozen_at` (a step count): v stays as it was at that step
+        (`frozen_adam`, for compressed gradients)."""
+        if frozen_at is not None:
+            frozen_variance_step(self.optimizer, lr, grad_divisor, frozen_at)
+            self._publish()
+            return
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if grad_divisor == 1.0:
@@ -137,9 +144,8 @@ class MasterAdamW:
             return
         for bucket in reversed(self.buffers.buckets):  # forward order: first needed first
             lo, hi = bucket.shard_range(group.rank, group.size)
-            handle = dist.all_gather_into_tensor(data[bucket.start:bucket.end], data[lo:hi],
-                                                 group=group.group,
-                                                 async_op=self.overlap_param_gather)
+            handle = all_gather_flat(data[bucket.start:bucket.end], data[lo:hi],
+                                     group=group.group, async_op=self.overlap_param_gather)
             if self.overlap_param_gather:
                 self._gathers[bucket.index] = handle
 

@@ -21,8 +21,11 @@ import math
 
 import torch
 
+from ...parallel.compress import build_reduction
 from ...parallel.state import ParallelState
+from ..compression_config import CompressionConfig
 from ..config import PretrainArgs
+from . import compression_state
 from .base import Engine
 from .grad_buffer import GradBuffer
 from ..gradients import (clip_divisor, counted_flat_ranges, flat_grad_norm,
@@ -66,9 +69,17 @@ class PlainEngine(Engine):
         self._sp_hooks = hook_sequence_parallel_grads(model, state)
         tied = tied_embedding_weight(model, state)
         bucket = cfg.ddp_bucket_size or max(40_000_000, 1_000_000 * state.dp_sp.size)
+        comp = getattr(config, "compression", None) or CompressionConfig()
+        self.compressed = None if comp.algorithm is None else build_reduction(
+            comp.algorithm, state.dp_sp, topk_ratio=comp.value("topk_ratio"),
+            block=comp.value("compression_block_size"), wire_dtype=comp.wire_dtype)
         self.buffers = GradBuffer(model, state, bucket_numel=bucket, overlap=cfg.overlap_grad_reduce,
                                   shard=cfg.use_distributed_optimizer,
-                                  deferred=() if tied is None else (tied,))
+                                  deferred=() if tied is None else (tied,),
+                                  wire_dtype=comp.wire_dtype, compressed=self.compressed,
+                                  compress_from=comp.value("compression_start_step"))
+        self.freeze_at = comp.value("compression_start_step") if comp.freeze_variance else None
+        self.resume_notes: list[str] = []
         self.optimizer = MasterAdamW(model, self.buffers, cfg,
                                      overlap_param_gather=cfg.overlap_param_gather)
         self.buffers.cast_params(model_dtype(cfg))
@@ -88,7 +99,7 @@ class PlainEngine(Engine):
     def start_step(self, num_microbatches: int, lr: float) -> None:
         self.model.train()
         self._scale = self.loss_scale()
-        self.buffers.start_step(num_microbatches)
+        self.buffers.start_step(num_microbatches, self.steps)
 
     def finish_gradients(self) -> float:
         """Tied-embedding sum, the buckets still to reduce, then the norm from the flat buffer
@@ -104,8 +115,20 @@ class PlainEngine(Engine):
         if self.scaler is not None:
             self.scaler.update(not ok)
         if ok:
-            self.optimizer.step(lr, self._scale * clip_divisor(norm, self.cfg.clip_grad))
+            frozen = self.freeze_at if self.buffers.reduction.compressed else None
+            self.optimizer.step(lr, self._scale * clip_divisor(norm, self.cfg.clip_grad), frozen)
+        elif self.compressed is not None:  # the residuals took this step's inf / nan in
+            self.compressed.reset_errors()
         return ok
+
+    def comm_stats(self) -> dict:
+        """Bytes this rank sent for the last step's gradient reduction, and the ratio of an
+        fp32 all-reduce's bytes (reduce-scatter's, with the distributed optimizer) to them."""
+        red = self.buffers.reduction
+        if self.state.dp_sp.size == 1 or not red.sent_bytes:
+            return {}
+        return {"comm_bytes": red.sent_bytes,
+                "compression_ratio": red.dense_bytes / red.sent_bytes}
 
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler else 1.0
@@ -136,9 +159,13 @@ class PlainEngine(Engine):
         aux = {k: self._as_params(full[k]) for k in MOMENTS}
         engine = {"steps": self.steps, "adam_step": self.optimizer.adam_step,
                   "scaler": self.scaler.state_dict() if self.scaler else None}
+        errors, rank_files = self._residuals()
+        if errors:
+            engine["compression"] = compression_state.describe(self.compressed, self.buffers,
+                                                               self.state)
         old = self._swap_params(full["master"])
         try:
-            save_checkpoint(self.model, path, state=self.state,
+            save_checkpoint(self.model, path, state=self.state, rank_files=rank_files,
                             extra={**extra, "engine": engine}, aux=aux)
         finally:
             self._swap_params(None, old)
@@ -174,4 +201,30 @@ class PlainEngine(Engine):
         self.optimizer.load_full_state(full, step if len(full) > 1 else 0)
         if self.scaler is not None and engine.get("scaler"):
             self.scaler.load_state_dict(engine["scaler"])
+        self._load_residuals(path, engine.get("compression"))
         return extra
+
+    # -- gradient-compression residuals (per rank; see compression_state) -------------------
+    def _residuals(self) -> tuple[dict, object]:
+        """(this rank's residuals, the save hook writing them), ({}, None) without any.
+        Every rank of dp x sp holds residuals once compression has started."""
+        errors = {} if self.compressed is None else self.compressed.errors
+        if not errors:
+            return {}, None
+        rank = self.state.global_rank
+        return errors, lambda tmp: compression_state.write_errors(errors, tmp, rank)
+
+    def _load_residuals(self, path: str, saved: dict | None) -> None:
+        self.resume_notes = []
+        if self.compressed is None:
+            if saved is not None:
+                self.resume_notes.append("the checkpoint holds gradient-compression residuals; "
+                                         "this run does not compress, so they are not used")
+            return
+        here = compression_state.describe(self.compressed, self.buffers, self.state)
+        errors, note = compression_state.read_errors(path, saved, here, self.state.global_rank,
+                                                     self.device)
+        self.compressed.reset_errors()
+        self.compressed.errors.update(errors)
+        if note:
+            self.resume_notes.append(note)

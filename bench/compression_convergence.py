@@ -1,0 +1,91 @@
+"""Convergence of compressed gradient communication: the default `pretrain_gpt.py` run (GPT
+L4 h128 on the default corpus, 800 steps) at dp = 2 on two gloo ranks (CPU), uncompressed,
+topk 0.01 and 1bit after a warmup, each reporting the validation loss and its bytes on the
+wire per step (from the run's own `--log-json`).
+
+    python -m bench.compression_convergence [--iters 800] [--out results.json]
+    python -m bench.compression_convergence --iters 20 --variants none 1bit   # a quick look
+
+Each variant is a `torchrun --nproc-per-node 2 pretrain_gpt.py` child with one intra-op
+thread per rank, no checkpoint and no sample; the table gives the final validation loss, its
+difference from the uncompressed run, and the mean bytes a rank sent per compressed step
+(and the fp32 all-reduce's bytes over them: the compression ratio). Results: bench/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from .common import REPO, child_env, print_table, write_json
+
+VARIANTS = {
+    "none": [],
+    "topk": ["--gradient-compression", "topk", "--topk-ratio", "0.01"],
+    "1bit": ["--gradient-compression", "1bit", "--compression-start-step", "100"],
+    "2bit": ["--gradient-compression", "2bit", "--compression-start-step", "100"],
+    # 1-bit Adam's recipe: AdamW's variance frozen when compression starts
+    "topk-fv": ["--gradient-compression", "topk", "--topk-ratio", "0.01",
+                "--compression-start-step", "100", "--freeze-variance"],
+    "1bit-fv": ["--gradient-compression", "1bit", "--compression-start-step", "100",
+                "--freeze-variance"],
+    "2bit-fv": ["--gradient-compression", "2bit", "--compression-start-step", "100",
+                "--freeze-variance"],
+}
+
+
+def run_variant(name: str, iters: int, folder: str, extra: list[str]) -> dict:
+    """One two-rank run; its log records summarised."""
+    log = os.path.join(folder, f"{name}.jsonl")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           os.path.join(REPO, "pretrain_gpt.py"), "--train-iters", str(iters), "--save", "",
+           "--generate-tokens", "0", "--no-progress", "--cpu-threads", "1",
+           "--log-interval", "1", "--eval-interval", str(max(iters // 4, 1)),
+           "--log-json", log] + VARIANTS[name] + extra
+    done = subprocess.run(cmd, cwd=REPO, env=child_env(OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    with open(log) as f:
+        records = [json.loads(line) for line in f]
+    steps = [r for r in records if "comm_bytes" in r]
+    compressed = [r for r in steps if r.get("compression_ratio", 1.0) > 1.0]
+    counted = compressed or steps
+    valid = [r["valid_loss"] for r in records if "valid_loss" in r]
+    return {"variant": name, "valid_loss": valid[-1] if valid else None,
+            "train_loss": sum(r["loss"] for r in steps[-10:]) / max(len(steps[-10:]), 1),
+            "bytes_per_step": sum(r["comm_bytes"] for r in counted) / max(len(counted), 1),
+            "ratio": sum(r["compression_ratio"] for r in counted) / max(len(counted), 1),
+            "compressed_steps": len(compressed),
+            "tokens_per_s": sum(r["tokens_per_s"] for r in steps) / max(len(steps), 1)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=800)
+    parser.add_argument("--variants", nargs="+", default=["none", "topk-fv", "1bit-fv"],
+                        choices=sorted(VARIANTS))
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                        help="more pretrain_gpt.py flags for every variant")
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for name in args.variants:
+            rows.append(run_variant(name, args.iters, folder, args.extra))
+            print(json.dumps(rows[-1]), flush=True)
+    base = next((r["valid_loss"] for r in rows if r["variant"] == "none"), None)
+    for r in rows:
+        if base and r["valid_loss"] is not None:
+            r["valid_vs_none_pct"] = 100.0 * (r["valid_loss"] - base) / base
+    print_table(rows, ["variant", "valid_loss", "valid_vs_none_pct", "train_loss",
+                       "bytes_per_step", "ratio", "compressed_steps", "tokens_per_s"])
+    write_json(args.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

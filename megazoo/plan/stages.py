@@ -1,0 +1,85 @@
+"""The memory plan per pipeline stage, and its picture (`python -m megazoo.plan ... --out`).
+
+The planner's report is the most loaded rank. Stages differ: the first holds the embedding
+and the most micro-batches in flight, the last the head, the final norm and the loss's logits,
+the middle ones only their blocks. Per stage r:
+
+- parameters: its blocks (num_layers / pp of them), plus the embedding on the first stage and
+  the head and final norm on the last (`stage_parameters`); gradients, optimizer states and
+  buffers follow from them as in the report (`_estimate`);
+- activations: one block's bytes x the blocks of one chunk (num_layers / (pp vpp)) x the
+  peak number of (chunk, micro-batch) activations the stage holds, read from the schedule the
+  run executes, simulated (`megazoo.pipeline.simulate`: 1F1B holds min(pp - r, m) on stage r);
+  plus full recompute's working block, the first stage's embedding side and the last stage's
+  head side and logits (`stage_activations`).
+
+For 1F1B and no pipeline, the most loaded stage is the report's total. Interleaved schedules
+also keep (vpp - 1) pp + 1 chunk activations on the last stage, which the report's last-stage
+term (one micro-batch) leaves out; this picture counts them.
+"""
+from __future__ import annotations
+
+from ..figures import new_figure
+from ..models.config import ModelConfig
+from ..pipeline.schedules import build_schedule
+from ..pipeline.simulate import simulate
+from .activations import stage_activations
+from .layout import Resolved
+from .memory import GB, MemoryEstimate, _estimate, stage_parameters
+
+# (legend label, MemoryEstimate field), stacked bottom to top.
+PARTS = (("weights", "parameters"), ("gradients", "gradients"),
+         ("optimizer states", "optimizer_states"), ("activations", "activations"),
+         ("buffers + runtime", "communication_buffers"),
+         ("allocator allowance (10%)", "fragmentation"))
+
+
+def stage_inputs(config: ModelConfig, layout: Resolved) -> list[tuple[int, float]]:
+    """(parameters per tp rank before ZeRO, activation bytes) of each pipeline stage."""
+    p, v = layout.pp, layout.vpp
+    counts = stage_parameters(config, layout.tp, p)
+    act = stage_activations(config, layout)
+    if p == 1:
+        return [(counts["stage"], act["total"])]
+    in_flight = simulate(build_schedule(p, v, layout.num_micro_batches)).peak_inflight
+    chunk = config.num_layers // (p * v) * act["block"]
+    stages = []
+    for r in range(p):
+        params = config.num_layers // p * counts["block"]
+        held = chunk * in_flight[r] + act["working"]
+        if r == 0:
+            params = counts["first"]
+            held += act["embed_side"] * in_flight[r] / v
+        if r == p - 1:
+            params = counts["last"]
+            held += act["head_side"] + act["logits"]
+        stages.append((params, held))
+    return stages
+
+
+def stage_estimates(config: ModelConfig, layout: Resolved) -> list[MemoryEstimate]:
+    """The planner's estimate for each pipeline stage (first to last)."""
+    return [_estimate(config, layout, n_gpu=n, act=a) for n, a in stage_inputs(config, layout)]
+
+
+def draw_plan(estimates: list[MemoryEstimate], gpu_memory: float, title: str, out: str) -> None:
+    """A stacked bar per stage (GB by part) against the GPU's memory; ValueError without
+    matplotlib."""
+    figure = new_figure("the memory plan picture",
+                        figsize=(max(5.0, 1.1 * len(estimates) + 3.5), 4.2), layout="constrained")
+    axes = figure.add_subplot()
+    x = list(range(len(estimates)))
+    bottom = [0.0] * len(estimates)
+    for i, (label, field) in enumerate(PARTS):
+        values = [getattr(e, field) / GB for e in estimates]
+        axes.bar(x, values, bottom=bottom, width=0.6, label=label, color=f"C{i}")
+        bottom = [b + v for b, v in zip(bottom, values)]
+    axes.axhline(gpu_memory, color="black", linestyle="--", linewidth=1)
+    axes.text(len(estimates) - 0.5, gpu_memory, f" GPU {gpu_memory:g} GB", va="bottom",
+              ha="right", fontsize=8)
+    axes.set_xticks(x, [f"stage {r}" for r in x])
+    axes.set_ylabel("GB per GPU")
+    axes.set_ylim(0, 1.15 * max(max(bottom), gpu_memory))
+    axes.set_title(title, fontsize=9)
+    axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    figure.savefig(out, dpi=110)

@@ -1,0 +1,190 @@
+"""Compressed gradient communication of a run: `CompressionConfig`, from the ds_config keys
+
+    "gradient_compression": {"algorithm": "topk", "topk_ratio": 0.01, "compression_start_step": 100},
+    "communication_data_type": "bf16"
+
+of `--deepspeed_config` (read by the plain engine too) or the flags of the same names
+(`--gradient-compression topk --topk-ratio 0.01 --compression-start-step 100
+--communication-data-type bf16`). A key given both ways must agree. The plain engine
+compresses its data-parallel bucket reduction (`megazoo.parallel.compress`); DeepSpeed gets
+`communication_data_type` as its own key and FSDP2 as its reduce dtype; `gradient_compression`
+on those engines is refused (`check_engine_compression`).
+
+`huffman_coding` is refused: measured on the default model's gradients (bench/README.md,
+"Huffman coding"), a byte-wise Huffman code saves 3% of the 1bit bytes (the signs carry
+~1 bit of entropy each), 6% of topk's and 29% of 2bit's (which then still sends 1.4x what
+1bit sends), while decoding is a sequential bit walk that a GPU cannot vectorise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .ds_config import load_ds_json
+
+SECTION = "gradient_compression"
+TOP_KEY = "communication_data_type"
+ALGORITHMS = ("none", "topk", "1bit", "2bit")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DEFAULTS = {"topk_ratio": 0.01, "compression_start_step": 0, "compression_block_size": 1024}
+# ds_config key (inside the section) -> field; the section's "algorithm" is the field below.
+SECTION_KEYS = {"algorithm": "gradient_compression", "topk_ratio": "topk_ratio",
+                "compression_start_step": "compression_start_step",
+                "compression_block_size": "compression_block_size",
+                "freeze_variance": "freeze_variance", "huffman_coding": "huffman_coding"}
+HUFFMAN_REFUSAL = ("huffman_coding is not implemented: measured on megazoo's gradients it saves "
+                   "3% of the 1bit bytes, 6% of topk's and 29% of 2bit's (still 1.4x 1bit's), "
+                   "and decoding is a sequential bit walk (bench/README.md); set it to false "
+                   "or drop it")
+
+
+@dataclass
+class CompressionConfig:
+    """Compressed gradient communication (DeepSpeed-style ds_config keys, see README)."""
+
+    gradient_compression: str | None = None
+    """Plain engine: compress the data-parallel gradient reduction with "topk", "1bit" or
+    "2bit" (error feedback keeps what was not sent for the next step); None / "none": off."""
+    topk_ratio: float | None = None
+    """topk: fraction of each bucket's entries sent per step (default 0.01)."""
+    compression_start_step: int | None = None
+    """Optimizer steps reduced uncompressed before compression starts (default 0)."""
+    compression_block_size: int | None = None
+    """1bit / 2bit: elements per scale, a multiple of 8 (default 1024)."""
+    freeze_variance: bool | None = None
+    """Freeze AdamW's second moment once compression starts (1-bit Adam's rule: the update
+    stays linear in the gradient, so error feedback works for Adam); needs
+    --compression-start-step >= 1, the uncompressed warmup that estimates it."""
+    huffman_coding: bool | None = None
+    """Entropy-code the compressed bytes: refused (measured to save too little, see README)."""
+    communication_data_type: str | None = None
+    """dtype of the gradient reduction on the wire: fp16, bf16 or fp32 (default: the fp32
+    main gradients'); DeepSpeed gets it as its own key, FSDP2 as its reduce dtype."""
+
+    def __post_init__(self) -> None:
+        alg = self.gradient_compression
+        if alg is not None and alg not in ALGORITHMS:
+            raise ValueError(f"--gradient-compression must be one of {ALGORITHMS}, got {alg!r}")
+        if self.communication_data_type is not None and self.communication_data_type not in DTYPES:
+            raise ValueError(f"--communication-data-type must be one of {tuple(DTYPES)}, got "
+                             f"{self.communication_data_type!r}")
+        if self.huffman_coding:
+            raise ValueError(HUFFMAN_REFUSAL)
+        on = self.algorithm is not None
+        for name, need in (("topk_ratio", "topk"), ("compression_block_size", "1bit or 2bit"),
+                           ("compression_start_step", "any algorithm"),
+                           ("freeze_variance", "any algorithm")):
+            value = getattr(self, name)
+            reads = on and (need == "any algorithm" or self.algorithm in need.split(" or "))
+            if value is not None and not reads:
+                raise ValueError(f"--{name.replace('_', '-')} is read only with "
+                                 f"--gradient-compression {need}: drop it or set the algorithm")
+        if self.topk_ratio is not None and not 0.0 < self.topk_ratio <= 1.0:
+            raise ValueError(f"--topk-ratio must be in (0, 1], got {self.topk_ratio}")
+        if self.compression_start_step is not None and self.compression_start_step < 0:
+            raise ValueError(f"--compression-start-step must be >= 0, got "
+                             f"{self.compression_start_step}")
+        if self.freeze_variance and not self.compression_start_step:
+            raise ValueError("--freeze-variance freezes AdamW's variance as estimated by "
+                             "uncompressed steps: set --compression-start-step (e.g. 100)")
+        block = self.compression_block_size
+        if block is not None and (block < 8 or block % 8):
+            raise ValueError(f"--compression-block-size must be a positive multiple of 8, got {block}")
+
+    @property
+    def algorithm(self) -> str | None:
+        """The algorithm, None when compression is off."""
+        return None if self.gradient_compression in (None, "none") else self.gradient_compression
+
+    def value(self, name: str):
+        """A field, or its default when not given."""
+        value = getattr(self, name)
+        return DEFAULTS.get(name) if value is None else value
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        return DTYPES.get(self.communication_data_type)
+
+
+def _json_values(path: str) -> dict:
+    """{field: value} of the ds_config's section and top-level key (errors for bad shapes)."""
+    ds = load_ds_json(path)
+    out = {}
+    if TOP_KEY in ds:
+        out["communication_data_type"] = ds[TOP_KEY]
+    section = ds.get(SECTION)
+    if section is None:
+        return out
+    if not isinstance(section, dict):
+        raise ValueError(f"--deepspeed_config {path}: \"{SECTION}\" must be a JSON object, got "
+                         f"{type(section).__name__}")
+    unknown = sorted(set(section) - set(SECTION_KEYS))
+    if unknown:
+        raise ValueError(f"--deepspeed_config {path}: {SECTION} has unknown keys {unknown}; "
+                         f"known: {sorted(SECTION_KEYS)}")
+    out.update({SECTION_KEYS[k]: v for k, v in section.items()})
+    return out
+
+
+def resolve_compression(given: dict, deepspeed_config: str | None) -> CompressionConfig:
+    """The run's CompressionConfig from the flags `given` ({field: value}) and the JSON."""
+    merged = dict(_json_values(deepspeed_config)) if deepspeed_config else {}
+    for name, value in given.items():
+        old = merged.get(name)
+        if old is not None and old != value:
+            key = TOP_KEY if name == TOP_KEY else f"{SECTION}." + next(
+                k for k, f in SECTION_KEYS.items() if f == name)
+            raise ValueError(f"--deepspeed_config {deepspeed_config} sets {key} = {old!r} but "
+                             f"--{name.replace('_', '-')} gives {value!r}: make them agree")
+        merged[name] = value
+    known = {f.name for f in fields(CompressionConfig)}
+    return CompressionConfig(**{k: v for k, v in merged.items() if k in known})
+
+
+def check_engine_compression(cfg: CompressionConfig, zero_impl: str) -> None:
+    """gradient_compression needs the plain engine's buckets: one line for other engines."""
+    if cfg.algorithm is None or zero_impl == "none":
+        return
+    engine = "DeepSpeed" if zero_impl == "deepspeed" else "FSDP2 (--zero-impl fsdp2)"
+    hint = (" (DeepSpeed's own compressed optimizers are the \"optimizer\" types OneBitAdam, "
+            "ZeroOneAdam, OneBitLamb, in the releases that ship them)"
+            if zero_impl == "deepspeed" else "")
+    raise ValueError(f"gradient_compression {cfg.algorithm} compresses the plain engine's "
+                     f"gradient buckets; {engine} reduces gradients itself{hint}: drop "
+                     f"gradient_compression / --gradient-compression, or the ZeRO engine")
+
+
+ONEBIT_ALTERNATIVE = ("the plain engine's \"gradient_compression\": {\"algorithm\": \"1bit\"} "
+                      "(--gradient-compression 1bit, without --deepspeed) is the alternative")
+
+
+def check_onebit_backend(kind: str, ds: dict, device: torch.device) -> None:
+    """ValueError (one line) unless DeepSpeed's 1-bit optimizer `kind` can run here: this
+    DeepSpeed release must have it, the model must be on CUDA GPUs, and its communication
+    backend's packages must import (nccl: cupy; mpi: cupy and mpi4py)."""
+    import importlib.util
+
+    try:
+        present = importlib.util.find_spec("deepspeed.runtime.fp16.onebit") is not None
+    except ModuleNotFoundError:
+        present = False
+    if not present:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            release = f"DeepSpeed {version('deepspeed')}"
+        except PackageNotFoundError:
+            release = "DeepSpeed (not installed)"
+        raise ValueError(f"\"optimizer\": {kind} needs DeepSpeed's 1-bit optimizers, which "
+                         f"{release} does not ship: {ONEBIT_ALTERNATIVE}")
+    if device.type != "cuda":
+        raise ValueError(f"DeepSpeed's {kind} runs its compressed all-reduce on CUDA GPUs only, "
+                         f"not on {device.type}: {ONEBIT_ALTERNATIVE}")
+    backend = ((ds.get("optimizer") or {}).get("params") or {}).get("comm_backend_name", "nccl")
+    needs = {"nccl": ("cupy",), "mpi": ("cupy", "mpi4py")}.get(backend, ())
+    missing = [m for m in needs if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"DeepSpeed's {kind} with comm_backend_name {backend} needs "
+                         f"{' and '.join(missing)} installed: install them, or note that "
+                         f"{ONEBIT_ALTERNATIVE}")

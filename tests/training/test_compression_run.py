@@ -1,0 +1,100 @@
+"""Compressed gradient communication in the plain engine and pretrain_gpt.py, on gloo.
+
+Exactness. topk at ratio 1 sends every entry and each rank adds the two ranks' buckets
+(a + b, the same float32 sum a 2-rank all-reduce makes), so dp=2 training is bit for bit the
+uncompressed run. At dp=1 nothing is reduced, so compression changes nothing. A resumed
+compressed run repeats the uninterrupted one bit for bit only if the residuals are restored.
+"""
+import json
+
+import pytest
+import torch
+
+from megazoo.testing import run_distributed
+from megazoo.training.run import run_training
+
+import compression_checks as checks
+from test_training_run import make_data, tiny_argv
+
+TIMEOUT = 240
+BUCKETS = {"ddp_bucket_size": 3000, "overlap_grad_reduce": True}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_data(tmp_path_factory.mktemp("data"))
+
+
+def _pairs(jobs):
+    return [(checks.train_steps({}, training, 3), checks.train_steps(comp, training, 3))
+            for comp, training in jobs]
+
+
+def test_topk_ratio_one_is_the_uncompressed_run_and_dp1_is_untouched():
+    jobs = [({"gradient_compression": "topk", "topk_ratio": 1.0}, BUCKETS),
+            ({"gradient_compression": "topk", "topk_ratio": 1.0},
+             {**BUCKETS, "use_distributed_optimizer": True})]
+    for rank_out in run_distributed(_pairs, 2, jobs, timeout=TIMEOUT):
+        for plain, topk in rank_out:
+            assert plain["losses"] == topk["losses"]
+            assert all(torch.equal(a, b) for a, b in zip(plain["params"], topk["params"]))
+            assert topk["stats"]["compression_ratio"] < 1  # ratio 1 sends more, not less
+    plain, one = _pairs([({"gradient_compression": "1bit"}, BUCKETS)])[0]
+    assert plain["losses"] == one["losses"] and one["stats"] == {}
+
+
+def _stop_and_resume(argv, save, log):
+    full = run_training(argv)["losses"]
+    lines = []
+    first = run_training([*argv, "--save", save, "--exit-interval", "2", "--log-json", log],
+                         print_fn=lines.append)["losses"]
+    rest = run_training([*argv, "--save", save, "--load", save])["losses"]
+    return full, first, rest, lines
+
+
+def test_resume_is_exact_with_residuals_and_dp_change_drops_them(data, tmp_path):
+    """dp=2, 1bit from step 1 on (worker and server residuals): stop at 2 and resume to 4
+    bit for bit; the text and JSON logs carry bytes and ratio; resuming at dp=1 drops the
+    residuals with a warning."""
+    argv = tiny_argv(data, "--train-iters", "4", "--gradient-compression", "1bit",
+                     "--compression-start-step", "1")
+    save, log = str(tmp_path / "ck"), str(tmp_path / "log.jsonl")
+    full, first, rest, lines = run_distributed(_stop_and_resume, 2, argv, save, log,
+                                               timeout=TIMEOUT)[0]
+    assert first + rest == full
+    text = "\n".join(lines)
+    assert "comm_bytes" in text and "compression_ratio" in text
+    records = [json.loads(line) for line in open(log)]
+    ratios = [r["compression_ratio"] for r in records if "compression_ratio" in r]
+    assert ratios[0] == 1.0 and ratios[1] > 10  # step 0 dense (warmup), step 1 compressed
+    lines = []
+    run_training([*argv, "--load", save, "--save", ""], print_fn=lines.append)
+    assert any("residuals were saved with dp 2 (this run 1): dropping them" in line
+               for line in lines), lines
+
+
+def test_frozen_variance_step_is_adamw_when_v_would_not_move():
+    """With v = g^2 already, AdamW's own update leaves v unchanged, so the frozen step (v
+    frozen at that step count) must give the same parameters as the fused kernel (rtol 1e-6:
+    the same formula, other kernels)."""
+    from megazoo.training.backends.frozen_adam import frozen_variance_step
+
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for frozen in (False, True):
+        p = torch.randn(50, generator=torch.Generator().manual_seed(1))
+        p.grad = torch.randn(50, generator=gen.manual_seed(2))
+        opt = torch.optim.AdamW([p], lr=0.1, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+        opt.state[p] = {"step": torch.tensor(4.0), "exp_avg": torch.randn(50, generator=gen),
+                        "exp_avg_sq": (p.grad / 2).square()}  # the gradient divisor is 2
+        opt.grad_scale = torch.tensor(2.0)
+        if frozen:
+            frozen_variance_step(opt, 0.1, 2.0, frozen_at=5)
+        else:
+            opt.step()
+        results.append((p.detach().clone(), opt.state[p]["exp_avg"].clone(),
+                        float(opt.state[p]["step"])))
+    (a, ma, sa), (b, mb, sb) = results
+    assert sa == sb == 5.0
+    torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(mb, ma, rtol=1e-6, atol=1e-7)
