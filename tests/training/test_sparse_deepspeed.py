@@ -43,7 +43,7 @@ def test_initialize_gets_the_json_without_the_sparse_section(ds_json, monkeypatc
 
     seen = {}
 
-    def initialize(*, model, optimizer, config, mpu):
+    def initialize(*, model, optimizer, config, mpu, **rest):
         seen.update(config=json.loads(json.dumps(config)), model=model)
         raise _Captured
 
