@@ -26,13 +26,13 @@ here as the compiled-extension path (built by setup.py or on first use).
 from __future__ import annotations
 
 import functools
-import statistics
 from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from bench.common import time_ms
 from megazoo.kernels import _dispatch
 
 TRITON_MODULE = "bench.experimental.kernels.triton_gelu"
@@ -105,7 +105,7 @@ class _FusedBiasGelu(torch.autograd.Function):
 
 
 def _time_impl(impl: str, x: torch.Tensor, bias: torch.Tensor, tanh: bool) -> float:
-    """Median seconds of forward + backward of one fused impl (CUDA events, after warm-up)."""
+    """Median milliseconds of forward + backward of one fused impl (bench.common.time_ms)."""
     module = _fused_module(impl, x.device)
     dy = torch.randn_like(x)
 
@@ -113,17 +113,7 @@ def _time_impl(impl: str, x: torch.Tensor, bias: torch.Tensor, tanh: bool) -> fl
         module.bias_gelu_backward(dy, x, bias, tanh)
         module.bias_gelu_forward(x, bias, tanh)
 
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return time_ms(step, x.device, warmup=3, iters=10)
 
 
 @functools.lru_cache(maxsize=None)
