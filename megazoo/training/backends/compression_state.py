@@ -18,8 +18,8 @@ import os
 
 import torch
 
-from ...checkpoint.checksums import CRC32, check_algorithm, digest
-from ...checkpoint.files import SafetensorsWriter, tensor_bytes, write_json
+from ...checkpoint.checksums import CRC32, Hasher, check_algorithm
+from ...checkpoint.files import SafetensorsWriter, read_header, read_tensor, write_json
 
 FOLDER = "compression"
 
@@ -67,8 +67,6 @@ def read_errors(path: str, saved: dict | None, here: dict, rank: int,
         return {}, (f"the checkpoint's gradient-compression residuals were saved with {diff}: "
                     f"dropping them and starting from zero residuals (the gradient they still "
                     f"held back is lost)")
-    from safetensors import safe_open
-
     file = _file(path, rank)
     if not os.path.isfile(file):
         raise ValueError(f"{path} lacks {os.path.relpath(file, path)}, this rank's "
@@ -77,11 +75,16 @@ def read_errors(path: str, saved: dict | None, here: dict, rank: int,
         recorded = json.load(f)
     algorithm, sums = recorded.get("checksum", CRC32), recorded.get("values", {})
     check_algorithm(algorithm, file)
+    start, entries = read_header(file)
     out = {}
-    with safe_open(file, framework="pt") as f:
-        for key in f.keys():
-            tensor = f.get_tensor(key)
-            if digest(tensor_bytes(tensor), algorithm) != sums.get(key):
+    with open(file, "rb", buffering=0) as f:
+        for key, entry in entries.items():
+            hasher = Hasher(algorithm)
+            try:
+                tensor = read_tensor(f, start, entry, hasher)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{file}: cannot read {key!r} ({exc})") from None
+            if hasher.hexdigest() != sums.get(key):
                 raise ValueError(f"{file} is corrupted: tensor {key!r} does not match its "
                                  f"checksum")
             out[key] = tensor.to(device)
