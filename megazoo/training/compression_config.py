@@ -21,11 +21,12 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..parallel.compress import ALGORITHMS as COMPRESSORS
 from .ds_config import load_ds_json
 
 SECTION = "gradient_compression"
 TOP_KEY = "communication_data_type"
-ALGORITHMS = ("none", "topk", "1bit", "2bit")
+ALGORITHMS = ("none", *COMPRESSORS)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULTS = {"topk_ratio": 0.01, "compression_start_step": 0, "compression_block_size": 1024}
 # ds_config key (inside the section) -> field; the section's "algorithm" is the field below.

@@ -42,7 +42,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[rows, m] uint8 -> [rows, m / itemsize] of `dtype` (copied when misaligned)."""
     flat = b.contiguous().reshape(-1)
-    if flat.storage_offset() % torch.empty((), dtype=dtype).element_size():
+    if flat.storage_offset() % dtype.itemsize:
         flat = flat.clone()
     return flat.view(dtype).reshape(b.shape[0], -1)
 
@@ -73,7 +73,7 @@ class BlockCodec:
         self.bits, self.block, self.wire_dtype = bits, block, wire_dtype
 
     def row_bytes(self, n: int) -> int:
-        scale = torch.empty((), dtype=self.wire_dtype).element_size()
+        scale = self.wire_dtype.itemsize
         return n * self.bits // 8 + (n // self.block) * scale
 
     def encode(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -122,7 +122,7 @@ class TopKCodec:
 
     def row_bytes(self, numel: int) -> int:
         chunks, _, k = self.shape(numel)
-        return chunks * k * (torch.empty((), dtype=self.wire_dtype).element_size() + 2)
+        return chunks * k * (self.wire_dtype.itemsize + 2)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat x -> (row bytes [1, row_bytes] uint8, what the receivers will decode, flat)."""
@@ -139,7 +139,7 @@ class TopKCodec:
         """Sum of the decoded rows [peers, row_bytes] -> flat [numel], rows added in order
         (no two indices of one row collide, so every rank gets bit-identical sums)."""
         chunks, chunk, k = self.shape(numel)
-        split = chunks * k * torch.empty((), dtype=self.wire_dtype).element_size()
+        split = chunks * k * self.wire_dtype.itemsize
         values = from_bytes(rows[:, :split], self.wire_dtype).to(dtype)      # [peers, chunks*k]
         idx = from_bytes(rows[:, split:], torch.int16).to(torch.int64) + 32768
         out = torch.zeros(chunks, chunk, dtype=dtype, device=rows.device)
