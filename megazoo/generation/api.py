@@ -38,10 +38,7 @@ def resolve_checkpoint(path) -> str:
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"--load {path}: no such folder")
-    try:
-        return resolve(path)
-    except FileNotFoundError as exc:
-        raise ValueError(str(exc)) from None
+    return resolve(path)  # its CheckpointNotFound is a ValueError too
 
 
 def tokenizer_from(spec: str) -> Tokenizer:
@@ -138,9 +135,10 @@ def generate(model_or_dir, prompts, max_new_tokens: int = 64, *, temperature: fl
     if isinstance(tokenizer, str):
         tokenizer = tokenizer_from(tokenizer)
     if isinstance(model_or_dir, (str, os.PathLike)):
+        checkpoint = resolve_checkpoint(model_or_dir)
         if tokenizer is None and _needs_tokenizer(prompts):
-            tokenizer = find_tokenizer(resolve_checkpoint(model_or_dir))
-        model = load_model(model_or_dir, state, device, dtype)
+            tokenizer = find_tokenizer(checkpoint)
+        model = load_model(checkpoint, state, device, dtype)
     else:
         model = model_or_dir
     ids, text = _as_ids(prompts, tokenizer)
