@@ -80,7 +80,7 @@ def write_json(path: str | None, payload) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)
-        print(f"wrote {path}")
+        print(f"wrote {path}", flush=True)
 
 
 def environment(device: torch.device) -> dict:

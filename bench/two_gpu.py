@@ -33,7 +33,7 @@ import json
 import os
 import sys
 
-from bench.common import REPO, failure_line, module_command, run_command, torchrun
+from bench.common import REPO, failure_line, module_command, run_command, torchrun, write_json
 from bench.run_compare import run_variant
 from bench.train_bench import SHAPES, model_flags
 
@@ -75,12 +75,6 @@ def load(path: str) -> dict:
         with open(path) as f:
             return json.load(f)
     return {}
-
-
-def save(path: str, payload: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
-    print(f"wrote {path}", flush=True)
 
 
 def run_logged(cmd: list[str], timeout: float, log: str) -> tuple[int | None, str, str]:
@@ -149,12 +143,12 @@ def part_dp(cfg) -> None:
                 runs[key] = run_variant(key, common + DP_VARIANTS[name], logs, cfg.timeout, dp)
             if "plan" in cfg.dp_extras:
                 plans[name] = plan(common + DP_VARIANTS[name])
-            save(path, saved)
+            write_json(path, saved)
         if "deepspeed" in cfg.dp_extras:
             cmd = module_command("train_bench", torchrun(2)) + ["--child", "deepspeed", cfg.shape, str(gb)]
             saved["deepspeed"] = result_line(cmd + (["--dry-run"] if cfg.dry_run else []), cfg.timeout,
                                              os.path.join(logs, f"deepspeed_gb{gb}.log"))
-            save(path, saved)
+            write_json(path, saved)
         if "profile" in cfg.dp_extras:
             profiles = saved.setdefault("profile", {})
             for name in PROFILED:
@@ -163,7 +157,7 @@ def part_dp(cfg) -> None:
                 cmd = module_command("profile_train", torchrun(2)) + [
                     "--skip", "3", "--steps", "3", "--rows", "15", "--out", out, "--", *run]
                 profiles[name] = child_json(cmd, out, cfg.timeout)
-            save(path, saved)
+            write_json(path, saved)
 
 
 def part_sparse(cfg) -> None:
@@ -171,7 +165,7 @@ def part_sparse(cfg) -> None:
     cmd = module_command("ulysses_bench", torchrun(2)) + [
         "--sparse", *cfg.sparse_modes, "--sparse-block", "128", "--seqs", *map(str, cfg.sparse_seqs),
         "--no-deepspeed", "--chunks", "--out", path + ".part"]
-    save(path, child_json(cmd + (["--dry-run"] if cfg.dry_run else []), path + ".part", cfg.timeout))
+    write_json(path, child_json(cmd + (["--dry-run"] if cfg.dry_run else []), path + ".part", cfg.timeout))
 
 
 def part_compress(cfg) -> None:
@@ -183,7 +177,7 @@ def part_compress(cfg) -> None:
         cmd = module_command("compression_bench", torchrun(2)) + ["--out", path + ".part"]
         saved["reduction"] = child_json(cmd + (["--dry-run"] if cfg.dry_run else []),
                                         path + ".part", cfg.timeout)
-    save(path, saved)
+    write_json(path, saved)
     logs = os.path.join(cfg.out, "logs")
     os.makedirs(logs, exist_ok=True)
     gb = cfg.dp_batches[0]
@@ -192,7 +186,7 @@ def part_compress(cfg) -> None:
     for name, flags in COMPRESSION.items():
         steps[name] = run_variant(f"compress-{name}", pretrain_flags(cfg, gb) + flags, logs,
                                   cfg.timeout, 2)
-        save(path, saved)
+        write_json(path, saved)
 
 
 def part_offload(cfg) -> None:
@@ -200,7 +194,7 @@ def part_offload(cfg) -> None:
     cmd = module_command("zero_bench", torchrun(2)) + ["--two-gpu", "--out", path + ".part"]
     dry = ["--dry-run", "--iters", "2", "--warmup", "1"] if cfg.dry_run else []
     rows = child_json(cmd + dry, path + ".part", cfg.timeout)
-    save(path, {"rows": rows} if isinstance(rows, list) else rows)
+    write_json(path, {"rows": rows} if isinstance(rows, list) else rows)
 
 
 def parse_args(argv=None):
