@@ -70,6 +70,11 @@ def pretrain_flags(cfg, global_batch: int) -> list[str]:
     return flags + ([] if cfg.dry_run else ["--bf16"])
 
 
+def filename(name: str) -> str:
+    """`name` as a file name: "+" is not carried back from the device machine."""
+    return name.replace("+", "_")
+
+
 def load(path: str) -> dict:
     if os.path.exists(path):
         with open(path) as f:
@@ -140,7 +145,7 @@ def part_dp(cfg) -> None:
         for name in cfg.dp_variants:
             for dp in (1, 2):
                 key = f"{name}-dp{dp}"
-                runs[key] = run_variant(key, common + DP_VARIANTS[name], logs, cfg.timeout, dp)
+                runs[key] = run_variant(filename(key), common + DP_VARIANTS[name], logs, cfg.timeout, dp)
             if "plan" in cfg.dp_extras:
                 plans[name] = plan(common + DP_VARIANTS[name])
             write_json(path, saved)
@@ -152,7 +157,7 @@ def part_dp(cfg) -> None:
         if "profile" in cfg.dp_extras:
             profiles = saved.setdefault("profile", {})
             for name in PROFILED:
-                out = os.path.join(cfg.out, f"profile_gb{gb}_{name}.json")
+                out = os.path.join(cfg.out, f"profile_gb{gb}_{filename(name)}.json")
                 run = common + DP_VARIANTS[name] + RUN_FLAGS + ["--train-iters", "6"]
                 cmd = module_command("profile_train", torchrun(2)) + [
                     "--skip", "3", "--steps", "3", "--rows", "15", "--out", out, "--", *run]
@@ -190,11 +195,19 @@ def part_compress(cfg) -> None:
 
 
 def part_offload(cfg) -> None:
+    """zero_bench.py --two-gpu, one layout per torchrun child: each row's peak memory and
+    host RSS are then that layout's alone."""
+    from bench.zero_bench import TWO_GPU_LAYOUTS
+
     path = os.path.join(cfg.out, "offload.json")
-    cmd = module_command("zero_bench", torchrun(2)) + ["--two-gpu", "--out", path + ".part"]
     dry = ["--dry-run", "--iters", "2", "--warmup", "1"] if cfg.dry_run else []
-    rows = child_json(cmd + dry, path + ".part", cfg.timeout)
-    write_json(path, {"rows": rows} if isinstance(rows, list) else rows)
+    rows = []
+    for layout in TWO_GPU_LAYOUTS:
+        part = os.path.join(cfg.out, f"offload_{filename(layout).replace(' ', '_')}.json")
+        cmd = module_command("zero_bench", torchrun(2)) + ["--two-gpu", "--layouts", layout, "--out", part]
+        got = child_json(cmd + dry, part, cfg.timeout)
+        rows += got if isinstance(got, list) else [{"layout": layout, **got}]
+        write_json(path, {"rows": rows})
 
 
 def parse_args(argv=None):

@@ -253,9 +253,17 @@ def largest(dry: bool, gpu_gb: float, host_gb: float, steps: int) -> dict:
     return {**planned, **out, "offload_param": offload_param, "finite_and_falling": ok}
 
 
-def two_gpu(dry: bool, warmup: int, iters: int) -> list[dict]:
-    """tp=2 (ZeRO-3 + CPU offload), sp=2 (ZeRO-3, optimizer on the GPU) under DeepSpeed, then
-    tp=2 with FSDP2's ZeRO-3 + CPU offload."""
+# --two-gpu layouts: name -> (ParallelConfig keywords, optimizer offload, ZeRO implementation)
+TWO_GPU_LAYOUTS = {"tp2+offload": ({"tp": 2}, "cpu", "deepspeed"),
+                   "sp2": ({"sp": 2}, "none", "deepspeed"),
+                   "tp2+offload fsdp2": ({"tp": 2}, "cpu", "fsdp2")}
+
+
+def two_gpu(dry: bool, warmup: int, iters: int, layouts=tuple(TWO_GPU_LAYOUTS)) -> list[dict]:
+    """tp=2 (ZeRO-3 + CPU offload), sp=2 (ZeRO-3, optimizer on the GPU) under DeepSpeed, and
+    tp=2 with FSDP2's ZeRO-3 + CPU offload: each of `layouts` in turn. A layout's peak memory
+    is only its own when it is the process's first (an engine's leftovers are not all freed),
+    so bench.two_gpu runs one layout per process."""
     from megazoo.parallel import ParallelConfig
 
     shape = TINY if dry else SHAPE
@@ -264,9 +272,9 @@ def two_gpu(dry: bool, warmup: int, iters: int) -> list[dict]:
     ceiling = None if dry else measure_peak_tflops(torch.device("cuda"))
     flops = flops_per_iteration(shape["batch"], shape["seq"], shape["layers"], shape["hidden"], shape["vocab"])
     rows = []
-    for name, par, offload, impl in (("tp2+offload", ParallelConfig(tp=2), "cpu", "deepspeed"),
-                                     ("sp2", ParallelConfig(sp=2), "none", "deepspeed"),
-                                     ("tp2+offload fsdp2", ParallelConfig(tp=2), "cpu", "fsdp2")):
+    for name in layouts:
+        sizes, offload, impl = TWO_GPU_LAYOUTS[name]
+        par = ParallelConfig(**sizes)
         gc.collect()  # the previous layout's engine: its memory must not count here
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -306,6 +314,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--largest", action="store_true")
     p.add_argument("--two-gpu", action="store_true")
+    p.add_argument("--layouts", nargs="+", choices=list(TWO_GPU_LAYOUTS), default=list(TWO_GPU_LAYOUTS),
+                   help="--two-gpu: the layouts to run, in this order")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, all modes")
     p.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     p.add_argument("--warmup", type=int, default=2)
@@ -327,7 +337,7 @@ def main(argv=None) -> int:
         threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         os.environ["OMP_NUM_THREADS"] = str(threads)  # for DeepSpeed's op, loaded later
         torch.set_num_threads(threads)
-        rows = two_gpu(dry, a.warmup, a.iters)
+        rows = two_gpu(dry, a.warmup, a.iters, a.layouts)
         if int(os.environ.get("RANK", "0")) == 0:
             print(RESULT + json.dumps(rows), flush=True)
             print_table(rows, ["layout", "tokens_s", "mfu", "peak_alloc_gb", "plan_alloc_gb",
