@@ -12,7 +12,7 @@ One process: each algorithm's whole reduction runs over a one-rank process group
 collectives are copies and what is timed is the compression and decompression work of a
 step (topk: select, encode, residual, decode; 1bit / 2bit: encode, residual and decode of
 both phases, with the chunk the whole bucket: the same element count a rank handles at any
-dp), set against the time a bf16 ring all-reduce of the same gradient takes on an H200 pair
+dp; on a GPU through the Triton codec, and as `*_eager` through the PyTorch one), set against the time a bf16 ring all-reduce of the same gradient takes on an H200 pair
 at `--link-gbs` GB/s per direction (default 450: NVLink 4, 18 links x 25 GB/s; a 2-GPU ring
 moves the whole buffer once each way, so t = 2 (n - 1) / n x bytes / bandwidth).
 
@@ -32,8 +32,11 @@ from bench.common import environment, print_table, time_ms, write_json
 from megazoo.parallel.compress import build_reduction
 from megazoo.parallel.state import GroupInfo
 
-ALGORITHMS = {"dense_fp32": (None, None), "dense_bf16": (None, torch.bfloat16),
-              "topk_0.01": ("topk", None), "1bit": ("1bit", None), "2bit": ("2bit", None)}
+# name -> (algorithm, wire dtype, codec implementation: None = automatic, Triton on GPUs)
+ALGORITHMS = {"dense_fp32": (None, None, None), "dense_bf16": (None, torch.bfloat16, None),
+              "topk_0.01": ("topk", None, None), "1bit": ("1bit", None, None),
+              "2bit": ("2bit", None, None), "1bit_eager": ("1bit", None, "torch"),
+              "2bit_eager": ("2bit", None, "torch")}
 
 
 def parse_args(argv=None):
@@ -88,8 +91,9 @@ def make_buckets(numel: int, bucket: int, n: int, device) -> list[torch.Tensor]:
 
 def time_algorithm(name: str, buckets, group: GroupInfo, args, device) -> dict:
     """Median ms of one step's reduction of every bucket, and the bytes this rank sent."""
-    algorithm, wire = ALGORITHMS[name]
-    red = build_reduction(algorithm, group, topk_ratio=0.01, block=args.block, wire_dtype=wire)
+    algorithm, wire, impl = ALGORITHMS[name]
+    red = build_reduction(algorithm, group, topk_ratio=0.01, block=args.block, wire_dtype=wire,
+                          impl=impl)
     work = [b.clone() for b in buckets]
 
     def step():

@@ -27,7 +27,8 @@ VARIANTS = {
     "topk": ["--gradient-compression", "topk", "--topk-ratio", "0.01"],
     "1bit": ["--gradient-compression", "1bit", "--compression-start-step", "100"],
     "2bit": ["--gradient-compression", "2bit", "--compression-start-step", "100"],
-    # 1-bit Adam's recipe: AdamW's variance frozen when compression starts
+    # 1-bit Adam's recipe: AdamW's variance frozen when compression starts, and each rank
+    # compresses its local momentum instead of its gradient
     "topk-fv": ["--gradient-compression", "topk", "--topk-ratio", "0.01",
                 "--compression-start-step", "100", "--freeze-variance"],
     "1bit-fv": ["--gradient-compression", "1bit", "--compression-start-step", "100",

@@ -19,37 +19,39 @@ def _all_gather(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def conservation(algorithm: str, steps: int, numel: int, shard: bool) -> dict:
-    """Run `steps` reductions of random float64 buckets; return the largest deviation from
+def conservation(algorithm: str, steps: int, numel: int, shard: bool,
+                 dtype: torch.dtype = torch.float64, impl: str | None = None) -> dict:
+    """Run `steps` reductions of random `dtype` buckets; return the largest deviation from
     sum(outputs) + sum(errors) = sum(inputs), this rank's outputs, and the byte counts."""
     group, n, rank = world_group(), dist.get_world_size(), dist.get_rank()
-    red = build_reduction(algorithm, group, topk_ratio=0.05, block=16)
+    red = build_reduction(algorithm, group, topk_ratio=0.05, block=16, impl=impl)
     total_in = torch.zeros(numel, dtype=torch.float64)
     total_out = torch.zeros(numel, dtype=torch.float64)
     outputs = []
     k = numel // n
     for step in range(steps):
         gen = torch.Generator().manual_seed(1000 * step + rank)
-        data = torch.randn(numel, dtype=torch.float64, generator=gen)
-        total_in += sum(_all_gather(data))
+        data = torch.randn(numel, dtype=torch.float64, generator=gen).to(dtype)
+        total_in += sum(_all_gather(data)).double()
         shard_view = data[rank * k:(rank + 1) * k] if shard else None
         red.launch("b0", data, shard_view).wait()
         out = data[rank * k:(rank + 1) * k] if shard else data
         if shard:  # the owned shards, put together
             out = torch.cat(_all_gather(out.clone()))
-        total_out += out
+        total_out += out.double()
         outputs.append(out.clone())
-    errors = sum(_all_gather(red.errors["b0.worker"]))
+    errors = sum(_all_gather(red.errors["b0.worker"])).double()
     if "b0.server" in red.errors:
-        errors = errors + torch.cat(_all_gather(red.errors["b0.server"]))
+        errors = errors + torch.cat(_all_gather(red.errors["b0.server"])).double()
     return {"deviation": float((total_out + errors - total_in).abs().max()),
             "scale": float(total_in.abs().max()), "outputs": outputs,
             "sent": red.sent_bytes, "dense": red.dense_bytes}
 
 
-def conservation_both(algorithm: str, steps: int, numel: int) -> dict:
+def conservation_both(algorithm: str, steps: int, numel: int, dtype: torch.dtype = torch.float64,
+                      impl: str | None = None) -> dict:
     """`conservation` for the all-reduce and the reduce-scatter form, in one spawn."""
-    return {shard: conservation(algorithm, steps, numel, shard) for shard in (False, True)}
+    return {shard: conservation(algorithm, steps, numel, shard, dtype, impl) for shard in (False, True)}
 
 
 def lossless_all(numel: int) -> dict:
@@ -103,6 +105,21 @@ def train_steps(compression: dict, training: dict, steps: int) -> dict:
     losses = train(engine, state, range(steps))
     return {"losses": losses, "stats": engine.comm_stats(),
             "params": [p.detach().clone() for p in engine.model.parameters()]}
+
+
+def with_and_without_momentum(compression: dict, training: dict, steps: int) -> list[dict]:
+    """`train_steps` twice: the engine as built (with the variance frozen it carries the
+    momentum through the compressed reduction), then with that offset switched off."""
+    from ddp_checks import train
+
+    out = []
+    for carry in (True, False):
+        engine, state = compressed_engine(compression, **training)
+        if not carry:
+            engine._momentum_offset = lambda: None
+        losses = train(engine, state, range(steps))
+        out.append({"losses": losses, "params": [p.detach().clone() for p in engine.model.parameters()]})
+    return out
 
 
 def save_then_continue(path: str, compression: dict, training: dict) -> dict:

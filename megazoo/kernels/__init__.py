@@ -7,6 +7,7 @@ device and dtype):
 |---|---|---|
 | ``layer_norm(x, weight, bias, eps)`` | LayerNorm over the last dim | Triton |
 | ``rms_norm(x, weight, eps)`` | RMSNorm over the last dim | Triton |
+| ``BlockCodec.encode_with_error`` / ``decode_*`` (``megazoo.parallel.compress``) | 1bit / 2bit gradient codec with error feedback | Triton (``triton_codec``) |
 
 Softmax, bias + GeLU and RoPE kernels, which no model selects, live in
 ``bench/experimental/kernels`` on the same dispatcher.

@@ -73,6 +73,37 @@ def test_resume_is_exact_with_residuals_and_dp_change_drops_them(data, tmp_path)
                for line in lines), lines
 
 
+def _momentum_jobs(jobs):
+    return [checks.with_and_without_momentum(comp, training, 4) for comp, training in jobs]
+
+
+def test_momentum_compression_cancels_and_changes_what_is_compressed():
+    """With --freeze-variance each rank compresses its local momentum (1-bit Adam): the
+    offset added before the reduction is taken off after it. Lossless (topk ratio 1) the run
+    equals the one without the offset up to the rounding of adding and removing
+    beta1 / (1 - beta1) m: losses to rtol 1e-5, parameters to atol 1e-5 (adam_eps 1e-3 here:
+    the frozen step divides by sqrt(v) + eps, and with 1e-8 coordinates whose v froze at zero,
+    embedding rows of tokens the first step did not see, would magnify that rounding 1e8-fold;
+    an offset that does not cancel moves parameters by ~lr = 1e-2); lossy (1bit) the offset
+    changes what the codec sees,
+    so the parameters differ, and every rank still holds the same ones. With the distributed
+    optimizer (one momentum shard per rank) it compresses gradients, as without the flag."""
+    frozen = {"compression_start_step": 1, "freeze_variance": True}
+    jobs = [({"gradient_compression": "topk", "topk_ratio": 1.0, **frozen}, {**BUCKETS, "adam_eps": 1e-3}),
+            ({"gradient_compression": "1bit", **frozen}, BUCKETS),
+            ({"gradient_compression": "1bit", **frozen}, {**BUCKETS, "use_distributed_optimizer": True})]
+    ranks = run_distributed(_momentum_jobs, 2, jobs, timeout=TIMEOUT)
+    (lossless, lossy, sharded), (_, lossy1, _) = ranks
+    carried, plain = lossless
+    torch.testing.assert_close(carried["losses"], plain["losses"], rtol=1e-5, atol=0)
+    for a, b in zip(carried["params"], plain["params"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    carried, plain = lossy
+    assert any(not torch.allclose(a, b, rtol=1e-4, atol=0) for a, b in zip(carried["params"], plain["params"]))
+    assert all(torch.equal(a, b) for a, b in zip(carried["params"], lossy1[0]["params"]))
+    assert all(torch.equal(a, b) for a, b in zip(sharded[0]["params"], sharded[1]["params"]))
+
+
 def test_frozen_variance_step_is_adamw_when_v_would_not_move():
     """With v = g^2 already, AdamW's own update leaves v unchanged, so the frozen step (v
     frozen at that step count) must give the same parameters as the fused kernel (rtol 1e-6:

@@ -1,4 +1,5 @@
-"""Gradient codecs: tensors <-> the bytes sent, pure PyTorch, vectorised, on the input's device.
+"""Gradient codecs: tensors <-> the bytes sent, vectorised PyTorch on the input's device (the
+block codec also as Triton kernels on GPUs, `BlockCodec.encode_with_error`).
 
 Every codec turns a 2-D tensor `x` [rows, n] (one row per destination, n a multiple of the
 block size) into one uint8 row per input row, and back. Rows are independent, so one call
@@ -65,16 +66,80 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 class BlockCodec:
-    """Sign (bits=1) or ternary (bits=2) with one scale per block; see the module doc."""
+    """Sign (bits=1) or ternary (bits=2) with one scale per block; see the module doc.
 
-    def __init__(self, bits: int, block: int, wire_dtype: torch.dtype):
+    `encode_with_error` and `decode_rows` / `decode_sum` are what the reductions call: on
+    CUDA tensors they run as Triton kernels (`megazoo.kernels.triton_codec`, one pass each)
+    where triton works and the layout allows (a power-of-two block, scales aligned in the
+    row), else as the PyTorch code below; `impl` forces one ("triton" / "torch")."""
+
+    def __init__(self, bits: int, block: int, wire_dtype: torch.dtype, impl: str | None = None):
         if bits not in (1, 2) or block < 8 or block % 8:
             raise ValueError(f"need 1 or 2 bits and a block that divides by 8, got {bits}, {block}")
-        self.bits, self.block, self.wire_dtype = bits, block, wire_dtype
+        self.bits, self.block, self.wire_dtype, self.impl = bits, block, wire_dtype, impl
 
     def row_bytes(self, n: int) -> int:
         scale = self.wire_dtype.itemsize
         return n * self.bits // 8 + (n // self.block) * scale
+
+    def padded(self, k: int) -> int:
+        """A row of `k` elements padded to whole blocks."""
+        return -(-k // self.block) * self.block
+
+    def counts(self, k: int, device) -> torch.Tensor:
+        """Real (unpadded) elements of each block of a padded row of `k`."""
+        kb = self.padded(k)
+        counts = torch.full((kb // self.block,), float(self.block), device=device)
+        counts[-1] = k - (kb // self.block - 1) * self.block
+        return counts
+
+    def _kernels(self, t: torch.Tensor, k: int, dtype: torch.dtype):
+        """The Triton module when it runs this call (on `t`'s device, values in `dtype`),
+        else None (the PyTorch path)."""
+        from ...kernels._dispatch import pick, triton_module
+
+        kb, item = self.padded(k), self.wire_dtype.itemsize
+        unsupported = None
+        if self.block & (self.block - 1) or (kb * self.bits // 8) % item or dtype != torch.float32:
+            unsupported = "the Triton codec needs a power-of-two block, aligned scales, fp32 data"
+        if pick(t, self.impl, unsupported=unsupported) != "triton":
+            return None
+        return triton_module("codec")
+
+    def _layout_args(self, k: int) -> dict:
+        kb = self.padded(k)
+        return {"bits": self.bits, "block": self.block, "wire_dtype": self.wire_dtype,
+                "split": kb * self.bits // 8}
+
+    def encode_with_error(self, x: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
+        """x, err [rows, k] -> the wire [rows, row_bytes(padded(k))] of x + err; `err` becomes
+        x + err minus what the receivers will decode (error feedback)."""
+        rows, k = x.shape
+        kernels = self._kernels(x, k, x.dtype)
+        if kernels is not None:
+            return kernels.encode_with_error(x, err, threshold=TERNARY_THRESHOLD,
+                                             row_bytes=self.row_bytes(self.padded(k)),
+                                             **self._layout_args(k))
+        kb = self.padded(k)
+        total = x + err
+        wire = self.encode(torch.nn.functional.pad(total, (0, kb - k)), self.counts(k, x.device))
+        torch.sub(total, self.decode(wire, kb, x.dtype)[:, :k], out=err)
+        return wire
+
+    def decode_rows(self, b: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
+        """[rows, row bytes] -> `out` [rows, k] (contiguous): each row decoded, its padding
+        dropped."""
+        kernels = self._kernels(b, k, out.dtype)
+        if kernels is not None:
+            return kernels.decode(b, k, total=False, out=out, **self._layout_args(k))
+        return out.copy_(self.decode(b, self.padded(k), out.dtype)[:, :k])
+
+    def decode_sum(self, b: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, row bytes] -> [k]: the sum of the decoded rows, added in row order."""
+        kernels = self._kernels(b, k, dtype)
+        if kernels is not None:
+            return kernels.decode(b, k, total=True, out=None, **self._layout_args(k))
+        return self.decode(b, self.padded(k), dtype)[:, :k].sum(0)
 
     def encode(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [rows, n] (n a multiple of block; padding zeros) -> [rows, row_bytes] uint8.

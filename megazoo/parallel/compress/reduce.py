@@ -136,54 +136,44 @@ class TopKReduction(_Compressed):
 class BlockReduction(_Compressed):
     """1bit (bits=1) or 2bit (bits=2): the two-phase scheme of the module doc."""
 
-    def __init__(self, group, bits: int, block: int, wire_dtype: torch.dtype | None = None):
+    def __init__(self, group, bits: int, block: int, wire_dtype: torch.dtype | None = None,
+                 impl: str | None = None):
         super().__init__(group, wire_dtype)
-        self.bits, self.block = bits, block
-
-    def _layout(self, numel: int, device) -> tuple[int, int, torch.Tensor]:
-        """(chunk, padded chunk, real elements per block of a padded chunk)."""
-        k = numel // self.group.size
-        kb = -(-k // self.block) * self.block
-        counts = torch.full((kb // self.block,), float(self.block), device=device)
-        counts[-1] = k - (kb // self.block - 1) * self.block
-        return k, kb, counts
+        self.bits, self.block, self.impl = bits, block, impl
 
     def launch(self, key: str, data: torch.Tensor, shard: torch.Tensor | None = None) -> _Done:
         n, dtype = self.group.size, data.dtype
-        codec = BlockCodec(self.bits, self.block, self.wire_dtype or dtype)
-        k, kb, counts = self._layout(data.numel(), data.device)
+        codec = BlockCodec(self.bits, self.block, self.wire_dtype or dtype, self.impl)
+        k = data.numel() // n
         werr = self._error(f"{key}.worker", data, data.numel())
-        x = (data + werr).view(n, k)                                    # [n, k]
-        wire = codec.encode(torch.nn.functional.pad(x, (0, kb - k)), counts)  # [n, row]
-        torch.sub(x, codec.decode(wire, kb, dtype)[:, :k], out=werr.view(n, k))
+        wire = codec.encode_with_error(data.view(n, k), werr.view(n, k))   # [n, row]
         recv = torch.empty_like(wire)
         self.sent_bytes += (n - 1) * wire.shape[1]
         self._count_dense(data.numel(), shard)
         work = dist.all_to_all_single(recv, wire, group=self.group.group, async_op=True)
 
         def finish() -> None:
-            y = codec.decode(recv, kb, dtype)[:, :k].sum(0)             # [k]: my chunk's sum
+            y = codec.decode_sum(recv, k, dtype)                        # [k]: my chunk's sum
             if shard is not None:
                 shard.copy_(y)
                 return
             serr = self._error(f"{key}.server", data, k)
-            y += serr
-            wire2 = codec.encode(torch.nn.functional.pad(y, (0, kb - k)).view(1, kb), counts)
-            torch.sub(y, codec.decode(wire2, kb, dtype)[0, :k], out=serr)
+            wire2 = codec.encode_with_error(y.view(1, k), serr.view(1, k))
             rows, gather = self._gather(wire2)
             gather.wait()
-            data.copy_(codec.decode(rows, kb, dtype)[:, :k].reshape(-1))
+            codec.decode_rows(rows, k, data.view(n, k))
 
         return _Done(work, finish)
 
 
 def build_reduction(algorithm: str | None, group, *, topk_ratio: float = 0.01,
-                    block: int = 1024, wire_dtype: torch.dtype | None = None) -> DenseReduction:
+                    block: int = 1024, wire_dtype: torch.dtype | None = None,
+                    impl: str | None = None) -> DenseReduction:
     """The reduction for `algorithm` (None / "none": dense) over `group` (a GroupInfo)."""
     if algorithm in (None, "none"):
         return DenseReduction(group, wire_dtype)
     if algorithm == "topk":
         return TopKReduction(group, topk_ratio, wire_dtype)
     if algorithm in ("1bit", "2bit"):
-        return BlockReduction(group, int(algorithm[0]), block, wire_dtype)
+        return BlockReduction(group, int(algorithm[0]), block, wire_dtype, impl)
     raise ValueError(f"gradient compression algorithm must be one of {ALGORITHMS}, got {algorithm!r}")

@@ -11,6 +11,11 @@ runs Adam uncompressed for a warmup, then freezes v. With v fixed the update is 
 gradient (momentum SGD with a per-coordinate step size), so error feedback's promise, that
 what was not sent arrives later, holds for the update too.
 
+1-bit Adam also changes what is compressed: each rank's local momentum, not its gradient
+(`grad_buffer`'s momentum compression, switched on by the plain engine with the freeze), and
+v is floored when it freezes (`MasterAdamW.floor_variance`) so that no coordinate whose v
+froze near zero divides its first gradient by ~eps.
+
 The step here is torch AdamW's (decoupled weight decay, bias-corrected momentum) with v
 read, never written, and its bias correction 1 - beta2^frozen_at fixed at the step count
 where it froze. It runs over the same per-piece state the fused kernel uses (and advances

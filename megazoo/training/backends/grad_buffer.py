@@ -30,6 +30,15 @@ backward continues; NCCL runs it on the process group's own stream, gloo on its 
 `wait`). `finish` launches the rest and waits. Buckets holding a tied embedding copy
 (`deferred`) are launched only by `finish`, after the caller's sum over the embedding group
 (that sum needs both pipeline ends to be done with backward).
+
+Momentum compression (1-bit Adam, Tang et al. 2021). `start_step(..., offset=(m, alpha))`
+adds `alpha / n` times the flat tensor `m` (laid out like the buffer; the optimizer's
+momentum) to each bucket before a compressed reduction and takes `alpha * m` off the sum in
+`finish`. The sum is unchanged (the offset is the same on every rank and cancels), but what
+each rank compresses is its local momentum, up to a constant factor, instead of its noisy
+gradient: the codec and its error feedback then work on the smooth signal 1-bit Adam
+compresses. Only the full buffer (no `shard`) can carry it: the distributed optimizer holds
+one shard of the momentum per rank.
 """
 from __future__ import annotations
 
@@ -115,7 +124,7 @@ class GradBuffer:
                     p.data = view
                     p.main_grad = self.view(self.main_grad, p)
         self._calls = {id(p): 0 for p in params}
-        self._expected = 1
+        self._expected, self._offset = 1, None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def cast_params(self, dtype: torch.dtype) -> None:
@@ -139,9 +148,10 @@ class GradBuffer:
         return [b.shard_range(self.group.rank, self.group.size) for b in self.buckets]
 
     # -- one step -------------------------------------------------------------------------
-    def start_step(self, num_microbatches: int, step: int = 0) -> None:
+    def start_step(self, num_microbatches: int, step: int = 0, offset=None) -> None:
         """Start counting; each parameter's gradient is final after this many backward calls.
-        `step` (optimizer steps so far) picks the dense or the compressed reduction.
+        `step` (optimizer steps so far) picks the dense or the compressed reduction;
+        `offset` (flat tensor, alpha): momentum compression, applied to compressed steps only.
 
         The main gradients are not zeroed here: a parameter's first gradient of the step is
         copied into its range and later ones added (one pass less over the fp32 buffer than
@@ -149,6 +159,10 @@ class GradBuffer:
         self.wait()
         use = self.compressed is not None and step >= self.compress_from
         self.reduction = self.compressed if use else self.dense
+        if offset is not None and self.shard:
+            raise ValueError("momentum compression needs the whole momentum on every rank: "
+                             "drop --use-distributed-optimizer or --freeze-variance")
+        self._offset = offset if use and self.group.size > 1 else None
         self.reduction.reset_bytes()
         self._expected = num_microbatches
         for key in self._calls:
@@ -183,6 +197,9 @@ class GradBuffer:
         data = self.main_grad[bucket.start:bucket.end]
         if self.state.dp.size > 1:
             data.div_(self.state.dp.size)
+        if self._offset is not None:
+            flat, alpha = self._offset
+            data.add_(flat[bucket.start:bucket.end], alpha=alpha / self.group.size)
         shard = None
         if self.shard:
             lo, hi = bucket.shard_range(self.group.rank, self.group.size)
@@ -205,6 +222,9 @@ class GradBuffer:
             if bucket.deferred:
                 self._launch(bucket)
         self.wait()
+        if self._offset is not None:
+            flat, alpha = self._offset
+            self.main_grad.sub_(flat, alpha=alpha)
 
     def wait(self) -> None:
         for bucket in self.buckets:

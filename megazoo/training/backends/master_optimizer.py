@@ -192,6 +192,16 @@ class MasterAdamW:
             self._publish()
             self.wait_params()
 
+    @torch.no_grad()
+    def floor_variance(self, fraction: float) -> None:
+        """Raise each parameter's v to at least fraction^2 times its mean (once, when v
+        freezes): a coordinate whose v froze near zero (an embedding row of a token not yet
+        seen) would otherwise divide its first gradient by ~eps. One host sync per piece."""
+        for state in self._states.values():
+            v = state["exp_avg_sq"]
+            if v.numel():
+                v.clamp_(min=float(v.mean()) * fraction * fraction)
+
     @property
     def adam_step(self) -> int:
         return int(next(iter(self._states.values()))["step"]) if self._states else 0

@@ -35,6 +35,9 @@ from .master_optimizer import MOMENTS, MasterAdamW
 from ..scaler import DynamicLossScaler
 
 AUX_PREFIXES = MOMENTS
+# --freeze-variance: when v freezes, each parameter's v is raised to at least this fraction
+# (on the root scale) of its RMS, so no frozen coordinate divides by ~eps
+VARIANCE_FLOOR = 0.1
 
 
 class _ScaledLossStage:
@@ -99,7 +102,17 @@ class PlainEngine(Engine):
     def start_step(self, num_microbatches: int, lr: float) -> None:
         self.model.train()
         self._scale = self.loss_scale()
-        self.buffers.start_step(num_microbatches, self.steps)
+        self.buffers.start_step(num_microbatches, self.steps, self._momentum_offset())
+
+    def _momentum_offset(self):
+        """1-bit Adam: with the variance frozen, the buckets carry the momentum through the
+        compressed reduction (`grad_buffer`'s momentum compression). alpha makes each rank's
+        bucket proportional to its local momentum beta1 m + (1 - beta1) g_local, g in the
+        buffer's units (loss-scaled, before clipping)."""
+        if self.freeze_at is None or self.buffers.shard:
+            return None
+        beta1 = self.cfg.adam_beta1
+        return self.optimizer.moments["exp_avg"], beta1 / (1.0 - beta1) * self._scale
 
     def finish_gradients(self) -> float:
         """Tied-embedding sum, the buckets still to reduce, then the norm from the flat buffer
@@ -116,6 +129,8 @@ class PlainEngine(Engine):
             self.scaler.update(not ok)
         if ok:
             frozen = self.freeze_at if self.buffers.reduction.compressed else None
+            if frozen is not None and self.steps == frozen:
+                self.optimizer.floor_variance(VARIANCE_FLOOR)
             self.optimizer.step(lr, self._scale * clip_divisor(norm, self.cfg.clip_grad), frozen)
         elif self.compressed is not None:  # the residuals took this step's inf / nan in
             self.compressed.reset_errors()
