@@ -52,12 +52,14 @@ def _stop_and_resume(argv, save, log):
     return full, first, rest, lines
 
 
-def test_resume_is_exact_with_residuals_and_dp_change_drops_them(data, tmp_path):
-    """dp=2, 1bit from step 1 on (worker and server residuals): stop at 2 and resume to 4
-    bit for bit; the text and JSON logs carry bytes and ratio; resuming at dp=1 drops the
-    residuals with a warning."""
+@pytest.mark.parametrize("frozen", [[], ["--freeze-variance"]], ids=["gradients", "1-bit-adam"])
+def test_resume_is_exact_with_residuals_and_dp_change_drops_them(data, tmp_path, frozen):
+    """dp=2, 1bit from step 1 on (worker and server residuals; with --freeze-variance the
+    momentum compressed and v frozen and floored): stop at 2 and resume to 4 bit for bit; the
+    text and JSON logs carry bytes and ratio; resuming at dp=1 drops the residuals with a
+    warning."""
     argv = tiny_argv(data, "--train-iters", "4", "--gradient-compression", "1bit",
-                     "--compression-start-step", "1")
+                     "--compression-start-step", "1", *frozen)
     save, log = str(tmp_path / "ck"), str(tmp_path / "log.jsonl")
     full, first, rest, lines = run_distributed(_stop_and_resume, 2, argv, save, log,
                                                timeout=TIMEOUT)[0]

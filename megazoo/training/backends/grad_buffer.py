@@ -39,6 +39,12 @@ each rank compresses is its local momentum, up to a constant factor, instead of 
 gradient: the codec and its error feedback then work on the smooth signal 1-bit Adam
 compresses. Only the full buffer (no `shard`) can carry it: the distributed optimizer holds
 one shard of the momentum per rank.
+
+Padding. The loss never reaches a padded vocabulary row (`tp_unpadded`), so a dense
+reduction leaves its gradient exactly zero; a compressed one would hand it codec noise (a
+1bit block's scale lands on every element of the block), the row would drift from zero, and
+checkpoints, which drop padding, could not resume it. `finish` zeroes those ranges after a
+compressed reduction.
 """
 from __future__ import annotations
 
@@ -96,6 +102,21 @@ def _layout(params: list, bucket_numel: int, pad_to: int, deferred_ids: set) -> 
     return offsets, buckets, pos
 
 
+def _padding_ranges(params: list, offsets: dict, tp_rank: int) -> list[tuple[int, int]]:
+    """Flat ranges of this tp rank's padded rows: parameters split along dim 0 with
+    `tp_unpadded` real rows in the full tensor (the vocabulary)."""
+    out = []
+    for p in params:
+        unpadded = getattr(p, "tp_unpadded", None)
+        if unpadded is None or getattr(p, "tp_dim", None) != 0:
+            continue
+        rows, width = p.shape[0], p[0].numel()
+        real = min(max(unpadded - tp_rank * rows, 0), rows)
+        if real < rows:
+            out.append((offsets[id(p)] + real * width, offsets[id(p)] + rows * width))
+    return out
+
+
 class GradBuffer:
     """Flat parameter and main-gradient buffers of a model; see the module docstring."""
 
@@ -123,6 +144,7 @@ class GradBuffer:
                     view.copy_(p.detach())
                     p.data = view
                     p.main_grad = self.view(self.main_grad, p)
+        self.padding = _padding_ranges(params, self.offsets, state.tp.rank)
         self._calls = {id(p): 0 for p in params}
         self._expected, self._offset = 1, None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -225,6 +247,9 @@ class GradBuffer:
         if self._offset is not None:
             flat, alpha = self._offset
             self.main_grad.sub_(flat, alpha=alpha)
+        if self.reduction.compressed:
+            for lo, hi in self.padding:
+                self.main_grad[lo:hi].zero_()
 
     def wait(self) -> None:
         for bucket in self.buckets:
