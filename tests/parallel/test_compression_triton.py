@@ -9,6 +9,8 @@ fp32 rounding (atol 1e-6 on values of size ~3). In the gloo reduction, fp32 sums
 steps deviate from sum(outputs) + sum(residuals) = sum(inputs) by rounding only (1e-5
 relative; a lost or doubled residual is off by O(1)), and both ranks decode the same bytes.
 """
+import os
+
 import pytest
 import torch
 
@@ -51,6 +53,9 @@ def test_triton_codec_matches_the_pytorch_codec(bits, wire_dtype, triton_device)
                                rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the gloo ranks hold CPU tensors, which Triton runs only under its "
+                           "interpreter (on CPU-only hosts; on GPUs the codec test above runs compiled)")
 @pytest.mark.parametrize("algorithm", ["1bit", "2bit"])
 def test_triton_reduction_conserves_mass_and_ranks_agree(algorithm):
     out = run_distributed(checks.conservation_both, 2, algorithm, 2, 2048, torch.float32, "triton",
