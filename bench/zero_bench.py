@@ -22,9 +22,11 @@ run (the same PretrainArgs the engine trains with). `bench/offload_probe.py` bre
 ZeRO-3 + CPU optimizer offload, parameter offload only if needed) that fits --gpu-gb of GPU
 and --host-gb of host memory, trains it a few steps on one repeated batch and prints each
 loss (finite and falling) and measured vs planned memory. `--two-gpu` runs tp=2 (ZeRO-3 +
-CPU offload) and then Ulysses sp=2 (ZeRO-3) in one torchrun job, each rank on its share of
-the host cores (torchrun's OMP_NUM_THREADS=1 overridden): tokens/s, MFU against the
-measured bf16 matmul ceiling, memory per GPU vs the planner. Where the GPU machine lacks
+CPU offload, DeepSpeed), Ulysses sp=2 (ZeRO-3) and tp=2 under FSDP2 (ZeRO-3 + CPU offload),
+or the `--layouts` named, in one torchrun job, each rank on its share of the host cores
+(torchrun's OMP_NUM_THREADS=1 overridden): tokens/s, MFU against the measured bf16 matmul
+ceiling, memory per GPU vs the planner. A layout's peak memory is its own only when it runs
+first in its process (`bench.two_gpu` starts one process per layout). Where the GPU machine lacks
 DeepSpeed, `bash tools/gpu_stage.sh` stages it (then `source .gpu/setup.sh && ...` there).
 """
 from __future__ import annotations
