@@ -6,21 +6,22 @@ wire per step (from the run's own `--log-json`).
     python -m bench.compression_convergence [--iters 800] [--out results.json]
     python -m bench.compression_convergence --iters 20 --variants none 1bit   # a quick look
 
-Each variant is a `torchrun --nproc-per-node 2 pretrain_gpt.py` child with one intra-op
-thread per rank, no checkpoint and no sample; the table gives the final validation loss, its
-difference from the uncompressed run, and the mean bytes a rank sent per compressed step
-(and the fp32 all-reduce's bytes over them: the compression ratio). Results: bench/README.md.
+Each variant is a `torchrun --nproc-per-node 2 pretrain_gpt.py` child (launched by
+`run_compare.run_variant`) with one intra-op thread per rank, no checkpoint and no sample;
+the table gives the final validation loss, its difference from the uncompressed run, and the
+mean bytes a rank sent per compressed step (and the fp32 all-reduce's bytes over them: the
+compression ratio). Results: bench/README.md.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
-from .common import REPO, child_env, print_table, write_json
+from .common import print_table, write_json
+from .run_compare import run_variant as launch
 
 VARIANTS = {
     "none": [],
@@ -39,18 +40,13 @@ VARIANTS = {
 
 
 def run_variant(name: str, iters: int, folder: str, extra: list[str]) -> dict:
-    """One two-rank run; its log records summarised."""
-    log = os.path.join(folder, f"{name}.jsonl")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           os.path.join(REPO, "pretrain_gpt.py"), "--train-iters", str(iters), "--save", "",
-           "--generate-tokens", "0", "--no-progress", "--cpu-threads", "1",
-           "--log-interval", "1", "--eval-interval", str(max(iters // 4, 1)),
-           "--log-json", log] + VARIANTS[name] + extra
-    done = subprocess.run(cmd, cwd=REPO, env=child_env(OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    with open(log) as f:
+    """One two-rank run (`run_compare.run_variant` through torchrun); its log summarised."""
+    flags = ["--train-iters", str(iters), "--cpu-threads", "1", "--log-interval", "1",
+             "--eval-interval", str(max(iters // 4, 1))] + VARIANTS[name] + extra
+    row = launch(name, flags, folder, None, nproc=2)
+    if "error" in row:
+        raise SystemExit(f"{name} failed: {row['error']}")
+    with open(os.path.join(folder, f"{name}.jsonl")) as f:
         records = [json.loads(line) for line in f]
     steps = [r for r in records if "comm_bytes" in r]
     compressed = [r for r in steps if r.get("compression_ratio", 1.0) > 1.0]

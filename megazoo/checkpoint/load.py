@@ -27,8 +27,7 @@ from torch import nn
 from ..layers.sharding import full_shape, tp_slice, tp_unslice
 from ..models import ModelConfig, build_model, full_name
 from ..parallel.state import ParallelState
-from .checksums import CRC32, check_algorithm, values_key
-from .checksums import Hasher
+from .checksums import CRC32, Hasher, check_algorithm, values_key
 from .files import BackgroundChecks, nonfinite_count, parse_dtype, read_header, read_tensor
 from .resolve import resolve_checkpoint
 from .layout import FORMAT, METADATA_FILE, check_layout, rank_model, stored_parameters

@@ -54,9 +54,11 @@ class CompressionConfig:
     compression_block_size: int | None = None
     """1bit / 2bit: elements per scale, a multiple of 8 (default 1024)."""
     freeze_variance: bool | None = None
-    """Freeze AdamW's second moment once compression starts (1-bit Adam's rule: the update
-    stays linear in the gradient, so error feedback works for Adam); needs
-    --compression-start-step >= 1, the uncompressed warmup that estimates it."""
+    """1-bit Adam: freeze AdamW's second moment once compression starts (the update stays
+    linear in the gradient, so error feedback works for Adam) and compress each rank's local
+    momentum instead of its gradient (not with the distributed optimizer, which holds one
+    momentum shard per rank); needs --compression-start-step >= 1, the uncompressed warmup
+    that estimates the second moment."""
     huffman_coding: bool | None = None
     """Entropy-code the compressed bytes: refused (measured to save too little, see README)."""
     communication_data_type: str | None = None
