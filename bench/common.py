@@ -90,6 +90,16 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+# A bench child prints its row as one line: RESULT {json}; the parent reads it back.
+RESULT = "RESULT "
+
+
+def results(stdout: str) -> list:
+    """The JSON of every `RESULT {json}` line of a child's stdout, in order."""
+    return [json.loads(line[len(RESULT):]) for line in stdout.splitlines()
+            if line.startswith(RESULT)]
+
+
 def child_env(**extra: str) -> dict:
     """This process's environment with the repository first on PYTHONPATH (for children)."""
     path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)

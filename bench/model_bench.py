@@ -22,7 +22,8 @@ import subprocess
 
 import torch
 
-from bench.common import REPO, child_env, module_command, print_table, time_cuda, write_json
+from bench.common import (REPO, RESULT, child_env, module_command, print_table, results, time_cuda,
+                          write_json)
 from megazoo.training.logging import flops_per_iteration, measure_peak_tflops
 
 SHAPE = dict(hidden=2048, layers=24, heads=16, seq=2048, batch=4, vocab=50304, llama_ffn=5504)
@@ -107,7 +108,7 @@ def main() -> None:
     p.add_argument("--run", nargs=2, metavar=("FAMILY", "IMPL"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.run:
-        print("RESULT " + json.dumps(run_one(*args.run)))
+        print(RESULT + json.dumps(run_one(*args.run)))
         return
     ceiling = measure_peak_tflops(torch.device("cuda"))
     rows = []
@@ -115,11 +116,11 @@ def main() -> None:
         for impl in args.impls:
             proc = subprocess.run(module_command("model_bench") + ["--run", family, impl],
                                   capture_output=True, text=True, cwd=REPO, env=child_env())
-            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
+            found = results(proc.stdout)
+            if proc.returncode != 0 or not found:
                 print(f"{family}/{impl} failed:\n{proc.stderr[-3000:]}")
                 continue
-            row = json.loads(lines[-1][7:])
+            row = found[-1]
             row["mfu"] = row["model_tflops"] / ceiling
             rows.append(row)
         peer = [r for r in rows if r["family"] == family and r["impl"] == "hf"]

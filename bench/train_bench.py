@@ -34,7 +34,8 @@ import tempfile
 
 import torch
 
-from bench.common import REPO, child_env, environment, module_command, time_ms, write_json
+from bench.common import (REPO, RESULT, child_env, environment, module_command, results, time_ms,
+                          write_json)
 
 VOCAB = 2048  # the default corpus' tokenizer (pretrain_gpt.py --default-vocab-size)
 
@@ -184,10 +185,10 @@ def run_child(kind: str, shape: str, global_batch: int, dry: bool) -> dict:
     cmd = module_command("train_bench") + ["--child", kind, shape, str(global_batch)]
     proc = subprocess.run(cmd + (["--dry-run"] if dry else []), capture_output=True, text=True,
                           cwd=REPO, env=child_env())
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
+    found = results(proc.stdout)
+    if proc.returncode != 0 or not found:
         raise RuntimeError(proc.stderr[-2000:])
-    return json.loads(lines[-1][len("RESULT "):])
+    return found[-1]
 
 
 def main(argv=None) -> int:
@@ -205,7 +206,7 @@ def main(argv=None) -> int:
         kind, shape, gb = args.child
         row = child(kind, shape, int(gb), args.dry_run)
         if os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 reports for all
-            print("RESULT " + json.dumps({**row, "world": int(os.environ.get("WORLD_SIZE", "1"))}))
+            print(RESULT + json.dumps({**row, "world": int(os.environ.get("WORLD_SIZE", "1"))}))
         return 0
     shapes = ["tiny"] if args.dry_run else args.shapes
     rows = []

@@ -33,7 +33,8 @@ import json
 import os
 import sys
 
-from bench.common import REPO, failure_line, module_command, run_command, torchrun, write_json
+from bench.common import (REPO, failure_line, module_command, results, run_command, torchrun,
+                          write_json)
 from bench.run_compare import run_variant
 from bench.train_bench import SHAPES, model_flags
 
@@ -111,9 +112,9 @@ def child_json(cmd: list[str], path: str, timeout: float) -> dict:
 def result_line(cmd: list[str], timeout: float, log: str) -> dict:
     """Run `cmd` and parse its last "RESULT {json}" line, or {"error": why}."""
     rc, out, err = run_logged(cmd, timeout, log)
-    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-    if rc == 0 and lines:
-        return json.loads(lines[-1][len("RESULT "):])
+    found = results(out)
+    if rc == 0 and found:
+        return found[-1]
     return _failure(rc, timeout, err)
 
 

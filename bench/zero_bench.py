@@ -43,7 +43,8 @@ import time
 
 import torch
 
-from bench.common import REPO, child_env, module_command, print_table, torchrun, write_json
+from bench.common import (REPO, RESULT, child_env, module_command, print_table, results, torchrun,
+                          write_json)
 from megazoo.training.logging import flops_per_iteration, measure_peak_tflops
 
 SHAPE = dict(hidden=2048, layers=24, heads=16, seq=2048, batch=4, vocab=50304)
@@ -52,7 +53,6 @@ TINY = dict(hidden=64, layers=2, heads=4, seq=64, batch=2, vocab=512)
 LARGEST = [("gpt-13b", 40, 5120, 40), ("gpt-7.5b", 36, 4096, 32), ("gpt-7.1b", 34, 4096, 32),
            ("gpt-6.7b", 32, 4096, 32), ("gpt-2.7b", 32, 2560, 32)]
 TINY_LARGEST = [("tiny-l4", 4, 64, 4), ("tiny-l2", 2, 64, 4)]
-RESULT = "RESULT "
 # megazoo under DeepSpeed, megazoo under FSDP2 (ZeRO-3 + CPU offload; "-keep": gathered
 # parameters kept from forward to backward, --no-fsdp-reshard-after-forward), the peer last.
 IMPLS = ("megazoo", "fsdp2", "fsdp2-keep", "hf")
@@ -299,7 +299,7 @@ def run_child(argv: list[str], launcher: list[str] | None = None) -> list[dict]:
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=child_env())
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return [json.loads(line[len(RESULT):]) for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+    return results(proc.stdout)
 
 
 def compare(dry: bool, warmup: int, iters: int) -> list[dict]:
