@@ -74,6 +74,10 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=5)
     p.add_argument("--rows", type=int, default=20)
     p.add_argument("--out", default=None, help="write the step summary as JSON here (rank 0)")
+    p.add_argument("--gaps", type=int, default=0, metavar="ROWS",
+                   help="also record Python stacks and print where the device idles "
+                        "(bench.gap_report), this many rows")
+    p.add_argument("--trace", default=None, help="keep the Chrome trace here (with --gaps)")
     args = p.parse_args(argv[:split])
     run_flags = argv[split + 1:]
 
@@ -83,7 +87,7 @@ def main(argv=None) -> int:
     from megazoo.training.run import main as run_main
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    prof = profile(activities=activities)
+    prof = profile(activities=activities, with_stack=bool(args.gaps))
     original, seen, wall = Engine.train_step, [0], [0.0]
 
     def train_step(self, micro_batches):
@@ -111,10 +115,23 @@ def main(argv=None) -> int:
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         summary = report(prof, wall[0], args.steps, args.rows)
+        if args.gaps:
+            summary["gaps"] = _gaps(prof, args.gaps, args.trace)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(summary, f, indent=2)
     return rc
+
+
+def _gaps(prof, rows: int, keep: str | None) -> dict:
+    import tempfile
+
+    from bench.gap_report import report as gap_report
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = keep or os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        return gap_report(path, rows)
 
 
 def report(prof, wall_s: float, steps: int, rows: int) -> dict:

@@ -23,6 +23,7 @@ otherwise flash, then flex for ALiBi on CUDA, then sdpa.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -107,7 +108,15 @@ def select_backend(requested: str, req: AttentionRequest) -> str:
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+    if device.type != "cuda":
+        return (0, 0)
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    """A device's compute capability, asked once (the driver query costs more than a launch)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def _check_inputs(q, k, v, padding_mask, alibi_slopes, causal) -> None:

@@ -31,7 +31,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if x.data_ptr() == logits_shard.data_ptr():
             x = x.clone()
         padded = torch.arange(start, start + shard, device=x.device) >= vocab_size
-        if padded.any():
+        if start + shard > vocab_size:  # this rank holds padded columns (no device sync)
             x.masked_fill_(padded, float("-inf"))
         logits_max = x.max(dim=-1, keepdim=True).values
         if group_size(group) > 1:
@@ -74,12 +74,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, group: Group,
                                  *, vocab_size: int | None = None, ignore_index: int = -100,
-                                 label_smoothing: float = 0.0) -> torch.Tensor:
+                                 label_smoothing: float = 0.0,
+                                 check_targets: bool = True) -> torch.Tensor:
     """Per-token loss `[...]` (fp32) of logits split by vocabulary `[..., V_padded/tp]`.
 
     `vocab_size` is the real vocabulary; logit columns past it (Megatron's padding) are
     excluded. Tokens equal to `ignore_index` get loss 0 and no gradient. Matches
-    `F.cross_entropy(full_logits, target, reduction="none", ...)`.
+    `F.cross_entropy(full_logits, target, reduction="none", ...)`. `check_targets=False`
+    skips the range check of the targets, which reads them back to the host (a device sync):
+    for callers whose targets were checked already.
     """
     tp = group_size(group)
     full = logits_shard.shape[-1] * tp
@@ -92,6 +95,7 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
                          f"disagree: logits must be target's shape plus a vocabulary dimension")
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    check_token_ids(target.masked_fill(target == ignore_index, 0), vocab_size, "target")
+    if check_targets:
+        check_token_ids(target.masked_fill(target == ignore_index, 0), vocab_size, "target")
     return _VocabParallelCrossEntropy.apply(logits_shard, target, group, vocab_size,
                                             ignore_index, label_smoothing)

@@ -29,7 +29,7 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str = "token id") 
         raise ValueError(f"{what}s must be an integer tensor, got {ids.dtype}")
     if ids.numel() == 0:
         return
-    low, high = int(ids.min()), int(ids.max())
+    low, high = torch.stack(torch.aminmax(ids)).tolist()
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise ValueError(f"{what} {bad} is outside the vocabulary [0, {vocab_size}): check the "

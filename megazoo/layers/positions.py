@@ -14,6 +14,7 @@ position of each token (its sequence shard's offset plus its local index).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -85,3 +86,13 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                              f"d={x.shape[-1]})")
     view = (cos.shape[0], cos.shape[1]) + (1,) * (q.dim() - 3) + (cos.shape[-1],)
     return rope_pair(q, k, cos.view(view), sin.view(view))
+
+
+@functools.lru_cache(maxsize=16)
+def rope_cos_sin_first(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_cos_sin` of positions 0 .. seq_len - 1 ([s, 1, d]), computed once per shape: every
+    layer of every step asks for the same factors, and their half dozen small kernels would
+    otherwise run (and be launched) each time. The tensors are shared: read them only."""
+    with torch.inference_mode(False), torch.no_grad():
+        return rope_cos_sin(torch.arange(seq_len, device=device), head_dim, theta, dtype=dtype)

@@ -38,7 +38,7 @@ from .groups import Group, group_rank, group_size
 from .heads import HeadLayout
 from .mappings import (all_to_all_heads_to_sequence, all_to_all_sequence_to_heads,
                        scatter_to_sequence_parallel_region)
-from .positions import alibi_slopes, apply_rope, rope_cos_sin
+from .positions import alibi_slopes, apply_rope, rope_cos_sin, rope_cos_sin_first
 
 POSITION_EMBEDDINGS = ("none", "alibi", "rope")
 
@@ -193,7 +193,8 @@ class UlyssesAttention(nn.Module):
         if self.position_embedding != "rope":
             return None
         if position_ids is None:
-            position_ids = torch.arange(seq_len, device=like.device)
+            return rope_cos_sin_first(seq_len, self.layout.head_dim, self.rope_theta, like.dtype,
+                                      like.device)
         return rope_cos_sin(position_ids, self.layout.head_dim, self.rope_theta, dtype=like.dtype)
 
     def attend(self, qkv: torch.Tensor, padding_mask, rope, slopes) -> torch.Tensor:

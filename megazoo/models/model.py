@@ -50,6 +50,11 @@ class TransformerModel(nn.Module):
     """A decoder-only transformer (or a pipeline stage of one); see the module docstring."""
 
     family: str | None = None  # set by GPTModel / BloomModel / LlamaModel
+    check_inputs: bool = True
+    """Check token ids and labels against the vocabulary before use (a clear error instead of a
+    device-side assert), at the cost of a device sync per forward. The training engines turn
+    it off: their data was checked against the tokenizer and the model's vocabulary when the
+    run started, and a sync per micro-batch starves the GPU."""
 
     def __init__(self, config: ModelConfig, state: ParallelState | None = None, *,
                  layers: LayerSpec = None, pre_process: bool = True, post_process: bool = True,
@@ -119,7 +124,7 @@ class TransformerModel(nn.Module):
                 raise ValueError("the first chunk of the first stage needs input_ids [b, s]")
             check_sequence_length(input_ids.shape[1], self.state)
             window = ulysses_window(input_ids.shape[1], self.state)
-            x = self.embedding(input_ids[:, window], window.start)
+            x = self.embedding(input_ids[:, window], window.start, self.check_inputs)
         elif hidden_states is None:
             raise ValueError("a chunk without the embedding needs hidden_states [s_local, b, h]; "
                              "to run ids through every pipeline stage, call "
@@ -132,5 +137,6 @@ class TransformerModel(nn.Module):
             return x
         logits_shard = lm_logits(self.final_norm(x), self.head_weight(), self.state)
         if labels is not None:
-            return mean_token_loss(logits_shard, labels, self.config.vocab_size, self.state)
+            return mean_token_loss(logits_shard, labels, self.config.vocab_size, self.state,
+                                   self.check_inputs)
         return full_logits(logits_shard, self.config.vocab_size, self.state)

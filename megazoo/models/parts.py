@@ -68,8 +68,10 @@ class Embedding(nn.Module):
                                    sequence_parallel=state.config.megatron_sp,
                                    device=device, dtype=dtype)
 
-    def forward(self, ids_sp: torch.Tensor, first_position: int) -> torch.Tensor:
-        x = self.word_embeddings(ids_sp).transpose(0, 1)  # [b, s_sp, h] -> [s_sp, b, h]
+    def forward(self, ids_sp: torch.Tensor, first_position: int, check: bool = True) -> torch.Tensor:
+        """check=False: the ids are known to be in the vocabulary (no device sync)."""
+        words = self.word_embeddings(ids_sp) if check else self.word_embeddings.lookup(ids_sp)
+        x = words.transpose(0, 1)  # [b, s_sp, h] -> [s_sp, b, h]
         if self.position_embeddings is not None:
             stop = first_position + ids_sp.shape[1]
             if stop > self.max_positions:
@@ -106,15 +108,16 @@ def shifted_targets(labels: torch.Tensor, ignore_index: int = -100) -> torch.Ten
 
 
 def mean_token_loss(logits_shard: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                    state: ParallelState) -> torch.Tensor:
+                    state: ParallelState, check: bool = True) -> torch.Tensor:
     """Mean cross entropy over every non-ignored token of the full batch (all sp shards).
 
     logits_shard [s_sp, b, V_pad/tp], labels [b, s] full -> scalar, the same on every rank.
     Each rank's backward covers its own tokens; summing gradients over sp completes them.
+    check=False: the labels are known to be in the vocabulary (no device sync).
     """
     targets = shifted_targets(labels)[:, ulysses_window(labels.shape[1], state)].t()  # [s_sp, b]
     per_token = vocab_parallel_cross_entropy(logits_shard, targets.contiguous(), state.tp,
-                                             vocab_size=vocab_size)
+                                             vocab_size=vocab_size, check_targets=check)
     total = reduce_from_tensor_parallel_region(per_token.sum().reshape(1), state.sp)
     count = (targets != -100).sum().reshape(1).to(per_token.dtype)
     if state.sp.size > 1:

@@ -87,6 +87,7 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     entropy = unigram_entropy(data.prefixes, data.tokenizer.vocab_size)
     device = data.device = local_device()
     model = build_model(args.model, state, device=device, seed=args.training.seed)
+    model.check_inputs = False  # build_data's check_vocabulary checked every id already
     engine = build_engine(args, model, state)
     advice = host_thread_advice(engine.cpu_offload, torch.get_num_threads(), os.cpu_count() or 1,
                                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -130,3 +130,33 @@ def test_tp_unslice_of_every_rank_rebuilds_the_one_process_model(family, tp):
         full = tp_unslice([m[name].detach() for m in ranks], p)
         expected = ref[full_name(name, p)].detach()
         assert torch.equal(full, expected[:full.shape[0]]), name
+
+
+def test_check_inputs_off_gives_the_same_loss_and_on_names_bad_ids():
+    """check_inputs=False (the training engines: data checked at start) skips the device sync
+    of the id checks and computes the same loss; the default still names a bad id or label."""
+    cfg = ModelConfig(family="llama", num_layers=2, hidden_size=32, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=50)
+    model = build_model(cfg, None, device="cpu", seed=0)
+    ids = torch.randint(0, 50, (2, 12))
+    checked = model(ids, labels=ids)
+    model.check_inputs = False
+    assert torch.equal(model(ids, labels=ids), checked)
+    model.check_inputs = True
+    with pytest.raises(ValueError, match="token id 50 is outside the vocabulary"):
+        model(torch.full((2, 12), 50), labels=ids)
+    bad_labels = ids.clone()
+    bad_labels[0, 5] = 77
+    with pytest.raises(ValueError, match="target 77 is outside the vocabulary"):
+        model(ids, labels=bad_labels)
+
+
+def test_rope_factors_from_the_cache_equal_fresh_ones():
+    from megazoo.layers.positions import rope_cos_sin, rope_cos_sin_first
+
+    cached = rope_cos_sin_first(24, 16, 10000.0, torch.float32, torch.device("cpu"))
+    again = rope_cos_sin_first(24, 16, 10000.0, torch.float32, torch.device("cpu"))
+    fresh = rope_cos_sin(torch.arange(24), 16, 10000.0)
+    assert cached[0] is again[0]  # computed once
+    for a, b in zip(cached, fresh):
+        assert torch.equal(a, b)
