@@ -6,6 +6,7 @@ Computes `megazoo.layers.fp8_cast.quantize_reference` in one or two kernels:
 |---|---|---|
 | quantize_rows   | t [R, C] (any strides) | q [R, C] or [C, R] fp8 row-major, inv [rows, 1] fp32 |
 | quantize_tensor | t [R, C] | q (same), inv [] fp32 |
+| quantize_tensor_both | t [R, C] | q [R, C] and q.t() [C, R], both row-major, inv [] fp32 |
 | transpose_bytes | q [R, C] fp8 | q.t() [C, R] row-major |
 
 Rowwise: rows of at most 8192 elements are read once (a program holds whole rows).
@@ -14,7 +15,8 @@ t.t() read through its strides, so the transpose costs no extra pass) and reads 
 twice (amax, then scale and cast) in BC-column tiles. Tensorwise: a block-max kernel folds
 into one float32 with `atomic_max` (values are non-negative, so float ordering is integer
 ordering), then an elementwise cast kernel reads that amax on the GPU: no host
-synchronisation. `transpose_bytes` moves FP8 bytes in square tiles (PyTorch's strided copy
+synchronisation; `quantize_tensor_both`'s cast kernel writes each tile twice, as it is and
+transposed, so a tensor both backward GEMMs need in both layouts is read once. `transpose_bytes` moves FP8 bytes in square tiles (PyTorch's strided copy
 of 1-byte elements is several times slower).
 """
 from __future__ import annotations
@@ -102,6 +104,25 @@ def _cast_kernel(T, Q, Amax, Inv, N, TOP: tl.constexpr, EPS: tl.constexpr,
                                                        scale))
 
 
+@triton.jit
+def _cast_both_kernel(T, Q, QT, Amax, Inv, R, C, TOP: tl.constexpr, EPS: tl.constexpr,
+                      TILE: tl.constexpr):
+    """Q [R, C] = cast(T * s) and QT [C, R] = its transpose, s = TOP / max(amax, EPS); one
+    TILE x TILE tile per program."""
+    scale = tl.max(tl.math.div_rn(TOP + tl.zeros([1], dtype=tl.float32),
+                                  tl.maximum(tl.load(Amax + tl.arange(0, 1)), EPS)), axis=0)
+    r = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    c = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+    m = (r < R)[:, None] & (c < C)[None, :]
+    x = tl.load(T + r[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+    q = tl.minimum(tl.maximum(x * scale, -TOP), TOP).to(Q.dtype.element_ty)
+    tl.store(Q + r[:, None] * C + c[None, :], q, mask=m)
+    tl.store(QT + c[:, None] * R + r[None, :], tl.trans(q), mask=(c < C)[:, None] & (r < R)[None, :])
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(Inv + tl.arange(0, 1), tl.math.div_rn(1.0 + tl.zeros([1], dtype=tl.float32),
+                                                       scale + tl.zeros([1], dtype=tl.float32)))
+
+
 def quantize_rows(t: torch.Tensor, dtype: torch.dtype, top: float, eps: float,
                   transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
     u = t.t() if transpose else t
@@ -131,6 +152,22 @@ def quantize_tensor(t: torch.Tensor, dtype: torch.dtype, top: float, eps: float,
     _amax_kernel[grid](t, amax, n, BLOCK=_BLOCK, num_warps=8)
     _cast_kernel[grid](t, q, amax, inv, n, TOP=top, EPS=eps, BLOCK=_BLOCK, num_warps=8)
     return (transpose_bytes(q) if transpose else q), inv.reshape(())
+
+
+def quantize_tensor_both(t: torch.Tensor, dtype: torch.dtype, top: float,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tensorwise cast of t [R, C] in both layouts: (q [R, C], q.t() [C, R] row-major, inv [])."""
+    t = t.contiguous()
+    rows, cols = t.shape
+    amax = torch.zeros(1, dtype=torch.float32, device=t.device)
+    inv = torch.empty(1, dtype=torch.float32, device=t.device)
+    q = torch.empty(rows, cols, dtype=dtype, device=t.device)
+    qt = torch.empty(cols, rows, dtype=dtype, device=t.device)
+    _amax_kernel[(triton.cdiv(t.numel(), _BLOCK),)](t, amax, t.numel(), BLOCK=_BLOCK, num_warps=8)
+    grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE))
+    _cast_both_kernel[grid](t, q, qt, amax, inv, rows, cols, TOP=top, EPS=eps, TILE=_TILE,
+                            num_warps=4)
+    return q, qt, inv.reshape(())
 
 
 def transpose_bytes(q: torch.Tensor) -> torch.Tensor:

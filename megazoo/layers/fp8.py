@@ -25,6 +25,8 @@ run's dtype (`fallback=True`, the default) or raises.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import warnings
 from dataclasses import dataclass
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .fp8_cast import CAST_IMPLS, quantize, transpose
+from .fp8_cast import CAST_IMPLS, quantize, quantize_both, transpose
 
 FORMATS = ("e4m3", "hybrid")
 RECIPES = ("tensorwise", "rowwise")
@@ -140,26 +142,92 @@ def _t(q: torch.Tensor, recipe: FP8Recipe) -> torch.Tensor:
     return transpose(q, "eager" if recipe.emulate else recipe.cast)
 
 
+def _cast_both(t: torch.Tensor, dtype: torch.dtype, recipe: FP8Recipe):
+    """Tensorwise cast of t in both layouts, (q, q.t() contiguous, inv), from one read of t."""
+    return quantize_both(t, dtype, "eager" if recipe.emulate else recipe.cast)
+
+
+_WEIGHT_CASTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "megazoo_fp8_weight_casts", default=None)
+
+
+@contextlib.contextmanager
+def fp8_weight_cache():
+    """Within this block each FP8 weight is cast once, however many micro-batches use it.
+
+    The training engines wrap one step's micro-batches (forward and backward) in it: the
+    weights cannot change before the optimizer step, so the forward operand (and the
+    backward's transposed one) of a weight is computed by its first micro-batch and reused by
+    the others. Outside the block every call casts afresh. The casts are dropped on exit.
+    """
+    token = _WEIGHT_CASTS.set({})
+    try:
+        yield
+    finally:
+        _WEIGHT_CASTS.reset(token)
+
+
+class _WeightCasts:
+    """A weight's FP8 operands: forward wq [N, K] and backward W^T [K, N] (row-major), each
+    computed on first use (tensorwise: the backward one is the forward one transposed, same
+    scale; rowwise: scaled per k, along the dgrad GEMM's reduction)."""
+
+    def __init__(self, weight: torch.Tensor, recipe: FP8Recipe):
+        self.weight, self.recipe = weight, recipe
+        self._fwd = self._bwd = None
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, recipe: FP8Recipe) -> "_WeightCasts":
+        cache = _WEIGHT_CASTS.get()
+        if cache is None:
+            return cls(weight, recipe)
+        key = (id(weight), recipe)
+        entry = cache.get(key)
+        if entry is None or entry.weight is not weight:
+            entry = cache[key] = cls(weight, recipe)
+        return entry
+
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._fwd is None:
+            self._fwd = _cast(self.weight.detach(), self.recipe.fwd_dtype, self.recipe)
+        return self._fwd
+
+    def backward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._bwd is None:
+            r = self.recipe
+            if r.rowwise:
+                self._bwd = _cast(self.weight.detach(), r.fwd_dtype, r, transpose=True)
+            else:
+                wq, inv_w = self.forward()
+                self._bwd = (_t(wq, r), inv_w)
+        return self._bwd
+
+
 class _FP8Linear(torch.autograd.Function):
     """x [M, K], weight [N, K] -> y [M, N] in x's dtype; the table in the module docstring.
 
-    Saved for backward: tensorwise, the forward's FP8 casts xq [M, K], wq [N, K] and their
-    scales (transposed in the backward, same scales); rowwise, x and weight themselves
-    (the backward scales them along the other axis).
+    Saved for backward: tensorwise, the forward's FP8 cast of x in both layouts (xq [M, K],
+    x^T [K, M]) and its scale; rowwise, x itself (the backward scales it along the other
+    axis). The weight's operands come from `_WeightCasts` (per step under `fp8_weight_cache`).
     """
 
     @staticmethod
     def forward(ctx, x, weight, recipe):
         f = recipe.fwd_dtype
-        xq, inv_x = _cast(x, f, recipe)                                   # [M, K]
-        wq, inv_w = _cast(weight, f, recipe)                              # [N, K]
+        casts = _WeightCasts.of(weight, recipe)
+        if recipe.rowwise or not ctx.needs_input_grad[1]:
+            xq, inv_x = _cast(x, f, recipe)                               # [M, K]
+            xtq = None
+        else:
+            xq, xtq, inv_x = _cast_both(x, f, recipe)                     # [M, K], [K, M]
+        wq, inv_w = casts.forward()                                       # [N, K]
         y = scaled_mm(xq, wq.t(), inv_x, _row(inv_w), x.dtype, recipe.emulate,
                       recipe.fast_accum)                                  # [M, N]
-        ctx.recipe, ctx.x_dtype, ctx.w_dtype = recipe, x.dtype, weight.dtype
+        ctx.recipe, ctx.casts, ctx.x_dtype, ctx.w_dtype = recipe, casts, x.dtype, weight.dtype
         if recipe.rowwise:
-            ctx.save_for_backward(x, weight)
+            ctx.save_for_backward(x)
         else:
-            ctx.save_for_backward(xq, inv_x, wq, inv_w)
+            ctx.save_for_backward(xtq, inv_x)
         return y
 
     @staticmethod
@@ -168,25 +236,24 @@ class _FP8Linear(torch.autograd.Function):
         f, g = r.fwd_dtype, r.grad_dtype
         dy = dy.contiguous()                                              # [M, N]
         dx = dw = None
-        if r.rowwise:
-            x, weight = ctx.saved_tensors
-        else:
-            xq, inv_x, wq, inv_w = ctx.saved_tensors
-            dyq, inv_dy = _cast(dy, g, r)
+        if not r.rowwise:
+            xtq, inv_x = ctx.saved_tensors
+            if need_dw:
+                dyq, dytq, inv_dy = _cast_both(dy, g, r)                  # [M, N], [N, M]
+            else:
+                dyq, inv_dy = _cast(dy, g, r)
         if need_dx:
             if r.rowwise:
                 dyq, inv_dy = _cast(dy, g, r)                             # per token
-                wtq, inv_wt = _cast(weight, f, r, transpose=True)         # W^T [K, N], per k
-            else:
-                wtq, inv_wt = _t(wq, r), inv_w
+            wtq, inv_wt = ctx.casts.backward()                            # W^T [K, N]
             dx = scaled_mm(dyq, wtq.t(), inv_dy, _row(inv_wt), ctx.x_dtype, r.emulate)
         if need_dw:
             if r.rowwise:
+                (x,) = ctx.saved_tensors
                 dytq, inv_dyt = _cast(dy, g, r, transpose=True)           # dy^T [N, M], per n
                 xtq, inv_xt = _cast(x, f, r, transpose=True)              # x^T [K, M], per k
             else:
-                dytq, inv_dyt = _t(dyq, r), inv_dy
-                xtq, inv_xt = _t(xq, r), inv_x
+                inv_dyt, inv_xt = inv_dy, inv_x
             dw = scaled_mm(dytq, xtq.t(), inv_dyt, _row(inv_xt), ctx.w_dtype, r.emulate)
         return dx, dw, None
 

@@ -105,6 +105,16 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, rowwise: bool, transpose: bool
             else kernels.quantize_tensor(t, dtype, fp8_max(dtype), EPS, transpose))
 
 
+def quantize_both(t: torch.Tensor, dtype: torch.dtype, impl: str = "auto"):
+    """Tensorwise `quantize_reference(t)` in both layouts: (q [R, C], q.t() contiguous, inv).
+    The Triton implementation writes both from one read of t."""
+    impl = resolve_impl(impl, t.device)
+    if impl == "triton":
+        return _triton_kernels().quantize_tensor_both(t, dtype, fp8_max(dtype), EPS)
+    q, inv = quantize(t, dtype, False, impl=impl)
+    return q, transpose(q, impl), inv
+
+
 def transpose(q: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """q [R, C] (FP8) -> q.t() contiguous [C, R], by the implementation `impl` resolves to."""
     impl = resolve_impl(impl, q.device)

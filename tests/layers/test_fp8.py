@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 import fp8_checks
 from megazoo.layers import ColumnParallelLinear, FusedColumnParallelLinear
-from megazoo.layers.fp8 import FP8Recipe, fp8_linear
-from megazoo.layers.fp8_cast import quantize, quantize_reference
+from megazoo.layers import fp8 as fp8_module
+from megazoo.layers.fp8 import FP8Recipe, fp8_linear, fp8_weight_cache
+from megazoo.layers.fp8_cast import quantize, quantize_both, quantize_reference
 from megazoo.layers.fp8_cast import transpose as fp8_transpose
 from megazoo.testing import run_distributed
 
@@ -173,3 +174,74 @@ def test_gpu_scaled_mm_equals_emulation(fmt, rec, cast):
     for name, a, e in zip(("y", "dx", "dW", "db"), got, ref):
         err = ((a.float() - e.float()).norm() / e.float().norm()).item()
         assert err < 1e-2, f"{fmt}/{rec} cast={cast} {name}: relative error {err:.2e}"
+
+
+def test_weight_cache_casts_each_weight_once_and_changes_nothing(monkeypatch):
+    """Under fp8_weight_cache two micro-batches give the outputs and gradients they give
+    without it, and each weight is cast once for the forward (and once for the backward's
+    W^T) instead of once per micro-batch; outside the block nothing is kept."""
+    for rec in ("tensorwise", "rowwise"):
+        recipe = FP8Recipe("hybrid", rec)
+        x1, w, b, dy = _inputs()
+        x2 = x1.flip(0) * 0.5
+        plain = [_run(x, w, b, dy, recipe) for x in (x1, x2)]
+        weight_casts = []
+        real = fp8_module._cast
+        monkeypatch.setattr(fp8_module, "_cast", lambda t, *a, **k: (
+            weight_casts.append(t.shape) if t.shape == w.shape else None, real(t, *a, **k))[1])
+        wp = w.detach().clone().requires_grad_()
+        with fp8_weight_cache():
+            cached = []
+            for x in (x1, x2):
+                xp, bp = x.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+                y = fp8_linear(xp, wp, bp, recipe)
+                y.backward(dy)
+                cached.append((y, xp.grad, wp.grad.clone(), bp.grad))
+                wp.grad = None
+        monkeypatch.setattr(fp8_module, "_cast", real)
+        assert len(weight_casts) == (2 if rec == "rowwise" else 1), weight_casts
+        for got, ref in zip(cached, plain):
+            for a, e in zip(got, ref):
+                assert torch.equal(a, e)
+        assert fp8_module._WEIGHT_CASTS.get() is None
+
+
+def test_both_layouts_cast_equals_cast_and_transpose():
+    t = torch.randn(37, 52) * 3
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        q, qt, inv = quantize_both(t, dtype)
+        q_ref, inv_ref = quantize_reference(t, dtype, False)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        assert torch.equal(qt.view(torch.uint8), q_ref.t().contiguous().view(torch.uint8))
+        assert torch.equal(inv, inv_ref)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("shape", [(64, 64), (100, 70), (33, 300)])
+def test_triton_both_layouts_equal_the_one_layout_kernel(triton_device, shape):
+    """The tiled cast writing q and q^T against the elementwise cast kernel (same amax kernel,
+    same arithmetic) and its transpose: identical bytes and scale, awkward sizes included."""
+    from megazoo.kernels import triton_fp8
+
+    t = (torch.randn(*shape) * 3).to(torch.bfloat16).to(triton_device)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        top = torch.finfo(dtype).max
+        q, qt, inv = triton_fp8.quantize_tensor_both(t, dtype, top, 1e-12)
+        q1, inv1 = triton_fp8.quantize_tensor(t, dtype, top, 1e-12, False)
+        assert q.shape == shape and qt.shape == shape[::-1]
+        assert torch.equal(q.view(torch.uint8), q1.view(torch.uint8))
+        assert torch.equal(qt.view(torch.uint8), q1.t().contiguous().view(torch.uint8))
+        assert torch.equal(inv, inv1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["eager", "compile", "triton"])
+def test_gpu_both_layouts_cast_equals_definition(impl):
+    t = torch.randn(1000, 776, device="cuda", dtype=torch.bfloat16) * 3
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        q, qt, inv = quantize_both(t, dtype, impl)
+        q_ref, inv_ref = quantize_reference(t, dtype, False)
+        torch.testing.assert_close(inv, inv_ref, rtol=1e-6, atol=0)
+        mismatch = (q.float() != q_ref.float()).float().mean().item()
+        assert mismatch <= 1e-3, f"{impl}: {mismatch:.2%} of the FP8 values differ"
+        assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ...layers.fp8 import fp8_weight_cache
 from ...pipeline.executor import run_pipeline
 from ..lr_schedule import learning_rate
 
@@ -72,8 +73,9 @@ class Engine:
         scale = self.loss_scale()
         self.start_step(len(micro_batches), lr)
         pairs = [(b["input_ids"], b["labels"]) for b in micro_batches]
-        loss = run_pipeline(self.stage(len(micro_batches), scale), pairs, self.state,
-                            dtype=self.activation_dtype(), backward=self.backward)
+        with fp8_weight_cache():  # FP8 layers: each weight cast once for all micro-batches
+            loss = run_pipeline(self.stage(len(micro_batches), scale), pairs, self.state,
+                                dtype=self.activation_dtype(), backward=self.backward)
         loss = dp_mean(last_stage_loss(None if loss is None else loss / scale, self.state,
                                        self.device), self.state)
         norm = self.finish_gradients()
@@ -149,7 +151,8 @@ def mean_eval_loss(model, micro_batches, state, device, *, dtype=None) -> float:
     no-pipeline one), averaged over dp; the same on every rank. The caller sets eval mode
     and no_grad."""
     pairs = [(b["input_ids"], b["labels"]) for b in micro_batches]
-    loss = run_pipeline(model, pairs, state, forward_only=True, dtype=dtype)
+    with fp8_weight_cache():
+        loss = run_pipeline(model, pairs, state, forward_only=True, dtype=dtype)
     return dp_mean(last_stage_loss(loss, state, device), state)
 
 
