@@ -47,7 +47,9 @@ def quantize_reference(t: torch.Tensor, dtype: torch.dtype, rowwise: bool,
     t = t.t() if transpose else t
     a = t.abs().float()
     amax = a.amax(dim=1, keepdim=True) if rowwise else a.amax()
-    scale = top / amax.clamp(min=EPS)
+    # a true division: `top / tensor` would be torch's reciprocal-then-multiply, which rounds
+    # twice and differs from the kernels' correctly rounded division in about a quarter of cases
+    scale = torch.full_like(amax, top) / amax.clamp(min=EPS)
     q = (t.float() * scale).clamp(-top, top).to(dtype).contiguous()
     return q, scale.reciprocal()
 

@@ -28,7 +28,7 @@ def _deq(t, dtype, dim):
     top = torch.finfo(dtype).max
     a = t.abs().float()
     amax = a.amax() if dim is None else a.amax(dim=dim, keepdim=True)
-    scale = top / amax.clamp(min=1e-12)
+    scale = torch.full_like(amax, top) / amax.clamp(min=1e-12)  # true division, not top * (1/x)
     return (t.float() * scale).clamp(-top, top).to(dtype).double() / scale.double()
 
 
@@ -145,8 +145,9 @@ def test_tensor_and_sequence_parallel_equal_per_shard_emulation():
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("shape", [(1024, 768), (40, 9000)])  # one-pass / looped row kernels
 def test_gpu_fused_cast_equals_definition(impl, rowwise, transpose, shape):
-    """Same FP8 bits (a division rounded differently may move a value by one FP8 step on a
-    tie: at most 1e-3 of the elements) and inverse scales to float32 rounding."""
+    """Triton and eager: the definition's FP8 bits exactly (both divide correctly rounded);
+    compiled: Inductor may round the division differently, which can move a value by one FP8
+    step on a tie (at most 1e-3 of the elements); inverse scales to float32 rounding."""
     t = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         q, inv = quantize(t, dtype, rowwise, transpose, impl=impl)
@@ -154,7 +155,8 @@ def test_gpu_fused_cast_equals_definition(impl, rowwise, transpose, shape):
         assert q.shape == q_ref.shape and q.is_contiguous() and inv.shape == inv_ref.shape
         torch.testing.assert_close(inv, inv_ref, rtol=1e-6, atol=0)
         mismatch = (q.float() != q_ref.float()).float().mean().item()
-        assert mismatch <= 1e-3, f"{impl}: {mismatch:.2%} of the FP8 values differ"
+        assert mismatch <= (1e-3 if impl == "compile" else 0.0), \
+            f"{impl}: {mismatch:.2%} of the FP8 values differ"
         assert torch.equal(fp8_transpose(q, impl).view(torch.uint8),
                            q.t().contiguous().view(torch.uint8)), f"{impl} transpose"
 
@@ -243,5 +245,6 @@ def test_gpu_both_layouts_cast_equals_definition(impl):
         q_ref, inv_ref = quantize_reference(t, dtype, False)
         torch.testing.assert_close(inv, inv_ref, rtol=1e-6, atol=0)
         mismatch = (q.float() != q_ref.float()).float().mean().item()
-        assert mismatch <= 1e-3, f"{impl}: {mismatch:.2%} of the FP8 values differ"
+        assert mismatch <= (1e-3 if impl == "compile" else 0.0), \
+            f"{impl}: {mismatch:.2%} of the FP8 values differ"
         assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
