@@ -128,6 +128,8 @@ class RowParallelLinear(nn.Module):
         check_fp8_device(self.fp8, x.device)
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
+        if group_size(self.group) == 1:  # nothing to reduce: the GEMM adds the bias itself
+            return fp8_linear(x, self.weight, self.bias, self.fp8)
         y_partial = fp8_linear(x, self.weight, None, self.fp8)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y_partial, self.group)

@@ -99,6 +99,42 @@ def check_global_inputs(seq_len: int, batch: int, padding_mask, position_ids, wh
                          f"(s={seq_len}, b={batch}), got {tuple(position_ids.shape)}")
 
 
+class _SplitQKV(torch.autograd.Function):
+    """qkv [s, b, kc, gs + 2, d] (kc kv groups of gs query heads, a key, a value) ->
+    q [s, b, kc gs, d] (a contiguous copy: the heads of a group are not adjacent to the next
+    group's), k, v [s, b, kc, d] (views).
+
+    Backward writes dq, dk, dv into one new gradient of qkv's shape with three strided copies.
+    Autograd's own backward of `split` is a `cat` along the interleaved head axis, which moves
+    the same bytes at a fraction of the copy rate for this layout.
+    """
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, gs: int):
+        s, b, kc, _, d = qkv.shape
+        ctx.gs = gs
+        q = qkv[:, :, :, :gs].reshape(s, b, kc * gs, d)
+        return q, qkv[:, :, :, gs], qkv[:, :, :, gs + 1]
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        gs = ctx.gs
+        s, b, heads, d = dq.shape
+        grad = dq.new_empty(s, b, heads // gs, gs + 2, d)
+        grad[:, :, :, :gs].copy_(dq.view(s, b, heads // gs, gs, d))
+        for i, part in ((gs, dk), (gs + 1, dv)):
+            if part is None:
+                grad[:, :, :, i].zero_()
+            else:
+                grad[:, :, :, i].copy_(part)
+        return grad, None
+
+
+def split_qkv(qkv: torch.Tensor, gs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [s, b, kc gs, d], k [s, b, kc, d], v [s, b, kc, d]) of qkv [s, b, kc, gs + 2, d]."""
+    return _SplitQKV.apply(qkv, gs)
+
+
 class UlyssesAttention(nn.Module):
     """All-to-all, local attention over HS = H/(tp sp) heads of the full sequence, all-to-all.
 
@@ -207,8 +243,7 @@ class UlyssesAttention(nn.Module):
         gs, d = self.layout.sp_groups[1], self.layout.head_dim
         s, b = qkv.shape[0], qkv.shape[1]
         kc = qkv.shape[-1] // ((gs + 2) * d)
-        q, k, v = qkv.view(s, b, kc, gs + 2, d).split([gs, 1, 1], dim=3)
-        q, k, v = q.reshape(s, b, kc * gs, d), k.squeeze(3), v.squeeze(3)  # [s, b, heads, d]
+        q, k, v = split_qkv(qkv.view(s, b, kc, gs + 2, d), gs)  # [s, b, heads, d]
         if rope is not None:
             q, k = apply_rope(q, k, *rope)
         if self.sparse is not None:

@@ -116,3 +116,23 @@ def test_cross_entropy_is_stable_in_low_precision(dtype):
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-3)  # fp32 math on rounded inputs
     assert logits.grad.dtype == dtype
     torch.testing.assert_close(logits.grad.float(), ref_in.grad, rtol=0, atol=1e-2)  # one bf16 ulp near 1
+
+
+def test_split_qkv_equals_split_and_its_gradient():
+    """The q/k/v split with its own backward (three strided copies) against autograd's split
+    + reshape (a cat in backward), a missing k or v gradient included; float64 gradcheck."""
+    from megazoo.layers.ulysses import split_qkv
+
+    x = torch.randn(5, 2, 3, 6, 8, dtype=torch.float64, requires_grad=True)
+
+    def ref(t):
+        q, k, v = t.split([4, 1, 1], dim=3)
+        return q.reshape(5, 2, 12, 8), k.squeeze(3), v.squeeze(3)
+
+    got, want = split_qkv(x, 4), ref(x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    seeds = [torch.randn_like(o) for o in got]
+    assert torch.equal(torch.autograd.grad(got, x, seeds)[0], torch.autograd.grad(want, x, seeds)[0])
+    no_k = torch.autograd.grad(got[0].sum() + got[2].sum(), x)[0]
+    assert torch.equal(no_k, torch.autograd.grad(want[0].sum() + want[2].sum(), x)[0])
+    assert torch.autograd.gradcheck(lambda t: split_qkv(t, 4), (x,))
