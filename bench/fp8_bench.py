@@ -8,7 +8,10 @@ Part 1, linears: forward + backward of y = x W^T (dy random) for the projections
 14336 (gate+up fused: 28672), 4096 tokens): bf16 `F.linear`, and fp8 tensorwise / rowwise
 with each cast implementation (eager ops, torch.compile, Triton). `gemm_only` times the three
 `_scaled_mm` calls on operands cast beforehand: the ceiling a perfectly fused cast would
-reach. TF/s counts the 6 M K N FLOPs of the three GEMMs.
+reach. Where torchao imports (stage it with `bash tools/gpu_stage.sh torchao==0.18.0`), a
+`torchao tensorwise` row runs the same linear as torchao's `Float8Linear` (dynamic tensorwise
+scaling, hybrid formats as here), compiled with `torch.compile` as torchao recommends: the
+other way to build these layers. TF/s counts the 6 M K N FLOPs of the three GEMMs.
 
 Part 2, block stacks: a 4-layer megazoo model (llama 8B-like: s 4096, b 1; gpt-1.3b-like:
 s 2048, b 4), forward + backward + fused AdamW step, bf16 against the same model with an
@@ -22,6 +25,7 @@ a failure is a row with its error, the sweep goes on.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -57,7 +61,19 @@ def linear_variants(cuda: bool) -> list[tuple[str, FP8Recipe | None]]:
     for rec in ("tensorwise", "rowwise"):
         out += [(f"fp8 {rec} {c}", FP8Recipe("hybrid", rec, cast=c)) for c in casts]
         out.append((f"fp8 {rec} gemm_only", FP8Recipe("hybrid", rec)))
+    if cuda and importlib.util.find_spec("torchao") is not None:
+        out.append(("torchao tensorwise", FP8Recipe("hybrid")))
     return out
+
+
+def _torchao_linear(w: torch.Tensor):
+    """torchao's Float8Linear around `w` (tensorwise dynamic scaling, e5m2 gradients), compiled."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    lin.weight = torch.nn.Parameter(w.detach().clone())
+    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    return torch.compile(convert_to_float8_training(lin, config=config))
 
 
 def _gemm_only(x, w, dy, recipe):
@@ -85,6 +101,12 @@ def bench_linear(m, k, n, recipe, label, device, iters) -> float:
     dy = torch.randn(m, n, device=device, dtype=dtype)
     if label.endswith("gemm_only"):
         fn = _gemm_only(x.detach(), w.detach(), dy, recipe)
+    elif label.startswith("torchao"):
+        lin = _torchao_linear(w)
+
+        def fn():
+            lin(x).backward(dy)
+            x.grad = lin.weight.grad = None
     else:
         def fn():
             fp8_linear(x, w, None, recipe).backward(dy)
@@ -92,12 +114,15 @@ def bench_linear(m, k, n, recipe, label, device, iters) -> float:
     return time_ms(fn, device, warmup=3, iters=iters)
 
 
-def run_linears(shapes, device, iters) -> list[dict]:
+def run_linears(shapes, device, iters, only=None) -> list[dict]:
+    """Every GEMM shape x variant (those whose name holds one of `only`'s words, and bf16)."""
     rows = []
     for model, layers in shapes.items():
         for name, m, k, n in layers:
             base = None
             for label, recipe in linear_variants(device.type == "cuda"):
+                if only and recipe is not None and not any(w in label for w in only):
+                    continue
                 row = dict(model=model, gemm=name, mkn=f"{m}x{k}x{n}", variant=label)
                 try:
                     ms = bench_linear(m, k, n, recipe, label, device, iters)
@@ -172,6 +197,9 @@ def main() -> None:
     p.add_argument("--parts", nargs="+", default=["linears", "stacks"],
                    choices=["linears", "stacks"])
     p.add_argument("--layers", type=int, default=4, help="layers of the block stacks")
+    p.add_argument("--models", nargs="+", default=None, help="linears of these models only")
+    p.add_argument("--variants", nargs="+", default=None,
+                   help="linear variants whose name holds one of these (bf16 always runs)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args()
@@ -184,7 +212,9 @@ def main() -> None:
     linears, stacks = (TINY_LINEARS, TINY_STACKS) if args.dry_run else (LINEARS, STACKS)
     result = dict(env=environment(device), linears=[], stacks=[])
     if "linears" in args.parts:
-        result["linears"] = run_linears(linears, device, iters)
+        if args.models and not args.dry_run:
+            linears = {m: linears[m] for m in args.models}
+        result["linears"] = run_linears(linears, device, iters, args.variants)
         print_table(result["linears"], ["model", "gemm", "mkn", "variant", "ms", "tflops",
                                         "speedup", "error"])
     if "stacks" in args.parts:

@@ -212,6 +212,7 @@ def main(argv=None) -> int:
     shapes = ["tiny"] if args.dry_run else args.shapes
     rows = []
     for shape in shapes:
+        model_step = {}
         for gb in args.global_batch:
             found = {}
             for kind in args.rows:
@@ -219,10 +220,12 @@ def main(argv=None) -> int:
                     if kind == "pretrain":
                         row = pretrain_row(SHAPES[shape], gb, 4 if args.dry_run else args.pretrain_iters,
                                            args.pretrain_flags.split(), args.dry_run)
-                    elif kind == "model" and gb != args.global_batch[0]:
-                        row = dict(found.get("model") or {})  # independent of the global batch
+                    elif kind == "model" and model_step:
+                        row = dict(model_step)  # one micro-batch per step: the same at any gb
                     else:
                         row = run_child(kind, shape, gb, args.dry_run)
+                    if kind == "model" and "error" not in row:
+                        model_step = row
                 except Exception as exc:  # keep the sweep going; the table shows the failure
                     row = {"error": " ".join(str(exc).split())[-300:]}
                 found[kind] = row
