@@ -12,10 +12,15 @@ for amax / scale / cast), multiplies with float32 accumulation and writes the ru
 
 (M = tokens, K = in features, N = out features.) fwd dtype is e4m3; grad dtype is e4m3
 (format "e4m3") or e5m2 (format "hybrid": more range for gradients, as in Transformer
-Engine). Recipe "tensorwise": one scale per operand; the forward casts are saved and
-transposed for the backward (the scale of a tensor does not depend on its layout).
-Recipe "rowwise": one scale per row of `a` and per column of `b`, i.e. per index of the
-non-reduced dimension, so each GEMM casts its operands afresh along its own reduction.
+Engine). Recipe "tensorwise": one scale per operand, which does not depend on the layout,
+so x and dy are each cast once into both layouts their GEMMs read (one kernel writes both)
+and the weight's transposed operand is its forward cast transposed. Recipe "rowwise": one
+scale per row of `a` and per column of `b`, i.e. per index of the non-reduced dimension, so
+each GEMM casts its operands afresh along its own reduction.
+
+Weights change only at the optimizer step: inside `fp8_weight_cache()` (the training
+engines open it around a step's micro-batches) a weight's FP8 operands are computed by its
+first use and reused by every later micro-batch of the step.
 
 On CUDA the GEMMs are `torch._scaled_mm` (needs compute capability 8.9+: Ada, Hopper), on
 other devices (or with `emulate=True`) an emulation computing the recipe's definition:
