@@ -41,3 +41,19 @@ def test_pre_ada_gpu_is_refused(monkeypatch):
                                          r"run without FP8 \(--fp8-format\)$"):
         fp8.check_fp8_run(fp8.FP8Recipe(), torch.device("cuda", 0))
     fp8.check_fp8_run(None, torch.device("cpu"))  # FP8 off: nothing to check
+
+
+def test_engines_keep_fp8_weight_casts_only_where_parameters_stay_whole():
+    """The plain engine (and ZeRO-1/2) casts each FP8 weight once per step; an engine that
+    gathers parameters per layer (ZeRO-3, FSDP2) keeps no casts, which would hold an FP8 copy
+    of every weight of the stage."""
+    import contextlib
+
+    from megazoo.training.backends.base import Engine
+
+    engine = Engine()
+    with engine._weight_casts():
+        assert fp8._WEIGHT_CASTS.get() == {}
+    assert fp8._WEIGHT_CASTS.get() is None
+    engine.gathers_parameters = True
+    assert isinstance(engine._weight_casts(), contextlib.nullcontext)

@@ -14,6 +14,7 @@ over the dp ranks, the same value on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -66,6 +67,10 @@ class Engine:
     """Optimizer steps applied (skipped ones not): the learning-rate clock."""
     cpu_offload: bool = False
     """The optimizer step runs on the host (CPU offload)."""
+    gathers_parameters: bool = False
+    """Whole parameters exist only while a layer runs (ZeRO-3, FSDP2): FP8 weight casts are then
+    not kept across the step's micro-batches (`fp8_weight_cache` would hold an FP8 copy of
+    every weight of the stage, 2 bytes per parameter)."""
 
     # -- the one step ------------------------------------------------------------------------
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
@@ -73,7 +78,7 @@ class Engine:
         scale = self.loss_scale()
         self.start_step(len(micro_batches), lr)
         pairs = [(b["input_ids"], b["labels"]) for b in micro_batches]
-        with fp8_weight_cache():  # FP8 layers: each weight cast once for all micro-batches
+        with self._weight_casts():  # FP8 layers: each weight cast once for all micro-batches
             loss = run_pipeline(self.stage(len(micro_batches), scale), pairs, self.state,
                                 dtype=self.activation_dtype(), backward=self.backward)
         loss = dp_mean(last_stage_loss(None if loss is None else loss / scale, self.state,
@@ -88,8 +93,12 @@ class Engine:
     def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
         module = self.eval_module()
         module.eval()
-        return mean_eval_loss(module, micro_batches, self.state, self.device,
-                              dtype=self.activation_dtype())
+        with self._weight_casts():
+            return mean_eval_loss(module, micro_batches, self.state, self.device,
+                                  dtype=self.activation_dtype())
+
+    def _weight_casts(self):
+        return contextlib.nullcontext() if self.gathers_parameters else fp8_weight_cache()
 
     # -- what a backend provides -------------------------------------------------------------
     def stage(self, num_microbatches: int, loss_scale: float):
@@ -151,8 +160,7 @@ def mean_eval_loss(model, micro_batches, state, device, *, dtype=None) -> float:
     no-pipeline one), averaged over dp; the same on every rank. The caller sets eval mode
     and no_grad."""
     pairs = [(b["input_ids"], b["labels"]) for b in micro_batches]
-    with fp8_weight_cache():
-        loss = run_pipeline(model, pairs, state, forward_only=True, dtype=dtype)
+    loss = run_pipeline(model, pairs, state, forward_only=True, dtype=dtype)
     return dp_mean(last_stage_loss(loss, state, device), state)
 
 

@@ -99,6 +99,7 @@ class DeepSpeedEngine(Engine):
         optimizer = None if onebit else build_optimizer(model, self.cfg, self.ds_config, cpu_adam)
         self.uses_cpu_adam = type(optimizer).__name__ == "DeepSpeedCPUAdam"
         self.cpu_offload = offload_device(self.ds_config) == "cpu"
+        self.gathers_parameters = zero_stage(self.ds_config) == 3
         params = param_groups(model, self.cfg.weight_decay) if onebit else None
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, model_parameters=params, config=self.ds_config,

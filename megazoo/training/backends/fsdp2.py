@@ -86,6 +86,7 @@ class FSDP2Engine(Engine):
                     reshard_after_forward=reshard_after_forward,
                     reduce_dtype=comp.wire_dtype if comp is not None else None)
         self.model, self.cpu_offload = model, cpu_offload
+        self.gathers_parameters = True
         # fused also on the host (offload): 1.3B params 0.3 s vs 1.5 s foreach
         self.optimizer = build_optimizer(param_groups(model, self.cfg.weight_decay), self.cfg,
                                          fused=True)
