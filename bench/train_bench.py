@@ -17,6 +17,10 @@ Rows, each in its own subprocess (its own peak memory):
   Its child also runs data parallel under torchrun (`torchrun --nproc-per-node 2 -m
   bench.train_bench --child deepspeed gpt-1.3b 16`): the world size comes from the launcher,
   each rank accumulates global batch / (micro-batch x ranks), tokens/s counts all ranks.
+  The HF GPT2 config keeps its default dropout (0.1 on embeddings, residuals and attention
+  probabilities), as a user picking this peer gets it; megazoo's models have none.
+- `deepspeed-nodrop` (ask for it with `--rows`): the same with GPT2's dropouts at 0, the
+  computation megazoo's rows do.
 
 All three use the vocabulary of the default corpus' tokenizer (2048 ids), so the logits cost
 the same everywhere. Model TFLOP/s count F = 72 B s l h^2 (1 + s / 6h) + 6 B s h V
@@ -93,12 +97,15 @@ def model_row(shape: dict, device: torch.device, warmup: int, iters: int) -> dic
             "model_tflops": flops(shape, shape["micro"]) / seconds / 1e12}
 
 
-def hf_model(shape: dict, device: torch.device):
+def hf_model(shape: dict, device: torch.device, dropout: bool = True):
+    """The HF model of a shape; dropout=False zeroes GPT2Config's three dropouts (its default
+    0.1), which megazoo's models do not have (LLaMA's default has none either)."""
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
     if shape["family"] == "gpt":
+        off = {} if dropout else dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         cfg = GPT2Config(n_embd=shape["hidden"], n_layer=shape["layers"], n_head=shape["heads"],
-                         n_inner=shape["ffn"], n_positions=shape["seq"], vocab_size=VOCAB)
+                         n_inner=shape["ffn"], n_positions=shape["seq"], vocab_size=VOCAB, **off)
     else:
         cfg = LlamaConfig(hidden_size=shape["hidden"], intermediate_size=shape["ffn"],
                           num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
@@ -110,7 +117,7 @@ def hf_model(shape: dict, device: torch.device):
 
 
 def deepspeed_row(shape: dict, device: torch.device, global_batch: int, warmup: int,
-                  iters: int) -> dict:
+                  iters: int, dropout: bool = True) -> dict:
     import deepspeed
 
     if "RANK" not in os.environ:  # no launcher: one rank of our own
@@ -121,7 +128,7 @@ def deepspeed_row(shape: dict, device: torch.device, global_batch: int, warmup: 
         raise ValueError(f"global batch {global_batch} must divide by micro-batch "
                          f"{shape['micro']} x {world} ranks")
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    model = hf_model(shape, device)
+    model = hf_model(shape, device, dropout)
     accumulation = global_batch // (shape["micro"] * world)
     config = {"train_micro_batch_size_per_gpu": shape["micro"],
               "gradient_accumulation_steps": accumulation, "gradient_clipping": 1.0,
@@ -176,7 +183,8 @@ def child(kind: str, shape_name: str, global_batch: int, dry: bool) -> dict:
     if kind == "model":
         row = model_row(shape, device, warmup, iters)
     else:
-        row = deepspeed_row(shape, device, global_batch, warmup, iters)
+        row = deepspeed_row(shape, device, global_batch, warmup, iters,
+                            dropout=kind != "deepspeed-nodrop")
     if device.type == "cuda":
         row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
     return row
@@ -231,11 +239,11 @@ def main(argv=None) -> int:
                 found[kind] = row
                 rows.append({"shape": shape, "global_batch": gb, "row": kind, **row})
             for r in rows[-len(args.rows):]:
-                for ref in ("model", "deepspeed"):
+                for ref in ("model", "deepspeed", "deepspeed-nodrop"):
                     if "tokens_per_s" in r and "tokens_per_s" in found.get(ref, {}):
                         r[f"vs_{ref}"] = r["tokens_per_s"] / found[ref]["tokens_per_s"]
     cols = ["shape", "global_batch", "row", "tokens_per_s", "model_tflops", "peak_gb",
-            "vs_model", "vs_deepspeed", "error"]
+            "vs_model", "vs_deepspeed", "vs_deepspeed-nodrop", "error"]
     print("| " + " | ".join(cols) + " |")
     for r in rows:
         print("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
