@@ -5,12 +5,14 @@ wire per step (from the run's own `--log-json`).
 
     python -m bench.compression_convergence [--iters 800] [--out results.json]
     python -m bench.compression_convergence --iters 20 --variants none 1bit   # a quick look
+    python -m bench.compression_convergence --variants topk-fv --logs runs/   # keep the logs
 
 Each variant is a `torchrun --nproc-per-node 2 pretrain_gpt.py` child (launched by
 `run_compare.run_variant`) with one intra-op thread per rank, no checkpoint and no sample;
-the table gives the final validation loss, its difference from the uncompressed run, and the
-mean bytes a rank sent per compressed step (and the fp32 all-reduce's bytes over them: the
-compression ratio). Results: bench/README.md.
+the table gives the final validation loss (each row also its validation curve), its
+difference from the uncompressed run, and the mean bytes a rank sent per compressed step
+(and the fp32 all-reduce's bytes over them: the compression ratio). Results:
+bench/README.md.
 """
 from __future__ import annotations
 
@@ -32,6 +34,17 @@ VARIANTS = {
     # compresses its local momentum instead of its gradient
     "topk-fv": ["--gradient-compression", "topk", "--topk-ratio", "0.01",
                 "--compression-start-step", "100", "--freeze-variance"],
+    # topk-fv, its entries chosen by the size of their AdamW step, not of their momentum
+    "topk-fv-update": ["--gradient-compression", "topk", "--topk-ratio", "0.01",
+                       "--compression-start-step", "100", "--freeze-variance",
+                       "--topk-selection", "update"],
+    # topk-fv, each rank clipping its own gradient before compression (DGC's local clipping)
+    "topk-fv-lclip": ["--gradient-compression", "topk", "--topk-ratio", "0.01",
+                      "--compression-start-step", "100", "--freeze-variance",
+                      "--local-gradient-clipping"],
+    "topk-fv-update-lclip": ["--gradient-compression", "topk", "--topk-ratio", "0.01",
+                             "--compression-start-step", "100", "--freeze-variance",
+                             "--topk-selection", "update", "--local-gradient-clipping"],
     "1bit-fv": ["--gradient-compression", "1bit", "--compression-start-step", "100",
                 "--freeze-variance"],
     "2bit-fv": ["--gradient-compression", "2bit", "--compression-start-step", "100",
@@ -53,6 +66,7 @@ def run_variant(name: str, iters: int, folder: str, extra: list[str]) -> dict:
     counted = compressed or steps
     valid = [r["valid_loss"] for r in records if "valid_loss" in r]
     return {"variant": name, "valid_loss": valid[-1] if valid else None,
+            "valid_curve": [round(v, 4) for v in valid],
             "train_loss": sum(r["loss"] for r in steps[-10:]) / max(len(steps[-10:]), 1),
             "bytes_per_step": sum(r["comm_bytes"] for r in counted) / max(len(counted), 1),
             "ratio": sum(r["compression_ratio"] for r in counted) / max(len(counted), 1),
@@ -66,11 +80,15 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", nargs="+", default=["none", "topk-fv", "1bit-fv"],
                         choices=sorted(VARIANTS))
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--logs", default=None,
+                        help="keep each run's --log-json here (default: a temporary folder)")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                         help="more pretrain_gpt.py flags for every variant")
     args = parser.parse_args(argv)
     rows = []
-    with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.logs or tmp
+        os.makedirs(folder, exist_ok=True)
         for name in args.variants:
             rows.append(run_variant(name, args.iters, folder, args.extra))
             print(json.dumps(rows[-1]), flush=True)

@@ -20,9 +20,11 @@ def _all_gather(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def conservation(algorithm: str, steps: int, numel: int, shard: bool,
-                 dtype: torch.dtype = torch.float64, impl: str | None = None) -> dict:
+                 dtype: torch.dtype = torch.float64, impl: str | None = None,
+                 weighted: bool = False) -> dict:
     """Run `steps` reductions of random `dtype` buckets; return the largest deviation from
-    sum(outputs) + sum(errors) = sum(inputs), this rank's outputs, and the byte counts."""
+    sum(outputs) + sum(errors) = sum(inputs), this rank's outputs, and the byte counts.
+    `weighted` (topk): each rank chooses its entries by |x| x its own random weights."""
     group, n, rank = world_group(), dist.get_world_size(), dist.get_rank()
     red = build_reduction(algorithm, group, topk_ratio=0.05, block=16, impl=impl)
     total_in = torch.zeros(numel, dtype=torch.float64)
@@ -34,7 +36,8 @@ def conservation(algorithm: str, steps: int, numel: int, shard: bool,
         data = torch.randn(numel, dtype=torch.float64, generator=gen).to(dtype)
         total_in += sum(_all_gather(data)).double()
         shard_view = data[rank * k:(rank + 1) * k] if shard else None
-        red.launch("b0", data, shard_view).wait()
+        extra = {"weight": torch.rand(numel, dtype=dtype, generator=gen)} if weighted else {}
+        red.launch("b0", data, shard_view, **extra).wait()
         out = data[rank * k:(rank + 1) * k] if shard else data
         if shard:  # the owned shards, put together
             out = torch.cat(_all_gather(out.clone()))
@@ -49,9 +52,10 @@ def conservation(algorithm: str, steps: int, numel: int, shard: bool,
 
 
 def conservation_both(algorithm: str, steps: int, numel: int, dtype: torch.dtype = torch.float64,
-                      impl: str | None = None) -> dict:
+                      impl: str | None = None, weighted: bool = False) -> dict:
     """`conservation` for the all-reduce and the reduce-scatter form, in one spawn."""
-    return {shard: conservation(algorithm, steps, numel, shard, dtype, impl) for shard in (False, True)}
+    return {shard: conservation(algorithm, steps, numel, shard, dtype, impl, weighted)
+            for shard in (False, True)}
 
 
 def lossless_all(numel: int) -> dict:
@@ -105,6 +109,15 @@ def train_steps(compression: dict, training: dict, steps: int) -> dict:
     losses = train(engine, state, range(steps))
     return {"losses": losses, "stats": engine.comm_stats(),
             "params": [p.detach().clone() for p in engine.model.parameters()]}
+
+
+def step_norms(compression: dict, training: dict, steps: int) -> list[float]:
+    """The gradient norm each of `steps` steps reported (the reduced gradient's)."""
+    from ddp_checks import batches
+
+    engine, state = compressed_engine(compression, **training)
+    return [engine.train_step(batches(s, state.dp.rank, state.dp.size)).grad_norm
+            for s in range(steps)]
 
 
 def with_and_without_momentum(compression: dict, training: dict, steps: int) -> list[dict]:

@@ -33,7 +33,10 @@ DEFAULTS = {"topk_ratio": 0.01, "compression_start_step": 0, "compression_block_
 SECTION_KEYS = {"algorithm": "gradient_compression", "topk_ratio": "topk_ratio",
                 "compression_start_step": "compression_start_step",
                 "compression_block_size": "compression_block_size",
-                "freeze_variance": "freeze_variance", "huffman_coding": "huffman_coding"}
+                "freeze_variance": "freeze_variance", "topk_selection": "topk_selection",
+                "local_gradient_clipping": "local_gradient_clipping",
+                "huffman_coding": "huffman_coding"}
+TOPK_SELECTIONS = ("magnitude", "update")
 HUFFMAN_REFUSAL = ("huffman_coding is not implemented: measured on megazoo's gradients it saves "
                    "3% of the 1bit bytes, 6% of topk's and 29% of 2bit's (still 1.4x 1bit's), "
                    "and decoding is a sequential bit walk (bench/README.md); set it to false "
@@ -59,6 +62,22 @@ class CompressionConfig:
     momentum instead of its gradient (not with the distributed optimizer, which holds one
     momentum shard per rank); needs --compression-start-step >= 1, the uncompressed warmup
     that estimates the second moment."""
+    topk_selection: str | None = None
+    """topk: which entries each rank sends: "magnitude" (the largest |x|, default) or "update"
+    (the largest |x| / (sqrt(v) + eps) with v AdamW's frozen second moment: the entries whose
+    AdamW step is largest, rather than those with the largest gradient, which under Adam's
+    per-coordinate scaling are not the ones that move the parameters most). Only the choice
+    changes; the values sent and the error feedback stay the same. Needs --freeze-variance
+    and the full momentum on every rank (no distributed optimizer)."""
+    local_gradient_clipping: bool | None = None
+    """Deep Gradient Compression's local clipping (Lin et al. 2018): on compressed steps each
+    rank clips its own gradient, bucket by bucket, before compression (to clip_grad x
+    sqrt(dp) x sqrt(bucket share of the buffer): the mean over dp of independent gradients
+    has 1/sqrt(dp) of their norm), and the reduced gradient is not clipped again. The
+    reduced gradient's norm is not the gradient's: topk delivers held-back mass in bursts
+    (and with --freeze-variance the momentum offset), which inflates it, so clipping by it
+    shrinks the steps. Not with tp or pp > 1: ranks holding replicated or tied copies of
+    a parameter would clip them by different factors."""
     huffman_coding: bool | None = None
     """Entropy-code the compressed bytes: refused (measured to save too little, see README)."""
     communication_data_type: str | None = None
@@ -77,7 +96,8 @@ class CompressionConfig:
         on = self.algorithm is not None
         for name, need in (("topk_ratio", "topk"), ("compression_block_size", "1bit or 2bit"),
                            ("compression_start_step", "any algorithm"),
-                           ("freeze_variance", "any algorithm")):
+                           ("freeze_variance", "any algorithm"), ("topk_selection", "topk"),
+                           ("local_gradient_clipping", "any algorithm")):
             value = getattr(self, name)
             reads = on and (need == "any algorithm" or self.algorithm in need.split(" or "))
             if value is not None and not reads:
@@ -91,6 +111,12 @@ class CompressionConfig:
         if self.freeze_variance and not self.compression_start_step:
             raise ValueError("--freeze-variance freezes AdamW's variance as estimated by "
                              "uncompressed steps: set --compression-start-step (e.g. 100)")
+        if self.topk_selection is not None and self.topk_selection not in TOPK_SELECTIONS:
+            raise ValueError(f"--topk-selection must be one of {TOPK_SELECTIONS}, got "
+                             f"{self.topk_selection!r}")
+        if self.topk_selection == "update" and not self.freeze_variance:
+            raise ValueError("--topk-selection update weighs entries by AdamW's frozen "
+                             "variance: add --freeze-variance (and --compression-start-step)")
         block = self.compression_block_size
         if block is not None and (block < 8 or block % 8):
             raise ValueError(f"--compression-block-size must be a positive multiple of 8, got {block}")
@@ -143,6 +169,19 @@ def resolve_compression(given: dict, deepspeed_config: str | None) -> Compressio
         merged[name] = value
     known = {f.name for f in fields(CompressionConfig)}
     return CompressionConfig(**{k: v for k, v in merged.items() if k in known})
+
+
+def check_compression_layout(cfg: CompressionConfig, parallel, sharded: bool) -> None:
+    """The compression options that need a layout: one line for those that cannot run."""
+    if cfg.local_gradient_clipping and (parallel.tp > 1 or parallel.pp > 1):
+        raise ValueError(f"--local-gradient-clipping clips each rank's gradient by its own "
+                         f"norm, so the copies of a parameter that model-parallel ranks share "
+                         f"(replicated over tp, tied embeddings over pp) would diverge: drop "
+                         f"it or run with tp = pp = 1 (here tp = {parallel.tp}, pp = "
+                         f"{parallel.pp})")
+    if cfg.topk_selection == "update" and sharded:
+        raise ValueError("--topk-selection update needs the whole variance on every rank: "
+                         "drop --use-distributed-optimizer or the selection")
 
 
 def check_engine_compression(cfg: CompressionConfig, zero_impl: str) -> None:

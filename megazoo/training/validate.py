@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..models.build import check_layout
 from ..parallel.config import ParallelConfig
-from .compression_config import check_engine_compression
+from .compression_config import check_compression_layout, check_engine_compression
 from .config import PretrainArgs
 from .zero_config import ZeroConfig
 
@@ -22,6 +22,8 @@ def check_args(args: PretrainArgs) -> None:
     check_layout(args.model, args.parallel, args.data.seq_length)
     check_engine(args.zero, args.parallel)
     check_engine_compression(args.compression, args.zero.zero_impl)
+    check_compression_layout(args.compression, args.parallel,
+                             args.training.use_distributed_optimizer)
     dp, t = args.parallel.dp, args.training
     if dp is not None and t.global_batch_size % (t.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size {t.global_batch_size} must divide by "

@@ -48,6 +48,18 @@ def test_topk_offsets_decode_to_the_selected_entries():
     assert sent[65535] == -7.0 and sent[65536] == 2.0 and sent.count_nonzero() == 2
 
 
+def test_topk_weight_changes_the_choice_not_the_values():
+    """Chosen by |x| x weight: the small entry with the large weight is sent, with its own
+    value (the receivers never see the weights)."""
+    x = torch.tensor([4.0, -1.0, 3.0, 0.5])
+    codec = TopKCodec(0.5, torch.float32)  # 2 of 4
+    _, sent = codec.encode(x)
+    assert torch.equal(sent, torch.tensor([4.0, 0.0, 3.0, 0.0]))
+    wire, sent = codec.encode(x, torch.tensor([1.0, 10.0, 0.1, 1.0]))
+    assert torch.equal(sent, torch.tensor([4.0, -1.0, 0.0, 0.0]))
+    assert torch.equal(codec.decode_sum(wire, 4, torch.float32), sent)
+
+
 def test_lossless_inputs_sum_exactly():
     """topk at ratio 1; 1bit / 2bit on blocks of +-s (and 0) with one pattern on all ranks."""
     out = run_distributed(checks.lossless_all, 2, 4000, timeout=TIMEOUT)
@@ -62,6 +74,18 @@ def test_error_feedback_conserves_mass_and_ranks_agree(algorithm):
         for r in (o[shard] for o in out):
             assert r["deviation"] < 1e-12 * max(r["scale"], 1.0), (shard, r["deviation"])
             assert r["sent"] <= r["dense"] / 4  # it did compress (float64 values here)
+        for a, b in zip(out[0][shard]["outputs"], out[1][shard]["outputs"]):
+            assert torch.equal(a, b)
+
+
+def test_weighted_topk_conserves_mass_and_ranks_agree():
+    """--topk-selection update: each rank picks by its own weights; what it did not send
+    stays in its residual, so the conservation bound and bit-equal outputs still hold."""
+    out = run_distributed(checks.conservation_both, 2, "topk", 4, 4000, torch.float64, None,
+                          True, timeout=TIMEOUT)
+    for shard in (False, True):
+        for r in (o[shard] for o in out):
+            assert r["deviation"] < 1e-12 * max(r["scale"], 1.0), (shard, r["deviation"])
         for a, b in zip(out[0][shard]["outputs"], out[1][shard]["outputs"]):
             assert torch.equal(a, b)
 

@@ -40,6 +40,14 @@ def test_flags_alone_and_agreeing_with_the_json(tmp_path):
     assert b.compression.value("topk_ratio") == 0.01
 
 
+def test_topk_selection_and_local_clipping_from_the_json_section(tmp_path):
+    section = {"algorithm": "topk", "compression_start_step": 5, "freeze_variance": True,
+               "topk_selection": "update", "local_gradient_clipping": True}
+    c = parse_args(["--deepspeed_config", _json(tmp_path, {"gradient_compression": section}),
+                    "--topk-selection", "update"]).compression
+    assert (c.topk_selection, c.local_gradient_clipping) == ("update", True)
+
+
 @pytest.mark.parametrize("data, flags, message", [
     (SEEDS, ["--topk-ratio", "0.1"],
      "sets gradient_compression.topk_ratio = 0.01 but --topk-ratio gives 0.1: make them agree"),
@@ -54,6 +62,17 @@ def test_flags_alone_and_agreeing_with_the_json(tmp_path):
     ({}, ["--topk-ratio", "0.1"], "--topk-ratio is read only with --gradient-compression topk"),
     ({}, ["--gradient-compression", "topk", "--topk-ratio", "0"], "must be in \\(0, 1\\]"),
     ({}, ["--gradient-compression", "1bit", "--compression-block-size", "12"], "multiple of 8"),
+    ({}, ["--gradient-compression", "topk", "--topk-selection", "update"],
+     "--topk-selection update weighs entries by AdamW's frozen variance: add --freeze-variance"),
+    ({}, ["--gradient-compression", "1bit", "--topk-selection", "update"],
+     "--topk-selection is read only with --gradient-compression topk"),
+    ({"gradient_compression": {"algorithm": "topk", "topk_selection": "size"}}, [],
+     "--topk-selection must be one of"),
+    ({"gradient_compression": {"algorithm": "2bit", "local_gradient_clipping": True}},
+     ["--tp", "2"], "--local-gradient-clipping clips each rank's gradient by its own norm"),
+    ({}, ["--gradient-compression", "topk", "--compression-start-step", "10",
+          "--freeze-variance", "--topk-selection", "update", "--use-distributed-optimizer"],
+     "--topk-selection update needs the whole variance on every rank"),
     ({}, ["--gradient-compression", "1bit", "--deepspeed"],
      "compresses the plain engine's gradient buckets; DeepSpeed reduces gradients itself"),
     ({}, ["--gradient-compression", "2bit", "--zero-impl", "fsdp2"],

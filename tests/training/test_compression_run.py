@@ -52,12 +52,18 @@ def _stop_and_resume(argv, save, log):
     return full, first, rest, lines
 
 
-@pytest.mark.parametrize("frozen", [[], ["--freeze-variance"]], ids=["gradients", "1-bit-adam"])
+TOPK_DGC = ["--freeze-variance", "--gradient-compression", "topk", "--topk-selection", "update",
+            "--local-gradient-clipping", "--clip-grad", "0.05"]
+
+
+@pytest.mark.parametrize("frozen", [[], ["--freeze-variance"], TOPK_DGC],
+                         ids=["gradients", "1-bit-adam", "topk-update-local-clip"])
 def test_resume_is_exact_with_residuals_and_dp_change_drops_them(data, tmp_path, frozen):
     """dp=2, 1bit from step 1 on (worker and server residuals; with --freeze-variance the
-    momentum compressed and v frozen and floored): stop at 2 and resume to 4 bit for bit; the
-    text and JSON logs carry bytes and ratio; resuming at dp=1 drops the residuals with a
-    warning."""
+    momentum compressed and v frozen and floored; the last case topk instead, its entries
+    chosen by the frozen variance and each rank's gradient clipped, a clip small enough to
+    act): stop at 2 and resume to 4 bit for bit; the text and JSON logs carry bytes and
+    ratio; resuming at dp=1 drops the residuals with a warning."""
     argv = tiny_argv(data, "--train-iters", "4", "--gradient-compression", "1bit",
                      "--compression-start-step", "1", *frozen)
     save, log = str(tmp_path / "ck"), str(tmp_path / "log.jsonl")
@@ -73,6 +79,25 @@ def test_resume_is_exact_with_residuals_and_dp_change_drops_them(data, tmp_path,
     run_training([*argv, "--load", save, "--save", ""], print_fn=lines.append)
     assert any("residuals were saved with dp 2 (this run 1): dropping them" in line
                for line in lines), lines
+
+
+def _norm_jobs(jobs):
+    return [checks.step_norms(comp, training, 3) for comp, training in jobs]
+
+
+def test_local_clipping_bounds_each_ranks_gradient():
+    """--local-gradient-clipping, lossless topk (ratio 1, no momentum offset): the reduced
+    gradient is the mean of the ranks' gradients, each clipped to clip_grad x sqrt(dp) first,
+    so its norm is at most that (the optimizer does not clip it again); without the flag the
+    reported norm is the unclipped one, far above. Compression from step 1: step 0 (dense)
+    is the same in both."""
+    comp = {"gradient_compression": "topk", "topk_ratio": 1.0, "compression_start_step": 1}
+    training = {**BUCKETS, "clip_grad": 0.01}
+    jobs = [({**comp, "local_gradient_clipping": True}, training), (comp, training)]
+    for clipped, plain in run_distributed(_norm_jobs, 2, jobs, timeout=TIMEOUT):
+        assert clipped[0] == plain[0] > 0.1
+        assert all(n <= 0.01 * 2 ** 0.5 * (1 + 1e-5) for n in clipped[1:]), clipped
+        assert all(n > 0.1 for n in plain[1:]), plain
 
 
 def _momentum_jobs(jobs):

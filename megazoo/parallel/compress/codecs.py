@@ -189,11 +189,19 @@ class TopKCodec:
         chunks, _, k = self.shape(numel)
         return chunks * k * (self.wire_dtype.itemsize + 2)
 
-    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat x -> (row bytes [1, row_bytes] uint8, what the receivers will decode, flat)."""
+    def encode(self, x: torch.Tensor, weight: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat x -> (row bytes [1, row_bytes] uint8, what the receivers will decode, flat).
+
+        `weight` (flat, like x, >= 0): the entries are chosen by |x| x weight instead of |x|;
+        what is sent is still x's values (the receivers never need the weights)."""
         chunks, chunk, k = self.shape(x.numel())
-        padded = torch.nn.functional.pad(x, (0, chunks * chunk - x.numel())).view(chunks, chunk)
-        idx = padded.abs().topk(k, dim=1, sorted=False).indices     # [chunks, k] int64
+        pad = (0, chunks * chunk - x.numel())
+        padded = torch.nn.functional.pad(x, pad).view(chunks, chunk)
+        score = padded.abs()
+        if weight is not None:
+            score.mul_(torch.nn.functional.pad(weight, pad).view(chunks, chunk))
+        idx = score.topk(k, dim=1, sorted=False).indices            # [chunks, k] int64
         values = padded.gather(1, idx).to(self.wire_dtype)          # [chunks, k]
         offsets = (idx - 32768).to(torch.int16)
         sent = torch.zeros_like(padded).scatter_(1, idx, values.to(x.dtype))

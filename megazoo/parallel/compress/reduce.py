@@ -16,8 +16,9 @@ Error feedback (1-bit SGD, Seide et al. 2014; 1-bit Adam's compressed all-reduce
 input; the servers of the two-phase schemes keep their own (`server` error). Over any number
 of steps, sum of outputs + sum of all ranks' errors = sum of all inputs, up to rounding.
 
-- topk: x = data + residual; the chunk-wise top-k (codecs.TopKCodec) is all-gathered and every
-  rank adds the ranks' entries in rank order; residual = x - sent. Bytes per rank: (n - 1) x
+- topk: x = data + residual; the chunk-wise top-k (codecs.TopKCodec; optionally chosen by
+  |x| x a caller's weight) is all-gathered and every rank adds the ranks' entries in rank
+  order; residual = x - sent. Bytes per rank: (n - 1) x
   row bytes (an all-gather grows with n, unlike an all-reduce).
 - 1bit / 2bit: x = data + worker error, cut into n chunks (chunk r for rank r); phase 1
   compresses every chunk and exchanges them with an all-to-all; rank r decodes and adds the n
@@ -122,11 +123,13 @@ class TopKReduction(_Compressed):
         super().__init__(group, wire_dtype)
         self.ratio = ratio
 
-    def launch(self, key: str, data: torch.Tensor, shard: torch.Tensor | None = None) -> _Done:
+    def launch(self, key: str, data: torch.Tensor, shard: torch.Tensor | None = None,
+               weight: torch.Tensor | None = None) -> _Done:
+        """`weight` (like `data`): choose the entries by |x| x weight (`TopKCodec.encode`)."""
         codec = TopKCodec(self.ratio, self.wire_dtype or data.dtype)
         residual = self._error(f"{key}.worker", data, data.numel())
         x = data + residual
-        wire, sent = codec.encode(x)
+        wire, sent = codec.encode(x, weight)
         torch.sub(x, sent, out=residual)
         self._count_dense(data.numel(), shard)
         rows, work = self._gather(wire)

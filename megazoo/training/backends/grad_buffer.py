@@ -40,6 +40,14 @@ gradient: the codec and its error feedback then work on the smooth signal 1-bit 
 compresses. Only the full buffer (no `shard`) can carry it: the distributed optimizer holds
 one shard of the momentum per rank.
 
+Per-step options of a compressed reduction (`start_step(..., select=, local_clip=)`):
+`select` (flat, laid out like the buffer) is handed to a topk reduction as the weight its
+entries are chosen by (`TopKCodec.encode`); `local_clip` (a norm) clips this rank's gradient
+in each bucket, before the division by dp and the momentum offset, to
+local_clip x sqrt(bucket numel / buffer numel) (Deep Gradient Compression's local clipping:
+the caller then skips clipping the reduced gradient). The clip is a device-side factor, no
+host sync; a non-finite norm makes the bucket non-finite, which skips the step as before.
+
 Padding. The loss never reaches a padded vocabulary row (`tp_unpadded`), so a dense
 reduction leaves its gradient exactly zero; a compressed one would hand it codec noise (a
 1bit block's scale lands on every element of the block), the row would drift from zero, and
@@ -146,7 +154,7 @@ class GradBuffer:
                     p.main_grad = self.view(self.main_grad, p)
         self.padding = _padding_ranges(params, self.offsets, state.tp.rank)
         self._calls = {id(p): 0 for p in params}
-        self._expected, self._offset = 1, None
+        self._expected, self._offset, self._select, self._local_clip = 1, None, None, None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def cast_params(self, dtype: torch.dtype) -> None:
@@ -170,10 +178,12 @@ class GradBuffer:
         return [b.shard_range(self.group.rank, self.group.size) for b in self.buckets]
 
     # -- one step -------------------------------------------------------------------------
-    def start_step(self, num_microbatches: int, step: int = 0, offset=None) -> None:
+    def start_step(self, num_microbatches: int, step: int = 0, offset=None, select=None,
+                   local_clip: float | None = None) -> None:
         """Start counting; each parameter's gradient is final after this many backward calls.
         `step` (optimizer steps so far) picks the dense or the compressed reduction;
-        `offset` (flat tensor, alpha): momentum compression, applied to compressed steps only.
+        `offset` (flat tensor, alpha): momentum compression; `select`, `local_clip`: see the
+        module doc; all three apply to compressed steps only.
 
         The main gradients are not zeroed here: a parameter's first gradient of the step is
         copied into its range and later ones added (one pass less over the fp32 buffer than
@@ -185,6 +195,8 @@ class GradBuffer:
             raise ValueError("momentum compression needs the whole momentum on every rank: "
                              "drop --use-distributed-optimizer or --freeze-variance")
         self._offset = offset if use and self.group.size > 1 else None
+        self._select = select if use else None
+        self._local_clip = local_clip if use else None
         self.reduction.reset_bytes()
         self._expected = num_microbatches
         for key in self._calls:
@@ -217,6 +229,9 @@ class GradBuffer:
         if self.group.size == 1:
             return
         data = self.main_grad[bucket.start:bucket.end]
+        if self._local_clip is not None:
+            limit = self._local_clip * (bucket.numel / self.numel) ** 0.5
+            data.mul_(limit / torch.linalg.vector_norm(data).clamp(min=limit))
         if self.state.dp.size > 1:
             data.div_(self.state.dp.size)
         if self._offset is not None:
@@ -226,7 +241,8 @@ class GradBuffer:
         if self.shard:
             lo, hi = bucket.shard_range(self.group.rank, self.group.size)
             shard = self.main_grad[lo:hi]
-        bucket.handle = self.reduction.launch(f"bucket{bucket.index}", data, shard)
+        extra = {} if self._select is None else {"weight": self._select[bucket.start:bucket.end]}
+        bucket.handle = self.reduction.launch(f"bucket{bucket.index}", data, shard, **extra)
 
     def finish(self, before_deferred=None) -> None:
         """Launch every bucket not launched yet (deferred ones after `before_deferred()`,

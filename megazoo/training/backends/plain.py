@@ -82,6 +82,9 @@ class PlainEngine(Engine):
                                   wire_dtype=comp.wire_dtype, compressed=self.compressed,
                                   compress_from=comp.value("compression_start_step"))
         self.freeze_at = comp.value("compression_start_step") if comp.freeze_variance else None
+        self.select_by_update = comp.topk_selection == "update"
+        # at dp x sp = 1 nothing is reduced: the usual clipping stays
+        self.local_clip = bool(comp.local_gradient_clipping) and state.dp_sp.size > 1
         self.resume_notes: list[str] = []
         self.optimizer = MasterAdamW(model, self.buffers, cfg,
                                      overlap_param_gather=cfg.overlap_param_gather)
@@ -102,7 +105,11 @@ class PlainEngine(Engine):
     def start_step(self, num_microbatches: int, lr: float) -> None:
         self.model.train()
         self._scale = self.loss_scale()
-        self.buffers.start_step(num_microbatches, self.steps, self._momentum_offset())
+        compressing = self.compressed is not None and self.steps >= self.buffers.compress_from
+        clip = self.cfg.clip_grad * self._scale * math.sqrt(self.state.dp.size)
+        self.buffers.start_step(num_microbatches, self.steps, self._momentum_offset(),
+                                select=self._selection_weight() if compressing else None,
+                                local_clip=clip if self.local_clip and clip > 0 else None)
 
     def _momentum_offset(self):
         """1-bit Adam: with the variance frozen, the buckets carry the momentum through the
@@ -113,6 +120,16 @@ class PlainEngine(Engine):
             return None
         beta1 = self.cfg.adam_beta1
         return self.optimizer.moments["exp_avg"], beta1 / (1.0 - beta1) * self._scale
+
+    def _selection_weight(self) -> torch.Tensor | None:
+        """--topk-selection update: 1 / (the frozen AdamW denominator), so that topk picks
+        the entries whose step is largest. (On the first compressed step v is not floored
+        yet: an entry whose v is ~0 and whose momentum is not is then picked first.)"""
+        if not self.select_by_update or self.freeze_at is None:
+            return None
+        v = self.optimizer.moments["exp_avg_sq"]
+        correction = math.sqrt(1.0 - self.cfg.adam_beta2 ** self.freeze_at)
+        return (v.sqrt() / correction).add_(self.cfg.adam_eps).reciprocal_()
 
     def finish_gradients(self) -> float:
         """Tied-embedding sum, the buckets still to reduce, then the norm from the flat buffer
@@ -128,10 +145,13 @@ class PlainEngine(Engine):
         if self.scaler is not None:
             self.scaler.update(not ok)
         if ok:
-            frozen = self.freeze_at if self.buffers.reduction.compressed else None
+            compressed = self.buffers.reduction.compressed
+            frozen = self.freeze_at if compressed else None
             if frozen is not None and self.steps == frozen:
                 self.optimizer.floor_variance(VARIANCE_FLOOR)
-            self.optimizer.step(lr, self._scale * clip_divisor(norm, self.cfg.clip_grad), frozen)
+            # --local-gradient-clipping clipped each rank's gradient before the reduction
+            clip = 1.0 if compressed and self.local_clip else clip_divisor(norm, self.cfg.clip_grad)
+            self.optimizer.step(lr, self._scale * clip, frozen)
         elif self.compressed is not None:  # the residuals took this step's inf / nan in
             self.compressed.reset_errors()
         return ok
