@@ -52,7 +52,8 @@ ALIASES = {
 }
 # Fields whose flag takes one of these values.
 CHOICES = {"fp8_format": FP8_FORMATS, "fp8_recipe": FP8_RECIPES, "fp8_layers": ("all", "mlp"),
-           "gradient_compression": ALGORITHMS, "communication_data_type": tuple(COMM_DTYPES), "topk_selection": TOPK_SELECTIONS}
+           "gradient_compression": ALGORITHMS, "communication_data_type": tuple(COMM_DTYPES),
+           "topk_selection": TOPK_SELECTIONS}
 # The ModelConfig fields a user may override on top of a preset (vocab comes from the data).
 MODEL_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
                 "num_key_value_heads", "ffn_hidden_size", "max_position_embeddings",
