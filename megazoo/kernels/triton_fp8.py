@@ -16,7 +16,8 @@ twice (amax, then scale and cast) in BC-column tiles. Tensorwise: a block-max ke
 into one float32 with `atomic_max` (values are non-negative, so float ordering is integer
 ordering), then an elementwise cast kernel reads that amax on the GPU: no host
 synchronisation; `quantize_tensor_both`'s cast kernel writes each tile twice, as it is and
-transposed, so a tensor both backward GEMMs need in both layouts is read once. `transpose_bytes` moves FP8 bytes in square tiles (PyTorch's strided copy
+transposed, so a tensor both backward GEMMs need in both layouts is read once.
+`transpose_bytes` moves FP8 bytes in square tiles (PyTorch's strided copy
 of 1-byte elements is several times slower).
 """
 from __future__ import annotations
@@ -117,7 +118,8 @@ def _cast_both_kernel(T, Q, QT, Amax, Inv, R, C, TOP: tl.constexpr, EPS: tl.cons
     x = tl.load(T + r[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
     q = tl.minimum(tl.maximum(x * scale, -TOP), TOP).to(Q.dtype.element_ty)
     tl.store(Q + r[:, None] * C + c[None, :], q, mask=m)
-    tl.store(QT + c[:, None] * R + r[None, :], tl.trans(q), mask=(c < C)[:, None] & (r < R)[None, :])
+    mt = (c < C)[:, None] & (r < R)[None, :]
+    tl.store(QT + c[:, None] * R + r[None, :], tl.trans(q), mask=mt)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(Inv + tl.arange(0, 1), tl.math.div_rn(1.0 + tl.zeros([1], dtype=tl.float32),
                                                        scale + tl.zeros([1], dtype=tl.float32)))

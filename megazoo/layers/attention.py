@@ -110,7 +110,8 @@ def select_backend(requested: str, req: AttentionRequest) -> str:
 def _capability(device: torch.device) -> tuple[int, int]:
     if device.type != "cuda":
         return (0, 0)
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability(index)
 
 
 @functools.lru_cache(maxsize=None)

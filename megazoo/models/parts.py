@@ -68,7 +68,8 @@ class Embedding(nn.Module):
                                    sequence_parallel=state.config.megatron_sp,
                                    device=device, dtype=dtype)
 
-    def forward(self, ids_sp: torch.Tensor, first_position: int, check: bool = True) -> torch.Tensor:
+    def forward(self, ids_sp: torch.Tensor, first_position: int,
+                check: bool = True) -> torch.Tensor:
         """check=False: the ids are known to be in the vocabulary (no device sync)."""
         words = self.word_embeddings(ids_sp) if check else self.word_embeddings.lookup(ids_sp)
         x = words.transpose(0, 1)  # [b, s_sp, h] -> [s_sp, b, h]
