@@ -23,13 +23,13 @@ otherwise flash, then flex for ALiBi on CUDA, then sdpa.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from . import attention_kernels as kernels
+from .device import compute_capability
 from .positions import alibi_bias
 
 BACKENDS = ("auto", "flash", "sdpa", "flex", "math")
@@ -107,19 +107,6 @@ def select_backend(requested: str, req: AttentionRequest) -> str:
     return "sdpa"
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
-    if device.type != "cuda":
-        return (0, 0)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_capability(index)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_capability(index: int) -> tuple[int, int]:
-    """A device's compute capability, asked once (the driver query costs more than a launch)."""
-    return torch.cuda.get_device_capability(index)
-
-
 def _check_inputs(q, k, v, padding_mask, alibi_slopes, causal) -> None:
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"attention expects q [s, b, hq, d] and k, v [s, b, hk, d]; got "
@@ -153,7 +140,7 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     req = AttentionRequest(q.device.type, q.dtype, q.shape[-1], alibi_slopes is not None,
                            padding_mask is not None, dropout_p > 0.0,
                            torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-                           _capability(q.device))
+                           compute_capability(q.device))
     name = select_backend(backend, req)
     if name == "math":
         return math_attention(q, k, v, causal, padding_mask, alibi_slopes, scale, dropout_p)

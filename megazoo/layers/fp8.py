@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .device import compute_capability
 from .fp8_cast import CAST_IMPLS, quantize, quantize_both, transpose
 
 FORMATS = ("e4m3", "hybrid")
@@ -84,9 +84,8 @@ class FP8Recipe:
         return self.recipe == "rowwise"
 
 
-@functools.lru_cache(maxsize=None)
 def _cuda_fp8_capable(index: int) -> tuple[bool, str]:
-    major, minor = torch.cuda.get_device_capability(index)
+    major, minor = compute_capability(torch.device("cuda", index))
     return (major, minor) >= (8, 9), f"sm_{major}{minor}"
 
 

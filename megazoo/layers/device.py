@@ -1,0 +1,25 @@
+"""A device's compute capability, asked of the driver once per device.
+
+The driver query costs more than a kernel launch, and the layers ask on every call (which
+attention backend runs here, whether FP8 tensor cores exist), so the answer is cached.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def compute_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device, (0, 0) for any other device. A CUDA device without an
+    index means the current one, asked each time (it can change)."""
+    if device.type != "cuda":
+        return (0, 0)
+    if device.index is None:
+        return torch.cuda.get_device_capability(device)
+    return _cuda_capability(device.index)
