@@ -143,16 +143,23 @@ def quantize_rows(t: torch.Tensor, dtype: torch.dtype, top: float, eps: float,
     return q, inv
 
 
+def _amax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max |t| as a [1] float32 on t's device, an empty [1] for the cast to write 1 / scale
+    into), t contiguous."""
+    amax = torch.zeros(1, dtype=torch.float32, device=t.device)
+    _amax_kernel[(triton.cdiv(t.numel(), _BLOCK),)](t, amax, t.numel(), BLOCK=_BLOCK,
+                                                    num_warps=8)
+    return amax, torch.empty(1, dtype=torch.float32, device=t.device)
+
+
 def quantize_tensor(t: torch.Tensor, dtype: torch.dtype, top: float, eps: float,
                     transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
     t = t.contiguous()
     n = t.numel()
-    amax = torch.zeros(1, dtype=torch.float32, device=t.device)
-    inv = torch.empty(1, dtype=torch.float32, device=t.device)
+    amax, inv = _amax(t)
     q = torch.empty(t.shape, dtype=dtype, device=t.device)
-    grid = (triton.cdiv(n, _BLOCK),)
-    _amax_kernel[grid](t, amax, n, BLOCK=_BLOCK, num_warps=8)
-    _cast_kernel[grid](t, q, amax, inv, n, TOP=top, EPS=eps, BLOCK=_BLOCK, num_warps=8)
+    _cast_kernel[(triton.cdiv(n, _BLOCK),)](t, q, amax, inv, n, TOP=top, EPS=eps, BLOCK=_BLOCK,
+                                           num_warps=8)
     return (transpose_bytes(q) if transpose else q), inv.reshape(())
 
 
@@ -161,11 +168,9 @@ def quantize_tensor_both(t: torch.Tensor, dtype: torch.dtype, top: float,
     """Tensorwise cast of t [R, C] in both layouts: (q [R, C], q.t() [C, R] row-major, inv [])."""
     t = t.contiguous()
     rows, cols = t.shape
-    amax = torch.zeros(1, dtype=torch.float32, device=t.device)
-    inv = torch.empty(1, dtype=torch.float32, device=t.device)
+    amax, inv = _amax(t)
     q = torch.empty(rows, cols, dtype=dtype, device=t.device)
     qt = torch.empty(cols, rows, dtype=dtype, device=t.device)
-    _amax_kernel[(triton.cdiv(t.numel(), _BLOCK),)](t, amax, t.numel(), BLOCK=_BLOCK, num_warps=8)
     grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE))
     _cast_both_kernel[grid](t, q, qt, amax, inv, rows, cols, TOP=top, EPS=eps, TILE=_TILE,
                             num_warps=4)
