@@ -86,6 +86,7 @@ class PlainEngine(Engine):
         # at dp x sp = 1 nothing is reduced: the usual clipping stays
         self.local_clip = bool(comp.local_gradient_clipping) and state.dp_sp.size > 1
         self.resume_notes: list[str] = []
+        self._frozen_selection = None  # _selection_weight once v no longer changes
         self.optimizer = MasterAdamW(model, self.buffers, cfg,
                                      overlap_param_gather=cfg.overlap_param_gather)
         self.buffers.cast_params(model_dtype(cfg))
@@ -124,12 +125,18 @@ class PlainEngine(Engine):
     def _selection_weight(self) -> torch.Tensor | None:
         """--topk-selection update: 1 / (the frozen AdamW denominator), so that topk picks
         the entries whose step is largest. (On the first compressed step v is not floored
-        yet: an entry whose v is ~0 and whose momentum is not is then picked first.)"""
+        yet: an entry whose v is ~0 and whose momentum is not is then picked first.) After
+        that step v is floored and frozen, so the weight is kept instead of recomputed."""
         if not self.select_by_update or self.freeze_at is None:
             return None
+        if self._frozen_selection is not None:
+            return self._frozen_selection
         v = self.optimizer.moments["exp_avg_sq"]
         correction = math.sqrt(1.0 - self.cfg.adam_beta2 ** self.freeze_at)
-        return (v.sqrt() / correction).add_(self.cfg.adam_eps).reciprocal_()
+        weight = (v.sqrt() / correction).add_(self.cfg.adam_eps).reciprocal_()
+        if self.steps > self.freeze_at:
+            self._frozen_selection = weight
+        return weight
 
     def finish_gradients(self) -> float:
         """Tied-embedding sum, the buckets still to reduce, then the norm from the flat buffer
@@ -206,6 +213,7 @@ class PlainEngine(Engine):
             self._swap_params(None, old)
 
     def load(self, path: str) -> dict:
+        self._frozen_selection = None  # v is replaced by the checkpoint's
         from ...checkpoint import load_model_weights
         from ...checkpoint.load import CheckpointReader
         from ..run_checks import read_options
