@@ -19,6 +19,9 @@ Rows, each in its own subprocess (its own peak memory):
   each rank accumulates global batch / (micro-batch x ranks), tokens/s counts all ranks.
   The HF GPT2 config keeps its default dropout (0.1 on embeddings, residuals and attention
   probabilities), as a user picking this peer gets it; megazoo's models have none.
+- `pretrain-nofusion` (ask for it with `--rows`): `pretrain` with
+  `--no-gradient-accumulation-fusion` (each micro-batch's weight gradient added into the
+  fp32 main gradient by a separate pass).
 - `deepspeed-nodrop` (ask for it with `--rows`): the same with GPT2's dropouts at 0, the
   computation megazoo's rows do.
 
@@ -50,6 +53,9 @@ SHAPES = {
                         seq=4096, micro=1),
     "tiny": dict(family="gpt", layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, seq=64, micro=2),
 }
+
+# pretrain_gpt.py rows: the default engine, and without gradient-accumulation fusion
+PRETRAIN_ROWS = {"pretrain": [], "pretrain-nofusion": ["--no-gradient-accumulation-fusion"]}
 
 
 def model_flags(shape: dict) -> list[str]:
@@ -225,9 +231,10 @@ def main(argv=None) -> int:
             found = {}
             for kind in args.rows:
                 try:
-                    if kind == "pretrain":
+                    if kind in PRETRAIN_ROWS:
                         row = pretrain_row(SHAPES[shape], gb, 4 if args.dry_run else args.pretrain_iters,
-                                           args.pretrain_flags.split(), args.dry_run)
+                                           args.pretrain_flags.split() + PRETRAIN_ROWS[kind],
+                                           args.dry_run)
                     elif kind == "model" and model_step:
                         row = dict(model_step)  # one micro-batch per step: the same at any gb
                     else:

@@ -27,6 +27,10 @@ other devices (or with `emulate=True`) an emulation computing the recipe's defin
 the same FP8 values and scales, dequantized and multiplied in float32. `_scaled_mm` needs
 every dimension a multiple of 16; a call with M, K or N that is not runs `F.linear` in the
 run's dtype (`fallback=True`, the default) or raises.
+
+A weight whose gradient owner fuses gradient accumulation (`wgrad`) gets its wgrad GEMM
+summed straight into its fp32 main gradient (cuBLASLt, tensorwise on CUDA; otherwise the
+GEMM's output is added there).
 """
 from __future__ import annotations
 
@@ -36,9 +40,9 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .device import compute_capability
+from . import wgrad
 from .fp8_cast import CAST_IMPLS, quantize, quantize_both, transpose
 
 FORMATS = ("e4m3", "hybrid")
@@ -228,6 +232,7 @@ class _FP8Linear(torch.autograd.Function):
         y = scaled_mm(xq, wq.t(), inv_x, _row(inv_w), x.dtype, recipe.emulate,
                       recipe.fast_accum)                                  # [M, N]
         ctx.recipe, ctx.casts, ctx.x_dtype, ctx.w_dtype = recipe, casts, x.dtype, weight.dtype
+        ctx.fused_weight = weight if wgrad.fuses_wgrad(weight) else None
         if recipe.rowwise:
             ctx.save_for_backward(x)
         else:
@@ -258,7 +263,15 @@ class _FP8Linear(torch.autograd.Function):
                 xtq, inv_xt = _cast(x, f, r, transpose=True)              # x^T [K, M], per k
             else:
                 inv_dyt, inv_xt = inv_dy, inv_x
-            dw = scaled_mm(dytq, xtq.t(), inv_dyt, _row(inv_xt), ctx.w_dtype, r.emulate)
+            def unfused():
+                return scaled_mm(dytq, xtq.t(), inv_dyt, _row(inv_xt), ctx.w_dtype, r.emulate)
+            if ctx.fused_weight is None:
+                dw = unfused()
+            elif r.emulate:
+                dw = wgrad.add_to_main_grad(ctx.fused_weight, unfused())
+            else:
+                dw = wgrad.accumulate_fp8_wgrad(ctx.fused_weight, dytq, xtq, inv_dyt, inv_xt,
+                                                unfused)
         return dx, dw, None
 
 
@@ -270,7 +283,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     K and N must be multiples of 16 for the FP8 path (else see `FP8Recipe.fallback`).
     """
     if recipe is None:
-        return F.linear(x, weight, bias)
+        return wgrad.linear(x, weight, bias)
     check_fp8_device(recipe, x.device)
     k, n = x.shape[-1], weight.shape[0]
     m = x.numel() // k if k else 0
@@ -281,6 +294,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                              f"allow the fallback (FP8Recipe(fallback=True))")
         warnings.warn(f"FP8 linear in={k} out={n}: tokens={m} or a feature size is not a "
                       f"multiple of 16; this call runs in {x.dtype}", stacklevel=2)
-        return F.linear(x, weight, bias)
+        return wgrad.linear(x, weight, bias)
     y = _FP8Linear.apply(x.reshape(m, k), weight, recipe).reshape(*x.shape[:-1], n)
     return y if bias is None else y + bias

@@ -151,3 +151,22 @@ def allreduce_sequence_parallel_grads(module: nn.Module, group: Group) -> None:
     for p in module.parameters():
         if getattr(p, "sequence_parallel", False) and p.grad is not None:
             p.grad.copy_(all_reduce(p.grad, group))
+
+
+def fusable_weights(model: nn.Module) -> list[nn.Parameter]:
+    """Weights of the parallel linears whose gradient can be fused into a main gradient
+    (`wgrad`): trainable, registered once in the model (not tied), and with no tensor hook
+    on their gradient (a hook, such as the GQA kv-row sum, must see the whole gradient)."""
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    out, seen = [], set()
+    for module in model.modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        w = module.weight
+        if (w.requires_grad and uses.get(id(w)) == 1 and not w._backward_hooks
+                and not getattr(w, "sequence_parallel", False) and id(w) not in seen):
+            seen.add(id(w))
+            out.append(w)
+    return out

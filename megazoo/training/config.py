@@ -75,6 +75,9 @@ class TrainingConfig:
     each bucket waited for by the first module of the next forward that uses it."""
     ddp_bucket_size: int | None = None
     """Plain engine: elements per gradient bucket; None: max(40M, 1M x dp x sp) (Megatron's)."""
+    gradient_accumulation_fusion: bool = True
+    """Plain engine: the parallel linears' weight-gradient GEMMs add straight into the fp32
+    main gradients (no per-micro-batch add pass; `megazoo.layers.wgrad`)."""
     accumulate_allreduce_grads_in_fp32: bool = True
     """Plain engine: fp32 main gradients, accumulated and reduced in fp32 (always on here:
     bf16 / fp16 gradient buffers are not implemented)."""

@@ -109,3 +109,32 @@ def test_distributed_optimizer_resumes_exactly_and_at_other_dp(tmp_path):
     four = run_distributed(checks.resume, 4, path, flags, timeout=TIMEOUT)[0]
     assert four["after"] == pytest.approx(first["after"], rel=1e-5)
 
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_gradient_accumulation_fusion_changes_no_value_on_cpu(reference, tmp_path, bf16,
+                                                            monkeypatch):
+    """The reference ran with the fusion (the default); without it the hook adds each
+    micro-batch's dW instead. On CPU both are the same arithmetic: bit-equal. The fused
+    weights are every linear's (2 per attention, 2 per MLP), and each micro-batch's
+    backward accumulates each of them once."""
+    from megazoo.layers import wgrad
+
+    calls = []
+    fused_call = wgrad.accumulate_wgrad
+    monkeypatch.setattr(wgrad, "accumulate_wgrad", lambda w, *a: calls.append(w) or fused_call(w, *a))
+    engine, state = checks.engine_for(ParallelConfig(), bf16=bf16)
+    assert len(engine.buffers.fused) == 4 * checks.model_config().num_layers
+    checks.train(engine, state, range(1))
+    assert sorted(map(id, calls)) == sorted(map(id, engine.buffers.fused * checks.GLOBAL_MB))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        off = checks.run_and_save(ParallelConfig(), str(tmp_path / "off"), bf16=bf16,
+                                  gradient_accumulation_fusion=False)
+    finally:
+        torch.set_num_threads(threads)
+    ref = reference["bf16" if bf16 else "fp32"]
+    assert off["losses"] == ref["losses"]
+    for key, want in ref["params"].items():
+        assert torch.equal(off["params"][key], want), key

@@ -14,7 +14,10 @@ elements, each padded to a multiple of the reduction group's size so that it spl
 equal shards (the distributed optimizer's unit of ownership).
 
 Accumulation. A post-accumulate-grad hook adds the parameter's `.grad` (model dtype) into
-`main_grad` (fp32) and drops `.grad`, once per micro-batch. A parameter's gradient is final
+`main_grad` (fp32) and drops `.grad`, once per micro-batch. The weights given as `fused`
+skip that add: their linears' backward already summed the gradient into `main_grad`
+(gradient-accumulation fusion, the contract in `megazoo.layers.wgrad`), and the hook only
+counts. A parameter's gradient is final
 after its `num_microbatches`-th call, which under a pipeline schedule is the last backward
 of its chunk; a bucket is ready when all its parameters are final.
 
@@ -130,7 +133,7 @@ class GradBuffer:
 
     def __init__(self, model: nn.Module, state: ParallelState, *, bucket_numel: int,
                  overlap: bool, shard: bool, deferred: tuple = (), wire_dtype=None,
-                 compressed=None, compress_from: int = 0):
+                 compressed=None, compress_from: int = 0, fused=()):
         self.state, self.overlap, self.shard = state, overlap, shard
         self.group = state.dp_sp
         self.dense = DenseReduction(self.group, wire_dtype)
@@ -154,6 +157,11 @@ class GradBuffer:
                     p.main_grad = self.view(self.main_grad, p)
         self.padding = _padding_ranges(params, self.offsets, state.tp.rank)
         self._calls = {id(p): 0 for p in params}
+        self.fused = list(fused)
+        for p in self.fused:
+            if id(p) not in self.offsets:
+                raise ValueError("a fused weight must be a trainable parameter of the model")
+            p.fuse_wgrad, p.main_grad_fresh, p.grad_added_to_main_grad = True, True, False
         self._expected, self._offset, self._select, self._local_clip = 1, None, None, None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
@@ -199,6 +207,8 @@ class GradBuffer:
         self._local_clip = local_clip if use else None
         self.reduction.reset_bytes()
         self._expected = num_microbatches
+        for p in self.fused:
+            p.main_grad_fresh = True
         for key in self._calls:
             self._calls[key] = 0
         for bucket in self.buckets:
@@ -206,10 +216,14 @@ class GradBuffer:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         calls = self._calls[id(p)] = self._calls[id(p)] + 1
-        if calls == 1:
-            p.main_grad.copy_(p.grad)
+        if getattr(p, "grad_added_to_main_grad", False):
+            p.grad_added_to_main_grad = False
         else:
-            p.main_grad.add_(p.grad)
+            if calls == 1:
+                p.main_grad.copy_(p.grad)
+            else:
+                p.main_grad.add_(p.grad)
+            p.main_grad_fresh = False  # a fused weight's next accumulation adds
         p.grad = None
         if calls != self._expected:
             if calls > self._expected:  # its bucket may have been reduced already

@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from ...layers.linear import fusable_weights
 from ...parallel.compress import build_reduction
 from ...parallel.state import ParallelState
 from ..compression_config import CompressionConfig
@@ -80,7 +81,9 @@ class PlainEngine(Engine):
                                   shard=cfg.use_distributed_optimizer,
                                   deferred=() if tied is None else (tied,),
                                   wire_dtype=comp.wire_dtype, compressed=self.compressed,
-                                  compress_from=comp.value("compression_start_step"))
+                                  compress_from=comp.value("compression_start_step"),
+                                  fused=fusable_weights(model) if cfg.gradient_accumulation_fusion
+                                  else ())
         self.freeze_at = comp.value("compression_start_step") if comp.freeze_variance else None
         self.select_by_update = comp.topk_selection == "update"
         # at dp x sp = 1 nothing is reduced: the usual clipping stays

@@ -1,0 +1,114 @@
+"""Gradient-accumulation fusion: a linear's weight gradient summed straight into its fp32
+main gradient (Megatron's `--gradient-accumulation-fusion`).
+
+Without it each micro-batch's backward writes dW = dy^T x in the weight's dtype and the
+gradient owner's hook adds it into the fp32 main gradient: one more pass over the weights
+per micro-batch (read 2 + 4, write 4 bytes per element for bf16). With it the weight-gradient
+GEMM takes the main gradient as its accumulator (beta = 1; beta = 0 for the first
+micro-batch of a step, so nothing needs zeroing): `torch.addmm(..., out_dtype=float32)` for
+bf16 / fp16, plain `addmm` for fp32, and for FP8 the cuBLASLt call in `cublaslt`. It is
+also more exact: the sum over micro-batches never rounds to bf16.
+
+The contract between a gradient owner (the plain engine's `GradBuffer`) and the linears, as
+attributes of the weight:
+- `main_grad`: the fp32 tensor shaped like the weight that receives the gradient;
+- `fuse_wgrad`: set by the owner: linears accumulate into `main_grad`;
+- `main_grad_fresh`: set by the owner at the start of each step; the first accumulation of
+  the step overwrites `main_grad` and clears it;
+- `grad_added_to_main_grad`: set here after each accumulation; the owner's
+  post-accumulate-grad hook clears it and skips its own add.
+Autograd still needs a gradient to call that hook (it counts micro-batches and launches the
+bucket's reduction), so the backward returns an uninitialized tensor of the weight's shape,
+which the hook drops. Only a weight used once per forward, with no tensor hook on its
+gradient, may be fused (the owner picks them: `linear.fusable_weights`).
+
+CPU (tests, the CPU run) has no mixed-dtype addmm: there the gradient is computed in the
+weight's dtype and added, the same arithmetic as without fusion.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .cublaslt import fp8_gemm_accumulate
+
+
+def fuses_wgrad(weight: torch.Tensor) -> bool:
+    """Whether this weight's gradient goes straight into its `main_grad`."""
+    return weight.requires_grad and getattr(weight, "fuse_wgrad", False)
+
+
+def _target(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(main_grad, accumulate) for this call; marks the weight's gradient as delivered."""
+    accumulate = not weight.main_grad_fresh
+    weight.main_grad_fresh = False
+    weight.grad_added_to_main_grad = True
+    return weight.main_grad, accumulate
+
+
+def _delivered(weight: torch.Tensor) -> torch.Tensor:
+    """What backward returns for a fused weight: shaped like it, never read."""
+    return torch.empty_like(weight)
+
+
+def add_to_main_grad(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The unfused arithmetic under the fused contract: `grad` copied or added."""
+    main, accumulate = _target(weight)
+    main.add_(grad) if accumulate else main.copy_(grad)
+    return _delivered(weight)
+
+
+def accumulate_wgrad(weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """main_grad (+)= dy^T x for dy [M, N], x [M, K] in the weight's dtype."""
+    if weight.device.type != "cuda":
+        return add_to_main_grad(weight, dy.t() @ x)
+    main, accumulate = _target(weight)
+    beta = 1.0 if accumulate else 0.0
+    if x.dtype == torch.float32:
+        torch.addmm(main, dy.t(), x, beta=beta, out=main)
+    else:
+        torch.addmm(main, dy.t(), x, beta=beta, out_dtype=torch.float32, out=main)
+    return _delivered(weight)
+
+
+def accumulate_fp8_wgrad(weight: torch.Tensor, dyt: torch.Tensor, xt: torch.Tensor,
+                         inv_dyt: torch.Tensor, inv_xt: torch.Tensor,
+                         unfused: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """main_grad (+)= (dyt @ xt^T) * inv_dyt * inv_xt for FP8 dyt [N, M], xt [K, M]; where
+    cuBLASLt cannot take it (rowwise scales, emulation, alignment), `unfused()` computes
+    the gradient and it is added."""
+    main, accumulate = weight.main_grad, not weight.main_grad_fresh
+    if fp8_gemm_accumulate(dyt, xt, inv_dyt, inv_xt, main, accumulate):
+        _target(weight)
+        return _delivered(weight)
+    return add_to_main_grad(weight, unfused())
+
+
+class _LinearIntoMainGrad(torch.autograd.Function):
+    """F.linear whose backward accumulates dW into `weight.main_grad`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        need_dx, _, need_db = ctx.needs_input_grad
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dy @ weight if need_dx else None
+        dw = accumulate_wgrad(weight, dy2, x.reshape(-1, x.shape[-1]))
+        db = dy2.sum(0) if need_db else None
+        return dx, dw, db
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear`, with the weight gradient fused into `main_grad` where the owner asked for
+    it (and not under autocast, whose casts the custom backward would not mirror)."""
+    if (fuses_wgrad(weight) and torch.is_grad_enabled()
+            and not torch.is_autocast_enabled(x.device.type)):
+        return _LinearIntoMainGrad.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
