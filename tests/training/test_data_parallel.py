@@ -138,3 +138,14 @@ def test_gradient_accumulation_fusion_changes_no_value_on_cpu(reference, tmp_pat
     assert off["losses"] == ref["losses"]
     for key, want in ref["params"].items():
         assert torch.equal(off["params"][key], want), key
+
+
+def test_grad_buffer_refuses_a_fused_weight_outside_the_model():
+    from torch import nn
+
+    from megazoo.parallel import ParallelState
+    from megazoo.training.backends.grad_buffer import GradBuffer
+
+    with pytest.raises(ValueError, match="fused weight must be a trainable parameter"):
+        GradBuffer(nn.Linear(4, 4), ParallelState.single(), bucket_numel=100, overlap=False,
+                   shard=False, fused=[nn.Parameter(torch.zeros(4, 4))])

@@ -158,10 +158,12 @@ class GradBuffer:
         self.padding = _padding_ranges(params, self.offsets, state.tp.rank)
         self._calls = {id(p): 0 for p in params}
         self.fused = list(fused)
-        for p in self.fused:
-            if id(p) not in self.offsets:
-                raise ValueError("a fused weight must be a trainable parameter of the model")
-            p.fuse_wgrad, p.main_grad_fresh, p.grad_added_to_main_grad = True, True, False
+        if any(id(p) not in self.offsets for p in self.fused):
+            raise ValueError("a fused weight must be a trainable parameter of the model")
+        fused_ids = {id(p) for p in self.fused}
+        for p in params:  # (a model wrapped before keeps no stale flag)
+            p.fuse_wgrad, p.main_grad_fresh = id(p) in fused_ids, True
+            p.grad_added_to_main_grad = False
         self._expected, self._offset, self._select, self._local_clip = 1, None, None, None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 

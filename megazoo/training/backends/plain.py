@@ -2,7 +2,9 @@
 model itself.
 
 Owns: the model's dtype (bf16 / fp16 parameters, or fp32), the flat parameter and fp32
-main-gradient buffers in buckets (`grad_buffer.GradBuffer`: reduced over dp x sp, overlapped
+main-gradient buffers in buckets (`grad_buffer.GradBuffer`, into which the parallel linears'
+weight-gradient GEMMs accumulate directly under --gradient-accumulation-fusion, the
+default: `megazoo.layers.wgrad`; reduced over dp x sp, overlapped
 with backward under --overlap-grad-reduce, reduce-scattered under
 --use-distributed-optimizer), the fp32 masters and AdamW moments (`master_optimizer`), the
 fp16 loss scaler, and the checkpoint files (fp32 masters and moments, one format at any
