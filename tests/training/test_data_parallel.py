@@ -110,7 +110,6 @@ def test_distributed_optimizer_resumes_exactly_and_at_other_dp(tmp_path):
     assert four["after"] == pytest.approx(first["after"], rel=1e-5)
 
 
-
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_gradient_accumulation_fusion_changes_no_value_on_cpu(reference, tmp_path, bf16,
                                                             monkeypatch):
@@ -120,9 +119,9 @@ def test_gradient_accumulation_fusion_changes_no_value_on_cpu(reference, tmp_pat
     backward accumulates each of them once."""
     from megazoo.layers import wgrad
 
-    calls = []
-    fused_call = wgrad.accumulate_wgrad
-    monkeypatch.setattr(wgrad, "accumulate_wgrad", lambda w, *a: calls.append(w) or fused_call(w, *a))
+    calls, fused_call = [], wgrad.accumulate_wgrad
+    monkeypatch.setattr(wgrad, "accumulate_wgrad",
+                        lambda w, *a: calls.append(w) or fused_call(w, *a))
     engine, state = checks.engine_for(ParallelConfig(), bf16=bf16)
     assert len(engine.buffers.fused) == 4 * checks.model_config().num_layers
     checks.train(engine, state, range(1))
