@@ -153,7 +153,7 @@ def fp8_gemm_accumulate(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
             or scale_a.numel() != 1 or scale_b.numel() != 1 or a.shape[1] % 16
             or out.shape[1] % 4 or not _aligned(a, b, out)):
         return False
-    device = out.device.index if out.device.index is not None else torch.cuda.current_device()
+    device = out.get_device()  # the index, also for a tensor on plain "cuda"
     plan = _plan(device, a.shape[1], b.shape[0], a.shape[0], a.dtype, b.dtype)
     if plan is None:
         return False

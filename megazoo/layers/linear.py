@@ -160,13 +160,12 @@ def fusable_weights(model: nn.Module) -> list[nn.Parameter]:
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
-    out, seen = [], set()
+    out = []  # registered once, a weight is met once here
     for module in model.modules():
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
         w = module.weight
         if (w.requires_grad and uses.get(id(w)) == 1 and not w._backward_hooks
-                and not getattr(w, "sequence_parallel", False) and id(w) not in seen):
-            seen.add(id(w))
+                and not getattr(w, "sequence_parallel", False)):
             out.append(w)
     return out

@@ -53,10 +53,14 @@ def _delivered(weight: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(weight)
 
 
+def _store(main: torch.Tensor, grad: torch.Tensor, accumulate: bool) -> None:
+    main.add_(grad) if accumulate else main.copy_(grad)
+
+
 def add_to_main_grad(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The unfused arithmetic under the fused contract: `grad` copied or added."""
     main, accumulate = _target(weight)
-    main.add_(grad) if accumulate else main.copy_(grad)
+    _store(main, grad, accumulate)
     return _delivered(weight)
 
 
@@ -79,11 +83,10 @@ def accumulate_fp8_wgrad(weight: torch.Tensor, dyt: torch.Tensor, xt: torch.Tens
     """main_grad (+)= (dyt @ xt^T) * inv_dyt * inv_xt for FP8 dyt [N, M], xt [K, M]; where
     cuBLASLt cannot take it (rowwise scales, emulation, alignment), `unfused()` computes
     the gradient and it is added."""
-    main, accumulate = weight.main_grad, not weight.main_grad_fresh
-    if fp8_gemm_accumulate(dyt, xt, inv_dyt, inv_xt, main, accumulate):
-        _target(weight)
-        return _delivered(weight)
-    return add_to_main_grad(weight, unfused())
+    main, accumulate = _target(weight)
+    if not fp8_gemm_accumulate(dyt, xt, inv_dyt, inv_xt, main, accumulate):
+        _store(main, unfused(), accumulate)
+    return _delivered(weight)
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):

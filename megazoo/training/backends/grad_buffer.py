@@ -188,6 +188,10 @@ class GradBuffer:
         return [b.shard_range(self.group.rank, self.group.size) for b in self.buckets]
 
     # -- one step -------------------------------------------------------------------------
+    def compresses_at(self, step: int) -> bool:
+        """Whether the step after `step` optimizer steps takes the compressed reduction."""
+        return self.compressed is not None and step >= self.compress_from
+
     def start_step(self, num_microbatches: int, step: int = 0, offset=None, select=None,
                    local_clip: float | None = None) -> None:
         """Start counting; each parameter's gradient is final after this many backward calls.
@@ -199,7 +203,7 @@ class GradBuffer:
         copied into its range and later ones added (one pass less over the fp32 buffer than
         zero + add); `finish` zeroes the ranges of parameters that got no gradient."""
         self.wait()
-        use = self.compressed is not None and step >= self.compress_from
+        use = self.compresses_at(step)
         self.reduction = self.compressed if use else self.dense
         if offset is not None and self.shard:
             raise ValueError("momentum compression needs the whole momentum on every rank: "

@@ -111,7 +111,7 @@ class PlainEngine(Engine):
     def start_step(self, num_microbatches: int, lr: float) -> None:
         self.model.train()
         self._scale = self.loss_scale()
-        compressing = self.compressed is not None and self.steps >= self.buffers.compress_from
+        compressing = self.buffers.compresses_at(self.steps)
         clip = self.cfg.clip_grad * self._scale * math.sqrt(self.state.dp.size)
         self.buffers.start_step(num_microbatches, self.steps, self._momentum_offset(),
                                 select=self._selection_weight() if compressing else None,
