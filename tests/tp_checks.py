@@ -120,6 +120,45 @@ def check_mlp(device="cpu"):
     return True
 
 
+def check_parallel_mlp_fused(device="cpu"):
+    """ParallelMLP with its fused local part (gelu_mlp, forced here: on CPU it runs its torch
+    fallbacks) between the linears' own collectives, against two nn.Linear layers and tanh
+    GeLU: the tp split of fc1 / fc2, the bias added once after the reduction, Megatron SP."""
+    from unittest import mock
+
+    from megazoo.layers import ParallelMLP, mlp as mlp_module
+
+    for state in states(device):
+        for sp in (False, True):
+            torch.manual_seed(3)
+            mlp = ParallelMLP(IN, 4 * IN, group=state.tp, sequence_parallel=sp, device=device)
+            torch.manual_seed(3)
+            ref1 = ColumnParallelLinear(IN, 4 * IN, group=None, device=device)
+            ref2 = RowParallelLinear(4 * IN, IN, group=None, device=device)
+            with torch.no_grad():
+                ref1.bias.copy_(_data(4 * IN, device=device, seed=9))
+                ref2.bias.copy_(_data(IN, device=device, seed=10))
+                mlp.fc1.bias.copy_(_shard(ref1.bias, 0, state))
+                mlp.fc2.bias.copy_(ref2.bias)
+            x = _data(S, B, IN, device=device, seed=8).requires_grad_()
+            x_in = (_shard(x.detach(), 0, state) if sp else x.detach().clone()).requires_grad_()
+            y_ref = ref2(F.gelu(ref1(x), approximate="tanh"))
+            y_ref.square().sum().backward()
+            with mock.patch("megazoo.layers.mlp.fusable", lambda x, w: True), \
+                    mock.patch("megazoo.layers.mlp.gelu_mlp", wraps=mlp_module.gelu_mlp) as fused:
+                y = mlp(x_in)
+            assert fused.call_count == 1
+            y.square().sum().backward()
+            allreduce_sequence_parallel_grads(mlp, state.tp)
+            torch.testing.assert_close(y, _shard(y_ref, 0, state) if sp else y_ref, **TOL)
+            torch.testing.assert_close(x_in.grad, _shard(x.grad, 0, state) if sp else x.grad, **TOL)
+            torch.testing.assert_close(mlp.fc1.weight.grad, _shard(ref1.weight.grad, 0, state), **TOL)
+            torch.testing.assert_close(mlp.fc1.bias.grad, _shard(ref1.bias.grad, 0, state), **TOL)
+            torch.testing.assert_close(mlp.fc2.weight.grad, _shard(ref2.weight.grad, 1, state), **TOL)
+            torch.testing.assert_close(mlp.fc2.bias.grad, ref2.bias.grad, **TOL)
+    return True
+
+
 def check_embedding(device="cpu"):
     vocab, dim = 300, 8  # padded to 384 at tp=1, 512 at tp=2 and tp=4
     for state in states(device):

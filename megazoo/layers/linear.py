@@ -77,14 +77,17 @@ class ColumnParallelLinear(nn.Module):
         init_shard_(self.weight, init_method, group_rank(group) * self.out_per_rank, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = fp8_linear(self.gather_input(x), self.weight, self.bias, self.fp8)
+        return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
+
+    def gather_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input of the local GEMM: x (identity forward, all-reduce backward), or the
+        sequence shards all-gathered with sequence_parallel."""
         _check_last_dim(x, self.in_features, "ColumnParallelLinear")
         check_fp8_device(self.fp8, x.device)
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group)
-        else:
-            x = copy_to_tensor_parallel_region(x, self.group)
-        y = fp8_linear(x, self.weight, self.bias, self.fp8)
-        return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
+            return gather_from_sequence_parallel_region(x, self.group)
+        return copy_to_tensor_parallel_region(x, self.group)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} ({self.out_per_rank}/rank), "
@@ -128,9 +131,18 @@ class RowParallelLinear(nn.Module):
         check_fp8_device(self.fp8, x.device)
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
-        if group_size(self.group) == 1:  # nothing to reduce: the GEMM adds the bias itself
-            return fp8_linear(x, self.weight, self.bias, self.fp8)
-        y_partial = fp8_linear(x, self.weight, None, self.fp8)
+        return self.reduce(fp8_linear(x, self.weight, self.local_bias(), self.fp8))
+
+    def local_bias(self) -> torch.Tensor | None:
+        """The bias the local GEMM adds: all of it at tp = 1 (nothing to reduce), else None
+        (`reduce` adds it once, after the reduction)."""
+        return self.bias if group_size(self.group) == 1 else None
+
+    def reduce(self, y_partial: torch.Tensor) -> torch.Tensor:
+        """The local GEMM's output (with `local_bias`) -> the layer's output: summed over tp
+        (all-reduce, or reduce-scatter along s with sequence_parallel), then the bias."""
+        if group_size(self.group) == 1:
+            return y_partial
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y_partial, self.group)
         else:

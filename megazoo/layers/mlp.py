@@ -5,7 +5,9 @@ swiglu: x -> FusedColumn(h, [gate ffn; up ffn]) -> silu(gate) * up -> Row(ffn, h
 
 x [s, b, h] -> y [s, b, h]; with sequence_parallel both are the rank's sequence shard
 [s/tp, b, h]. The intermediate activation is split over tp along ffn, so no communication
-happens between the two matmuls.
+happens between the two matmuls. With `bias_gelu_fusion` (the default) the gelu MLP's local
+part runs as `gelu_mlp.gelu_mlp` on CUDA in bf16 / fp16 (bias, GELU, its derivative and the
+bias gradients inside the GEMMs); the collectives around it are the linears' own.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch import nn
 
 from .fused_linear import FusedColumnParallelLinear
 from .fusion import swiglu
+from .gelu_mlp import fusable, gelu_mlp
 from .groups import Group
 from .linear import ColumnParallelLinear, RowParallelLinear
 
@@ -24,15 +27,17 @@ ACTIVATIONS = ("gelu", "gelu_exact", "swiglu")
 class ParallelMLP(nn.Module):
     """Feed-forward block. `activation`: "gelu" (tanh approximation, as GPT-2 and BLOOM),
     "gelu_exact" (erf) or "swiglu" (gate and up fused in one column-parallel matmul).
-    `fp8`: an FP8Recipe for both linears' GEMMs (megazoo/layers/fp8.py), None: model dtype."""
+    `fp8`: an FP8Recipe for both linears' GEMMs (megazoo/layers/fp8.py), None: model dtype.
+    `bias_gelu_fusion`: the fused local part for "gelu" where it can run (module docstring)."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, *, group: Group,
                  activation: str = "gelu", bias: bool = True, sequence_parallel: bool = False,
-                 init_method=None, output_init_method=None, device=None, dtype=None, fp8=None):
+                 init_method=None, output_init_method=None, device=None, dtype=None, fp8=None,
+                 bias_gelu_fusion: bool = True):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        self.activation = activation
+        self.activation, self.bias_gelu_fusion = activation, bias_gelu_fusion
         common = dict(group=group, bias=bias, sequence_parallel=sequence_parallel,
                       device=device, dtype=dtype, fp8=fp8)
         if activation == "swiglu":
@@ -45,6 +50,11 @@ class ParallelMLP(nn.Module):
                                      **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.bias_gelu_fusion and self.activation == "gelu" and self.fc1.fp8 is None
+                and fusable(x, self.fc1.weight)):
+            y_partial = gelu_mlp(self.fc1.gather_input(x), self.fc1.weight, self.fc1.bias,
+                                 self.fc2.weight, self.fc2.local_bias())
+            return self.fc2.reduce(y_partial)
         h_shard = self.fc1(x)  # [s, b, ffn/tp] (x2 for swiglu)
         if self.activation == "swiglu":
             gate, up = self.fc1.split_output(h_shard)

@@ -60,7 +60,8 @@ class TransformerBlock(nn.Module):
             config.hidden_size, config.ffn_hidden_size, group=state.tp,
             activation=config.activation, bias=config.mlp_bias, sequence_parallel=megatron_sp,
             init_method=init("mlp.fc1.weight", std), output_init_method=init("mlp.fc2.weight", out_std),
-            device=device, dtype=dtype, fp8=config.fp8("mlp"))
+            device=device, dtype=dtype, fp8=config.fp8("mlp"),
+            bias_gelu_fusion=config.bias_gelu_fusion)
 
     def set_recompute(self, mode: str) -> None:
         """"none", "full" or "selective" (see the module docstring)."""

@@ -59,8 +59,8 @@ MODEL_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
                 "num_key_value_heads", "ffn_hidden_size", "max_position_embeddings",
                 "make_vocab_size_divisible_by", "position_embedding", "norm", "activation",
                 "rope_theta", "init_std", "hidden_dropout", "attention_dropout", "recompute",
-                "recompute_num_layers", "attention_backend", "fp8_format", "fp8_recipe",
-                "fp8_layers")
+                "recompute_num_layers", "attention_backend", "bias_gelu_fusion", "fp8_format",
+                "fp8_recipe", "fp8_layers")
 PARALLEL_FIELDS = ("tp", "sp", "pp", "vpp", "megatron_sp", "order")
 # Group name in PretrainArgs -> (dataclass, fields exposed; None: all).
 GROUPS = {

@@ -4,7 +4,8 @@ import pytest
 import tp_checks
 from megazoo.testing import run_distributed
 
-CHECKS = ["check_column", "check_row", "check_mlp", "check_embedding", "check_cross_entropy"]
+CHECKS = ["check_column", "check_row", "check_mlp", "check_parallel_mlp_fused", "check_embedding",
+          "check_cross_entropy"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
