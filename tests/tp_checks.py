@@ -152,10 +152,12 @@ def check_parallel_mlp_fused(device="cpu"):
             allreduce_sequence_parallel_grads(mlp, state.tp)
             torch.testing.assert_close(y, _shard(y_ref, 0, state) if sp else y_ref, **TOL)
             torch.testing.assert_close(x_in.grad, _shard(x.grad, 0, state) if sp else x.grad, **TOL)
-            torch.testing.assert_close(mlp.fc1.weight.grad, _shard(ref1.weight.grad, 0, state), **TOL)
-            torch.testing.assert_close(mlp.fc1.bias.grad, _shard(ref1.bias.grad, 0, state), **TOL)
-            torch.testing.assert_close(mlp.fc2.weight.grad, _shard(ref2.weight.grad, 1, state), **TOL)
-            torch.testing.assert_close(mlp.fc2.bias.grad, ref2.bias.grad, **TOL)
+            pairs = [(mlp.fc1.weight, _shard(ref1.weight.grad, 0, state)),
+                     (mlp.fc1.bias, _shard(ref1.bias.grad, 0, state)),
+                     (mlp.fc2.weight, _shard(ref2.weight.grad, 1, state)),
+                     (mlp.fc2.bias, ref2.bias.grad)]
+            for param, want in pairs:
+                torch.testing.assert_close(param.grad, want, **TOL)
     return True
 
 

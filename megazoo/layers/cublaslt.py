@@ -21,9 +21,9 @@ It is an optional accelerator: `gemm` returns False, writing nothing, where it c
 and the caller computes the same thing with torch ops. Enum values are cuBLASLt's (the
 same in CUDA 12 and 13). Descriptors and the chosen algorithm are cached per shape, dtype
 and epilogue; the pointers (bias, aux, scales) are set on the cached descriptor before each
-launch, which reads them on the host. Each call costs the host a few microseconds of
-Python: the operands are validated once per problem (their dtypes, shapes and strides are
-the cache key), and each launch checks only the pointers' alignment.
+launch, which reads them on the host. The operands are validated once per problem (their
+dtypes, shapes and strides are the cache key); a launch checks only the pointers' alignment
+and passes plain integers to the library.
 """
 from __future__ import annotations
 

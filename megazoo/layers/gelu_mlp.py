@@ -10,8 +10,8 @@ shards; the tensor-parallel collectives stay outside (`ParallelMLP`). Against th
   pre-activation (kept for backward) and the activation (fc2's input) in one pass, where
   otherwise a second kernel reads the pre-activation back;
 - backward: fc2's input-gradient GEMM multiplies by GELU's derivative in its epilogue (a
-  whole read-and-write of [tokens, ffn] less), and each weight-gradient GEMM that fuses into
-  a main gradient also yields its bias's gradient (`wgrad.weight_grad`).
+  whole read-and-write of [tokens, ffn] less); the weight gradients go through
+  `wgrad.weight_grad`, into the main gradient where the owner fuses them.
 Each cuBLASLt call falls back to the torch ops where it cannot run (`cublaslt.gemm` returns
 False), so both paths compute the same function; they differ by rounding only, the
 epilogues working on the GEMM's fp32 accumulator before it is rounded to bf16 / fp16.

@@ -6,8 +6,8 @@ swiglu: x -> FusedColumn(h, [gate ffn; up ffn]) -> silu(gate) * up -> Row(ffn, h
 x [s, b, h] -> y [s, b, h]; with sequence_parallel both are the rank's sequence shard
 [s/tp, b, h]. The intermediate activation is split over tp along ffn, so no communication
 happens between the two matmuls. With `bias_gelu_fusion` (the default) the gelu MLP's local
-part runs as `gelu_mlp.gelu_mlp` on CUDA in bf16 / fp16 (bias, GELU, its derivative and the
-bias gradients inside the GEMMs); the collectives around it are the linears' own.
+part runs as `gelu_mlp.gelu_mlp` on CUDA in bf16 / fp16 (fc1's bias and GELU, and GELU's
+derivative, inside the GEMMs); the collectives around it are the linears' own.
 """
 from __future__ import annotations
 

@@ -86,8 +86,8 @@ class ModelConfig:
     attention_backend: str = "auto"
     """Passed to ParallelAttention ("auto" picks the best available)."""
     bias_gelu_fusion: bool = True
-    """GELU MLPs on CUDA in bf16 / fp16: fc1's bias and GELU, GELU's derivative and the bias
-    gradients run inside the GEMMs (cuBLASLt epilogues); off: separate kernels."""
+    """GELU MLPs on CUDA in bf16 / fp16: fc1's bias and GELU, and GELU's derivative, run
+    inside the GEMMs (cuBLASLt epilogues); off: separate kernels."""
     sparse_attention: dict | None = None
     """Block-sparse attention: a ds_config `sparse_attention` section (layers/sparse_config.py),
     kept as a plain dict so the config stays JSON (checkpoints); None: dense attention."""

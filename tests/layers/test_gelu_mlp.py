@@ -19,7 +19,10 @@ S, B, H, FFN = 8, 2, 16, 64
 
 def _weights(dtype, device="cpu", bias=True):
     g = torch.Generator().manual_seed(0)
-    make = lambda *shape, std=0.3: (torch.randn(*shape, generator=g) * std).to(device, dtype)  # noqa: E731
+
+    def make(*shape):
+        return (torch.randn(*shape, generator=g) * 0.3).to(device, dtype)
+
     w1, w2 = make(FFN, H), make(H, FFN)
     b1, b2 = (make(FFN), make(H)) if bias else (None, None)
     return [t.requires_grad_() if t is not None else None for t in (w1, b1, w2, b2)]
@@ -61,7 +64,8 @@ def test_cpu_fused_weights_take_the_main_gradient():
         w.main_grad = torch.full(w.shape, float("nan"))
         w.fuse_wgrad, w.main_grad_fresh, w.grad_added_to_main_grad = True, True, False
     g = torch.Generator().manual_seed(2)
-    data = [(torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g)) for _ in range(2)]
+    data = [(torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g))
+            for _ in range(2)]
     want = [torch.zeros_like(p) for p in params]
     for x, dy in data:
         gelu_mlp(x, *params).backward(dy)
@@ -126,6 +130,9 @@ def test_gpu_epilogues_match_float64():
     pre64 = x.double() @ w.double().t() + b.double()
     assert _rel(pre, pre64) < 8e-3
     assert _rel(y, F.gelu(pre64, approximate="tanh")) < 8e-3
+    y_nb, pre_nb = torch.empty_like(y), torch.empty_like(pre)  # no bias: "gelu_aux"
+    assert cublaslt.gemm(x, w, y_nb, trans_b=True, epilogue="gelu_aux", aux=pre_nb)
+    assert _rel(y_nb, F.gelu(x.double() @ w.double().t(), approximate="tanh")) < 8e-3
 
     dy, w2 = torch.randn(m, k, **bf), torch.randn(k, n, **bf) * 0.1
     dpre = torch.empty(m, n, **bf)
