@@ -24,6 +24,12 @@ import torch.nn.functional as F
 from .cublaslt import gemm
 from .wgrad import weight_grad
 
+#: Smallest [tokens, ffn] activation (elements, per rank) worth the fused path. The kernels
+#: it saves take time in proportion to that size, while its Python autograd Function and
+#: ctypes launches cost the host a fixed amount per call; below this the GPU saves less than
+#: a host that is the bottleneck loses (bench/README.md, "GELU MLP epilogues").
+MIN_ACTIVATION = 1 << 25
+
 
 class _GeluMLP(torch.autograd.Function):
     """F.linear -> GELU (tanh) -> F.linear with the epilogues above."""
@@ -56,10 +62,11 @@ class _GeluMLP(torch.autograd.Function):
 
 
 def fusable(x: torch.Tensor, w1: torch.Tensor) -> bool:
-    """Whether `gelu_mlp` can use cuBLASLt here: CUDA, bf16 / fp16 input and weights, no
-    autocast (its casts would not be mirrored)."""
+    """Whether `gelu_mlp` should run here: CUDA, bf16 / fp16 input and weights, no autocast
+    (its casts would not be mirrored), and an activation of at least MIN_ACTIVATION."""
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and w1.dtype == x.dtype
-            and not torch.is_autocast_enabled("cuda"))
+            and not torch.is_autocast_enabled("cuda")
+            and x.numel() // max(x.shape[-1], 1) * w1.shape[0] >= MIN_ACTIVATION)
 
 
 def gelu_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,

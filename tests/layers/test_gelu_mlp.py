@@ -115,15 +115,16 @@ def _rel(got, want):
 
 
 @pytest.mark.gpu
-def test_gpu_epilogues_match_float64():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_epilogues_match_float64(dtype):
     """Each epilogue must run (True) and match float64. The GEMM sums in fp32, so what is
-    left is the output's rounding: bf16 keeps 8 bits (2^-9 = 2e-3 relative per element), so
-    bf16 outputs are held to 8e-3 of the largest element (a few roundings, including the
-    pre-activation's, which the dgelu epilogue reads as bf16). A wrong transpose, bias or
-    derivative is off by O(1)."""
+    left is the output's rounding: bf16 keeps 8 bits (2^-9 = 2e-3 relative per element; fp16
+    2^-12), so outputs are held to 8e-3 of the largest element (a few roundings, including
+    the pre-activation's, which the dgelu epilogue reads in the output dtype). A wrong
+    transpose, bias or derivative is off by O(1)."""
     torch.manual_seed(0)
     m, k, n = 256, 128, 192
-    bf = dict(device="cuda", dtype=torch.bfloat16)
+    bf = dict(device="cuda", dtype=dtype)
     x, w, b = torch.randn(m, k, **bf), torch.randn(n, k, **bf) * 0.1, torch.randn(n, **bf)
     y, pre = torch.empty(m, n, **bf), torch.empty(m, n, **bf)
     assert cublaslt.gemm(x, w, y, trans_b=True, epilogue="gelu_aux_bias", bias=b, aux=pre)
@@ -143,11 +144,12 @@ def test_gpu_epilogues_match_float64():
 
 
 @pytest.mark.gpu
-def test_gpu_fused_mlp_matches_unfused_bf16():
+def test_gpu_fused_mlp_matches_unfused_bf16(monkeypatch):
     """ParallelMLP in bf16 with and without bias_gelu_fusion, against the float64 function
     of the same bf16 weights: the fused path's output and every gradient must be as close
     as the unfused path's (within 1.5x its error plus 1e-3 of the largest element; both
     are bf16 computations, ~1e-2 here), and the two paths must agree with each other."""
+    monkeypatch.setattr(gelu_mlp_module, "MIN_ACTIVATION", 0)  # this shape is below it
     torch.manual_seed(0)
     s, b, h, ffn = 128, 4, 256, 1024
     x = torch.randn(s, b, h, device="cuda", dtype=torch.bfloat16)
@@ -167,3 +169,17 @@ def test_gpu_fused_mlp_matches_unfused_bf16():
     for fused, plain, want in zip(results[True], results[False], ref):
         assert _rel(fused, want) < 1.5 * _rel(plain, want) + 1e-3
         assert _rel(fused, plain) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_small_mlps_keep_the_plain_ops():
+    """The fused path is taken from MIN_ACTIVATION elements of [tokens, ffn] on (its Python
+    and ctypes launches cost the host more than a smaller MLP's saved kernels)."""
+    from megazoo.layers.gelu_mlp import MIN_ACTIVATION, fusable
+
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    w1 = torch.empty(4096, 16, **bf)
+    tokens = MIN_ACTIVATION // 4096
+    assert fusable(torch.empty(tokens, 1, 16, **bf), w1)
+    assert not fusable(torch.empty(tokens // 2, 1, 16, **bf), w1)
+    assert not fusable(torch.empty(tokens, 1, 16, device="cuda"), w1)  # fp32
