@@ -39,9 +39,9 @@ def embed(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """ids, positions [b, s] -> x [s, b, h], as `Embedding.forward` at per-row positions.
     No host read: prompt ids were checked by `check_request`, sampled ids are < vocab."""
     emb = model.embedding
-    x = emb.word_embeddings.lookup(ids).transpose(0, 1)  # [s, b, h]; ids checked before
+    x = emb.word_embeddings.lookup(ids.t())  # [s, b, h] contiguous; ids checked before
     if emb.position_embeddings is not None:
-        x = x + emb.position_embeddings[positions].transpose(0, 1)  # [b, s, h] -> [s, b, h]
+        x = x + emb.position_embeddings[positions.t()]  # [s, b, h]
     return x if emb.norm is None else emb.norm(x)
 
 

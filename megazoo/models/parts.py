@@ -71,8 +71,11 @@ class Embedding(nn.Module):
     def forward(self, ids_sp: torch.Tensor, first_position: int,
                 check: bool = True) -> torch.Tensor:
         """check=False: the ids are known to be in the vocabulary (no device sync)."""
-        words = self.word_embeddings(ids_sp) if check else self.word_embeddings.lookup(ids_sp)
-        x = words.transpose(0, 1)  # [b, s_sp, h] -> [s_sp, b, h]
+        # Looked up with the ids transposed, so the activations start as a contiguous
+        # [s_sp, b, h] (a transposed [b, s_sp, h] view would make every residual add a
+        # strided kernel and every norm copy its input first).
+        ids_sb = ids_sp.t()
+        x = self.word_embeddings(ids_sb) if check else self.word_embeddings.lookup(ids_sb)
         if self.position_embeddings is not None:
             stop = first_position + ids_sp.shape[1]
             if stop > self.max_positions:

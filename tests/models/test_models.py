@@ -160,3 +160,19 @@ def test_rope_factors_from_the_cache_equal_fresh_ones():
     assert cached[0] is again[0]  # computed once
     for a, b in zip(cached, fresh):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_embedding_starts_a_contiguous_s_b_h_stream(family):
+    """The embedding's output [s, b, h] is contiguous (not a transposed [b, s, h] view: that
+    layout would follow the residual stream through every block, each residual add strided
+    and each norm copying its input) and holds each sequence's embedded ids."""
+    model = build_model(model_checks.tiny_config(family), device="cpu", seed=0)
+    ids = torch.randint(0, model.config.vocab_size, (3, 10))
+    for check in (True, False):
+        x = model.embedding(ids, 0, check=check)
+        assert x.shape == (10, 3, model.config.hidden_size) and x.is_contiguous()
+        words = model.embedding.word_embeddings.weight[ids[1]]  # sequence 1, [s, h]
+        if model.embedding.position_embeddings is not None:
+            words = words + model.embedding.position_embeddings[:10]
+        torch.testing.assert_close(x[:, 1], words, rtol=0, atol=0)
