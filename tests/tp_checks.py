@@ -144,7 +144,7 @@ def check_parallel_mlp_fused(device="cpu"):
             x_in = (_shard(x.detach(), 0, state) if sp else x.detach().clone()).requires_grad_()
             y_ref = ref2(F.gelu(ref1(x), approximate="tanh"))
             y_ref.square().sum().backward()
-            with mock.patch("megazoo.layers.mlp.fusable", lambda x, w: True), \
+            with mock.patch("megazoo.layers.mlp.fusable", lambda x, w, gathered: True), \
                     mock.patch("megazoo.layers.mlp.gelu_mlp", wraps=mlp_module.gelu_mlp) as fused:
                 y = mlp(x_in)
             assert fused.call_count == 1

@@ -61,12 +61,14 @@ class _GeluMLP(torch.autograd.Function):
         return dx, dw1, db1, dw2, db2
 
 
-def fusable(x: torch.Tensor, w1: torch.Tensor) -> bool:
-    """Whether `gelu_mlp` should run here: CUDA, bf16 / fp16 input and weights, no autocast
-    (its casts would not be mirrored), and an activation of at least MIN_ACTIVATION."""
+def fusable(x: torch.Tensor, w1: torch.Tensor, gathered: int = 1) -> bool:
+    """Whether `gelu_mlp` should run for input x [..., in] and this rank's w1 [ffn, in]:
+    CUDA, bf16 / fp16 input and weights, no autocast (its casts would not be mirrored), and
+    an activation of at least MIN_ACTIVATION elements, x's tokens times `gathered` (the
+    sequence-parallel all-gather before the GEMM) times ffn."""
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and w1.dtype == x.dtype
             and not torch.is_autocast_enabled("cuda")
-            and x.numel() // max(x.shape[-1], 1) * w1.shape[0] >= MIN_ACTIVATION)
+            and x.numel() // max(x.shape[-1], 1) * gathered * w1.shape[0] >= MIN_ACTIVATION)
 
 
 def gelu_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,

@@ -18,7 +18,7 @@ from torch import nn
 from .fused_linear import FusedColumnParallelLinear
 from .fusion import swiglu
 from .gelu_mlp import fusable, gelu_mlp
-from .groups import Group
+from .groups import Group, group_size
 from .linear import ColumnParallelLinear, RowParallelLinear
 
 ACTIVATIONS = ("gelu", "gelu_exact", "swiglu")
@@ -50,8 +50,9 @@ class ParallelMLP(nn.Module):
                                      **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gathered = group_size(self.fc1.group) if self.fc1.sequence_parallel else 1
         if (self.bias_gelu_fusion and self.activation == "gelu" and self.fc1.fp8 is None
-                and fusable(x, self.fc1.weight)):
+                and fusable(x, self.fc1.weight, gathered)):
             y_partial = gelu_mlp(self.fc1.gather_input(x), self.fc1.weight, self.fc1.bias,
                                  self.fc2.weight, self.fc2.local_bias())
             return self.fc2.reduce(y_partial)

@@ -83,7 +83,7 @@ def test_parallel_mlp_takes_the_fused_path_where_it_can(monkeypatch):
     not with bias_gelu_fusion=False, nor for gelu_exact or swiglu."""
     calls = []
     real = gelu_mlp_module._GeluMLP.apply
-    monkeypatch.setattr("megazoo.layers.mlp.fusable", lambda x, w: True)
+    monkeypatch.setattr("megazoo.layers.mlp.fusable", lambda x, w, gathered: True)
     monkeypatch.setattr(gelu_mlp_module._GeluMLP, "apply",
                         staticmethod(lambda *a: calls.append(1) or real(*a)))
     x = torch.randn(S, B, H)
@@ -183,3 +183,4 @@ def test_gpu_small_mlps_keep_the_plain_ops():
     assert fusable(torch.empty(tokens, 1, 16, **bf), w1)
     assert not fusable(torch.empty(tokens // 2, 1, 16, **bf), w1)
     assert not fusable(torch.empty(tokens, 1, 16, device="cuda"), w1)  # fp32
+    assert fusable(torch.empty(tokens // 2, 1, 16, **bf), w1, gathered=2)  # Megatron SP
