@@ -101,8 +101,8 @@ def check_global_inputs(seq_len: int, batch: int, padding_mask, position_ids, wh
 
 class _SplitQKV(torch.autograd.Function):
     """qkv [s, b, kc, gs + 2, d] (kc kv groups of gs query heads, a key, a value) ->
-    q [s, b, kc gs, d] (a contiguous copy: the heads of a group are not adjacent to the next
-    group's), k, v [s, b, kc, d] (views).
+    q [s, b, kc gs, d] (a view for gs = 1, else a copy: the heads of a group are not adjacent
+    to the next group's), k, v [s, b, kc, d] (views).
 
     Backward writes dq, dk, dv into one new gradient of qkv's shape with three strided copies.
     Autograd's own backward of `split` is a `cat` along the interleaved head axis, which moves
