@@ -38,8 +38,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @fused_on_gpu
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up."""
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up = [gate, up] (equal halves of the last dimension).
+
+    It takes the fused matmul's output whole, not its two halves: the backward of splitting
+    outside the compiled function would be a separate `cat` of the two gradients (a read and
+    write of the whole [tokens, 2 ffn] gradient); inside it, the fused backward kernel writes
+    both halves of one gradient itself.
+    """
+    gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 

@@ -57,9 +57,8 @@ class ParallelMLP(nn.Module):
                                  self.fc2.weight, self.fc2.local_bias())
             return self.fc2.reduce(y_partial)
         h_shard = self.fc1(x)  # [s, b, ffn/tp] (x2 for swiglu)
-        if self.activation == "swiglu":
-            gate, up = self.fc1.split_output(h_shard)
-            h_shard = swiglu(gate, up)
+        if self.activation == "swiglu":  # [gate ffn/tp; up ffn/tp]
+            h_shard = swiglu(h_shard)
         else:
             approximate = "tanh" if self.activation == "gelu" else "none"
             h_shard = F.gelu(h_shard, approximate=approximate)

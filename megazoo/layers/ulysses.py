@@ -38,7 +38,8 @@ from .groups import Group, group_rank, group_size
 from .heads import HeadLayout
 from .mappings import (all_to_all_heads_to_sequence, all_to_all_sequence_to_heads,
                        scatter_to_sequence_parallel_region)
-from .positions import alibi_slopes, apply_rope, rope_cos_sin, rope_cos_sin_first
+from .positions import alibi_slopes, rope_cos_sin, rope_cos_sin_first
+from .qkv_split import split_qkv
 
 POSITION_EMBEDDINGS = ("none", "alibi", "rope")
 
@@ -97,42 +98,6 @@ def check_global_inputs(seq_len: int, batch: int, padding_mask, position_ids, wh
     if position_ids is not None and tuple(position_ids.shape) not in ((seq_len,), (batch, seq_len)):
         raise ValueError(f"{where}: position_ids must be [s] or [b, s] for the full sequence "
                          f"(s={seq_len}, b={batch}), got {tuple(position_ids.shape)}")
-
-
-class _SplitQKV(torch.autograd.Function):
-    """qkv [s, b, kc, gs + 2, d] (kc kv groups of gs query heads, a key, a value) ->
-    q [s, b, kc gs, d] (a view for gs = 1, else a copy: the heads of a group are not adjacent
-    to the next group's), k, v [s, b, kc, d] (views).
-
-    Backward writes dq, dk, dv into one new gradient of qkv's shape with three strided copies.
-    Autograd's own backward of `split` is a `cat` along the interleaved head axis, which moves
-    the same bytes at a fraction of the copy rate for this layout.
-    """
-
-    @staticmethod
-    def forward(ctx, qkv: torch.Tensor, gs: int):
-        s, b, kc, _, d = qkv.shape
-        ctx.gs = gs
-        q = qkv[:, :, :, :gs].reshape(s, b, kc * gs, d)
-        return q, qkv[:, :, :, gs], qkv[:, :, :, gs + 1]
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        gs = ctx.gs
-        s, b, heads, d = dq.shape
-        grad = dq.new_empty(s, b, heads // gs, gs + 2, d)
-        grad[:, :, :, :gs].copy_(dq.view(s, b, heads // gs, gs, d))
-        for i, part in ((gs, dk), (gs + 1, dv)):
-            if part is None:
-                grad[:, :, :, i].zero_()
-            else:
-                grad[:, :, :, i].copy_(part)
-        return grad, None
-
-
-def split_qkv(qkv: torch.Tensor, gs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q [s, b, kc gs, d], k [s, b, kc, d], v [s, b, kc, d]) of qkv [s, b, kc, gs + 2, d]."""
-    return _SplitQKV.apply(qkv, gs)
 
 
 class UlyssesAttention(nn.Module):
@@ -243,9 +208,7 @@ class UlyssesAttention(nn.Module):
         gs, d = self.layout.sp_groups[1], self.layout.head_dim
         s, b = qkv.shape[0], qkv.shape[1]
         kc = qkv.shape[-1] // ((gs + 2) * d)
-        q, k, v = split_qkv(qkv.view(s, b, kc, gs + 2, d), gs)  # [s, b, heads, d]
-        if rope is not None:
-            q, k = apply_rope(q, k, *rope)
+        q, k, v = split_qkv(qkv.view(s, b, kc, gs + 2, d), gs, rope)  # [s, b, heads, d]
         if self.sparse is not None:
             return self.sparse(q, k, v, alibi_slopes=slopes).reshape(s, b, kc * gs * d)
         context = core_attention(q, k, v, causal=self.causal, padding_mask=padding_mask,

@@ -118,21 +118,76 @@ def test_cross_entropy_is_stable_in_low_precision(dtype):
     torch.testing.assert_close(logits.grad.float(), ref_in.grad, rtol=0, atol=1e-2)  # one bf16 ulp near 1
 
 
-def test_split_qkv_equals_split_and_its_gradient():
-    """The q/k/v split with its own backward (three strided copies) against autograd's split
-    + reshape (a cat in backward), a missing k or v gradient included; float64 gradcheck."""
-    from megazoo.layers.ulysses import split_qkv
+def _split_reference(t, gs, rope):
+    """autograd's split + reshape (a cat in backward), then `positions.apply_rope`."""
+    from megazoo.layers.positions import apply_rope
 
-    x = torch.randn(5, 2, 3, 6, 8, dtype=torch.float64, requires_grad=True)
+    s, b, kc, _, d = t.shape
+    q, k, v = t.split([gs, 1, 1], dim=3)
+    q, k, v = q.reshape(s, b, kc * gs, d), k.squeeze(3), v.squeeze(3)
+    return (*apply_rope(q, k, *rope), v) if rope is not None else (q, k, v)
 
-    def ref(t):
-        q, k, v = t.split([4, 1, 1], dim=3)
-        return q.reshape(5, 2, 12, 8), k.squeeze(3), v.squeeze(3)
 
-    got, want = split_qkv(x, 4), ref(x)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+@pytest.mark.parametrize("rope_batch", [None, 1, 2])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_split_qkv_equals_split_and_rope_and_their_gradients(device, rope_batch):
+    """`qkv_split.split_qkv` (its own backward, RoPE optional; compiled kernels on CUDA) against
+    split + reshape + `apply_rope` through autograd, a missing k or v gradient included.
+    float64 on CPU: equal to rounding (1e-12) and a gradcheck; float32 on CUDA, where the
+    compiled kernels may contract multiplies: 1e-6."""
+    from megazoo.layers.positions import rope_cos_sin
+    from megazoo.layers.qkv_split import split_qkv
+
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    tol = dict(rtol=0, atol=1e-12) if device == "cpu" else dict(rtol=1e-6, atol=1e-6)
+    torch.manual_seed(0)
+    x = torch.randn(5, 2, 3, 6, 8, device=device, dtype=dtype, requires_grad=True)
+    rope = None
+    if rope_batch is not None:
+        positions = torch.arange(5, device=device) + 3 if rope_batch == 1 else \
+            torch.randint(0, 50, (2, 5), device=device)
+        rope = rope_cos_sin(positions, 8, dtype=dtype)
+    got, want = split_qkv(x, 4, rope), _split_reference(x, 4, rope)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
     seeds = [torch.randn_like(o) for o in got]
-    assert torch.equal(torch.autograd.grad(got, x, seeds)[0], torch.autograd.grad(want, x, seeds)[0])
+    torch.testing.assert_close(torch.autograd.grad(got, x, seeds, retain_graph=True)[0],
+                               torch.autograd.grad(want, x, seeds, retain_graph=True)[0], **tol)
     no_k = torch.autograd.grad(got[0].sum() + got[2].sum(), x)[0]
-    assert torch.equal(no_k, torch.autograd.grad(want[0].sum() + want[2].sum(), x)[0])
-    assert torch.autograd.gradcheck(lambda t: split_qkv(t, 4), (x,))
+    torch.testing.assert_close(no_k, torch.autograd.grad(want[0].sum() + want[2].sum(), x)[0], **tol)
+    if device == "cpu":
+        assert torch.autograd.gradcheck(lambda t: split_qkv(t, 4, rope), (x,))
+        if rope is None:  # k and v stay views of qkv, and q too for one query head per group
+            q, k, v = split_qkv(x.view(5, 2, 24, 3, 2), 1)
+            assert all(t._base is x for t in (q, k, v))
+
+
+def test_split_qkv_rejects_mismatched_shapes():
+    from megazoo.layers.qkv_split import split_qkv
+
+    with pytest.raises(ValueError, match="gs \\+ 2 = 6"):
+        split_qkv(torch.zeros(5, 2, 3, 5, 8), 4)
+    with pytest.raises(ValueError, match="cos/sin"):
+        split_qkv(torch.zeros(5, 2, 3, 6, 8), 4, (torch.zeros(4, 1, 8), torch.zeros(4, 1, 8)))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_swiglu_of_the_fused_output_matches_the_formula(device):
+    """`fusion.swiglu` takes fc1's whole [gate; up] output (compiled on CUDA, eager on CPU):
+    its value and the one gradient it returns equal silu(gate) * up's and the two halves'
+    gradients side by side (fp64 on CPU; fp32 on CUDA, where the compiled kernel may contract
+    multiplies: 1e-6)."""
+    from megazoo.layers.fusion import swiglu
+
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 2 * 24, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(5, 3, 24, device=device, dtype=dtype)
+    y = swiglu(x)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    gate, up = x.detach()[..., :24].requires_grad_(), x.detach()[..., 24:].requires_grad_()
+    ref = F.silu(gate) * up
+    ref.backward(dy)
+    tol = dict(rtol=1e-6, atol=1e-6) if device == "cuda" else dict(rtol=0, atol=1e-12)
+    torch.testing.assert_close(y, ref, **tol)
+    torch.testing.assert_close(dx, torch.cat([gate.grad, up.grad], -1), **tol)

@@ -1,0 +1,98 @@
+"""The fused q/k/v projection taken apart for attention, with RoPE applied on the way.
+
+qkv [s, b, kc, gs + 2, d] (kc kv groups, each of gs query heads, a key head and a value head:
+the layout of the fused column-parallel projection, see heads.py) ->
+q [s, b, kc gs, d], k and v [s, b, kc, d].
+
+Forward, without RoPE: k and v are views of qkv, q is a view for gs = 1 and a copy otherwise
+(the query heads of one group are not adjacent to the next group's). With RoPE: v is a view,
+and q and k are rotated straight out of qkv by one fused kernel on CUDA (no copy of q first).
+
+Backward writes the one gradient of qkv in one fused kernel on CUDA: dq and dk rotated back
+(RoPE is a rotation: the gradient goes through its transpose, the inverse rotation) and dv,
+each into its heads' place. Autograd's own backward of the split would be a `cat` along the
+interleaved head axis after RoPE's own backward kernel; torch's strided copies into the
+interleaved layout are slow too. CPU runs eagerly (`fusion.fused_on_gpu`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .fusion import fused_on_gpu, rotate_half
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x cos + rotate_half(x) sin (HF LLaMA's convention, as `positions.apply_rope`)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def _rotate_back(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of `_rotate`'s input: dy cos + rotate_half^T(dy sin), where
+    rotate_half^T([g1, g2]) = [g2, -g1] = -rotate_half([g1, g2])."""
+    return dy * cos - rotate_half(dy * sin)
+
+
+@fused_on_gpu
+def _rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(q, k) of qkv [s, b, kc, gs + 2, d], rotated; cos, sin [s, 1 or b, 1, 1, d]."""
+    s, b, kc, width, d = qkv.shape
+    gs = width - 2
+    q = _rotate(qkv[:, :, :, :gs], cos, sin).reshape(s, b, kc * gs, d)
+    return q, _rotate(qkv[:, :, :, gs], cos[:, :, 0], sin[:, :, 0])
+
+
+@fused_on_gpu
+def _join(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
+    """The gradient of qkv [s, b, kc, gs + 2, d] from dq [s, b, kc gs, d], dk, dv [s, b, kc, d]."""
+    s, b, kc, d = dk.shape
+    return torch.cat([dq.reshape(s, b, kc, -1, d), dk.unsqueeze(3), dv.unsqueeze(3)], dim=3)
+
+
+@fused_on_gpu
+def _join_rotated(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """`_join` of the gradients of rotated q and k: each rotated back first."""
+    s, b, kc, d = dk.shape
+    dq = _rotate_back(dq.reshape(s, b, kc, -1, d), cos, sin)
+    dk = _rotate_back(dk, cos[:, :, 0], sin[:, :, 0])
+    return torch.cat([dq, dk.unsqueeze(3), dv.unsqueeze(3)], dim=3)
+
+
+class _SplitQKV(torch.autograd.Function):
+    """qkv -> (q, k, v), RoPE optional (cos, sin None without); see the module docstring.
+    Missing output gradients arrive as zeros (autograd materializes them)."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, cos, sin):
+        s, b, kc, width, d = qkv.shape
+        gs = width - 2
+        if cos is None:
+            q, k = qkv[:, :, :, :gs].reshape(s, b, kc * gs, d), qkv[:, :, :, gs]
+        else:
+            q, k = _rope_split(qkv, cos, sin)
+            ctx.save_for_backward(cos, sin)
+        ctx.rope = cos is not None
+        return q, k, qkv[:, :, :, gs + 1]
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        if ctx.rope:
+            return _join_rotated(dq, dk, dv, *ctx.saved_tensors), None, None
+        return _join(dq, dk, dv), None, None
+
+
+def split_qkv(qkv: torch.Tensor, gs: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """(q [s, b, kc gs, d], k [s, b, kc, d], v [s, b, kc, d]) of qkv [s, b, kc, gs + 2, d];
+    with `rope` = (cos, sin) [s, 1 or b, d], q and k rotated (as `positions.apply_rope`)."""
+    s, b, kc, width, d = qkv.shape
+    if width != gs + 2:
+        raise ValueError(f"split_qkv: qkv {tuple(qkv.shape)} must have gs + 2 = {gs + 2} "
+                         f"heads per kv group")
+    if rope is None:
+        return _SplitQKV.apply(qkv, None, None)
+    cos, sin = rope
+    if cos.shape[0] != s or cos.shape[1] not in (1, b) or cos.shape[-1] != d:
+        raise ValueError(f"split_qkv: cos/sin {tuple(cos.shape)} do not match qkv "
+                         f"{tuple(qkv.shape)} (expected [s, b or 1, d] with s={s}, b={b}, d={d})")
+    view = (s, cos.shape[1], 1, 1, d)
+    return _SplitQKV.apply(qkv, cos.reshape(view), sin.reshape(view))
