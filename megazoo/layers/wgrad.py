@@ -64,28 +64,29 @@ def add_to_main_grad(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return _delivered(weight)
 
 
-def accumulate_wgrad(weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor,
-                     want_db: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def accumulate_wgrad(weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """main_grad (+)= dy^T x for dy [M, N], x [M, K] in the weight's dtype; returns what
-    backward gives autograd for the weight, and the bias gradient dy.sum(0) when `want_db`."""
+    backward gives autograd for the weight."""
     if weight.device.type != "cuda":
-        return add_to_main_grad(weight, dy.t() @ x), dy.sum(0) if want_db else None
+        return add_to_main_grad(weight, dy.t() @ x)
     main, accumulate = _target(weight)
     beta = 1.0 if accumulate else 0.0
     if x.dtype == torch.float32:
         torch.addmm(main, dy.t(), x, beta=beta, out=main)
     else:
         torch.addmm(main, dy.t(), x, beta=beta, out_dtype=torch.float32, out=main)
-    return _delivered(weight), dy.sum(0) if want_db else None
+    return _delivered(weight)
 
 
 def weight_grad(weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor,
                 want_db: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(what autograd gets for the weight, the bias gradient or None) for y = x W^T + b with
-    dy [M, N], x [M, K]: fused into `main_grad` where the owner asked for it, else dy^T x."""
+    """(what autograd gets for the weight, the bias gradient dy.sum(0) or None) for
+    y = x W^T + b with dy [M, N], x [M, K]: fused into `main_grad` where the owner asked for
+    it, else dy^T x."""
     if fuses_wgrad(weight):
-        return accumulate_wgrad(weight, dy, x, want_db)
-    dw = dy.t() @ x if weight.requires_grad else None
+        dw = accumulate_wgrad(weight, dy, x)
+    else:
+        dw = dy.t() @ x if weight.requires_grad else None
     return dw, dy.sum(0) if want_db else None
 
 
@@ -114,8 +115,8 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_dx, _, need_db = ctx.needs_input_grad
         dx = dy @ weight if need_dx else None
-        dw, db = accumulate_wgrad(weight, dy.reshape(-1, dy.shape[-1]),
-                                  x.reshape(-1, x.shape[-1]), need_db)
+        dw, db = weight_grad(weight, dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]),
+                             need_db)
         return dx, dw, db
 
 
