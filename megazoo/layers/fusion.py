@@ -56,7 +56,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x cos + rotate_half(x) sin (HF LLaMA's RoPE; cos, sin broadcastable to x)."""
+    return x * cos + rotate_half(x) * sin
+
+
 @fused_on_gpu
 def rope_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """(q, k) rotated by cos, sin (already broadcastable to them): x cos + rotate_half(x) sin."""
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    """(q, k) rotated by cos, sin (already broadcastable to them): `rope_rotate` of each."""
+    return rope_rotate(q, cos, sin), rope_rotate(k, cos, sin)

@@ -18,16 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from .fusion import fused_on_gpu, rotate_half
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x cos + rotate_half(x) sin (HF LLaMA's convention, as `positions.apply_rope`)."""
-    return x * cos + rotate_half(x) * sin
+from .fusion import fused_on_gpu, rope_rotate, rotate_half
 
 
 def _rotate_back(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The gradient of `_rotate`'s input: dy cos + rotate_half^T(dy sin), where
+    """The gradient of `rope_rotate`'s input: dy cos + rotate_half^T(dy sin), where
     rotate_half^T([g1, g2]) = [g2, -g1] = -rotate_half([g1, g2])."""
     return dy * cos - rotate_half(dy * sin)
 
@@ -37,24 +32,18 @@ def _rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """(q, k) of qkv [s, b, kc, gs + 2, d], rotated; cos, sin [s, 1 or b, 1, 1, d]."""
     s, b, kc, width, d = qkv.shape
     gs = width - 2
-    q = _rotate(qkv[:, :, :, :gs], cos, sin).reshape(s, b, kc * gs, d)
-    return q, _rotate(qkv[:, :, :, gs], cos[:, :, 0], sin[:, :, 0])
+    q = rope_rotate(qkv[:, :, :, :gs], cos, sin).reshape(s, b, kc * gs, d)
+    return q, rope_rotate(qkv[:, :, :, gs], cos[:, :, 0], sin[:, :, 0])
 
 
 @fused_on_gpu
-def _join(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
-    """The gradient of qkv [s, b, kc, gs + 2, d] from dq [s, b, kc gs, d], dk, dv [s, b, kc, d]."""
+def _join(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos, sin) -> torch.Tensor:
+    """The gradient of qkv [s, b, kc, gs + 2, d] from dq [s, b, kc gs, d], dk, dv [s, b, kc, d];
+    with cos, sin (not None) those of rotated q and k, each rotated back first."""
     s, b, kc, d = dk.shape
-    return torch.cat([dq.reshape(s, b, kc, -1, d), dk.unsqueeze(3), dv.unsqueeze(3)], dim=3)
-
-
-@fused_on_gpu
-def _join_rotated(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor) -> torch.Tensor:
-    """`_join` of the gradients of rotated q and k: each rotated back first."""
-    s, b, kc, d = dk.shape
-    dq = _rotate_back(dq.reshape(s, b, kc, -1, d), cos, sin)
-    dk = _rotate_back(dk, cos[:, :, 0], sin[:, :, 0])
+    dq = dq.reshape(s, b, kc, -1, d)
+    if cos is not None:
+        dq, dk = _rotate_back(dq, cos, sin), _rotate_back(dk, cos[:, :, 0], sin[:, :, 0])
     return torch.cat([dq, dk.unsqueeze(3), dv.unsqueeze(3)], dim=3)
 
 
@@ -71,14 +60,12 @@ class _SplitQKV(torch.autograd.Function):
         else:
             q, k = _rope_split(qkv, cos, sin)
             ctx.save_for_backward(cos, sin)
-        ctx.rope = cos is not None
         return q, k, qkv[:, :, :, gs + 1]
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        if ctx.rope:
-            return _join_rotated(dq, dk, dv, *ctx.saved_tensors), None, None
-        return _join(dq, dk, dv), None, None
+        cos, sin = ctx.saved_tensors or (None, None)  # nothing saved without RoPE
+        return _join(dq, dk, dv, cos, sin), None, None
 
 
 def split_qkv(qkv: torch.Tensor, gs: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
