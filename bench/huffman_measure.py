@@ -79,7 +79,7 @@ def streams(grad: torch.Tensor) -> list[tuple[str, np.ndarray]]:
         out.append((f"{bits}bit codes", wire[:, :split].reshape(-1).numpy()))
         out.append((f"{bits}bit scales", wire[:, split:].reshape(-1).numpy()))
     codec = TopKCodec(0.01, torch.float32)
-    wire, _ = codec.encode(grad)
+    wire = codec.encode_with_error(grad, torch.zeros_like(grad))
     chunks, _, kk = codec.shape(grad.numel())
     split = chunks * kk * 4
     out.append(("topk values", wire[0, :split].numpy()))

@@ -38,14 +38,26 @@ def test_wire_sizes():
     assert codec.row_bytes(200_000) == 4 * 656 * 6
 
 
+def _topk(codec, x, weight=None):
+    """(wire, what the receivers decode) for x with no earlier residual; the residual left
+    must be x minus that, exactly (an fp32 wire rounds nothing)."""
+    err = torch.zeros_like(x)
+    wire = codec.encode_with_error(x, err, weight)
+    decoded = codec.decode_sum_into(wire, torch.full_like(x, float("nan")))
+    assert torch.equal(err, x - decoded)
+    return wire, decoded
+
+
 def test_topk_offsets_decode_to_the_selected_entries():
-    x = torch.zeros(70_000)
-    hot = torch.tensor([3, 65535, 65536, 69_999])
+    """Two whole chunks and a partial last one (padded inside the codec)."""
+    x = torch.zeros(140_000)
+    hot = torch.tensor([3, 65535, 65536, 139_999])
     x[hot] = torch.tensor([5.0, -7.0, 2.0, -1.0])
     codec = TopKCodec(1 / 65536, torch.float32)  # one entry per chunk
-    wire, sent = codec.encode(x)
-    assert torch.equal(codec.decode_sum(wire, x.numel(), torch.float32), sent)
-    assert sent[65535] == -7.0 and sent[65536] == 2.0 and sent.count_nonzero() == 2
+    wire, sent = _topk(codec, x)
+    assert wire.numel() == codec.row_bytes(x.numel()) == 3 * 6
+    assert sent[65535] == -7.0 and sent[65536] == 2.0 and sent[139_999] == -1.0
+    assert sent.count_nonzero() == 3
 
 
 def test_topk_weight_changes_the_choice_not_the_values():
@@ -53,11 +65,22 @@ def test_topk_weight_changes_the_choice_not_the_values():
     value (the receivers never see the weights)."""
     x = torch.tensor([4.0, -1.0, 3.0, 0.5])
     codec = TopKCodec(0.5, torch.float32)  # 2 of 4
-    _, sent = codec.encode(x)
+    _, sent = _topk(codec, x)
     assert torch.equal(sent, torch.tensor([4.0, 0.0, 3.0, 0.0]))
-    wire, sent = codec.encode(x, torch.tensor([1.0, 10.0, 0.1, 1.0]))
+    _, sent = _topk(codec, x, torch.tensor([1.0, 10.0, 0.1, 1.0]))
     assert torch.equal(sent, torch.tensor([4.0, -1.0, 0.0, 0.0]))
-    assert torch.equal(codec.decode_sum(wire, 4, torch.float32), sent)
+
+
+def test_topk_residual_keeps_the_wire_dtype_rounding():
+    """bf16 values on the wire: a sent entry leaves its rounding error behind, so x = decoded
+    + residual still holds exactly."""
+    x = torch.tensor([1.0 + 2 ** -12, -3.0, 0.25, 0.0])
+    codec = TopKCodec(0.5, torch.bfloat16)
+    err = torch.zeros_like(x)
+    wire = codec.encode_with_error(x, err)
+    decoded = codec.decode_sum_into(wire, torch.empty_like(x))
+    assert torch.equal(decoded, torch.tensor([1.0, -3.0, 0.0, 0.0]))
+    assert torch.equal(decoded + err, x) and err[0] == 2 ** -12
 
 
 def test_lossless_inputs_sum_exactly():

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 TOPK_CHUNK = 65536
 TERNARY_THRESHOLD = 0.7
@@ -122,7 +123,7 @@ class BlockCodec:
                                              **self._layout_args(k))
         kb = self.padded(k)
         total = x + err
-        wire = self.encode(torch.nn.functional.pad(total, (0, kb - k)), self.counts(k, x.device))
+        wire = self.encode(F.pad(total, (0, kb - k)), self.counts(k, x.device))
         torch.sub(total, self.decode(wire, kb, x.dtype)[:, :k], out=err)
         return wire
 
@@ -189,33 +190,58 @@ class TopKCodec:
         chunks, _, k = self.shape(numel)
         return chunks * k * (self.wire_dtype.itemsize + 2)
 
-    def encode(self, x: torch.Tensor, weight: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat x -> (row bytes [1, row_bytes] uint8, what the receivers will decode, flat).
+    def encode_with_error(self, x: torch.Tensor, err: torch.Tensor,
+                          weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat x, err -> the wire [1, row_bytes] (uint8) of x + err; `err` becomes x + err
+        minus what the receivers will decode (error feedback), in place.
 
         `weight` (flat, like x, >= 0): the entries are chosen by |x| x weight instead of |x|;
-        what is sent is still x's values (the receivers never need the weights)."""
-        chunks, chunk, k = self.shape(x.numel())
-        pad = (0, chunks * chunk - x.numel())
-        padded = torch.nn.functional.pad(x, pad).view(chunks, chunk)
-        score = padded.abs()
-        if weight is not None:
-            score.mul_(torch.nn.functional.pad(weight, pad).view(chunks, chunk))
-        idx = score.topk(k, dim=1, sorted=False).indices            # [chunks, k] int64
-        values = padded.gather(1, idx).to(self.wire_dtype)          # [chunks, k]
-        offsets = (idx - 32768).to(torch.int16)
-        sent = torch.zeros_like(padded).scatter_(1, idx, values.to(x.dtype))
-        wire = torch.cat([as_bytes(values.reshape(1, -1)), as_bytes(offsets.reshape(1, -1))], 1)
-        return wire, sent.reshape(-1)[:x.numel()]
-
-    def decode_sum(self, rows: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Sum of the decoded rows [peers, row_bytes] -> flat [numel], rows added in order
-        (no two indices of one row collide, so every rank gets bit-identical sums)."""
+        what is sent is still the values (the receivers never need the weights). The sum is
+        formed in `err` itself and the sent entries are taken out of it by writing at their
+        k positions only (what stays is the wire dtype's rounding of them), so besides the
+        selection a call makes one pass over the bucket for the sum and one for the scores;
+        only the last, partial chunk is padded (a copy of under one chunk)."""
+        numel = x.numel()
         chunks, chunk, k = self.shape(numel)
+        whole = numel // chunk * chunk
+        total = err.add_(x)
+        parts = [(total[:whole].view(-1, chunk),
+                  None if weight is None else weight[:whole].view(-1, chunk))]
+        if whole < numel:
+            pad = (0, chunks * chunk - numel)
+            parts.append((F.pad(total[whole:], pad).view(1, chunk),
+                          None if weight is None else F.pad(weight[whole:], pad).view(1, chunk)))
+        values, offsets = [], []
+        for rows, w in parts:
+            score = rows.abs()
+            if w is not None:
+                score.mul_(w)
+            idx = score.topk(k, dim=1, sorted=False).indices            # [rows, k] int64
+            chosen = rows.gather(1, idx)
+            sent = chosen.to(self.wire_dtype)
+            rows.scatter_(1, idx, chosen - sent.to(rows.dtype))
+            values.append(sent.reshape(1, -1))
+            offsets.append((idx - 32768).to(torch.int16).reshape(1, -1))
+        if whole < numel:
+            total[whole:].copy_(parts[-1][0][0, :numel - whole])
+        return torch.cat([as_bytes(torch.cat(values, 1)), as_bytes(torch.cat(offsets, 1))], 1)
+
+    def decode_sum_into(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The sum of the decoded rows [peers, row_bytes] written into flat `out`, rows added
+        in order from zero (no two indices of one row collide, so every rank gets
+        bit-identical sums)."""
+        numel, peers = out.numel(), rows.shape[0]
+        chunks, chunk, k = self.shape(numel)
+        whole = numel // chunk * chunk
         split = chunks * k * self.wire_dtype.itemsize
-        values = from_bytes(rows[:, :split], self.wire_dtype).to(dtype)      # [peers, chunks*k]
-        idx = from_bytes(rows[:, split:], torch.int16).to(torch.int64) + 32768
-        out = torch.zeros(chunks, chunk, dtype=dtype, device=rows.device)
-        for peer in range(rows.shape[0]):  # a loop over ranks, never over elements
-            out.scatter_add_(1, idx[peer].view(chunks, k), values[peer].view(chunks, k))
-        return out.reshape(-1)[:numel]
+        values = from_bytes(rows[:, :split], self.wire_dtype).to(out.dtype).view(peers, chunks, k)
+        idx = (from_bytes(rows[:, split:], torch.int16).to(torch.int64) + 32768).view(peers, chunks, k)
+        main, w = out[:whole].view(-1, chunk).zero_(), whole // chunk
+        tail = out.new_zeros(1, chunk) if whole < numel else None
+        for peer in range(peers):  # a loop over ranks, never over elements
+            main.scatter_add_(1, idx[peer, :w], values[peer, :w])
+            if tail is not None:
+                tail.scatter_add_(1, idx[peer, w:], values[peer, w:])
+        if tail is not None:
+            out[whole:].copy_(tail[0, :numel - whole])
+        return out

@@ -125,15 +125,14 @@ class TopKReduction(_Compressed):
 
     def launch(self, key: str, data: torch.Tensor, shard: torch.Tensor | None = None,
                weight: torch.Tensor | None = None) -> _Done:
-        """`weight` (like `data`): choose the entries by |x| x weight (`TopKCodec.encode`)."""
+        """`weight` (like `data`): choose the entries by |x| x weight
+        (`TopKCodec.encode_with_error`)."""
         codec = TopKCodec(self.ratio, self.wire_dtype or data.dtype)
         residual = self._error(f"{key}.worker", data, data.numel())
-        x = data + residual
-        wire, sent = codec.encode(x, weight)
-        torch.sub(x, sent, out=residual)
+        wire = codec.encode_with_error(data, residual, weight)
         self._count_dense(data.numel(), shard)
         rows, work = self._gather(wire)
-        return _Done(work, lambda: data.copy_(codec.decode_sum(rows, data.numel(), data.dtype)))
+        return _Done(work, lambda: codec.decode_sum_into(rows, data))
 
 
 class BlockReduction(_Compressed):

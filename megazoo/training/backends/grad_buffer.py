@@ -45,8 +45,8 @@ one shard of the momentum per rank.
 
 Per-step options of a compressed reduction (`start_step(..., select=, local_clip=)`):
 `select` (flat, laid out like the buffer) is handed to a topk reduction as the weight its
-entries are chosen by (`TopKCodec.encode`); `local_clip` (a norm) clips this rank's gradient
-in each bucket, before the division by dp and the momentum offset, to
+entries are chosen by (`TopKCodec.encode_with_error`); `local_clip` (a norm) clips this
+rank's gradient in each bucket, before the division by dp and the momentum offset, to
 local_clip x sqrt(bucket numel / buffer numel) (Deep Gradient Compression's local clipping:
 the caller then skips clipping the reduced gradient). The clip is a device-side factor, no
 host sync; a non-finite norm makes the bucket non-finite, which skips the step as before.
