@@ -1,4 +1,4 @@
-"""The Triton block codec (`megazoo.kernels.triton_codec`) against the PyTorch codec.
+"""The Triton codecs (`megazoo.kernels.triton_codec`, `triton_topk`) against the PyTorch ones.
 
 Runs compiled on a GPU, and on CPU tensors under Triton's interpreter (conftest). Exactness:
 the signs (1bit) are the same bits as the PyTorch codec's; a block's scale is the same mean
@@ -8,13 +8,17 @@ product of a sign and a scale), and the residual is x + err minus the decoded va
 fp32 rounding (atol 1e-6 on values of size ~3). In the gloo reduction, fp32 sums of two
 steps deviate from sum(outputs) + sum(residuals) = sum(inputs) by rounding only (1e-5
 relative; a lost or doubled residual is off by O(1)), and both ranks decode the same bytes.
+topk: the same entries as torch.topk (random scores never tie), their values the same bits
+in fp32 and within one bf16 rounding step in bf16 (Triton's interpreter casts by truncation,
+compiled code rounds to nearest: rtol 1e-2), and decoded + residual = x + err exactly (a sent
+value's rounding error is exact in fp32).
 """
 import os
 
 import pytest
 import torch
 
-from megazoo.parallel.compress.codecs import BlockCodec
+from megazoo.parallel.compress.codecs import BlockCodec, TopKCodec
 from megazoo.testing import run_distributed
 
 import compression_checks as checks
@@ -53,13 +57,44 @@ def test_triton_codec_matches_the_pytorch_codec(bits, wire_dtype, triton_device)
                                rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["by_size", "weighted"])
+@pytest.mark.parametrize("wire_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_topk_matches_the_pytorch_codec(weighted, wire_dtype, triton_device):
+    numel = 140_000  # two whole chunks of 65536 and a partial one
+    gen = torch.Generator().manual_seed(3)
+    x, err0, w = (torch.randn(numel, generator=gen).to(triton_device) for _ in range(3))
+    weight = w.abs() if weighted else None
+    fast, ref = (TopKCodec(0.003, wire_dtype, impl) for impl in ("triton", "torch"))
+    err_fast, err_ref = err0.clone(), err0.clone()
+    wire_fast = fast.encode_with_error(x, err_fast, weight)
+    wire_ref = ref.encode_with_error(x, err_ref, weight)
+    assert wire_fast.shape == wire_ref.shape == (1, ref.row_bytes(numel))
+    got = ref.decode_sum_into(wire_fast, torch.empty_like(x))
+    want = ref.decode_sum_into(wire_ref, torch.empty_like(x))
+    assert torch.equal(got != 0, want != 0)  # the same entries
+    torch.testing.assert_close(got, want, rtol=0 if wire_dtype == torch.float32 else 1e-2, atol=0)
+    assert torch.equal(got + err_fast, x + err0)
+
+
+def test_triton_topk_breaks_ties_by_index(triton_device):
+    """1 in 7 entries tie at 1.0, and k is under their count: the lowest indices win, exactly k."""
+    x = torch.zeros(3000, device=triton_device)
+    x[::7] = 1.0
+    codec = TopKCodec(0.1, torch.float32, "triton")
+    err = torch.zeros_like(x)
+    decoded = codec.decode_sum_into(codec.encode_with_error(x, err), torch.empty_like(x))
+    k = codec.shape(3000)[2]
+    assert torch.equal(decoded.nonzero().flatten().cpu(), torch.arange(0, 7 * k, 7))
+    assert torch.equal(decoded + err, x)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the gloo ranks hold CPU tensors, which Triton runs only under its "
                            "interpreter (on CPU-only hosts; on GPUs the codec test above runs compiled)")
-@pytest.mark.parametrize("algorithm", ["1bit", "2bit"])
+@pytest.mark.parametrize("algorithm", ["1bit", "2bit", "topk"])
 def test_triton_reduction_conserves_mass_and_ranks_agree(algorithm):
     out = run_distributed(checks.conservation_both, 2, algorithm, 2, 2048, torch.float32, "triton",
-                          timeout=240)
+                          algorithm == "topk", timeout=240)
     for shard in (False, True):
         for r in (o[shard] for o in out):
             assert r["deviation"] < 1e-5 * max(r["scale"], 1.0), (shard, r["deviation"])

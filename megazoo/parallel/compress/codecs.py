@@ -1,5 +1,6 @@
-"""Gradient codecs: tensors <-> the bytes sent, vectorised PyTorch on the input's device (the
-block codec also as Triton kernels on GPUs, `BlockCodec.encode_with_error`).
+"""Gradient codecs: tensors <-> the bytes sent, vectorised PyTorch on the input's device (on
+GPUs the block codec also as Triton kernels, `BlockCodec.encode_with_error`, and the topk
+encoder as one, `TopKCodec.encode_with_error`).
 
 Every codec turns a 2-D tensor `x` [rows, n] (one row per destination, n a multiple of the
 block size) into one uint8 row per input row, and back. Rows are independent, so one call
@@ -174,12 +175,15 @@ class BlockCodec:
 
 
 class TopKCodec:
-    """Per-chunk top-k values and uint16 offsets; see the module doc."""
+    """Per-chunk top-k values and uint16 offsets; see the module doc.
 
-    def __init__(self, ratio: float, wire_dtype: torch.dtype):
+    `encode_with_error` runs as one Triton kernel (`megazoo.kernels.triton_topk`) on fp32
+    CUDA tensors where triton works, else as the PyTorch code below; `impl` forces one."""
+
+    def __init__(self, ratio: float, wire_dtype: torch.dtype, impl: str | None = None):
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"topk_ratio must be in (0, 1], got {ratio}")
-        self.ratio, self.wire_dtype = ratio, wire_dtype
+        self.ratio, self.wire_dtype, self.impl = ratio, wire_dtype, impl
 
     def shape(self, numel: int) -> tuple[int, int, int]:
         """(chunks, chunk, k) for a flat tensor of `numel` elements."""
@@ -201,8 +205,16 @@ class TopKCodec:
         k positions only (what stays is the wire dtype's rounding of them), so besides the
         selection a call makes one pass over the bucket for the sum and one for the scores;
         only the last, partial chunk is padded (a copy of under one chunk)."""
+        from ...kernels._dispatch import pick, triton_module
+
         numel = x.numel()
         chunks, chunk, k = self.shape(numel)
+        fp32 = x.dtype == err.dtype == torch.float32 and (weight is None or weight.is_contiguous())
+        unsupported = None if fp32 and x.is_contiguous() and err.is_contiguous() else \
+            "the Triton topk encoder takes contiguous fp32 data and residual"
+        if pick(x, self.impl, unsupported=unsupported) == "triton":
+            return triton_module("topk").encode_with_error(x, err, weight, chunk=chunk, k=k,
+                                                           wire_dtype=self.wire_dtype)
         whole = numel // chunk * chunk
         total = err.add_(x)
         parts = [(total[:whole].view(-1, chunk),

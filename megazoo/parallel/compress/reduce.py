@@ -119,15 +119,16 @@ class _Compressed(DenseReduction):
 
 
 class TopKReduction(_Compressed):
-    def __init__(self, group, ratio: float, wire_dtype: torch.dtype | None = None):
+    def __init__(self, group, ratio: float, wire_dtype: torch.dtype | None = None,
+                 impl: str | None = None):
         super().__init__(group, wire_dtype)
-        self.ratio = ratio
+        self.ratio, self.impl = ratio, impl
 
     def launch(self, key: str, data: torch.Tensor, shard: torch.Tensor | None = None,
                weight: torch.Tensor | None = None) -> _Done:
         """`weight` (like `data`): choose the entries by |x| x weight
         (`TopKCodec.encode_with_error`)."""
-        codec = TopKCodec(self.ratio, self.wire_dtype or data.dtype)
+        codec = TopKCodec(self.ratio, self.wire_dtype or data.dtype, self.impl)
         residual = self._error(f"{key}.worker", data, data.numel())
         wire = codec.encode_with_error(data, residual, weight)
         self._count_dense(data.numel(), shard)
@@ -175,7 +176,7 @@ def build_reduction(algorithm: str | None, group, *, topk_ratio: float = 0.01,
     if algorithm in (None, "none"):
         return DenseReduction(group, wire_dtype)
     if algorithm == "topk":
-        return TopKReduction(group, topk_ratio, wire_dtype)
+        return TopKReduction(group, topk_ratio, wire_dtype, impl)
     if algorithm in ("1bit", "2bit"):
         return BlockReduction(group, int(algorithm[0]), block, wire_dtype, impl)
     raise ValueError(f"gradient compression algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
