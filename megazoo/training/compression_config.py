@@ -28,12 +28,15 @@ SECTION = "gradient_compression"
 TOP_KEY = "communication_data_type"
 ALGORITHMS = ("none", *COMPRESSORS)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-DEFAULTS = {"topk_ratio": 0.01, "compression_start_step": 0, "compression_block_size": 1024}
+DEFAULTS = {"topk_ratio": 0.01, "compression_start_step": 0, "compression_block_size": 1024,
+            "compressed_momentum_share": 1.0}
 # ds_config key (inside the section) -> field; the section's "algorithm" is the field below.
 SECTION_KEYS = {"algorithm": "gradient_compression", "topk_ratio": "topk_ratio",
                 "compression_start_step": "compression_start_step",
                 "compression_block_size": "compression_block_size",
-                "freeze_variance": "freeze_variance", "topk_selection": "topk_selection",
+                "freeze_variance": "freeze_variance",
+                "compressed_momentum_share": "compressed_momentum_share",
+                "topk_selection": "topk_selection",
                 "local_gradient_clipping": "local_gradient_clipping",
                 "huffman_coding": "huffman_coding"}
 TOPK_SELECTIONS = ("magnitude", "update")
@@ -62,6 +65,14 @@ class CompressionConfig:
     momentum instead of its gradient (not with the distributed optimizer, which holds one
     momentum shard per rank); needs --compression-start-step >= 1, the uncompressed warmup
     that estimates the second moment."""
+    compressed_momentum_share: float | None = None
+    """With --freeze-variance: the share of AdamW's momentum that each compressed step
+    carries through the compression (default 1.0, 1-bit Adam's rule: each rank compresses
+    its whole local momentum). Below 1 the rest stays in the optimizer's momentum, where it
+    keeps decaying on every entry (by beta1 x (1 - share) per step) whether or not the entry
+    was sent; 0 compresses plain gradients. The sum is exact for any share (the momentum
+    added to the buckets is taken off again); the share decides what waits in the residual.
+    Measured on the default run (bench/README.md): topk 0.01 converges best near 0.5."""
     topk_selection: str | None = None
     """topk: which entries each rank sends: "magnitude" (the largest |x|, default) or "update"
     (the largest |x| / (sqrt(v) + eps) with v AdamW's frozen second moment: the entries whose
@@ -111,6 +122,10 @@ class CompressionConfig:
         if self.freeze_variance and not self.compression_start_step:
             raise ValueError("--freeze-variance freezes AdamW's variance as estimated by "
                              "uncompressed steps: set --compression-start-step (e.g. 100)")
+        share = self.compressed_momentum_share
+        if share is not None and not (self.freeze_variance and 0.0 <= share <= 1.0):
+            raise ValueError(f"--compressed-momentum-share {share}: needs --freeze-variance "
+                             f"(momentum is compressed only with it) and a value in [0, 1]")
         if self.topk_selection is not None and self.topk_selection not in TOPK_SELECTIONS:
             raise ValueError(f"--topk-selection must be one of {TOPK_SELECTIONS}, got "
                              f"{self.topk_selection!r}")

@@ -46,6 +46,11 @@ def test_topk_selection_and_local_clipping_from_the_json_section(tmp_path):
     c = parse_args(["--deepspeed_config", _json(tmp_path, {"gradient_compression": section}),
                     "--topk-selection", "update"]).compression
     assert (c.topk_selection, c.local_gradient_clipping) == ("update", True)
+    assert c.value("compressed_momentum_share") == 1.0  # 1-bit Adam's rule unless given
+    section["compressed_momentum_share"] = 0.5
+    c = parse_args(["--deepspeed_config", _json(tmp_path, {"gradient_compression": section}),
+                    "--compressed-momentum-share", "0.5"]).compression
+    assert c.value("compressed_momentum_share") == 0.5
 
 
 @pytest.mark.parametrize("data, flags, message", [
@@ -60,6 +65,10 @@ def test_topk_selection_and_local_clipping_from_the_json_section(tmp_path):
     ({"gradient_compression": {"algorithm": "3bit"}}, [], "must be one of"),
     ({"communication_data_type": "int8"}, [], "--communication-data-type must be one of"),
     ({}, ["--topk-ratio", "0.1"], "--topk-ratio is read only with --gradient-compression topk"),
+    ({}, ["--gradient-compression", "topk", "--compressed-momentum-share", "0.5"],
+     "--compressed-momentum-share 0.5: needs --freeze-variance"),
+    ({}, ["--gradient-compression", "topk", "--compression-start-step", "5", "--freeze-variance",
+          "--compressed-momentum-share", "1.5"], "and a value in \\[0, 1\\]"),
     ({}, ["--gradient-compression", "topk", "--topk-ratio", "0"], "must be in \\(0, 1\\]"),
     ({}, ["--gradient-compression", "1bit", "--compression-block-size", "12"], "multiple of 8"),
     ({}, ["--gradient-compression", "topk", "--topk-selection", "update"],

@@ -114,19 +114,33 @@ def test_momentum_compression_cancels_and_changes_what_is_compressed():
     an offset that does not cancel moves parameters by ~lr = 1e-2); lossy (1bit) the offset
     changes what the codec sees,
     so the parameters differ, and every rank still holds the same ones. With the distributed
-    optimizer (one momentum shard per rank) it compresses gradients, as without the flag."""
+    optimizer (one momentum shard per rank) it compresses gradients, as without the flag.
+    --compressed-momentum-share: half the momentum carried cancels the same way and gives a
+    third set of parameters under 1bit; a share of 0 adds 0 x m, the run without the offset
+    bit for bit."""
     frozen = {"compression_start_step": 1, "freeze_variance": True}
-    jobs = [({"gradient_compression": "topk", "topk_ratio": 1.0, **frozen}, {**BUCKETS, "adam_eps": 1e-3}),
+    half, none = ({**frozen, "compressed_momentum_share": c} for c in (0.5, 0.0))
+    eps = {**BUCKETS, "adam_eps": 1e-3}
+    jobs = [({"gradient_compression": "topk", "topk_ratio": 1.0, **frozen}, eps),
             ({"gradient_compression": "1bit", **frozen}, BUCKETS),
-            ({"gradient_compression": "1bit", **frozen}, {**BUCKETS, "use_distributed_optimizer": True})]
+            ({"gradient_compression": "1bit", **frozen}, {**BUCKETS, "use_distributed_optimizer": True}),
+            ({"gradient_compression": "topk", "topk_ratio": 1.0, **half}, eps),
+            ({"gradient_compression": "1bit", **half}, BUCKETS),
+            ({"gradient_compression": "1bit", **none}, BUCKETS)]
     ranks = run_distributed(_momentum_jobs, 2, jobs, timeout=TIMEOUT)
-    (lossless, lossy, sharded), (_, lossy1, _) = ranks
-    carried, plain = lossless
-    torch.testing.assert_close(carried["losses"], plain["losses"], rtol=1e-5, atol=0)
-    for a, b in zip(carried["params"], plain["params"]):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    (lossless, lossy, sharded, lossless_half, lossy_half, lossy_none), (_, lossy1, *_) = ranks
+    for carried, plain in (lossless, lossless_half):
+        torch.testing.assert_close(carried["losses"], plain["losses"], rtol=1e-5, atol=0)
+        for a, b in zip(carried["params"], plain["params"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+    def differ(x, y):
+        return any(not torch.allclose(a, b, rtol=1e-4, atol=0) for a, b in zip(x["params"], y["params"]))
+
     carried, plain = lossy
-    assert any(not torch.allclose(a, b, rtol=1e-4, atol=0) for a, b in zip(carried["params"], plain["params"]))
+    assert differ(carried, plain)
+    assert differ(lossy_half[0], carried) and differ(lossy_half[0], plain)
+    assert all(torch.equal(a, b) for a, b in zip(lossy_none[0]["params"], lossy_none[1]["params"]))
     assert all(torch.equal(a, b) for a, b in zip(carried["params"], lossy1[0]["params"]))
     assert all(torch.equal(a, b) for a, b in zip(sharded[0]["params"], sharded[1]["params"]))
 

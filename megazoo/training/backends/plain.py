@@ -87,6 +87,7 @@ class PlainEngine(Engine):
                                   fused=fusable_weights(model) if cfg.gradient_accumulation_fusion
                                   else ())
         self.freeze_at = comp.value("compression_start_step") if comp.freeze_variance else None
+        self.momentum_share = comp.value("compressed_momentum_share")
         self.select_by_update = comp.topk_selection == "update"
         # at dp x sp = 1 nothing is reduced: the usual clipping stays
         self.local_clip = bool(comp.local_gradient_clipping) and state.dp_sp.size > 1
@@ -121,11 +122,14 @@ class PlainEngine(Engine):
         """1-bit Adam: with the variance frozen, the buckets carry the momentum through the
         compressed reduction (`grad_buffer`'s momentum compression). alpha makes each rank's
         bucket proportional to its local momentum beta1 m + (1 - beta1) g_local, g in the
-        buffer's units (loss-scaled, before clipping)."""
+        buffer's units (loss-scaled, before clipping), or with a share c < 1 to
+        c beta1 m + (1 - beta1) g_local: AdamW's step then leaves (1 - c) beta1 m in the
+        momentum of every entry, sent or not (--compressed-momentum-share)."""
         if self.freeze_at is None or self.buffers.shard:
             return None
         beta1 = self.cfg.adam_beta1
-        return self.optimizer.moments["exp_avg"], beta1 / (1.0 - beta1) * self._scale
+        alpha = self.momentum_share * beta1 / (1.0 - beta1)
+        return self.optimizer.moments["exp_avg"], alpha * self._scale
 
     def _selection_weight(self) -> torch.Tensor | None:
         """--topk-selection update: 1 / (the frozen AdamW denominator), so that topk picks
