@@ -76,15 +76,47 @@ def test_triton_topk_matches_the_pytorch_codec(weighted, wire_dtype, triton_devi
     assert torch.equal(got + err_fast, x + err0)
 
 
-def test_triton_topk_breaks_ties_by_index(triton_device):
-    """1 in 7 entries tie at 1.0, and k is under their count: the lowest indices win, exactly k."""
-    x = torch.zeros(3000, device=triton_device)
-    x[::7] = 1.0
-    codec = TopKCodec(0.1, torch.float32, "triton")
+def _chosen(codec: TopKCodec, wire: torch.Tensor, numel: int) -> list[list[int]]:
+    """The sorted offsets each chunk of the wire sends."""
+    chunks, _, k = codec.shape(numel)
+    offsets = wire[0, chunks * k * codec.wire_dtype.itemsize:].cpu().view(torch.int16)
+    return (offsets.long() + 32768).view(chunks, k).sort(1).values.tolist()
+
+
+def _reference(score: torch.Tensor, codec: TopKCodec) -> list[list[int]]:
+    """Each chunk's k largest scores, ties to the lowest index (a stable descending sort),
+    the last chunk padded with zero scores."""
+    chunks, chunk, k = codec.shape(score.numel())
+    padded = torch.nn.functional.pad(score.cpu(), (0, chunks * chunk - score.numel()))
+    order = padded.view(chunks, chunk).sort(dim=1, descending=True, stable=True).indices
+    return order[:, :k].sort(1).values.tolist()
+
+
+def _magnitudes(kind: str, numel: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(numel, generator=gen)
+    if kind == "ties_at_threshold":  # 300 equal entries straddle each chunk's k-th largest
+        for start in range(0, numel, 65536):
+            part = x[start:start + 65536]
+            part[1000:1300] = part.abs().sort(descending=True).values[600]
+    if kind == "constant":  # every score equal
+        x = torch.where(x < 0, -1.0, 1.0)
+    if kind == "mostly_zero":  # 1 in 7 nonzero, fewer than k in the last chunk
+        x = torch.where(torch.arange(numel) % 7 == 0, x, torch.zeros(()))
+    return x
+
+
+@pytest.mark.parametrize("kind", ["random", "ties_at_threshold", "constant", "mostly_zero"])
+def test_triton_topk_takes_the_k_largest_ties_by_index(kind, triton_device):
+    """The exact choice, checked against a stable sort: random scores, ties straddling the
+    k-th largest, all scores equal, mostly zeros (fewer nonzeros than k in the last chunk)."""
+    numel = 140_000
+    x = _magnitudes(kind, numel).to(triton_device)
+    codec = TopKCodec(0.01, torch.float32, "triton")
     err = torch.zeros_like(x)
-    decoded = codec.decode_sum_into(codec.encode_with_error(x, err), torch.empty_like(x))
-    k = codec.shape(3000)[2]
-    assert torch.equal(decoded.nonzero().flatten().cpu(), torch.arange(0, 7 * k, 7))
+    wire = codec.encode_with_error(x, err)
+    assert _chosen(codec, wire, numel) == _reference(x.abs(), codec)
+    decoded = codec.decode_sum_into(wire, torch.empty_like(x))
     assert torch.equal(decoded + err, x)
 
 
