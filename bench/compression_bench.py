@@ -12,8 +12,9 @@ One process: each algorithm's whole reduction runs over a one-rank process group
 collectives are copies and what is timed is the compression and decompression work of a
 step (topk: select, encode, residual, decode; 1bit / 2bit: encode, residual and decode of
 both phases, with the chunk the whole bucket: the same element count a rank handles at any
-dp; on a GPU through the Triton codec, and as `*_eager` through the PyTorch one), set against the time a bf16 ring all-reduce of the same gradient takes on an H200 pair
-at `--link-gbs` GB/s per direction (default 450: NVLink 4, 18 links x 25 GB/s; a 2-GPU ring
+dp; on a GPU through the Triton kernels, and as `*_eager` through the PyTorch codecs), set
+against the time a bf16 ring all-reduce of the same gradient takes on an H200 pair at
+`--link-gbs` GB/s per direction (default 450: NVLink 4, 18 links x 25 GB/s; a 2-GPU ring
 moves the whole buffer once each way, so t = 2 (n - 1) / n x bytes / bandwidth).
 
 dp >= 2 (torchrun): every algorithm's real reduction over the world against NCCL all-reduce
@@ -34,7 +35,8 @@ from megazoo.parallel.state import GroupInfo
 
 # name -> (algorithm, wire dtype, codec implementation: None = automatic, Triton on GPUs)
 ALGORITHMS = {"dense_fp32": (None, None, None), "dense_bf16": (None, torch.bfloat16, None),
-              "topk_0.01": ("topk", None, None), "1bit": ("1bit", None, None),
+              "topk_0.01": ("topk", None, None), "topk_0.01_eager": ("topk", None, "torch"),
+              "1bit": ("1bit", None, None),
               "2bit": ("2bit", None, None), "1bit_eager": ("1bit", None, "torch"),
               "2bit_eager": ("2bit", None, "torch")}
 
