@@ -21,9 +21,9 @@ int32 sort like the float; the program walks the chunk five times:
 
 It reads ~28 bytes per fp32 element (+20 with a weight, read in every pass) in one launch
 per bucket, where the eager path launches about ten kernels besides torch.topk's own. The
-choice is the same set as torch.topk's wherever no two scores tie at the
-k-th largest (torch breaks such ties in no stated order; here the lowest index wins), and the
-positions of a padded last chunk score 0, as the eager codec's zero padding does.
+choice is the k largest scores with ties to the lowest index: the same set as torch.topk's
+wherever no two scores tie at the k-th largest (torch breaks such ties in no stated order),
+and the positions of a padded last chunk score 0, as the eager codec's zero padding does.
 """
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ class CompressionConfig:
     keeps decaying on every entry (by beta1 x (1 - share) per step) whether or not the entry
     was sent; 0 compresses plain gradients. The sum is exact for any share (the momentum
     added to the buckets is taken off again); the share decides what waits in the residual.
-    Measured on the default run (bench/README.md): topk 0.01 converges best near 0.5."""
+    Measured on the default run (bench/README.md): topk 0.01 converged best at 0.3."""
     topk_selection: str | None = None
     """topk: which entries each rank sends: "magnitude" (the largest |x|, default) or "update"
     (the largest |x| / (sqrt(v) + eps) with v AdamW's frozen second moment: the entries whose

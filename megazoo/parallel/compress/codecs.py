@@ -209,8 +209,8 @@ class TopKCodec:
 
         numel = x.numel()
         chunks, chunk, k = self.shape(numel)
-        fp32 = x.dtype == err.dtype == torch.float32 and (weight is None or weight.is_contiguous())
-        unsupported = None if fp32 and x.is_contiguous() and err.is_contiguous() else \
+        contiguous = all(t is None or t.is_contiguous() for t in (x, err, weight))
+        unsupported = None if contiguous and x.dtype == err.dtype == torch.float32 else \
             "the Triton topk encoder takes contiguous fp32 data and residual"
         if pick(x, self.impl, unsupported=unsupported) == "triton":
             return triton_module("topk").encode_with_error(x, err, weight, chunk=chunk, k=k,
@@ -246,8 +246,10 @@ class TopKCodec:
         chunks, chunk, k = self.shape(numel)
         whole = numel // chunk * chunk
         split = chunks * k * self.wire_dtype.itemsize
-        values = from_bytes(rows[:, :split], self.wire_dtype).to(out.dtype).view(peers, chunks, k)
-        idx = (from_bytes(rows[:, split:], torch.int16).to(torch.int64) + 32768).view(peers, chunks, k)
+        values = from_bytes(rows[:, :split], self.wire_dtype).to(out.dtype)
+        values = values.view(peers, chunks, k)
+        idx = (from_bytes(rows[:, split:], torch.int16).to(torch.int64) + 32768)
+        idx = idx.view(peers, chunks, k)
         main, w = out[:whole].view(-1, chunk).zero_(), whole // chunk
         tail = out.new_zeros(1, chunk) if whole < numel else None
         for peer in range(peers):  # a loop over ranks, never over elements

@@ -40,8 +40,9 @@ momentum) to each bucket before a compressed reduction and takes `alpha * m` off
 `finish`. The sum is unchanged (the offset is the same on every rank and cancels), but what
 each rank compresses is its local momentum, up to a constant factor, instead of its noisy
 gradient: the codec and its error feedback then work on the smooth signal 1-bit Adam
-compresses. Only the full buffer (no `shard`) can carry it: the distributed optimizer holds
-one shard of the momentum per rank.
+compresses (the plain engine's alpha can carry a share of the momentum only,
+`--compressed-momentum-share`; the sum is exact for any alpha). Only the full buffer (no
+`shard`) can carry it: the distributed optimizer holds one shard of the momentum per rank.
 
 Per-step options of a compressed reduction (`start_step(..., select=, local_clip=)`):
 `select` (flat, laid out like the buffer) is handed to a topk reduction as the weight its
