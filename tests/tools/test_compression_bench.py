@@ -26,7 +26,8 @@ def test_dry_run_one_process_and_two_ranks(tmp_path):
                           timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     one = json.loads(out.read_text())
-    assert [r["algorithm"] for r in one["rows"]] == ["topk_0.01", "1bit", "2bit", "1bit_eager", "2bit_eager"]
+    assert [r["algorithm"] for r in one["rows"]] == ["topk_0.01", "topk_0.01_eager", "1bit", "2bit",
+                                                      "1bit_eager", "2bit_eager"]
     assert all(r["ms"] > 0 and r["pct_of_allreduce"] > 0 for r in one["rows"])
     run_distributed(_two_ranks, 2, str(tmp_path / "two.json"), timeout=240)
     two = json.loads((tmp_path / "two.json").read_text())
