@@ -101,8 +101,8 @@ def _magnitudes(kind: str, numel: int) -> torch.Tensor:
             part[1000:1300] = part.abs().sort(descending=True).values[600]
     if kind == "constant":  # every score equal
         x = torch.where(x < 0, -1.0, 1.0)
-    if kind == "mostly_zero":  # 1 in 7 nonzero, fewer than k in the last chunk
-        x = torch.where(torch.arange(numel) % 7 == 0, x, torch.zeros(()))
+    if kind == "mostly_zero":  # 1 in 20 nonzero: fewer than k in the last chunk
+        x = torch.where(torch.arange(numel) % 20 == 0, x, torch.zeros(()))
     return x
 
 
