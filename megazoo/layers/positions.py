@@ -75,15 +75,20 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float = 10000
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def check_rope_factors(caller: str, cos: torch.Tensor, x: torch.Tensor) -> None:
+    """ValueError unless cos (and sin, same shape) [s, b or 1, d] fit x [s, b, ..., d]."""
+    s, b, d = x.shape[0], x.shape[1], x.shape[-1]
+    if cos.shape[0] != s or cos.shape[1] not in (1, b) or cos.shape[-1] != d:
+        raise ValueError(f"{caller}: cos/sin {tuple(cos.shape)} do not match {tuple(x.shape)} "
+                         f"(expected [s, b or 1, d] with s={s}, b={b}, d={d})")
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k [s, b, *heads, d] by cos, sin [s, b or 1, d] (HF LLaMA convention):
     x * cos + rotate_half(x) * sin, with rotate_half([x1, x2]) = [-x2, x1]."""
     for x in (q, k):
-        if cos.shape[0] != x.shape[0] or cos.shape[-1] != x.shape[-1]:
-            raise ValueError(f"apply_rope: cos/sin {tuple(cos.shape)} do not match "
-                             f"{tuple(x.shape)} (expected [s, b or 1, d] with s={x.shape[0]}, "
-                             f"d={x.shape[-1]})")
+        check_rope_factors("apply_rope", cos, x)
     view = (cos.shape[0], cos.shape[1]) + (1,) * (q.dim() - 3) + (cos.shape[-1],)
     return rope_pair(q, k, cos.view(view), sin.view(view))
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .fusion import fused_on_gpu, rope_rotate, rotate_half
+from .positions import check_rope_factors
 
 
 def _rotate_back(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -78,8 +79,6 @@ def split_qkv(qkv: torch.Tensor, gs: int, rope: tuple[torch.Tensor, torch.Tensor
     if rope is None:
         return _SplitQKV.apply(qkv, None, None)
     cos, sin = rope
-    if cos.shape[0] != s or cos.shape[1] not in (1, b) or cos.shape[-1] != d:
-        raise ValueError(f"split_qkv: cos/sin {tuple(cos.shape)} do not match qkv "
-                         f"{tuple(qkv.shape)} (expected [s, b or 1, d] with s={s}, b={b}, d={d})")
+    check_rope_factors("split_qkv", cos, qkv)
     view = (s, cos.shape[1], 1, 1, d)
     return _SplitQKV.apply(qkv, cos.reshape(view), sin.reshape(view))
