@@ -31,6 +31,11 @@ import os
 import pytest
 import torch
 
+# DeepSpeed builds its CPU ops (cpu_adam, ...) with torch's extension loader. The tests get a
+# folder of their own under the checkout, so a build killed by some other program in the shared
+# ~/.cache/torch_extensions cannot fail them (an explicit TORCH_EXTENSIONS_DIR still wins).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_HERE.parent / "build" / "test_torch_extensions"))
+
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON and not HAS_CUDA:
