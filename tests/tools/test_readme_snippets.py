@@ -1,4 +1,4 @@
-"""Every ```python block of README.md runs, so none can rot.
+"""Every ```python block of README.md and of docs/*.md runs, so none can rot.
 
 A block runs in a fresh namespace, in a scratch working folder: in this process (one rank, as
 `python snippet.py` runs it: no process group), or on two spawned gloo ranks
@@ -16,12 +16,13 @@ import pytest
 
 from megazoo.testing import run_distributed
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+DOCUMENTS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 BLOCK = re.compile(r"(?:<!-- snippet: (?P<mark>[^>]*?) -->\n)?```python\n(?P<code>.*?)```", re.S)
 
 
-def sessions(text: str) -> list[dict]:
-    """The README's python blocks grouped into runs: {"ranks", "code", "line"}."""
+def sessions(text: str, name: str = "README.md") -> list[dict]:
+    """A document's python blocks grouped into runs: {"ranks", "code", "line", "doc"}."""
     out = []
     for match in BLOCK.finditer(text):
         mark = (match["mark"] or "").split()
@@ -30,14 +31,14 @@ def sessions(text: str) -> list[dict]:
             continue
         if mark[:1] == ["continues"]:
             if not out:
-                raise ValueError(f"README.md:{line}: 'continues' needs an earlier block")
-            out[-1]["code"] += f"\n# README.md:{line}\n" + match["code"]
+                raise ValueError(f"{name}:{line}: 'continues' needs an earlier block")
+            out[-1]["code"] += f"\n# {name}:{line}\n" + match["code"]
             continue
         if mark and mark[0] != "torchrun":
-            raise ValueError(f"README.md:{line}: unknown snippet mark {' '.join(mark)!r}")
+            raise ValueError(f"{name}:{line}: unknown snippet mark {' '.join(mark)!r}")
         ranks = int(mark[1]) if mark else 1
-        out.append({"ranks": ranks, "code": f"# README.md:{line}\n" + match["code"],
-                     "line": line})
+        out.append({"ranks": ranks, "code": f"# {name}:{line}\n" + match["code"],
+                    "line": line, "doc": name})
     return out
 
 
@@ -45,18 +46,20 @@ def _run_snippet(code: str, folder: str) -> bool:
     import os
 
     os.chdir(folder)  # a snippet that writes files writes them here
-    exec(compile(code, "README.md", "exec"), {"__name__": "__main__"})
+    exec(compile(code, "snippet", "exec"), {"__name__": "__main__"})
     return True
 
 
-SESSIONS = sessions(README.read_text())
+SESSIONS = [s for doc in DOCUMENTS for s in sessions(doc.read_text(), doc.relative_to(ROOT).as_posix())]
 
 
-def test_readme_has_python_snippets():
-    assert len(SESSIONS) >= 2 and any(s["ranks"] == 2 for s in SESSIONS)
+def test_documents_have_python_snippets():
+    assert len(SESSIONS) >= 4 and any(s["ranks"] == 2 for s in SESSIONS)
+    assert {s["doc"] for s in SESSIONS} >= {"README.md", "docs/parallelism.md", "docs/generation.md"}
 
 
-@pytest.mark.parametrize("session", SESSIONS, ids=lambda s: f"line{s['line']}-{s['ranks']}rank")
+@pytest.mark.parametrize("session", SESSIONS,
+                         ids=lambda s: f"{s['doc']}:{s['line']}-{s['ranks']}rank")
 def test_readme_snippet_runs(session, tmp_path, monkeypatch):
     if session["ranks"] == 1:
         monkeypatch.delenv("MASTER_ADDR", raising=False)  # one process, as the README runs it
