@@ -14,6 +14,8 @@ from .layout import PlanOptions, Resolved, resolve
 GB = 1e9
 BUCKET_ELEMENTS = 5e8  # DeepSpeed reduce_bucket_size / allgather_bucket_size defaults
 RUNTIME_BYTES = 2**30  # CUDA context, cuBLAS / NCCL workspaces
+LIVE_ELEMENTS = 5e8  # DeepSpeed ZeRO-3 keeps gathered what is reused within 1e9 elements
+# (stage3_max_reuse_distance): under recompute, the last 1e9 / 2 of the forward
 FRAGMENTATION = 0.10
 
 
@@ -141,7 +143,13 @@ def _working_set(parts: Parts, layout: Resolved, counts: dict, n_gpu: int) -> No
     second = sorted([counts["block"], counts["block"], counts["embedding"], counts["head"]])[-2]
     b = layout.param_bytes
     parts.grads += b * unit
-    if layout.fsdp_reshard_after_forward:
+    if layout.zero_impl == "deepspeed":  # its coordinator keeps what is reused soon gathered
+        live = max(unit + second, min(n_gpu, LIVE_ELEMENTS))
+        parts.params += b * live
+        parts.notes.append(f"DeepSpeed ZeRO-3 working set: {live / 1e9:.2f}e9 gathered params "
+                           f"({b} B, reused within stage3_max_reuse_distance) + 1 unit of "
+                           "full gradients")
+    elif layout.fsdp_reshard_after_forward:
         parts.params += b * (unit + second)
         parts.notes.append(f"ZeRO-3 working set: 2 gathered units ({unit / 1e9:.2f}e9 + "
                            f"{second / 1e9:.2f}e9 params, {b} B) + 1 unit of full gradients")
@@ -159,8 +167,8 @@ def _comm_buffers(config: ModelConfig, layout: Resolved, n_gpu: int, grad_b: int
         zero = 0.0  # no buckets: each unit reduce-scatters its own gradient (working set)
     elif layout.zero_stage in (1, 2):
         zero = bucket * grad_b + bucket * 2  # reduce bucket + all-gather bucket
-    elif layout.zero_stage == 3:
-        zero = bucket * grad_b  # reduce bucket; prefetching is in the working set
+    elif layout.zero_stage == 3:  # the reduce bucket, allocated whole (gathers: working set)
+        zero = BUCKET_ELEMENTS * layout.param_bytes
     else:  # megazoo's engine reduces views of its main-gradient buffer in place
         zero = 0.0
     seq_par = layout.megatron_sp_on

@@ -129,18 +129,25 @@ def test_mixed_precision_and_zero_bytes():
 
 def test_zero3_working_set():
     n = count_parameters(TOY)
-    est = estimate_memory(plan_args(seq_length=128, dp=8, zero_stage=3))
+    kw = dict(seq_length=128, dp=8, zero_stage=3)
+    fsdp = estimate_memory(plan_args(**kw, zero_impl="fsdp2"))
     # Units: 2 blocks of 49,984 and the embedding (384 + 128 positions) x 64 = 32,768; the head
-    # is tied. The two largest are blocks: one computing, one prefetched. DeepSpeed's ZeRO-3
-    # also keeps the fp32 gradient buffer of its largest sub-group (here all n / 8) on the GPU
-    # (the +12% the Ulysses sp = 2 run measured above the plan without it, bench/README.md).
-    assert est.parameters == 2 * n / 8 + 2 * (BLOCK + BLOCK)
-    assert est.gradients == 2 * n / 8 + 2 * BLOCK + 4 * n / 8
+    # is tied. FSDP2 gathers the two largest (blocks: one computing, one prefetched) beside its
+    # fp32 shards (4 B / Z), and holds one unit's bf16 gradient beside fp32 gradient shards.
+    assert fsdp.parameters == 4 * n / 8 + 2 * (BLOCK + BLOCK)
+    assert fsdp.gradients == 4 * n / 8 + 2 * BLOCK
     big_vocab = ModelConfig(family="gpt", num_layers=2, hidden_size=64, num_attention_heads=8,
                             vocab_size=5000, max_position_embeddings=128)  # padded 5,120
-    est = estimate_memory(plan_args(big_vocab, seq_length=128, dp=8, zero_stage=3))
+    est = estimate_memory(plan_args(big_vocab, **kw, zero_impl="fsdp2"))
     emb = 5120 * 64 + 128 * 64
-    assert est.parameters == 2 * count_parameters(big_vocab) / 8 + 2 * (emb + BLOCK)
+    assert est.parameters == 4 * count_parameters(big_vocab) / 8 + 2 * (emb + BLOCK)
+    # DeepSpeed keeps gathered what it reuses within 1e9 elements: this whole small model. Its
+    # ZeRO-3 also keeps the fp32 gradient buffer of its largest sub-group (here all n / 8) on
+    # the GPU (the +12% the Ulysses sp = 2 run measured above the plan without it,
+    # bench/README.md).
+    ds = estimate_memory(plan_args(**kw))
+    assert ds.parameters == 2 * n / 8 + 2 * n
+    assert ds.gradients == 2 * n / 8 + 2 * BLOCK + 4 * n / 8
 
 
 def test_bloom_176b_claim_is_false():
@@ -163,7 +170,7 @@ def test_fsdp2_offload_moves_parameters_and_has_no_buckets():
     kw = dict(seq_length=128, dp=4, zero_stage=3, offload_optimizer="cpu")
     ds = estimate_memory(plan_args(**kw))
     fsdp = estimate_memory(plan_args(**kw, zero_impl="fsdp2"))
-    assert fsdp.parameters == 2 * (BLOCK + BLOCK) and ds.parameters == 2 * n / 4 + fsdp.parameters
+    assert fsdp.parameters == 2 * (BLOCK + BLOCK) and ds.parameters == 2 * n / 4 + 2 * n
     assert fsdp.optimizer_states == 0 and fsdp.gradients == 2 * BLOCK
     assert fsdp.communication_buffers == RUNTIME_BYTES < ds.communication_buffers
     # parameters and gradients pinned, each tensor's shard rounded up to a power of two
