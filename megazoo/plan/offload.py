@@ -140,3 +140,21 @@ def check_offload_plan(host_needed: float, disk_needed: float, *, host_memory: f
         raise ValueError(f"the plan needs {disk_all / GB:.1f} GB {where} but "
                          f"{disk_memory / GB:.1f} GB is free: free space there, point "
                          "--nvme-path at a larger disk, or lower --optimizer-offload-fraction")
+
+
+def check_offload_run(state_params: float, *, fraction: float, bucket_elements: int,
+                      grad_bytes: int, nvme_path: str | None, ranks_per_host: int = 1,
+                      state_bytes: int = STATE_BYTES,
+                      host_memory: float | None = None) -> OffloadPlan:
+    """What the engine runs before training with --optimizer-cpu-offload: the fraction, the
+    --nvme-path folder (created if needed, written to once), and whether the host's available
+    memory (`host_memory`, default MemAvailable now) and the disk's free space hold this
+    plan for `ranks_per_host` ranks. Returns the plan; ValueError (one line) otherwise."""
+    check_fraction(fraction)
+    disk_free = check_nvme_path(nvme_path) if nvme_path else None
+    plan = offload_bytes(state_params, fraction=fraction, bucket_elements=bucket_elements,
+                         grad_bytes=grad_bytes, nvme=bool(nvme_path), state_bytes=state_bytes)
+    check_offload_plan(plan.host, plan.disk, nvme_path=nvme_path, ranks_per_host=ranks_per_host,
+                       host_memory=host_memory_bytes() if host_memory is None else host_memory,
+                       disk_memory=disk_free)
+    return plan
