@@ -18,9 +18,10 @@ import typing
 from ..models.presets import PRESETS
 from ..training.arguments import args_from_namespace, build_parser, field_docs
 from ..training.config import PretrainArgs
-from .largest import LARGEST_DEFAULTS, describe, family_shapes, run_command, search
+from .largest import (LARGEST_DEFAULTS, describe, family_shapes, run_command, search,
+                      training_fits)
 from .layout import PlanOptions, resolve
-from .memory import GB, MemoryEstimate, _estimate
+from .memory import GB, RUNTIME_BYTES, MemoryEstimate, _estimate
 from .stages import draw_plan, stage_estimates
 
 
@@ -88,8 +89,7 @@ def format_table(name: str, args: PretrainArgs, est: MemoryEstimate,
             ("fragmentation allowance (10%)", est.fragmentation), ("GPU total", est.gpu_total)]
     lines = [f"{name}: {est.num_parameters:,} parameters; layout TP{layout.tp}-SP{layout.sp}-"
              f"PP{layout.pp}-VPP{layout.vpp}-DP{layout.dp} ({layout.world_size} GPUs), "
-             f"{layout.zero_impl} ZeRO-{layout.zero_stage}, offload optimizer="
-             f"{layout.offload_optimizer} param={layout.offload_param}, recompute="
+             f"{_engine(layout)}, recompute="
              f"{layout.recompute}, micro-batch {layout.micro_batch_size} x "
              f"{layout.seq_length} tokens, {layout.num_micro_batches} per step",
              f"  parameters per GPU before ZeRO: {est.parameters_per_gpu:,}"]
@@ -108,6 +108,16 @@ def format_table(name: str, args: PretrainArgs, est: MemoryEstimate,
         lines.append(f"  => {'fits' if ok else 'does NOT fit'} in {budgets[key]}")
     lines += [f"  note: {n}" for n in est.notes]
     return "\n".join(lines)
+
+
+def _engine(layout) -> str:
+    """The engine and its offload, as the table's header says it."""
+    if layout.plain_engine:
+        where = "disk" if layout.nvme else "host"
+        return "megazoo engine" + (f", {layout.optimizer_offload_fraction:.0%} of the optimizer "
+                                   f"on the {where}" if layout.optimizer_cpu_offload else "")
+    return (f"{layout.zero_impl} ZeRO-{layout.zero_stage}, offload optimizer="
+            f"{layout.offload_optimizer} param={layout.offload_param}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,6 +201,11 @@ def _largest(ns, options: PlanOptions, argv: list[str]) -> int:
     print(f"largest that trains here: {describe(config, est, options)}")
     if following:
         print(f"next larger: {describe(following[0], following[1], options)}")
+    if est.build_peak + RUNTIME_BYTES > est.gpu_total:  # the fp32 build sets the limit
+        alone, _ = search(args, options, ns.model_family, pick, training_fits(options))
+        if alone is not None and alone[1].num_parameters > est.num_parameters:
+            print(f"the model's fp32 build on the GPU sets this limit; training alone would "
+                  f"fit {describe(alone[0], alone[1], options).split(':')[0]}")
     print(format_table(f"{config.family} L{config.num_layers} h{config.hidden_size}", run_args,
                        est, options))
     print(f"command:\n  {command}")

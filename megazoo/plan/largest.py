@@ -79,11 +79,12 @@ def plan_shape(args, config: ModelConfig, options, pick_fraction: bool):
     return est, args
 
 
-def search(args, options, family: str, pick_fraction: bool):
-    """(best, next larger): each (config, estimate, args); best None if nothing fits."""
+def search(args, options, family: str, pick_fraction: bool, fits=lambda est: est.fits):
+    """(best, next larger): each (config, estimate, args); best None if nothing fits.
+    `fits(estimate)` is the verdict (default: every budget, the model's build included)."""
     shapes = family_shapes(family, args.data.seq_length)
     planned = [(c, *plan_shape(args, c, options, pick_fraction)) for c in shapes]
-    fitting = [i for i, (_, est, _) in enumerate(planned) if est.fits]
+    fitting = [i for i, (_, est, _) in enumerate(planned) if fits(est)]
     if not fitting:
         return None, planned[0]
     best = fitting[-1]
@@ -142,3 +143,11 @@ def describe(config: ModelConfig, est: MemoryEstimate, options) -> str:
     failed = [k for k, ok in est.verdicts.items() if not ok]
     verdict = "fits" if not failed else "does not fit: " + ", ".join(failed)
     return f"{shape}: {', '.join(parts)} -> {verdict}"
+
+
+def training_fits(options):
+    """The verdict without the model's fp32 build on the GPU: what training alone allows."""
+    def fits(est: MemoryEstimate) -> bool:
+        others = all(ok for key, ok in est.verdicts.items() if key != "gpu")
+        return others and est.gpu_total <= options.gpu_memory * GB
+    return fits

@@ -94,7 +94,8 @@ class Resolved:
     def fsdp_accumulates_unsharded(self) -> bool:
         """FSDP2 keeps unsharded gradients across micro-batches: several per step and
         reduce-scatter only in the last (always without a pipeline)."""
-        return self.num_micro_batches > 1 and (self.pp == 1 or not self.fsdp_reduce_every_microbatch)
+        last_only = self.pp == 1 or not self.fsdp_reduce_every_microbatch
+        return self.num_micro_batches > 1 and last_only
 
     @property
     def plain_engine(self) -> bool:
