@@ -112,3 +112,15 @@ def test_fp32_zero_runs_keep_4_bytes():
     fsdp = [plan(flags + ["--zero-impl", "fsdp2", "--global-batch-size", "2"])
             for flags in (SMALL, [f for f in SMALL if f != "--bf16"])]
     assert fsdp[1].parameters - fsdp[0].parameters == fsdp[0].parameters - 4 * n
+
+
+def test_plan_check_rows_are_runs_the_run_accepts():
+    """Every row of bench/plan_check.py parses as a pretrain_gpt.py run and is planned; the
+    rows differ only in engine, offload and micro-batches per step."""
+    from bench.plan_check import PLAIN_OFFLOAD, ROWS, flags_of, planned
+
+    for name in list(ROWS) + list(PLAIN_OFFLOAD):
+        for dry_run in (False, True):
+            args = parse_args(flags_of(name, dry_run))
+            assert args.training.train_iters == 3 and not args.checkpoint.save, name
+            assert planned(flags_of(name, dry_run))["plan_peak_gb"] > 0, name
