@@ -79,8 +79,8 @@ def deepspeed_parts(layout: Resolved, n: int, grad_b: int) -> Parts:
     (/ Z at ZeRO-3), gradient partitions in the accumulation dtype (`grad_b`, / Z from
     ZeRO-2), fp32 masters + Adam m, v (12 B; fp32 runs: the parameters are the masters, 8 B)
     / Z. ZeRO-3 adds the fp32 gradient buffer of the largest sub-group (<= 1e9 elements) on
-    the GPU, or, with optimizer offload, keeps fp32 masters, moments and gradients (16 B x the
-    offloaded ratio), the flat buffer of gradient partitions (grad_b) and its runtime on the
+    the GPU, or, with optimizer offload, keeps fp32 masters (a copy, also in fp32 runs),
+    moments and gradients (16 B x the offloaded ratio), the flat buffer of gradient partitions (grad_b) and its runtime on the
     host, with that sub-group buffer there as a peak while the states initialise."""
     z = layout.dp * layout.sp
     stage, ratio = layout.zero_stage, layout.offload_optimizer_ratio
@@ -91,8 +91,8 @@ def deepspeed_parts(layout: Resolved, n: int, grad_b: int) -> Parts:
                   optim=state_b * n / (z if stage >= 1 else 1), build=4 * n)
     if layout.offload_param == "cpu":
         parts.params, parts.host = 0.0, layout.param_bytes * per
-    if layout.offload_optimizer == "cpu":
-        moved = (state_b + 4) * per
+    if layout.offload_optimizer == "cpu":  # the host keeps an fp32 master copy in fp32 runs too
+        moved = (12 + 4) * per
         parts.host += moved * ratio
         parts.optim, parts.grads = moved * (1.0 - ratio), 0.0
         parts.notes.append(f"optimizer offload: fp32 masters + Adam m, v + fp32 grads, "
