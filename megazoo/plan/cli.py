@@ -18,8 +18,10 @@ import typing
 from ..models.presets import PRESETS
 from ..training.arguments import args_from_namespace, build_parser, field_docs
 from ..training.config import PretrainArgs
+from .largest import (LARGEST_DEFAULTS, describe, family_shapes, run_command, search,
+                      training_fits)
 from .layout import PlanOptions, resolve
-from .memory import GB, MemoryEstimate, _estimate
+from .memory import GB, RUNTIME_BYTES, MemoryEstimate, _estimate
 from .stages import draw_plan, stage_estimates
 
 
@@ -63,6 +65,12 @@ def plan_parser() -> argparse.ArgumentParser:
         else:
             group.add_argument(flag, type=hints[f.name], default=f.default,
                                metavar=f.name.upper(), **kwargs)
+    group.add_argument("--largest", action="store_true",
+                       help="Find the largest model of --model-family whose plan fits "
+                       "--gpu-memory, --host-memory and --disk-memory with the layout flags "
+                       "given, and print the pretrain_gpt.py command that trains it.")
+    group.add_argument("--model-family", choices=("llama", "gpt"), default="llama",
+                       help="With --largest: the family of shapes searched (default llama).")
     group.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
     group.add_argument("--out", metavar="PNG", default=None,
                        help="Also draw the plan: a stacked bar per pipeline stage (weights, "
@@ -81,26 +89,46 @@ def format_table(name: str, args: PretrainArgs, est: MemoryEstimate,
             ("fragmentation allowance (10%)", est.fragmentation), ("GPU total", est.gpu_total)]
     lines = [f"{name}: {est.num_parameters:,} parameters; layout TP{layout.tp}-SP{layout.sp}-"
              f"PP{layout.pp}-VPP{layout.vpp}-DP{layout.dp} ({layout.world_size} GPUs), "
-             f"{layout.zero_impl} ZeRO-{layout.zero_stage}, offload optimizer="
-             f"{layout.offload_optimizer} param={layout.offload_param}, recompute="
+             f"{_engine(layout)}, recompute="
              f"{layout.recompute}, micro-batch {layout.micro_batch_size} x "
              f"{layout.seq_length} tokens, {layout.num_micro_batches} per step",
              f"  parameters per GPU before ZeRO: {est.parameters_per_gpu:,}"]
     lines += [f"  {label:<34}{value / GB:10.2f} GB" for label, value in rows]
+    lines.append(f"  {'peak allocated, model build':<34}{est.build_peak / GB:10.2f} GB"
+                 f" (training: {est.allocated / GB:.2f} GB)")
     lines.append(f"  {'host memory per GPU / per node':<34}{est.host_per_gpu / GB:10.2f} GB"
                  f" / {est.host_per_node / GB:.1f} GB")
-    verdict = "fits" if est.fits else "does NOT fit"
-    lines.append(f"  => {verdict} in {layout.options.gpu_memory:g} GB per GPU")
+    if est.disk_per_gpu:
+        lines.append(f"  {'disk (--nvme-path) per GPU / node':<34}{est.disk_per_gpu / GB:10.2f}"
+                     f" GB / {est.disk_per_node / GB:.1f} GB")
+    opts = layout.options
+    budgets = {"gpu": f"{opts.gpu_memory:g} GB per GPU", "host": f"{opts.host_memory:g} GB "
+               "of host memory", "disk": f"{opts.disk_memory:g} GB of disk"}
+    for key, ok in est.verdicts.items():
+        lines.append(f"  => {'fits' if ok else 'does NOT fit'} in {budgets[key]}")
     lines += [f"  note: {n}" for n in est.notes]
     return "\n".join(lines)
+
+
+def _engine(layout) -> str:
+    """The engine and its offload, as the table's header says it."""
+    if layout.plain_engine:
+        where = "disk" if layout.nvme else "host"
+        return "megazoo engine" + (f", {layout.optimizer_offload_fraction:.0%} of the optimizer "
+                                   f"on the {where}" if layout.optimizer_cpu_offload else "")
+    return (f"{layout.zero_impl} ZeRO-{layout.zero_stage}, offload optimizer="
+            f"{layout.offload_optimizer} param={layout.offload_param}")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Plan the run the flags describe; 0, or one "error: ..." line and 2."""
     ns = plan_parser().parse_args(argv)
     given = {k[len("plan__"):]: v for k, v in vars(ns).items() if k.startswith("plan__")}
+    _default_sequence(ns)
     try:
         options = PlanOptions(**given)
+        if ns.largest:
+            return _largest(ns, options, sys.argv[1:] if argv is None else argv)
         args = args_from_namespace(ns)  # the run's own configs and checks
         layout = resolve(args, options)
         est = _estimate(args.model, layout)
@@ -131,3 +159,54 @@ def _draw(name: str, args: PretrainArgs, layout, out: str) -> str:
     draw_plan(stages, layout.options.gpu_memory, title, out)
     return (f"wrote {out}: one bar per pipeline stage; stage {top} is the most loaded at "
             f"{stages[top].gpu_total / GB:.2f} GB")
+
+
+def _default_sequence(ns) -> None:
+    """A --model preset's sequence length (its positions) when --seq-length is not given,
+    instead of the small default run's 128; with --largest also its other defaults."""
+    if ns.largest:
+        for dest, value in LARGEST_DEFAULTS:
+            if not hasattr(ns, dest):
+                setattr(ns, dest, value)
+        # the run's checks see the family's smallest shape (the search replaces it)
+        first = family_shapes(ns.model_family, ns.data__seq_length)[0]
+        ns.model_name = None
+        for name in ("family", "num_layers", "hidden_size", "num_attention_heads",
+                     "num_key_value_heads", "ffn_hidden_size", "max_position_embeddings"):
+            setattr(ns, "model__" + name, getattr(first, name))
+    if not hasattr(ns, "data__seq_length") and ns.model_name:
+        ns.data__seq_length = PRESETS[ns.model_name].max_position_embeddings
+
+
+def _largest(ns, options: PlanOptions, argv: list[str]) -> int:
+    """--largest: search the family, print the answer and its command (0), or why none fits (2)."""
+    if not hasattr(ns, "training__global_batch_size"):
+        ns.training__global_batch_size = ns.training__micro_batch_size * getattr(
+            ns, "parallel__dp", 1)
+    args = args_from_namespace(ns)
+    pick = args.training.optimizer_cpu_offload and \
+        not hasattr(ns, "training__optimizer_offload_fraction")
+    best, following = search(args, options, ns.model_family, pick)
+    if best is None:
+        print(f"error: no {ns.model_family} shape fits; the smallest: "
+              f"{describe(following[0], following[1], options)}", file=sys.stderr)
+        return 2
+    config, est, run_args = best
+    command = run_command(argv, run_args, config)
+    if ns.json:
+        print(json.dumps({"model": dataclasses.asdict(config), "command": command,
+                          "next_larger": following and dataclasses.asdict(following[0]),
+                          **est.to_dict()}, indent=2))
+        return 0
+    print(f"largest that trains here: {describe(config, est, options)}")
+    if following:
+        print(f"next larger: {describe(following[0], following[1], options)}")
+    if est.build_peak + RUNTIME_BYTES > est.gpu_total:  # the fp32 build sets the limit
+        alone, _ = search(args, options, ns.model_family, pick, training_fits(options))
+        if alone is not None and alone[1].num_parameters > est.num_parameters:
+            print(f"the model's fp32 build on the GPU sets this limit; training alone would "
+                  f"fit {describe(alone[0], alone[1], options).split(':')[0]}")
+    print(format_table(f"{config.family} L{config.num_layers} h{config.hidden_size}", run_args,
+                       est, options))
+    print(f"command:\n  {command}")
+    return 0

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ..training.config import PretrainArgs
 from ..training.ds_config import build_ds_config, offload_device, zero_stage
 from ..training.validate import check_args
+from .offload import default_bucket_elements
 
 
 @dataclass(frozen=True)
@@ -26,12 +27,19 @@ class PlanOptions:
     gpus_per_node: int = 8
     """GPUs sharing one host, for the host-memory total per node."""
     fp32_grad_accumulation: bool = False
-    """Plan gradients accumulated in fp32 (4 B per parameter) instead of bf16 (2 B)."""
+    """Plan DeepSpeed's gradients accumulated in fp32 (4 B per parameter) instead of bf16 (2 B)."""
+    host_memory: float = 0.0
+    """Host memory of one node, in GB, for the verdict (0: not checked)."""
+    disk_memory: float = 0.0
+    """Free disk under --nvme-path on one node, in GB, for the verdict (0: not checked)."""
 
     def __post_init__(self) -> None:
         if self.gpu_memory <= 0 or self.gpus_per_node < 1:
             raise ValueError(f"--gpu-memory must be > 0 and --gpus-per-node >= 1, got "
                              f"{self.gpu_memory} and {self.gpus_per_node}")
+        if self.host_memory < 0 or self.disk_memory < 0:
+            raise ValueError(f"--host-memory and --disk-memory must be >= 0 GB, got "
+                             f"{self.host_memory} and {self.disk_memory}")
 
 
 @dataclass(frozen=True)
@@ -56,11 +64,38 @@ class Resolved:
     fsdp_reshard_after_forward: bool
     options: PlanOptions
     low_precision: bool = True
-    """bf16 / fp16 parameters (else fp32: --fp32 or no precision flag)."""
+    """bf16 / fp16 parameters and compute (else fp32: --fp32 or no precision flag)."""
     distributed_optimizer: bool = False
     """Plain engine: masters and moments sharded over dp x sp."""
     gradient_compression: str | None = None
     """Plain engine: topk / 1bit / 2bit (its error-feedback residuals take memory)."""
+    optimizer_cpu_offload: bool = False
+    """Plain engine: masters and moments (a fraction of them) on the host."""
+    optimizer_offload_fraction: float = 1.0
+    """Plain engine: the host's share of the optimizer state."""
+    nvme: bool = False
+    """Plain engine with --optimizer-cpu-offload and --nvme-path: the host's share on disk."""
+    grads_bf16: bool = False
+    """Plain engine: bf16 main gradients (--accumulate-grads-in-bf16)."""
+    bucket_elements: int = 40_000_000
+    """Plain engine: elements per gradient bucket."""
+    reduce_bytes: int = 4
+    """fsdp2: bytes per element of the gradient reduction (fp32 unless
+    communication_data_type says otherwise), in which unsharded gradients accumulate."""
+    fsdp_reduce_every_microbatch: bool = True
+    """fsdp2 with pp > 1: reduce-scatter every micro-batch (no unsharded accumulation)."""
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per element of parameters and activations in compute: 2 (bf16 / fp16) or 4."""
+        return 2 if self.low_precision else 4
+
+    @property
+    def fsdp_accumulates_unsharded(self) -> bool:
+        """FSDP2 keeps unsharded gradients across micro-batches: several per step and
+        reduce-scatter only in the last (always without a pipeline)."""
+        last_only = self.pp == 1 or not self.fsdp_reduce_every_microbatch
+        return self.num_micro_batches > 1 and last_only
 
     @property
     def plain_engine(self) -> bool:
@@ -112,4 +147,18 @@ def resolve(args: PretrainArgs, options: PlanOptions | None = None) -> Resolved:
         fsdp_reshard_after_forward=args.zero.fsdp_reshard_after_forward,
         options=options or PlanOptions(), low_precision=t.bf16 or t.fp16,
         distributed_optimizer=t.use_distributed_optimizer,
-        gradient_compression=args.compression.algorithm)
+        gradient_compression=args.compression.algorithm,
+        optimizer_cpu_offload=t.optimizer_cpu_offload,
+        optimizer_offload_fraction=t.optimizer_offload_fraction,
+        nvme=bool(t.optimizer_cpu_offload and args.zero.nvme_path),
+        grads_bf16=t.accumulate_grads_in_bf16,
+        bucket_elements=t.ddp_bucket_size or default_bucket_elements(dp * par.sp),
+        reduce_bytes=_reduce_bytes(args),
+        fsdp_reduce_every_microbatch=args.zero.fsdp_reduce_every_microbatch)
+
+
+def _reduce_bytes(args: PretrainArgs) -> int:
+    """fsdp2's gradient reduction dtype, in bytes: communication_data_type if given, else fp32
+    (bf16 runs reduce in fp32; fp32 runs in their own dtype)."""
+    wire = args.compression.communication_data_type
+    return {"bf16": 2, "fp16": 2, "fp32": 4}.get(wire, 4) if wire else 4

@@ -46,9 +46,9 @@ def measure_peak_tflops(device: torch.device, n: int = 8192, repeats: int = 10) 
 
 
 def host_rss_gb() -> float:
-    """Peak resident memory of this process, GB."""
+    """Peak resident memory of this process, GB (1e9 bytes; Linux counts ru_maxrss in KiB)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1e9 if sys.platform == "darwin" else 1e6)
+    return peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9
 
 
 class MetricsLogger:

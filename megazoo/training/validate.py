@@ -24,6 +24,7 @@ def check_args(args: PretrainArgs) -> None:
     check_engine_compression(args.compression, args.zero.zero_impl)
     check_compression_layout(args.compression, args.parallel,
                              args.training.use_distributed_optimizer)
+    check_plain_offload(args)
     dp, t = args.parallel.dp, args.training
     if dp is not None and t.global_batch_size % (t.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size {t.global_batch_size} must divide by "
@@ -60,3 +61,17 @@ def check_engine(zero: ZeroConfig, parallel: ParallelConfig) -> None:
         raise ValueError(f"--offload-param needs --zero-stage 3, got {zero.zero_stage}")
     if zero.offload_optimizer not in (None, "none") and zero.zero_stage == 0:
         raise ValueError("--offload-optimizer needs --zero-stage 1, 2 or 3")
+
+
+def check_plain_offload(args: PretrainArgs) -> None:
+    """The plain engine's optimizer-offload flags against the engine (the memory they need
+    is `megazoo.plan.offload.check_offload_plan`'s, which the engine applies at start)."""
+    t, zero = args.training, args.zero
+    plain = zero.zero_impl == "none"
+    if not plain and (t.optimizer_cpu_offload or t.accumulate_grads_in_bf16):
+        raise ValueError("--optimizer-cpu-offload / --accumulate-grads-in-bf16 are the plain "
+                         f"engine's (this run uses --zero-impl {zero.zero_impl}): drop them, or "
+                         "use --offload-optimizer cpu with the ZeRO engine")
+    if plain and zero.nvme_path and not t.optimizer_cpu_offload:
+        raise ValueError("--nvme-path needs --optimizer-cpu-offload (the disk tier holds the "
+                         "offloaded optimizer state)")

@@ -56,6 +56,7 @@ def test_every_run_flag_is_a_plan_flag_with_its_default():
             (action.dest, action.default, action.choices), flag
     extra = set(plan_actions) - set(run._option_string_actions)
     assert extra == {"--dp", "--gpu-memory", "--gpus-per-node", "--fp32-grad-accumulation",
+                     "--host-memory", "--disk-memory", "--largest", "--model-family",
                      "--json", "--out"}
 
 
@@ -82,7 +83,7 @@ def test_cli_module_entry_point_takes_pretrain_flags():
     cmd = [sys.executable, "-m", "megazoo.plan", "--model", "bloom-176b", "--dp", "8",
            "--deepspeed", "--zero-stage", "3", "--offload-optimizer", "cpu",
            "--recompute-granularity", "full", "--micro-batch-size", "1",
-           "--global-batch-size", "8", "--seq-length", "2048", "--gpu-memory", "80"]
+           "--global-batch-size", "8", "--seq-length", "2048", "--gpu-memory", "80", "--bf16"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "does NOT fit" in out and "176,247,271,424" in out and "83.47 GB" in out
 

@@ -1,0 +1,162 @@
+"""Parameter, gradient and optimizer bytes of each engine, on the GPU, the host and the disk
+(the model is stated in the package docstring; `memory._estimate` adds activations, buffers
+and the verdict). Every function returns a `Parts` for the most loaded rank, given the
+parameters of its stage per tp rank (`n`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from ..models.config import ModelConfig
+from .layout import Resolved
+from .offload import offload_bytes, pinned
+
+SUB_GROUP_ELEMENTS = 1e9  # DeepSpeed ZeRO-3 sub_group_size default
+HOST_RUNTIME_BYTES = 3.2e9  # host side of a DeepSpeed offloading process (fitted, bench/README)
+TORCH_HOST_RUNTIME_BYTES = 1.39e9  # the same without DeepSpeed (FSDP2 gpt-1.3b: 23.5 GB RSS)
+
+
+@dataclass
+class Parts:
+    """Bytes by part: GPU (params, grads, optim, buffers), host, disk, the build's peak."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optim: float = 0.0
+    buffers: float = 0.0
+    host: float = 0.0
+    disk: float = 0.0
+    build: float = 0.0
+    """GPU bytes allocated while the run builds its model and the engine takes it over:
+    `run.py` builds every model in fp32 on the device (4 B per parameter) before the engine
+    casts, shards or offloads it."""
+    notes: list[str] = field(default_factory=list)
+
+
+def plain_parts(layout: Resolved, n: int) -> Parts:
+    """megazoo's own engine: bf16 / fp16 parameters (2 B), one contiguous main-gradient buffer
+    (fp32, 4 B; bf16 with --accumulate-grads-in-bf16; its buckets are views), fp32 masters and
+    AdamW moments (12 B), the latter over dp x sp with the distributed optimizer. In fp32 the
+    parameters are the masters (4 + 8 B) unless the distributed optimizer keeps a master shard
+    of its own. With --optimizer-cpu-offload a fraction of the optimizer state lives on the
+    host or the disk (`offload.offload_bytes`). Gradient compression adds its fp32 residuals
+    (counted with the optimizer state): a gradient-sized worker residual, and for 1bit / 2bit
+    without the distributed optimizer a 1/(dp x sp) server residual. Build: the fp32 model
+    (it doubles as the masters until the cast), the main gradients, the moments kept on the
+    GPU, and the bf16 copy made by the cast."""
+    z = layout.dp * layout.sp
+    shard = z if layout.distributed_optimizer else 1
+    grad_b = 2 if layout.grads_bf16 else 4
+    state_b = 12 if (layout.low_precision or layout.distributed_optimizer) else 8
+    parts = Parts(params=layout.param_bytes * n, grads=grad_b * n, optim=state_b * n / shard)
+    parts.notes.append("megazoo engine: " + ("bf16/fp16" if layout.low_precision else "fp32")
+                       + f" parameters, {'bf16' if grad_b == 2 else 'fp32'} main gradients, fp32 "
+                       "masters + AdamW moments"
+                       + (f" sharded over dp x sp = {z}" if layout.distributed_optimizer else ""))
+    if layout.optimizer_cpu_offload:
+        off = offload_bytes(n / shard, fraction=layout.optimizer_offload_fraction,
+                            bucket_elements=layout.bucket_elements, grad_bytes=grad_b,
+                            nvme=layout.nvme, state_bytes=state_b)
+        parts.optim, parts.buffers = off.gpu_state, off.gpu_buffers
+        parts.host, parts.disk = off.host + TORCH_HOST_RUNTIME_BYTES, off.disk
+        place = "the disk (--nvme-path)" if layout.nvme else "the host"
+        parts.notes.append(f"optimizer offload: {layout.optimizer_offload_fraction:.0%} of the "
+                           f"masters and moments ({state_b} B/param) on {place}")
+    if layout.gradient_compression is not None and z > 1:
+        server = layout.gradient_compression != "topk" and not layout.distributed_optimizer
+        parts.optim += 4 * n * (1 + (1 / z if server else 0))
+        parts.notes.append(f"gradient compression {layout.gradient_compression}: fp32 residuals")
+    moments_on_gpu = parts.optim * (8 / state_b) if state_b == 12 else parts.optim
+    cast = 2 * n if layout.low_precision else 0.0
+    parts.build = 4 * n + grad_b * n + moments_on_gpu + cast
+    return parts
+
+
+def deepspeed_parts(layout: Resolved, n: int, grad_b: int) -> Parts:
+    """DeepSpeed ZeRO-1/2/3 (0.19.8's stage3.py for ZeRO-3): parameters in the compute dtype
+    (/ Z at ZeRO-3), gradient partitions in the accumulation dtype (`grad_b`, / Z from
+    ZeRO-2), fp32 masters + Adam m, v (12 B; fp32 runs: the parameters are the masters, 8 B)
+    / Z. ZeRO-3 adds the fp32 gradient buffer of the largest sub-group (<= 1e9 elements) on
+    the GPU, or, with optimizer offload, keeps fp32 masters (a copy, also in fp32 runs),
+    moments and gradients (16 B x the offloaded ratio), the flat buffer of gradient partitions (grad_b) and its runtime on the
+    host, with that sub-group buffer there as a peak while the states initialise."""
+    z = layout.dp * layout.sp
+    stage, ratio = layout.zero_stage, layout.offload_optimizer_ratio
+    per = n / z
+    state_b = 12 if layout.low_precision else 8
+    parts = Parts(params=layout.param_bytes * n / (z if stage == 3 else 1),
+                  grads=grad_b * n / (z if stage >= 2 else 1),
+                  optim=state_b * n / (z if stage >= 1 else 1), build=4 * n)
+    if layout.offload_param == "cpu":
+        parts.params, parts.host = 0.0, layout.param_bytes * per
+    if layout.offload_optimizer == "cpu":  # the host keeps an fp32 master copy in fp32 runs too
+        moved = (12 + 4) * per
+        parts.host += moved * ratio
+        parts.optim, parts.grads = moved * (1.0 - ratio), 0.0
+        parts.notes.append(f"optimizer offload: fp32 masters + Adam m, v + fp32 grads, "
+                           f"{ratio:.0%} of them on the host")
+        if stage == 3:  # DeepSpeed's host-side buffers and runtime
+            parts.host += grad_b * per + 4 * min(per, SUB_GROUP_ELEMENTS) + HOST_RUNTIME_BYTES
+    elif stage == 3:
+        parts.grads += 4 * min(per, SUB_GROUP_ELEMENTS)
+        parts.notes.append("DeepSpeed ZeRO-3: fp32 gradient buffer of the largest sub-group")
+    return parts
+
+
+def fsdp2_parts(config: ModelConfig, layout: Resolved, n: int) -> Parts:
+    """FSDP2 (`fully_shard` per block, MixedPrecisionPolicy): fp32 sharded parameters and
+    gradients and AdamW m, v (16 B / Z); with CPUOffloadPolicy all of them on the host, the
+    parameters and gradients pinned (each tensor's shard rounded up to a power of two,
+    `pinned`). Several micro-batches per step with the reduce-scatter only in the last one
+    (always at pp = 1; `--no-fsdp-reduce-every-microbatch` under pipelines) keep every
+    parameter's unsharded gradient in the reduction dtype (fp32 for bf16 runs) on the GPU
+    across the step: FSDP2's `unsharded_accumulated_grad`, not divided by Z."""
+    z = layout.dp * layout.sp
+    parts = Parts(params=4 * n / z, grads=4 * n / z, optim=8 * n / z, build=4 * n)
+    if layout.offload_optimizer == "cpu":
+        shards = _pinned_shards(config, layout.tp, layout.pp, z)
+        parts.host = 2 * shards + 8 * n / z + TORCH_HOST_RUNTIME_BYTES
+        parts.params = parts.grads = parts.optim = 0.0
+        parts.notes.append("FSDP2 CPU offload: fp32 parameters and gradients (pinned, rounded "
+                           "to powers of two) and Adam m, v on the host")
+    if layout.fsdp_accumulates_unsharded:
+        parts.grads += layout.reduce_bytes * n
+        parts.notes.append(f"FSDP2 accumulates unsharded gradients over "
+                           f"{layout.num_micro_batches} micro-batches: {layout.reduce_bytes} B "
+                           f"for every parameter of the stage on the GPU")
+    return parts
+
+
+def _pinned_shards(config: ModelConfig, tp: int, pp: int, z: int) -> float:
+    """Pinned bytes of one fp32 copy of the most loaded stage's FSDP2 shards."""
+    key = (repr(dataclasses.replace(config, num_layers=1)), tp)
+    if key not in _SIZES:
+        _SIZES[key] = _tensor_sizes(config, tp)
+    block, embed, head = _SIZES[key]
+    blocks = config.num_layers // pp * sum(pinned(4 * math.ceil(e / z)) for e in block)
+    first = sum(pinned(4 * math.ceil(e / z)) for e in embed)
+    last = sum(pinned(4 * math.ceil(e / z)) for e in head)
+    return blocks + first + last if pp == 1 else blocks + max(first, last)
+
+
+_SIZES: dict[tuple, tuple] = {}  # (repr(config), tp) -> _tensor_sizes
+
+
+def _tensor_sizes(config: ModelConfig, tp: int) -> tuple[list, list, list]:
+    """Elements per parameter tensor per tp rank: (one block's, the embedding's, the head's
+    and final norm's), read from a one-block model built on the meta device."""
+    from ..models.build import build_model
+
+    model = build_model(dataclasses.replace(config, num_layers=1), device="meta")
+    block, embed, head = [], [], []
+    for name, p in model.named_parameters():
+        numel = p.numel() // tp if getattr(p, "tp_dim", None) is not None else p.numel()
+        if name.startswith("layers."):
+            block.append(numel)
+        elif name.startswith("embedding"):
+            embed.append(numel)
+        else:
+            head.append(numel)
+    return block, embed, head

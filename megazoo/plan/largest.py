@@ -1,0 +1,153 @@
+"""`python -m megazoo.plan --largest --model-family llama|gpt [layout flags]`: the largest model of
+a family whose plan fits --gpu-memory, --host-memory and --disk-memory, and its command.
+
+The family is a grid of shapes, sorted by parameter count:
+
+- llama: LLaMA-3-like blocks (RMSNorm, RoPE, SwiGLU with ffn = 3.5 h rounded to 256, head
+  dimension 128, 8 key/value heads), widths 2048-8192, even depths 8-96, vocabulary 32,000;
+- gpt: GPT-3 widths and head counts (Brown et al. 2020, 768-12288), even depths 12-96,
+  vocabulary 50,257 (the data's vocabulary, often smaller, only lowers the plan).
+
+Every candidate is planned with the layout flags given (engine, offload, tp/pp/dp, ...). The
+answer is the largest candidate that fits every budget, so every larger one, the next larger
+included, does not. With `--optimizer-cpu-offload` and no `--optimizer-offload-fraction`, each
+candidate takes the smallest fraction (steps of 0.05) whose GPU share fits: as much optimizer
+state on the GPU as fits, the rest on the host (or the disk with --nvme-path). Flags not given
+default to what a largest run wants: --seq-length 2048, --micro-batch-size 1, one micro-batch
+per step, --recompute full, --bf16.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shlex
+
+from ..models.config import ModelConfig
+from ..models.params import count_parameters
+from .layout import resolve
+from .memory import GB, RUNTIME_BYTES, MemoryEstimate, _estimate
+
+LLAMA_WIDTHS = (2048, 3072, 4096, 5120, 6144, 7168, 8192)
+GPT_WIDTHS = ((768, 12), (1024, 16), (1536, 16), (2048, 16), (2560, 32), (4096, 32),
+              (5120, 40), (6144, 48), (8192, 64), (12288, 96))
+FRACTIONS = tuple(i / 20 for i in range(21))
+# What --largest sets when the flag is not given: (namespace dest, value).
+LARGEST_DEFAULTS = (("data__seq_length", 2048), ("training__micro_batch_size", 1),
+                    ("model__recompute", "full"), ("training__bf16", True))
+# Flags that only the planner reads (with a value: True), dropped from the printed command.
+PLAN_ONLY = {"--largest": False, "--json": False, "--fp32-grad-accumulation": False,
+             "--model-family": True, "--gpu-memory": True, "--host-memory": True,
+             "--disk-memory": True, "--gpus-per-node": True, "--dp": True, "--out": True}
+MODEL_FLAGS = ("--model", "--family", "--num-layers", "--hidden-size", "--num-attention-heads",
+               "--num-key-value-heads", "--ffn-hidden-size", "--max-position-embeddings")
+
+
+def family_shapes(family: str, seq_length: int) -> list[ModelConfig]:
+    """The family's candidate shapes, smallest first."""
+    shapes = []
+    if family == "llama":
+        for h in LLAMA_WIDTHS:
+            ffn = -(-(7 * h // 2) // 256) * 256
+            shapes += [ModelConfig(family="llama", num_layers=n, hidden_size=h,
+                                   num_attention_heads=h // 128, num_key_value_heads=8,
+                                   ffn_hidden_size=ffn, vocab_size=32000,
+                                   max_position_embeddings=max(seq_length, 4096))
+                       for n in range(8, 97, 2)]
+    elif family == "gpt":
+        for h, heads in GPT_WIDTHS:
+            shapes += [ModelConfig(family="gpt", num_layers=n, hidden_size=h,
+                                   num_attention_heads=heads, vocab_size=50257,
+                                   max_position_embeddings=max(seq_length, 2048))
+                       for n in range(12, 97, 2)]
+    else:
+        raise ValueError(f"--model-family must be llama or gpt, got {family!r}")
+    return sorted(shapes, key=lambda c: (count_parameters(c), c.hidden_size))
+
+
+def plan_shape(args, config: ModelConfig, options, pick_fraction: bool):
+    """(estimate, args) of `args` with the model `config` (recompute kept); with
+    `pick_fraction`, the smallest offload fraction whose GPU share fits."""
+    model = dataclasses.replace(config, recompute=args.model.recompute)
+    args = dataclasses.replace(args, model=model, model_name=None)
+    fractions = FRACTIONS if pick_fraction else (None,)
+    for fraction in fractions:
+        if fraction is not None:
+            args = dataclasses.replace(args, training=dataclasses.replace(
+                args.training, optimizer_offload_fraction=fraction))
+        est = _estimate(model, resolve(args, options))
+        if est.verdicts["gpu"]:
+            break
+    return est, args
+
+
+def search(args, options, family: str, pick_fraction: bool, fits=lambda est: est.fits):
+    """(best, next larger): each (config, estimate, args); best None if nothing fits.
+    `fits(estimate)` is the verdict (default: every budget, the model's build included)."""
+    shapes = family_shapes(family, args.data.seq_length)
+    planned = [(c, *plan_shape(args, c, options, pick_fraction)) for c in shapes]
+    fitting = [i for i, (_, est, _) in enumerate(planned) if fits(est)]
+    if not fitting:
+        return None, planned[0]
+    best = fitting[-1]
+    return planned[best], planned[best + 1] if best + 1 < len(planned) else None
+
+
+def run_command(argv: list[str], args, config: ModelConfig) -> str:
+    """pretrain_gpt.py's command line for the chosen shape: the user's run flags (planner
+    flags and model flags dropped), the shape, the defaults --largest filled in, the fraction."""
+    kept, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        name = token.split("=", 1)[0]
+        if name in PLAN_ONLY or name in MODEL_FLAGS:
+            skip = "=" not in token and (PLAN_ONLY.get(name, True))
+            continue
+        if name in ("--optimizer-offload-fraction", "--seq-length", "--micro-batch-size",
+                    "--global-batch-size", "--recompute", "--recompute-granularity"):
+            skip = "=" not in token
+            continue
+        kept.append(token)
+    t = args.training
+    flags = ["--family", config.family, "--num-layers", config.num_layers,
+             "--hidden-size", config.hidden_size,
+             "--num-attention-heads", config.num_attention_heads]
+    if config.family == "llama":
+        flags += ["--num-key-value-heads", config.num_key_value_heads,
+                  "--ffn-hidden-size", config.ffn_hidden_size]
+    flags += ["--max-position-embeddings", config.max_position_embeddings,
+              "--seq-length", args.data.seq_length, "--micro-batch-size", t.micro_batch_size,
+              "--global-batch-size", t.global_batch_size, "--recompute", args.model.recompute]
+    if t.bf16 and "--bf16" not in kept:
+        flags.append("--bf16")
+    if t.optimizer_cpu_offload:
+        flags += ["--optimizer-offload-fraction", f"{t.optimizer_offload_fraction:g}"]
+    par = args.parallel
+    world = par.tp * par.sp * par.pp * (par.dp or 1)
+    launch = ["python"] if world == 1 else ["torchrun", "--nproc-per-node", world]
+    return " ".join(shlex.quote(str(x)) for x in launch + ["pretrain_gpt.py"] + flags + kept)
+
+
+def describe(config: ModelConfig, est: MemoryEstimate, options) -> str:
+    """One line: the shape, its parameters and its bytes against each budget."""
+    shape = (f"{config.family} {est.num_parameters / 1e9:.2f}B (L{config.num_layers} "
+             f"h{config.hidden_size} heads {config.num_attention_heads}"
+             + (f"/{config.num_key_value_heads} ffn {config.ffn_hidden_size}"
+                if config.family == "llama" else "") + ")")
+    gpu = max(est.gpu_total, est.build_peak + RUNTIME_BYTES)
+    parts = [f"GPU {gpu / GB:.1f}/{options.gpu_memory:g} GB"]
+    if options.host_memory:
+        parts.append(f"host {est.host_per_node / GB:.1f}/{options.host_memory:g} GB")
+    if options.disk_memory:
+        parts.append(f"disk {est.disk_per_node / GB:.1f}/{options.disk_memory:g} GB")
+    failed = [k for k, ok in est.verdicts.items() if not ok]
+    verdict = "fits" if not failed else "does not fit: " + ", ".join(failed)
+    return f"{shape}: {', '.join(parts)} -> {verdict}"
+
+
+def training_fits(options):
+    """The verdict without the model's fp32 build on the GPU: what training alone allows."""
+    def fits(est: MemoryEstimate) -> bool:
+        others = all(ok for key, ok in est.verdicts.items() if key != "gpu")
+        return others and est.gpu_total <= options.gpu_memory * GB
+    return fits

@@ -1,0 +1,160 @@
+"""Optimizer offload in the plain engine: where its bytes go (GPU, host, disk), and the checks
+a run makes before training (an unwritable `--nvme-path`, a host or disk too small, a fraction
+outside [0, 1]: one line each, naming the numbers).
+
+This module imports nothing from `megazoo.training`: the engine imports it (lazily, in its
+setup) and `megazoo.plan.memory` builds the planner's estimate on it, so both use one model.
+
+The model (`--optimizer-cpu-offload`, Megatron-core's flags; S = the parameters whose
+optimizer state this rank holds: all of its stage, / (dp x sp) with --use-distributed-optimizer):
+
+- optimizer state: fp32 master + AdamW m, v = 12 B per parameter of S; the fraction F
+  (`--optimizer-offload-fraction`) on the host, 1 - F on the GPU (stepped there);
+- with `--nvme-path` the host's share goes to disk instead (masters and moments), and the
+  host keeps pinned staging buffers for NVME_STAGING_BUCKETS buckets of it (12 B per element:
+  read ahead, written behind);
+- transfers: each reduced gradient bucket goes down as bf16 and the updated bf16 parameters
+  come up, TRANSFER_BUCKETS buckets in flight each way, in pinned host buffers (2 B per
+  element each way); from fp32 main gradients the bf16 copy of a bucket is made on the GPU
+  first (TRANSFER_BUCKETS x 2 B per element there), bf16 main gradients go down as they are;
+- pinned host memory comes from torch's caching host allocator, which rounds every
+  allocation up to a power of two (`pinned`): a 160 MB buffer takes 268 MB.
+
+A bucket is the engine's gradient bucket (`--ddp-bucket-size`, default max(40M, 1M x dp x sp)
+elements), capped at S.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+
+GB = 1e9
+STATE_BYTES = 12  # fp32 master + AdamW m, v per parameter
+TRANSFER_BUCKETS = 2  # gradient / parameter buckets in flight each way
+NVME_STAGING_BUCKETS = 4  # disk tier: buckets of state staged on the host
+WIRE_BYTES = 2  # bf16 gradients down, bf16 parameters up
+
+
+def pinned(nbytes: float) -> float:
+    """Bytes that torch's caching host allocator takes for a pinned buffer of `nbytes` (it
+    rounds each allocation up to the next power of two)."""
+    return 0.0 if nbytes <= 0 else float(2 ** math.ceil(math.log2(nbytes)))
+
+
+def default_bucket_elements(dp_sp: int) -> int:
+    """The plain engine's default gradient bucket (Megatron's): max(40M, 1M x dp x sp)."""
+    return max(40_000_000, 1_000_000 * dp_sp)
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Bytes of the optimizer offload by place (one rank)."""
+
+    gpu_state: float
+    """The GPU's share of masters and moments (1 - F)."""
+    gpu_buffers: float
+    """bf16 copies of fp32 gradient buckets on their way down."""
+    host_state: float
+    """The host's share of masters and moments (F; 0 with the disk tier)."""
+    host_staging: float
+    """Pinned transfer buffers, and the disk tier's staging buckets."""
+    disk: float
+    """What goes under --nvme-path (the host's share of the state)."""
+
+    @property
+    def host(self) -> float:
+        return self.host_state + self.host_staging
+
+
+def offload_bytes(state_params: float, *, fraction: float, bucket_elements: int,
+                  grad_bytes: int, nvme: bool, state_bytes: int = STATE_BYTES) -> OffloadPlan:
+    """The offload's bytes for `state_params` parameters of optimizer state on this rank."""
+    check_fraction(fraction)
+    state = state_bytes * state_params
+    bucket = min(bucket_elements, state_params)
+    staging = 2 * TRANSFER_BUCKETS * pinned(bucket * WIRE_BYTES)  # gradients down, params up
+    if nvme:
+        staging += NVME_STAGING_BUCKETS * pinned(bucket * state_bytes)
+    gpu_buffers = TRANSFER_BUCKETS * bucket * WIRE_BYTES if grad_bytes > WIRE_BYTES else 0.0
+    host_share = fraction * state
+    return OffloadPlan(gpu_state=state - host_share, gpu_buffers=gpu_buffers,
+                       host_state=0.0 if nvme else host_share, host_staging=staging,
+                       disk=host_share if nvme else 0.0)
+
+
+def check_fraction(fraction: float) -> None:
+    """ValueError unless 0 <= fraction <= 1."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
+
+
+def check_nvme_path(path: str) -> float:
+    """Create `path` if needed, check that a file can be written there, and return the free
+    bytes of its file system; ValueError naming the path otherwise."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".megazoo-write-test"):
+            pass
+        return float(_disk_free(path))
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ValueError(f"--nvme-path {path} is not a writable folder ({reason}): pass a "
+                         "folder on a local disk you can write to") from None
+
+
+def _disk_free(path: str) -> int:
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize
+
+
+def host_memory_bytes() -> float | None:
+    """Memory the host can give this process now (Linux MemAvailable), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_offload_plan(host_needed: float, disk_needed: float, *, host_memory: float | None,
+                       disk_memory: float | None, nvme_path: str | None = None,
+                       ranks_per_host: int = 1) -> None:
+    """ValueError (one line, the numbers in GB) when the host or the disk cannot hold what the
+    plan puts there; `host_memory` / `disk_memory` None: not checked. `host_needed` and
+    `disk_needed` are one rank's; `ranks_per_host` ranks share the host and the disk."""
+    host_all, disk_all = host_needed * ranks_per_host, disk_needed * ranks_per_host
+    ranks = f" ({ranks_per_host} ranks x {host_needed / GB:.1f} GB)" if ranks_per_host > 1 else ""
+    if host_memory is not None and host_all > host_memory:
+        advice = ("pass --nvme-path DIR to keep the optimizer state on disk" if not nvme_path
+                  else "use a smaller model or more GPUs")
+        raise ValueError(f"the plan needs {host_all / GB:.1f} GB of host memory{ranks} but "
+                         f"{host_memory / GB:.1f} GB is available: lower "
+                         f"--optimizer-offload-fraction (more state on the GPU) or {advice}")
+    if disk_all > 0 and disk_memory is not None and disk_all > disk_memory:
+        where = f"under --nvme-path {nvme_path}" if nvme_path else "on the disk"
+        raise ValueError(f"the plan needs {disk_all / GB:.1f} GB {where} but "
+                         f"{disk_memory / GB:.1f} GB is free: free space there, point "
+                         "--nvme-path at a larger disk, or lower --optimizer-offload-fraction")
+
+
+def check_offload_run(state_params: float, *, fraction: float, bucket_elements: int,
+                      grad_bytes: int, nvme_path: str | None, ranks_per_host: int = 1,
+                      state_bytes: int = STATE_BYTES,
+                      host_memory: float | None = None) -> OffloadPlan:
+    """What the engine runs before training with --optimizer-cpu-offload: the fraction, the
+    --nvme-path folder (created if needed, written to once), and whether the host's available
+    memory (`host_memory`, default MemAvailable now) and the disk's free space hold this
+    plan for `ranks_per_host` ranks. Returns the plan; ValueError (one line) otherwise."""
+    check_fraction(fraction)
+    disk_free = check_nvme_path(nvme_path) if nvme_path else None
+    plan = offload_bytes(state_params, fraction=fraction, bucket_elements=bucket_elements,
+                         grad_bytes=grad_bytes, nvme=bool(nvme_path), state_bytes=state_bytes)
+    check_offload_plan(plan.host, plan.disk, nvme_path=nvme_path, ranks_per_host=ranks_per_host,
+                       host_memory=host_memory_bytes() if host_memory is None else host_memory,
+                       disk_memory=disk_free)
+    return plan

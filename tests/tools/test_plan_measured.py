@@ -1,0 +1,126 @@
+"""The planner against recorded GPU measurements (fixtures), and its model of gradient
+accumulation and precision in every engine.
+
+Fixtures: (1) the runs of the issue that found the planner saying "fits" for ZeRO-3 runs
+using far more (one H100, `pretrain_gpt.py`, LLaMA 24 layers / h 4096 / GQA 32/8 / ffn 14336,
+s 2048, micro-batch 2, global batch 16 = 8 micro-batches, bf16, full recompute, optimizer
+offload to cpu, the default corpus's 2,048-token vocabulary): FSDP2 23.3 GB allocated and
+90 GB host RSS, DeepSpeed 21.1 GB and 116 GB, as the run logged them (host in ru_maxrss KiB
+/ 1e6, so x 1.024 for bytes); (2) `bench/plan_check.py` on one H100
+(bench/results/plan_memory_h100_2026-11-25.md): a 0.41B LLaMA, s 1024, micro-batch 2.
+Tolerance 5% (the issue's target)."""
+import dataclasses
+
+import pytest
+
+from megazoo.plan import GB, RUNTIME_BYTES, PlanOptions, estimate_memory
+from megazoo.training.arguments import parse_args
+
+KIB = 1.024  # the run logged host GB as ru_maxrss (KiB) / 1e6
+ISSUE = ["--family", "llama", "--num-layers", "24", "--hidden-size", "4096",
+         "--num-attention-heads", "32", "--num-key-value-heads", "8", "--ffn-hidden-size", "14336",
+         "--max-position-embeddings", "4096", "--seq-length", "2048", "--micro-batch-size", "2",
+         "--global-batch-size", "16", "--bf16", "--recompute", "full", "--zero-stage", "3",
+         "--offload-optimizer", "cpu"]
+SMALL = ["--family", "llama", "--num-layers", "16", "--hidden-size", "1536",
+         "--num-attention-heads", "12", "--num-key-value-heads", "4", "--ffn-hidden-size", "4096",
+         "--max-position-embeddings", "1024", "--seq-length", "1024", "--micro-batch-size", "2",
+         "--bf16", "--recompute", "full", "--zero-stage", "3"]
+
+
+def plan(flags, vocab=2048, **options):
+    args = parse_args(flags)
+    args.model = dataclasses.replace(args.model, vocab_size=vocab)
+    return estimate_memory(args, PlanOptions(**options))
+
+
+@pytest.mark.parametrize("impl, gpu_gb, host_gb", [("fsdp2", 23.3, 90.0),
+                                                    ("deepspeed", 21.1, None)])
+def test_the_issue_runs(impl, gpu_gb, host_gb):
+    """FSDP2's peak is training's: the fp32 unsharded gradients of all 5.2e9 parameters (21
+    GB) kept across the micro-batches. DeepSpeed's is the model's build: `run.py` builds it in
+    fp32 on the GPU (21 GB) before DeepSpeed casts and partitions it. FSDP2's host is 16 B per
+    parameter with the pinned parameters and gradients rounded to powers of two (+3.2 GB)."""
+    est = plan(ISSUE + ["--zero-impl", impl])
+    assert est.peak_allocated / GB == pytest.approx(gpu_gb, rel=0.05)
+    if host_gb is not None:
+        assert est.host_per_gpu / GB == pytest.approx(host_gb * KIB, rel=0.05)
+    # The old plan said 4.3 GB for FSDP2: on a 20 GB card this run does not fit.
+    assert not plan(ISSUE + ["--zero-impl", impl], gpu_memory=20).fits
+
+
+@pytest.mark.xfail(strict=True, reason="DeepSpeed ZeRO-3 offload host memory: the model fits "
+                   "the gpt-1.3b and 7.46B runs (bench/README.md) but not this one (-14%) nor the "
+                   "0.41B plan_check run (+11%); cause not found")
+def test_the_issue_deepspeed_host():
+    est = plan(ISSUE + ["--zero-impl", "deepspeed"])
+    assert est.host_per_gpu / GB == pytest.approx(116 * KIB, rel=0.05)
+
+
+@pytest.mark.parametrize("name, flags, alloc, reserved, host", [
+    ("fsdp2-offload-m8", ["--zero-impl", "fsdp2", "--offload-optimizer", "cpu",
+                          "--global-batch-size", "16"], 2.051, 2.389, 9.287),
+    ("ds-offload-m8", ["--deepspeed", "--offload-optimizer", "cpu",
+                       "--global-batch-size", "16"], 2.830, 3.406, None),
+    ("ds-offload-m1", ["--deepspeed", "--offload-optimizer", "cpu",
+                       "--global-batch-size", "2"], 2.830, 3.406, None),
+])
+def test_plan_check_h100_rows(name, flags, alloc, reserved, host):
+    """Peak allocated (whole run), peak reserved (against the plan without the CUDA context)
+    and host RSS in bytes / 1e9, from bench/plan_check.py's GPU sweep."""
+    est = plan(SMALL + flags)
+    assert est.peak_allocated / GB == pytest.approx(alloc, rel=0.05), name
+    assert (est.gpu_total - RUNTIME_BYTES) / GB == pytest.approx(reserved, rel=0.05), name
+    if host is not None:
+        assert est.host_per_gpu / GB == pytest.approx(host, rel=0.05), name
+
+
+def test_fsdp2_accumulation_depends_on_when_it_reduces():
+    """Unsharded gradients in the reduction dtype (fp32, or communication_data_type) for
+    every parameter, only when the reduce-scatter waits for a step's last micro-batch."""
+    base = ["--zero-impl", "fsdp2", "--offload-optimizer", "cpu"]
+    one, eight = (plan(SMALL + base + ["--global-batch-size", str(g)]) for g in (2, 16))
+    n = one.parameters_per_gpu
+    assert eight.gradients - one.gradients == 4 * n
+    bf16_wire = plan(SMALL + base + ["--global-batch-size", "16",
+                                     "--communication-data-type", "bf16"])
+    assert bf16_wire.gradients - one.gradients == 2 * n
+    pipe = SMALL + ["--zero-impl", "fsdp2", "--pp", "2", "--global-batch-size", "16"]
+    every, last = plan(pipe), plan(pipe + ["--no-fsdp-reduce-every-microbatch"])
+    assert last.gradients - every.gradients == 4 * every.parameters_per_gpu
+
+
+def test_deepspeed_and_plain_do_not_change_with_the_micro_batch_count():
+    """DeepSpeed accumulates into its gradient partitions (measured: 2.83 GB at 1 and 8
+    micro-batches), the plain engine into its main gradients."""
+    for engine in (["--deepspeed", "--offload-optimizer", "cpu"], []):
+        flags = SMALL[:-2] + engine if not engine else SMALL + engine
+        one, eight = (plan(flags + ["--global-batch-size", str(g)]) for g in (2, 16))
+        assert (one.parameters, one.gradients, one.optimizer_states) == \
+            (eight.parameters, eight.gradients, eight.optimizer_states)
+
+
+def test_fp32_zero_runs_keep_4_bytes():
+    """--fp32 (or no precision flag): parameters, gathered units and activations in 4 B."""
+    bf16 = plan(SMALL + ["--deepspeed", "--global-batch-size", "2"])
+    fp32 = plan([f for f in SMALL if f != "--bf16"] + ["--fp32", "--deepspeed",
+                                                       "--global-batch-size", "2"])
+    n = bf16.parameters_per_gpu
+    assert fp32.parameters == 2 * bf16.parameters
+    assert fp32.optimizer_states == 8 * n and bf16.optimizer_states == 12 * n  # masters = params
+    assert fp32.activations == pytest.approx(2 * bf16.activations, rel=0.1)
+    fsdp = [plan(flags + ["--zero-impl", "fsdp2", "--global-batch-size", "2"])
+            for flags in (SMALL, [f for f in SMALL if f != "--bf16"])]
+    assert fsdp[1].parameters - fsdp[0].parameters == fsdp[0].parameters - 4 * n
+
+
+def test_plan_check_rows_are_runs_the_run_accepts():
+    """Every row of bench/plan_check.py parses as a pretrain_gpt.py run and is planned; the
+    rows differ only in engine, offload and micro-batches per step."""
+    from bench.plan_check import PLAIN_OFFLOAD, ROWS, flags_of, planned
+
+    for name in list(ROWS) + list(PLAIN_OFFLOAD):
+        for dry_run in (False, True):
+            args = parse_args(flags_of(name, dry_run))
+            assert args.training.train_iters == 3 and not args.checkpoint.save, name
+            assert planned(flags_of(name, dry_run))["plan_peak_gb"] > 0, name

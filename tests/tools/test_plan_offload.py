@@ -1,0 +1,171 @@
+"""The plain engine's optimizer offload in the planner (GPU, host, disk bytes), the checks a
+run makes before training, and `--largest`."""
+import dataclasses
+import os
+
+import pytest
+
+from megazoo.plan import GB, main
+from megazoo.plan.engines import TORCH_HOST_RUNTIME_BYTES
+from megazoo.plan.largest import family_shapes, search
+from megazoo.plan.layout import PlanOptions
+from megazoo.plan.memory import estimate_memory
+from megazoo.plan.offload import (check_nvme_path, check_offload_plan, check_offload_run,
+                                  offload_bytes, pinned)
+from megazoo.training.arguments import parse_args
+from megazoo.training.config import TrainingConfig
+
+SHAPE = ["--family", "llama", "--num-layers", "8", "--hidden-size", "1024",
+         "--num-attention-heads", "8", "--num-key-value-heads", "8", "--ffn-hidden-size", "2816",
+         "--max-position-embeddings", "1024", "--seq-length", "1024", "--micro-batch-size", "1",
+         "--global-batch-size", "1", "--bf16", "--recompute", "full"]
+
+
+def test_pinned_rounds_up_to_a_power_of_two():
+    assert (pinned(0), pinned(1), pinned(2**26), pinned(2**26 + 1)) == (0, 1, 2**26, 2**27)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_offload_moves_a_fraction_of_12_bytes(fraction):
+    """Masters + moments (12 B) split by the fraction; the buffers are whole buckets."""
+    n, bucket = 1_000_000_000, 40_000_000
+    plan = offload_bytes(n, fraction=fraction, bucket_elements=bucket, grad_bytes=4, nvme=False)
+    assert plan.gpu_state == pytest.approx(12 * n * (1 - fraction))
+    staging = 4 * pinned(bucket * 2)  # 2 buckets of bf16 gradients down, 2 of parameters up
+    assert plan.host == pytest.approx(12 * n * fraction + staging) and plan.disk == 0
+    assert plan.gpu_buffers == 2 * bucket * 2  # bf16 copies of fp32 gradient buckets
+    disk = offload_bytes(n, fraction=fraction, bucket_elements=bucket, grad_bytes=2, nvme=True)
+    assert disk.disk == pytest.approx(12 * n * fraction) and disk.host_state == 0
+    assert disk.host_staging == staging + 4 * pinned(bucket * 12) and disk.gpu_buffers == 0
+
+
+def plain(*extra, **options):
+    return estimate_memory(parse_args(SHAPE + list(extra)), PlanOptions(**options))
+
+
+def test_plain_engine_plan_with_offload():
+    base = plain()
+    n = base.parameters_per_gpu
+    assert (base.parameters, base.gradients, base.optimizer_states) == (2 * n, 4 * n, 12 * n)
+    half = plain("--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5",
+                 "--accumulate-grads-in-bf16")
+    assert (half.gradients, half.optimizer_states) == (2 * n, 6 * n)
+    assert half.host_per_gpu == pytest.approx(6 * n + 4 * pinned(min(40e6, n) * 2)
+                                              + TORCH_HOST_RUNTIME_BYTES)
+    disk = plain("--optimizer-cpu-offload", "--nvme-path", "/nonexistent/ok-for-the-planner")
+    assert disk.disk_per_gpu == pytest.approx(12 * n)  # the host keeps staging buckets only
+    assert disk.host_per_gpu == pytest.approx(4 * pinned(40e6 * 2) + 4 * pinned(40e6 * 12)
+                                              + TORCH_HOST_RUNTIME_BYTES)
+    # the verdict names the budget that fails
+    small_host = plain("--optimizer-cpu-offload", host_memory=1.0)
+    assert small_host.verdicts == {"gpu": True, "host": False} and not small_host.fits
+    small_disk = plain("--optimizer-cpu-offload", "--nvme-path", "d", disk_memory=1.0)
+    assert small_disk.verdicts["disk"] is False
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5])
+def test_fraction_outside_0_1_is_one_line_naming_it(value, capsys):
+    with pytest.raises(ValueError, match=f"must be in \\[0, 1\\], got {value}"):
+        TrainingConfig(optimizer_cpu_offload=True, optimizer_offload_fraction=value)
+    assert main(SHAPE + ["--optimizer-cpu-offload", "--optimizer-offload-fraction",
+                         str(value)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(value) in err
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--optimizer-offload-fraction", "0.5"], "need --optimizer-cpu-offload"),
+    (["--nvme-path", "d"], "--nvme-path needs --optimizer-cpu-offload"),
+    (["--deepspeed", "--optimizer-cpu-offload"], "plain engine's"),
+])
+def test_offload_flags_against_the_engine(flags, words):
+    with pytest.raises(ValueError, match=words):
+        parse_args(SHAPE + flags)
+
+
+def test_unwritable_nvme_path_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError) as exc:
+        check_nvme_path(str(blocker / "sub"))
+    assert str(blocker / "sub") in str(exc.value) and "\n" not in str(exc.value)
+    assert check_nvme_path(str(tmp_path / "new")) > 0 and os.path.isdir(tmp_path / "new")
+
+
+def test_host_or_disk_too_small_names_the_numbers(tmp_path):
+    with pytest.raises(ValueError, match=r"needs 240\.0 GB of host memory \(2 ranks x 120\.0 "
+                                         r"GB\) but 125\.0 GB is available"):
+        check_offload_plan(120 * GB, 0, host_memory=125 * GB, disk_memory=None, ranks_per_host=2)
+    with pytest.raises(ValueError, match=r"needs 600\.0 GB under --nvme-path D but 500\.0 GB"):
+        check_offload_plan(1 * GB, 600 * GB, host_memory=None, disk_memory=500 * GB,
+                           nvme_path="D")
+    check_offload_plan(120 * GB, 400 * GB, host_memory=125 * GB, disk_memory=500 * GB)
+    # the engine's one call: a 1e9-parameter state on a host that has 10 GB free
+    with pytest.raises(ValueError, match="host memory"):
+        check_offload_run(1e9, fraction=1.0, bucket_elements=40_000_000, grad_bytes=4,
+                          nvme_path=None, host_memory=10 * GB)
+    plan = check_offload_run(1e9, fraction=1.0, bucket_elements=40_000_000, grad_bytes=4,
+                             nvme_path=str(tmp_path), host_memory=10 * GB)
+    assert plan.disk == 12e9 and plan.host < 10 * GB
+
+
+def test_a_preset_plans_its_own_sequence_length(capsys):
+    import json
+
+    for name, seq in (("gpt3-175b", 2048), ("llama-7b", 4096)):
+        assert main(["--model", name, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["layout"]["seq_length"] == seq
+    assert main(["--model", "llama-7b", "--seq-length", "512", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["seq_length"] == 512
+
+
+OFFLOAD_13B = ["--optimizer-cpu-offload", "--accumulate-grads-in-bf16"]
+
+
+@pytest.mark.parametrize("family, flags, budgets", [
+    ("llama", OFFLOAD_13B, dict(gpu_memory=80, host_memory=125, disk_memory=500)),
+    ("gpt", ["--deepspeed", "--zero-stage", "3", "--offload-optimizer", "cpu"],
+     dict(gpu_memory=80, host_memory=125)),
+])
+def test_largest_fits_and_the_next_larger_does_not(family, flags, budgets):
+    argv = ["--largest", "--model-family", family] + flags
+    from megazoo.plan.cli import _default_sequence, plan_parser
+
+    ns = plan_parser().parse_args(argv)
+    _default_sequence(ns)
+    ns.training__global_batch_size = 1
+    from megazoo.training.arguments import args_from_namespace
+
+    args = args_from_namespace(ns)
+    pick = args.training.optimizer_cpu_offload
+    options = PlanOptions(**budgets)
+    (config, est, run_args), following = search(args, options, family, pick)
+    assert est.fits and following is not None and not following[1].fits
+    shapes = family_shapes(family, 2048)  # sorted: everything past the answer is larger
+    assert [(s.num_layers, s.hidden_size) for s in shapes].index(
+        (following[0].num_layers, following[0].hidden_size)) == [
+        (s.num_layers, s.hidden_size) for s in shapes].index(
+        (config.num_layers, config.hidden_size)) + 1
+    assert est.num_parameters <= following[1].num_parameters
+
+
+def test_largest_prints_a_command_the_run_accepts(capsys):
+    budgets = ["--gpu-memory", "80", "--host-memory", "125", "--disk-memory", "500"]
+    assert main(["--largest", "--model-family", "llama"] + budgets + OFFLOAD_13B) == 0
+    out = capsys.readouterr().out
+    command = out.split("command:\n", 1)[1].split()
+    assert command[:2] == ["python", "pretrain_gpt.py"]
+    args = parse_args(command[2:])  # the run accepts it ...
+    assert args.training.optimizer_cpu_offload and args.data.seq_length == 2048
+    args.model = dataclasses.replace(args.model, vocab_size=32000)
+    est = estimate_memory(args, PlanOptions(gpu_memory=80, host_memory=125, disk_memory=500))
+    assert est.fits  # ... and plans as the search said
+    assert out.startswith(f"largest that trains here: llama {est.num_parameters / 1e9:.2f}B")
+    # today's run builds the model in fp32 on the GPU first: that, not training, is the limit
+    assert est.build_peak > est.allocated and "training alone would fit llama" in out
+
+
+def test_largest_without_a_fit_is_one_line(capsys):
+    assert main(["--largest", "--gpu-memory", "1", "--model-family", "gpt"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no gpt shape fits") and err.count("\n") == 1
