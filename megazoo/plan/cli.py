@@ -20,6 +20,7 @@ from ..training.arguments import args_from_namespace, build_parser, field_docs
 from ..training.config import PretrainArgs
 from .layout import PlanOptions, resolve
 from .memory import GB, MemoryEstimate, _estimate
+from . import timecli
 from .stages import draw_plan, stage_estimates
 
 
@@ -67,7 +68,9 @@ def plan_parser() -> argparse.ArgumentParser:
     group.add_argument("--out", metavar="PNG", default=None,
                        help="Also draw the plan: a stacked bar per pipeline stage (weights, "
                        "gradients, optimizer, activations, buffers) against --gpu-memory; "
-                       "needs matplotlib. Default: no picture.")
+                       "needs matplotlib. Default: no picture. With --cluster: the step's "
+                       "parts per stage instead.")
+    timecli.add_flags(parser)
     return parser
 
 
@@ -97,7 +100,16 @@ def format_table(name: str, args: PretrainArgs, est: MemoryEstimate,
 
 def main(argv: list[str] | None = None) -> int:
     """Plan the run the flags describe; 0, or one "error: ..." line and 2."""
-    ns = plan_parser().parse_args(argv)
+    parser = plan_parser()
+    ns = parser.parse_args(argv)
+    if ns.cluster or ns.search:
+        try:
+            if not ns.cluster:
+                raise ValueError("--search needs --cluster NAME (the GPUs and links to rank on)")
+            return timecli.run(ns, parser, sys.argv[1:] if argv is None else list(argv))
+        except (ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     given = {k[len("plan__"):]: v for k, v in vars(ns).items() if k.startswith("plan__")}
     try:
         options = PlanOptions(**given)
