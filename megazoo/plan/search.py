@@ -39,11 +39,16 @@ class Candidate:
     time: StepTime
     gpu_memory_gb: float
     gpus: int
+    inputs: tuple = dataclasses.field(default=(), repr=False, compare=False)
+    """(args, layout) it was planned from."""
 
-    def command(self, base: list[str]) -> str:
-        """The pretrain_gpt.py command line (launched over `gpus` ranks with torchrun)."""
-        return ("torchrun --nproc-per-node <gpus per node> --nnodes <nodes> pretrain_gpt.py "
-                + " ".join(base + self.flags))
+    def command(self, base: list[str], per_node: int) -> str:
+        """The pretrain_gpt.py command line over `gpus` ranks (the run takes dp from its world
+        size, so the planner's --dp is left out)."""
+        nodes, local = (self.gpus // per_node, per_node) if self.gpus >= per_node else (1, self.gpus)
+        flags = self.flags[:self.flags.index("--dp")]
+        return (f"torchrun --nnodes {nodes} --nproc-per-node {local} pretrain_gpt.py "
+                + " ".join(base + flags))
 
 
 def strip_layout(argv: list[str]) -> list[str]:
@@ -95,10 +100,13 @@ def _flags(t, u, p, v, d, b, recompute, megatron_sp, num_layers) -> list[str]:
 
 
 def search(parse, base: list[str], num_layers: int, gpus: int, global_batch: int,
-           cluster: Cluster, headroom: float = 0.0) -> tuple[list[Candidate], int, int]:
+           cluster: Cluster, headroom: float = 0.0, rescore: int = 20
+           ) -> tuple[list[Candidate], int, int]:
     """(fitting candidates, fastest first; layouts the run refused; layouts too big).
 
-    `parse(argv)` is the planner's parsing: flags -> the run's checked PretrainArgs."""
+    `parse(argv)` is the planner's parsing: flags -> the run's checked PretrainArgs. Every
+    candidate is timed with the pipeline's closed form, the best `rescore` again with the
+    schedule simulated (they lead the list)."""
     found, refused, too_big = [], 0, 0
     options = PlanOptions(gpu_memory=cluster.hbm_gb, gpus_per_node=cluster.gpus_per_node)
     for t, u, p, v, d, b in layouts(num_layers, gpus, global_batch, cluster.gpus_per_node):
@@ -114,7 +122,9 @@ def search(parse, base: list[str], num_layers: int, gpus: int, global_batch: int
             if memory > (cluster.hbm_gb - headroom) * GB:
                 too_big += 1
                 continue
-            found.append(Candidate(flags, step_time(args, layout, cluster), memory / GB,
-                                   layout.world_size))
+            found.append(Candidate(flags, step_time(args, layout, cluster, exact=False),
+                                   memory / GB, layout.world_size, (args, layout)))
     found.sort(key=lambda c: -c.time.tokens_per_s)
+    exact = [dataclasses.replace(c, time=step_time(*c.inputs, cluster)) for c in found[:rescore]]
+    found = sorted(exact, key=lambda c: -c.time.tokens_per_s) + found[rescore:]
     return found, refused, too_big

@@ -13,9 +13,11 @@ most loaded pipeline stage, against the cluster's GPU memory), time from `timing
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from ..figures import new_figure
+from ..training.arguments import args_from_namespace
 from .clusters import load_cluster
 from .layout import PlanOptions, resolve
 from .memory import GB
@@ -42,9 +44,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _parse(parser):
-    """flags -> the run's checked PretrainArgs (for the search's candidates)."""
+    """flags -> the run's checked PretrainArgs (for the search's candidates: strictly what the
+    run accepts, no uneven pipeline split)."""
     def parse(argv):
-        return plan_args(parser.parse_args(argv))[0]
+        return args_from_namespace(parser.parse_args(argv))
     return parse
 
 
@@ -100,7 +103,8 @@ def draw(p: dict, out: str) -> str:
 
 def run_search(ns, parser, argv: list[str]) -> dict:
     cluster = load_cluster(ns.cluster)
-    args = plan_args(ns)[0]
+    args, config, _ = plan_args(ns)
+    args = dataclasses.replace(args, model=config)
     gpus = ns.gpus or (args.parallel.tp * args.parallel.sp * args.parallel.pp
                        * (args.parallel.dp or 1))
     base = strip_layout(argv)
@@ -109,10 +113,49 @@ def run_search(ns, parser, argv: list[str]) -> dict:
     rows = [{"flags": " ".join(c.flags), "gpus": c.gpus, "step_s": c.time.step_s,
              "tokens_per_s": c.time.tokens_per_s, "tflops_per_gpu": c.time.tflops_per_gpu,
              "tflops_per_gpu_megatron": c.time.tflops_per_gpu_megatron,
-             "gpu_memory_gb": c.gpu_memory_gb, "command": c.command(base)}
+             "gpu_memory_gb": c.gpu_memory_gb, "command": c.command(base, cluster.gpus_per_node)}
             for c in found[:ns.top]]
-    return {"cluster": cluster.name, "gpus": gpus, "fitting": len(found), "refused": refused,
-            "too_big": too_big, "top": rows}
+    result = {"cluster": cluster.name, "gpus": gpus, "fitting": len(found),
+              "refused": refused, "too_big": too_big, "top": rows, "why": []}
+    given_layout = {"--tp", "--tensor-model-parallel-size", "--pp", "--dp",
+                    "--pipeline-model-parallel-size"} & {a.split("=")[0] for a in argv}
+    if found and given_layout:  # compare with the layout the user gave
+        given = predict(ns)
+        result["given"] = {k: given[k] for k in ("layout", "gpus", "step_s", "tokens_per_s",
+                                                 "tflops_per_gpu", "gpu_memory_gb", "fits")}
+        result["why"] = explain(found[0], given, args)
+    if found and max(c.gpus for c in found) < gpus:
+        result["why"].append(
+            f"no layout the run accepts uses all {gpus} GPUs: dp must divide global batch / "
+            f"micro-batch ({args.training.global_batch_size}), pp the {args.model.num_layers} "
+            f"layers, tp x sp the {args.model.num_attention_heads} heads")
+    return result
+
+
+def _shares(stages: list[dict], step: float) -> dict:
+    """Mean share of the step per part over the stages."""
+    return {k: sum(s[k] for s in stages) / len(stages) / step for k in PARTS}
+
+
+def explain(best, given: dict, args) -> list[str]:
+    """Why the best layout is faster than the given one (or why the given one is best)."""
+    ratio = best.time.tokens_per_s / given["tokens_per_s"]
+    mine = _shares([dataclasses.asdict(s) for s in best.time.stages], best.time.step_s)
+    theirs = _shares(given["stages"], given["step_s"])
+    if ratio <= 1.0:
+        return [f"the given layout {given['layout']} is the fastest that fits "
+                f"({given['tokens_per_s']:,.0f} tokens/s)"]
+    lines = [f"best is {ratio:.2f}x the given {given['layout']} ({given['tokens_per_s']:,.0f} "
+             f"tokens/s on {given['gpus']} GPUs, {given['gpu_memory_gb']:.1f} GB); per GPU "
+             f"{best.time.tflops_per_gpu:.1f} vs {given['tflops_per_gpu']:.1f} model TFLOP/s"]
+    recompute = "--recompute" in best.flags and best.flags[best.flags.index("--recompute") + 1]
+    if recompute != args.model.recompute:
+        lines.append(f"recompute {recompute} instead of {args.model.recompute} (full reruns "
+                     "each block's forward: about a third more compute)")
+    for part in ("bubble", "tp_comm", "dp_comm"):
+        if abs(mine[part] - theirs[part]) > 0.01:
+            lines.append(f"{part}: {mine[part]:.1%} of the step vs {theirs[part]:.1%}")
+    return lines
 
 
 def format_search(result: dict) -> str:
@@ -122,7 +165,7 @@ def format_search(result: dict) -> str:
         lines.append(f"{i + 1}. {r['tokens_per_s']:,.0f} tokens/s, {r['tflops_per_gpu']:.1f} "
                      f"TFLOP/s per GPU, {r['gpu_memory_gb']:.1f} GB, {r['gpus']} GPUs: {r['flags']}")
         lines.append(f"   {r['command']}")
-    return "\n".join(lines)
+    return "\n".join(lines + [f"why: {w}" for w in result["why"]])
 
 
 def run(ns, parser, argv: list[str]) -> int:

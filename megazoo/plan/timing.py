@@ -97,9 +97,11 @@ def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -
 
 
 def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
-              config: ModelConfig | None = None) -> StepTime:
+              config: ModelConfig | None = None, exact: bool = True) -> StepTime:
     """Predict one step of the run `args` (resolved as `layout`) on `cluster`; `config`
-    overrides args.model (a layer count pretrain_gpt.py cannot split, see `stage_layers`)."""
+    overrides args.model (a layer count pretrain_gpt.py cannot split, see `stage_layers`).
+    exact=False replaces the pipeline simulation by its closed form (`_pipeline`), for
+    screening many layouts."""
     config = config or args.model
     rates = kernel_rates(cluster.calibration).scaled(cluster.peak_bf16_tflops,
                                                      cluster.hbm_gb_s, cluster.gpu)
@@ -111,7 +113,7 @@ def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
     works[-1] = works[-1] + head_work(config, layout, rates, cluster)
     params = _rank_parameters(config, layout, layers)
     works = [w + _zero3_exposed(w, params[i % p] / v, layout, cluster) for i, w in enumerate(works)]
-    ends, busy = _pipeline(works, layout, config, cluster)
+    ends = _pipeline(works, layout, config, cluster, exact)
     tail = [_dp_exposed(args, layout, cluster, params[r], works[r::p]) for r in range(p)]
     optim = [_optimizer(layout, cluster, rates, params[r]) for r in range(p)]
     step = max(e + d + o for e, d, o in zip(ends, tail, optim))
@@ -142,21 +144,26 @@ def _rank_parameters(config: ModelConfig, layout: Resolved, layers: list[int]) -
     return held
 
 
-def _pipeline(works: list[Work], layout: Resolved, config: ModelConfig,
-              cluster: Cluster) -> tuple[list[float], list[float]]:
-    """(end of the last compute, busy seconds) of each pipeline rank."""
+def _pipeline(works: list[Work], layout: Resolved, config: ModelConfig, cluster: Cluster,
+              exact: bool = True) -> list[float]:
+    """When each pipeline rank's last compute ends. exact: the schedule simulated; else the
+    closed form m max_r T_r + (p - 1) mean_r T_r / v + 2 (p - 1) p2p (T_r: rank r's
+    forward + backward of one micro-batch over its chunks; exact for equal stages), the same
+    end for every rank."""
     p, v, m = layout.pp, layout.vpp, layout.num_micro_batches
     tf = [w.fwd + w.fwd_comm for w in works]
     tb = [w.bwd + w.bwd_comm for w in works]
     if p == 1:
-        total = m * (tf[0] + tb[0])
-        return [total], [total]
+        return [m * (tf[0] + tb[0])]
     shard = layout.tp if layout.megatron_sp_on else 1
     sent = 2.0 * layout.seq_length * layout.micro_batch_size * config.hidden_size / (layout.sp * shard)
     p2p = sent / cluster.link_bytes_s(layout.tp * layout.sp * layout.dp + 1)
+    if not exact:
+        per_rank = [sum(tf[r::p]) + sum(tb[r::p]) for r in range(p)]
+        span = m * max(per_rank) + (p - 1) * (sum(per_rank) / p / v + 2 * p2p)
+        return [span] * p
     sim = simulate(build_schedule(p, v, m), tf, tb, p2p)
-    ends = [t[-1].end for t in sim.timelines]
-    return ends, [sum(e.end - e.start for e in t) for t in sim.timelines]
+    return [t[-1].end for t in sim.timelines]
 
 
 def _zero3_exposed(work: Work, params: float, layout: Resolved, cluster: Cluster) -> Work:

@@ -56,7 +56,7 @@ def test_every_run_flag_is_a_plan_flag_with_its_default():
             (action.dest, action.default, action.choices), flag
     extra = set(plan_actions) - set(run._option_string_actions)
     assert extra == {"--dp", "--gpu-memory", "--gpus-per-node", "--fp32-grad-accumulation",
-                     "--json", "--out"}
+                     "--json", "--out", "--cluster", "--search", "--top", "--gpus"}
 
 
 @pytest.mark.parametrize("argv, hint", [
