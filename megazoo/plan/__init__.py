@@ -1,4 +1,6 @@
-"""Memory planner: what one training run needs per GPU and on the host, and whether it fits.
+"""Memory planner: what one training run needs per GPU and on the host, and whether it fits;
+with `--cluster C`, the step time on a cluster, and with `--search` the fastest layout
+(docs/planner.md; `timing.py`, `search.py`).
 
     python -m megazoo.plan --model bloom-176b --dp 8 --deepspeed --zero-stage 3 \
         --offload-optimizer cpu --recompute full --micro-batch-size 1 --global-batch-size 8 \
@@ -70,7 +72,10 @@ from .layout import PlanOptions, Resolved, resolve
 from .memory import (GB, RUNTIME_BYTES, MemoryEstimate, activation_bytes, estimate_memory,
                      stage_parameters)
 from .stages import stage_estimates
+from .clusters import Cluster, load_cluster
+from .timing import StepTime, step_time
 
 __all__ = ["GB", "RUNTIME_BYTES", "MemoryEstimate", "PlanOptions", "Resolved", "activation_bytes",
            "block_coefficients", "estimate_memory", "format_table", "main", "resolve",
-           "stage_activations", "stage_estimates", "stage_parameters"]
+           "stage_activations", "stage_estimates", "stage_parameters",
+           "Cluster", "StepTime", "load_cluster", "step_time"]

@@ -112,9 +112,10 @@ def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
     works[0] = works[0] + embedding_work(config, layout, rates, cluster)
     works[-1] = works[-1] + head_work(config, layout, rates, cluster)
     params = _rank_parameters(config, layout, layers)
-    works = [w + _zero3_exposed(w, params[i % p] / v, layout, cluster) for i, w in enumerate(works)]
-    ends = _pipeline(works, layout, config, cluster, exact)
-    tail = [_dp_exposed(args, layout, cluster, params[r], works[r::p]) for r in range(p)]
+    zero3 = [_zero3_exposed(w, params[i % p] / v, layout, cluster) for i, w in enumerate(works)]
+    ends = _pipeline([w + z for w, z in zip(works, zero3)], layout, config, cluster, exact)
+    tail = [_dp_exposed(args, layout, cluster, params[r], works[r::p])
+            + m * sum(z.fwd_comm + z.bwd_comm for z in zero3[r::p]) for r in range(p)]
     optim = [_optimizer(layout, cluster, rates, params[r]) for r in range(p)]
     step = max(e + d + o for e, d, o in zip(ends, tail, optim))
     stages = []
