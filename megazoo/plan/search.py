@@ -27,7 +27,8 @@ LAYOUT_FLAGS = {"--tensor-model-parallel-size", "--tp", "--pipeline-model-parall
                 "--pp", "--sequence-parallel-size", "--ds-sequence-parallel-size", "--sp",
                 "--dp", "--micro-batch-size", "--recompute", "--recompute-granularity",
                 "--sequence-parallel", "--num-layers-per-virtual-pipeline-stage",
-                "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"}
+                "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                "--virtual-pipeline-model-parallel-size", "--sequence-parallel-size"}
 
 
 @dataclasses.dataclass(frozen=True)
