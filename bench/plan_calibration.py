@@ -30,7 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.common import sync, time_ms
+from bench.common import time_ms
 
 HIDDEN = (1024, 2048, 4096, 8192, 12288, 16384)
 TOKENS = (2048, 4096, 8192, 16384)

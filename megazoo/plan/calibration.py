@@ -8,8 +8,8 @@ fused AdamW; the machine's name and the date are in the file). From it:
   u(x) = x / (x + c_x): a peak rate R lowered by each dimension's tile and wave losses,
   smoothly floored at t0 (the shortest kernel). Six numbers, least squares on log time (torch
   L-BFGS, float64), stored in the fixture's "fit" (`python -m megazoo.plan.calibration NAME`
-  refits it; a test checks the stored numbers are what the fit gives). FP8: the bf16 curve divided by the median FP8 / bf16
-  speedup at the measured shapes.
+  refits it; a test checks the stored numbers are what the fit gives). FP8: the bf16 curve
+  divided by the median FP8 / bf16 speedup at the measured shapes.
 - **Attention**: causal SDPA forward + backward t = a + W / r, W = 6 b a s^2 d (the causal
   half of Megatron's 12 b a s^2 d); the forward is the median measured share of it.
 - **Elementwise** work runs at the measured copy bandwidth; the optimizer step at the
@@ -72,7 +72,8 @@ def fit_gemm(points: list[dict]) -> GemmCurve:
 
     def predict(t):
         rate, cm, cn, ck, t0, q = t.exp()
-        u = mnk[:, 0] / (mnk[:, 0] + cm) * mnk[:, 1] / (mnk[:, 1] + cn) * mnk[:, 2] / (mnk[:, 2] + ck)
+        m, n, k = mnk.unbind(1)
+        u = m / (m + cm) * n / (n + cn) * k / (k + ck)
         tc = 2.0 * mnk.prod(1) / (rate * 1e12 * u)
         return ((t0 * 1e-6) ** q + tc ** q) ** (1.0 / q)
 

@@ -54,7 +54,8 @@ class Cluster:
         for name in ("peak_bf16_tflops", "hbm_gb", "hbm_gb_s", "intra_node_gb_s", "pcie_gb_s",
                      "host_adam_params_per_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"cluster {self.name}: {name} must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"cluster {self.name}: {name} must be > 0, "
+                                 f"got {getattr(self, name)}")
         if self.gpus_per_node < 1:
             raise ValueError(f"cluster {self.name}: gpus_per_node must be >= 1")
         if (self.inter_node_gb_s_per_node is None) == (self.inter_node_gb_s_per_gpu is None):

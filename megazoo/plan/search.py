@@ -46,7 +46,8 @@ class Candidate:
     def command(self, base: list[str], per_node: int) -> str:
         """The pretrain_gpt.py command line over `gpus` ranks (the run takes dp from its world
         size, so the planner's --dp is left out)."""
-        nodes, local = (self.gpus // per_node, per_node) if self.gpus >= per_node else (1, self.gpus)
+        nodes, local = ((self.gpus // per_node, per_node) if self.gpus >= per_node
+                        else (1, self.gpus))
         flags = self.flags[:self.flags.index("--dp")]
         return (f"torchrun --nnodes {nodes} --nproc-per-node {local} pretrain_gpt.py "
                 + " ".join(base + flags))

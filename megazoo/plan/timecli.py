@@ -24,7 +24,7 @@ from .memory import GB
 from .published import plan_args
 from .search import search, strip_layout
 from .stages import stage_estimates
-from .timing import StepTime, stage_layers, step_time
+from .timing import stage_layers, step_time
 
 PARTS = ("compute", "tp_comm", "bubble", "dp_comm", "optimizer")
 
@@ -163,7 +163,8 @@ def format_search(result: dict) -> str:
              f"({result['too_big']} too big, {result['refused']} refused by the run's checks):"]
     for i, r in enumerate(result["top"]):
         lines.append(f"{i + 1}. {r['tokens_per_s']:,.0f} tokens/s, {r['tflops_per_gpu']:.1f} "
-                     f"TFLOP/s per GPU, {r['gpu_memory_gb']:.1f} GB, {r['gpus']} GPUs: {r['flags']}")
+                     f"TFLOP/s per GPU, {r['gpu_memory_gb']:.1f} GB, {r['gpus']} GPUs: "
+                     f"{r['flags']}")
         lines.append(f"   {r['command']}")
     return "\n".join(lines + [f"why: {w}" for w in result["why"]])
 

@@ -157,7 +157,8 @@ def _pipeline(works: list[Work], layout: Resolved, config: ModelConfig, cluster:
     if p == 1:
         return [m * (tf[0] + tb[0])]
     shard = layout.tp if layout.megatron_sp_on else 1
-    sent = 2.0 * layout.seq_length * layout.micro_batch_size * config.hidden_size / (layout.sp * shard)
+    tokens = layout.seq_length * layout.micro_batch_size
+    sent = 2.0 * tokens * config.hidden_size / (layout.sp * shard)
     p2p = sent / cluster.link_bytes_s(layout.tp * layout.sp * layout.dp + 1)
     if not exact:
         per_rank = [sum(tf[r::p]) + sum(tb[r::p]) for r in range(p)]

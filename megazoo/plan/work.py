@@ -57,7 +57,8 @@ class Work:
         return Work(self.fwd * k, self.bwd * k, self.fwd_comm * k, self.bwd_comm * k)
 
 
-def _linear(rates: KernelRates, tokens: int, n_in: float, n_out: float, fp8: bool) -> tuple[float, float]:
+def _linear(rates: KernelRates, tokens: int, n_in: float, n_out: float,
+            fp8: bool) -> tuple[float, float]:
     """(forward, backward) seconds of [tokens, n_in] x [n_in, n_out]; FP8 adds its casts."""
     fwd = rates.gemm.time(tokens, n_out, n_in)
     bwd = rates.gemm.time(tokens, n_in, n_out) + rates.gemm.time(n_out, n_in, tokens)
@@ -70,10 +71,15 @@ def _linear(rates: KernelRates, tokens: int, n_in: float, n_out: float, fp8: boo
             bwd / rates.fp8_speedup + cast_bwd / rates.copy_bytes_s)
 
 
+def _kv_width(config: ModelConfig) -> int:
+    """Width of the keys (and of the values): kv heads x head dim."""
+    return config.num_key_value_heads * config.head_dim
+
+
 def block_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluster: Cluster) -> Work:
     """One transformer block, one micro-batch (module docstring)."""
     t, u, b, s = layout.tp, layout.sp, layout.micro_batch_size, layout.seq_length
-    h, f, kv = config.hidden_size, config.ffn_hidden_size, config.num_key_value_heads * config.head_dim
+    h, f, kv = config.hidden_size, config.ffn_hidden_size, _kv_width(config)
     tokens = s * b // u
     swiglu = config.activation == "swiglu"
     fp8_all = config.fp8_format is not None and config.fp8_layers == "all"
@@ -97,7 +103,7 @@ def block_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluste
 def _elementwise(config: ModelConfig, layout: Resolved) -> tuple[float, float]:
     """(forward, backward) 2-byte elements per token of the passes over memory."""
     t = layout.tp
-    h, f, kv = config.hidden_size, config.ffn_hidden_size, config.num_key_value_heads * config.head_dim
+    h, f, kv = config.hidden_size, config.ffn_hidden_size, _kv_width(config)
     r = h / t if layout.megatron_sp_on else h
     qkv = (h + 2 * kv) / t
     rope = 2 * (h + kv) / t if config.position_embedding == "rope" else 0.0
@@ -111,7 +117,7 @@ def _elementwise(config: ModelConfig, layout: Resolved) -> tuple[float, float]:
 def _tp_comm(config: ModelConfig, layout: Resolved, cluster: Cluster, tokens: int) -> float:
     """Seconds of one direction's (forward's or backward's) tp / sp collectives."""
     t, u = layout.tp, layout.sp
-    h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
+    h, kv = config.hidden_size, _kv_width(config)
     seconds = 0.0
     if t > 1:
         link = cluster.link_bytes_s(t)
@@ -136,7 +142,8 @@ def head_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluster
     return Work(fwd + loss / 2, bwd + loss / 2, 0.0, comm)
 
 
-def embedding_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluster: Cluster) -> Work:
+def embedding_work(config: ModelConfig, layout: Resolved, rates: KernelRates,
+                   cluster: Cluster) -> Work:
     """The embedding lookup (a gather and, backward, a scatter-add of T h elements) and its
     tp all-reduce."""
     t, u = layout.tp, layout.sp

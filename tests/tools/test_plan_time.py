@@ -95,7 +95,8 @@ def test_more_bandwidth_or_flops_is_never_slower(field):
     for name in ("a100-80gb", "h100-sxm"):
         base = load_cluster(name)
         base = dataclasses.replace(base, gpus_per_node=4)  # tp inside, pp and dp across nodes
-        steps = [step_time(args, layout, dataclasses.replace(base, **{field: getattr(base, field) * k})).step_s
+        steps = [step_time(args, layout,
+                           dataclasses.replace(base, **{field: getattr(base, field) * k})).step_s
                  for k in (0.5, 1, 2, 4)]
         assert all(a >= b for a, b in zip(steps, steps[1:])), (name, steps)
     assert steps[0] > steps[-1] or field == "pcie_gb_s"  # and it matters (no offload: PCIe idle)
@@ -142,6 +143,13 @@ def test_cli_json_and_one_line_errors(capsys, tmp_path):
                 "gpu_memory_gb", "stages"):
         assert key in out
     assert len(out["stages"]) == 4 and out["gpus"] == 32
+    for stage in out["stages"]:  # the parts of each stage add up to the step
+        parts = ("compute", "tp_comm", "bubble", "dp_comm", "optimizer")
+        assert sum(stage[k] for k in parts) == pytest.approx(out["step_s"])
+    pytest.importorskip("matplotlib")
+    assert main(LAYOUT.split() + ["--cluster", "h100-sxm", "--out", str(tmp_path / "s.png")]) == 0
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
     spec = tmp_path / "mine.json"
     spec.write_text(json.dumps({"gpu": "x", "peak_bf16_tflops": 100, "hbm_gb": 40}))
     assert main(LAYOUT.split() + ["--cluster", str(spec)]) == 2
