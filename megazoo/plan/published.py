@@ -7,6 +7,12 @@ on every other. pretrain_gpt.py splits layers evenly (num_layers / pp), so its c
 as the run does (with the layer count rounded up to the split's 72, which changes no other
 check), then plans the real model with the uneven split (`timing.stage_layers`) and says so
 in a note. `--search` never proposes such a layout: it only returns what the run accepts.
+
+Such a run's memory is also its engine's: `megatron_deepspeed_gb` adds what DeepSpeed's
+BF16_Optimizer (the engine of Megatron-DeepSpeed, BLOOM's) keeps beyond megazoo's: the bf16
+gradient of every parameter (2 B), which it leaves in `param.grad` after adding it into its
+full fp32 gradient buffer (`update_hp_grads`; cleared only when the next backward starts),
+where megazoo's weight-gradient GEMMs add straight into the fp32 buffer.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from ..models.config import ModelConfig
 from ..models.presets import PRESETS
 from ..training.arguments import args_from_namespace
 from ..training.config import PretrainArgs
+from .memory import FRAGMENTATION, GB, MemoryEstimate
 from .timing import stage_layers
 
 
@@ -44,3 +51,9 @@ def plan_args(ns: argparse.Namespace) -> tuple[PretrainArgs, ModelConfig, list[s
             f"pp {pp}); planned with Megatron-DeepSpeed's split that counts the embedding and "
             f"the head as a layer each: {split[0]}, {split[1]}, ..., {split[-1]} blocks per stage")
     return args, config, [note]
+
+
+def megatron_deepspeed_gb(estimate: MemoryEstimate) -> float:
+    """GB per GPU of the same stage under Megatron-DeepSpeed's BF16_Optimizer: megazoo's
+    estimate plus a bf16 gradient per parameter (and its share of the allocator allowance)."""
+    return (estimate.gpu_total + 2.0 * estimate.parameters_per_gpu * (1 + FRAGMENTATION)) / GB

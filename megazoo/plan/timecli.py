@@ -21,7 +21,7 @@ from ..training.arguments import args_from_namespace
 from .clusters import load_cluster
 from .layout import PlanOptions, resolve
 from .memory import GB
-from .published import plan_args
+from .published import megatron_deepspeed_gb, plan_args
 from .search import search, strip_layout
 from .stages import stage_estimates
 from .timing import stage_layers, step_time
@@ -61,10 +61,16 @@ def predict(ns) -> dict:
     memory = stage_estimates(config, layout, layers if layout.vpp == 1 else None)
     top = max(range(len(memory)), key=lambda r: memory[r].gpu_total)
     time = step_time(args, layout, cluster, config)
+    extra = {}
+    if notes:  # a layout only Megatron-DeepSpeed runs: its engine's memory too
+        extra["gpu_memory_gb_megatron_deepspeed"] = megatron_deepspeed_gb(memory[top])
+        notes.append(f"with Megatron-DeepSpeed's BF16 optimizer (a bf16 gradient per parameter "
+                     f"kept beside the fp32 one): {extra['gpu_memory_gb_megatron_deepspeed']:.1f}"
+                     " GB per GPU")
     return {"model": args.model_name or "the default model", "cluster": cluster.name,
             "layout": f"TP{layout.tp}-SP{layout.sp}-PP{layout.pp}-VPP{layout.vpp}-DP{layout.dp}",
             **time.to_dict(), "gpu_memory_gb": memory[top].gpu_total / GB,
-            "gpu_memory_stage": top, "memory": memory[top].to_dict(),
+            "gpu_memory_stage": top, "memory": memory[top].to_dict(), **extra,
             "fits": memory[top].gpu_total <= cluster.hbm_gb * GB,
             "notes": notes + time.notes + memory[top].notes}
 
