@@ -1,5 +1,6 @@
 """Memory planner: what one training run needs per GPU, on the host and on disk, and whether
-it fits.
+it fits; with `--cluster C`, the step time on a cluster, and with `--search` the fastest
+layout (docs/planner.md; `timing.py`, `search.py`).
 
     python -m megazoo.plan --model bloom-176b --dp 8 --deepspeed --zero-stage 3 \
         --offload-optimizer cpu --recompute full --micro-batch-size 1 --global-batch-size 8 \
@@ -66,10 +67,16 @@ by part; bench/README.md and bench/results/plan_memory_* hold the comparisons):
 
 The claim "BLOOM-176B trains on 8x A100-80GB with ZeRO-3 + CPU optimizer offload in under
 24 GB per GPU" does not hold. Optimizer offload leaves the bf16 parameters on the GPUs:
-176.2e9 x 2 B / 8 = 44 GB per GPU before anything else; with full recompute, micro-batch 1
-and 2048 tokens the planner puts the layout above 80 GB per GPU, and the offloaded fp32
-master weights, Adam moments and gradients (16 B per parameter) need 2.8 TB of host memory
-on the node, 3.2 TB with DeepSpeed's buffers and runtime.
+176.2e9 x 2 B / 8 = 44 GB per GPU before anything else. With full recompute, micro-batch 1
+and 2048 tokens the planner puts the layout at about 83.5 GB per GPU (44 GB of parameter
+shards, 12 GB of gathered parameters, 7 GB of a gathered gradient unit, 10.4 GB of
+activations, buffers and a 10% allowance), so it does not fit even the 80 GB, and the
+offloaded fp32 master weights, Adam moments and gradients (16 B per parameter) need 2.8 TB
+of host memory on the node, 3.2 TB with DeepSpeed's buffers and runtime. Offloading the
+parameters too (ZeRO-Infinity, `--offload-param cpu`) brings the GPU to about 35 GB,
+bounded below by the gathered
+250,880 x 14,336 embedding (3.6e9 parameters: 7.2 GB in bf16, as much again for its
+gradient) and the 2.5e9-parameter blocks, and raises host memory to 3.6 TB.
 
 The package imports its parts on first use, so `megazoo.plan.offload` (which the training
 engine imports) loads without the planner's command line.
@@ -81,7 +88,8 @@ _EXPORTS = {
     "format_table": "cli", "main": "cli", "PlanOptions": "layout", "Resolved": "layout",
     "resolve": "layout", "GB": "memory", "RUNTIME_BYTES": "memory", "MemoryEstimate": "memory",
     "activation_bytes": "memory", "estimate_memory": "memory", "stage_parameters": "memory",
-    "stage_estimates": "stages",
+    "stage_estimates": "stages", "Cluster": "clusters", "load_cluster": "clusters",
+    "StepTime": "timing", "step_time": "timing",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -22,6 +22,7 @@ from .largest import (LARGEST_DEFAULTS, describe, family_shapes, run_command, se
                       training_fits)
 from .layout import PlanOptions, resolve
 from .memory import GB, RUNTIME_BYTES, MemoryEstimate, _estimate
+from . import timecli
 from .stages import draw_plan, stage_estimates
 
 
@@ -75,7 +76,9 @@ def plan_parser() -> argparse.ArgumentParser:
     group.add_argument("--out", metavar="PNG", default=None,
                        help="Also draw the plan: a stacked bar per pipeline stage (weights, "
                        "gradients, optimizer, activations, buffers) against --gpu-memory; "
-                       "needs matplotlib. Default: no picture.")
+                       "needs matplotlib. Default: no picture. With --cluster: the step's "
+                       "parts per stage instead.")
+    timecli.add_flags(parser)
     return parser
 
 
@@ -122,7 +125,16 @@ def _engine(layout) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Plan the run the flags describe; 0, or one "error: ..." line and 2."""
-    ns = plan_parser().parse_args(argv)
+    parser = plan_parser()
+    ns = parser.parse_args(argv)
+    if ns.cluster or ns.search:
+        try:
+            if not ns.cluster:
+                raise ValueError("--search needs --cluster NAME (the GPUs and links to rank on)")
+            return timecli.run(ns, parser, sys.argv[1:] if argv is None else list(argv))
+        except (ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     given = {k[len("plan__"):]: v for k, v in vars(ns).items() if k.startswith("plan__")}
     _default_sequence(ns)
     try:

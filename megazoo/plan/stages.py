@@ -34,8 +34,10 @@ PARTS = (("weights", "parameters"), ("gradients", "gradients"),
          ("allocator allowance (10%)", "fragmentation"))
 
 
-def stage_inputs(config: ModelConfig, layout: Resolved) -> list[tuple[int, float]]:
-    """(parameters per tp rank before ZeRO, activation bytes) of each pipeline stage."""
+def stage_inputs(config: ModelConfig, layout: Resolved,
+                 layers: list[int] | None = None) -> list[tuple[int, float]]:
+    """(parameters per tp rank before ZeRO, activation bytes) of each pipeline stage;
+    `layers`: blocks per stage when they are not num_layers / pp each (vpp = 1)."""
     p, v = layout.pp, layout.vpp
     counts = stage_parameters(config, layout.tp, p)
     act = stage_activations(config, layout)
@@ -44,22 +46,25 @@ def stage_inputs(config: ModelConfig, layout: Resolved) -> list[tuple[int, float
     in_flight = simulate(build_schedule(p, v, layout.num_micro_batches)).peak_inflight
     chunk = config.num_layers // (p * v) * act["block"]
     stages = []
+    layers = layers or [config.num_layers // p] * p
     for r in range(p):
-        params = config.num_layers // p * counts["block"]
-        held = chunk * in_flight[r] + act["working"]
+        params = layers[r] * counts["block"]
+        held = (chunk if v > 1 else layers[r] * act["block"]) * in_flight[r] + act["working"]
         if r == 0:
-            params = counts["first"]
+            params += counts["embedding"]
             held += act["embed_side"] * in_flight[r] / v
         if r == p - 1:
-            params = counts["last"]
+            params += counts["last"] - config.num_layers // p * counts["block"]  # head + norm
             held += act["head_side"] + act["logits"]
         stages.append((params, held))
     return stages
 
 
-def stage_estimates(config: ModelConfig, layout: Resolved) -> list[MemoryEstimate]:
+def stage_estimates(config: ModelConfig, layout: Resolved,
+                    layers: list[int] | None = None) -> list[MemoryEstimate]:
     """The planner's estimate for each pipeline stage (first to last)."""
-    return [_estimate(config, layout, n_gpu=n, act=a) for n, a in stage_inputs(config, layout)]
+    return [_estimate(config, layout, n_gpu=n, act=a)
+            for n, a in stage_inputs(config, layout, layers)]
 
 
 def draw_plan(estimates: list[MemoryEstimate], gpu_memory: float, title: str, out: str) -> None:

@@ -57,7 +57,7 @@ def test_every_run_flag_is_a_plan_flag_with_its_default():
     extra = set(plan_actions) - set(run._option_string_actions)
     assert extra == {"--dp", "--gpu-memory", "--gpus-per-node", "--fp32-grad-accumulation",
                      "--host-memory", "--disk-memory", "--largest", "--model-family",
-                     "--json", "--out"}
+                     "--json", "--out", "--cluster", "--search", "--top", "--gpus"}
 
 
 @pytest.mark.parametrize("argv, hint", [

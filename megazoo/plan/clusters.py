@@ -1,0 +1,109 @@
+"""Clusters as data: `--cluster NAME` (a preset of `clusters.json`) or `--cluster FILE.json`.
+
+A cluster is what the step-time model needs of the machines, all from published specs: the
+GPU kind (which calibration fixture its kernel rates are scaled from), its dense bf16 peak,
+HBM capacity and bandwidth, GPUs per node, the NVLink bandwidth per GPU and direction, the
+inter-node bandwidth per node (`inter_node_gb_s_per_node`) or per GPU
+(`inter_node_gb_s_per_gpu`), PCIe per GPU, and the share of each link's bandwidth NCCL's
+collectives reach (`*_efficiency`, with the measurement or publication it comes from in
+`source`). A FILE.json holds one such object; missing optional fields take the defaults
+below. Every bad value is one line naming the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+PRESETS_FILE = Path(__file__).with_name("clusters.json")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """One cluster's published specs (bandwidths in GB/s = 1e9 bytes/s)."""
+
+    name: str
+    gpu: str
+    """GPU kind, in words."""
+    peak_bf16_tflops: float
+    """Dense bf16 tensor-core peak of one GPU (datasheet)."""
+    hbm_gb: float
+    hbm_gb_s: float
+    gpus_per_node: int
+    intra_node_gb_s: float
+    """NVLink bandwidth of one GPU, per direction."""
+    inter_node_gb_s_per_node: float | None = None
+    """Network bandwidth of one node, per direction (all its NICs)."""
+    inter_node_gb_s_per_gpu: float | None = None
+    """Or: network bandwidth per GPU (given instead of per node)."""
+    pcie_gb_s: float = 32.0
+    """Host <-> GPU bandwidth per GPU (offload traffic)."""
+    calibration: str = "h100-sxm"
+    """Fixture whose measured kernel curves are scaled to this GPU (calibration.py)."""
+    intra_node_efficiency: float = 0.77
+    """Share of `intra_node_gb_s` a large NCCL collective reaches (bus bandwidth)."""
+    inter_node_efficiency: float = 0.85
+    """The same for the network."""
+    host_adam_params_per_s: float = 1e9
+    """CPU optimizer step rate per GPU's share of the host (offload; an assumption, not
+    a measurement)."""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("peak_bf16_tflops", "hbm_gb", "hbm_gb_s", "intra_node_gb_s", "pcie_gb_s",
+                     "host_adam_params_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"cluster {self.name}: {name} must be > 0, "
+                                 f"got {getattr(self, name)}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"cluster {self.name}: gpus_per_node must be >= 1")
+        if (self.inter_node_gb_s_per_node is None) == (self.inter_node_gb_s_per_gpu is None):
+            raise ValueError(f"cluster {self.name}: give exactly one of inter_node_gb_s_per_node "
+                             "and inter_node_gb_s_per_gpu")
+        for name in ("intra_node_efficiency", "inter_node_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"cluster {self.name}: {name} must be in (0, 1]")
+
+    @property
+    def inter_per_gpu(self) -> float:
+        """Network GB/s one GPU gets when every GPU of its node sends at once."""
+        if self.inter_node_gb_s_per_gpu is not None:
+            return self.inter_node_gb_s_per_gpu
+        return self.inter_node_gb_s_per_node / self.gpus_per_node
+
+    def link_bytes_s(self, group_span: int) -> float:
+        """Bytes/s one GPU reaches in a collective over a group spanning `group_span`
+        consecutive ranks: NVLink if they share a node, else the network (its per-GPU share)."""
+        if group_span <= self.gpus_per_node:
+            return self.intra_node_gb_s * self.intra_node_efficiency * 1e9
+        return min(self.intra_node_gb_s, self.inter_per_gpu) * self.inter_node_efficiency * 1e9
+
+
+def presets() -> dict[str, dict]:
+    return json.loads(PRESETS_FILE.read_text())
+
+
+def load_cluster(spec: str) -> Cluster:
+    """A preset name or a path to a JSON object (ValueError: one line naming the fix)."""
+    known = presets()
+    if spec in known:
+        fields, name = known[spec], spec
+    elif spec.endswith(".json"):
+        try:
+            fields = json.loads(Path(spec).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--cluster {spec}: cannot read it as JSON ({exc})") from None
+        name = fields.pop("name", Path(spec).stem)
+    else:
+        raise ValueError(f"unknown --cluster {spec!r}: give one of {', '.join(known)} or a "
+                         "FILE.json")
+    allowed = {f.name for f in dataclasses.fields(Cluster)} - {"name"}
+    unknown = set(fields) - allowed
+    if unknown:
+        raise ValueError(f"--cluster {spec}: unknown field(s) {', '.join(sorted(unknown))}; "
+                         f"fields: {', '.join(sorted(allowed))}")
+    try:
+        return Cluster(name=name, **fields)
+    except TypeError as exc:  # a required field missing
+        raise ValueError(f"--cluster {spec}: {exc}") from None

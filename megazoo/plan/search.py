@@ -1,0 +1,132 @@
+"""`--search`: every layout pretrain_gpt.py accepts for a model, a cluster and a global batch,
+filtered by memory and ranked by predicted tokens/s.
+
+For each tensor-parallel size t and Ulysses size u inside a node, pipeline size p, virtual
+stages v (interleaved when p > 1), the largest data-parallel size d with t u p d <= the GPUs
+given and the global batch divisible by micro-batch x d, each micro-batch size, recompute
+(none, selective, full) and Megatron SP on and off (t > 1), the candidate's flags are the
+user's flags with the layout replaced, and go through the run's own parsing and checks
+(`args_from_namespace` -> `check_args`): a layout the run refuses is never returned. The
+plain engine's distributed optimizer and both overlaps are on where dp x sp > 1. The memory
+planner's most loaded rank must fit the cluster's GPU (less `headroom` GB); the rest are
+timed (`timing.step_time`) and ranked. Each result carries its pretrain_gpt.py command.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from .clusters import Cluster
+from .layout import PlanOptions, resolve
+from .memory import GB, _estimate
+from .timing import StepTime, step_time
+
+MICRO_BATCHES = (1, 2, 4, 8)
+RECOMPUTE = ("none", "selective", "full")
+LAYOUT_FLAGS = {"--tensor-model-parallel-size", "--tp", "--pipeline-model-parallel-size",
+                "--pp", "--sequence-parallel-size", "--ds-sequence-parallel-size", "--sp",
+                "--dp", "--micro-batch-size", "--recompute", "--recompute-granularity",
+                "--sequence-parallel", "--num-layers-per-virtual-pipeline-stage",
+                "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                "--virtual-pipeline-model-parallel-size", "--sequence-parallel-size"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One layout that fits, with its prediction."""
+
+    flags: list[str]
+    """The layout's flags (added to the user's others)."""
+    time: StepTime
+    gpu_memory_gb: float
+    gpus: int
+    inputs: tuple = dataclasses.field(default=(), repr=False, compare=False)
+    """(args, layout) it was planned from."""
+
+    def command(self, base: list[str], per_node: int) -> str:
+        """The pretrain_gpt.py command line over `gpus` ranks (the run takes dp from its world
+        size, so the planner's --dp is left out)."""
+        nodes, local = ((self.gpus // per_node, per_node) if self.gpus >= per_node
+                        else (1, self.gpus))
+        flags = self.flags[:self.flags.index("--dp")]
+        return (f"torchrun --nnodes {nodes} --nproc-per-node {local} pretrain_gpt.py "
+                + " ".join(base + flags))
+
+
+def strip_layout(argv: list[str]) -> list[str]:
+    """The user's flags without the layout ones (and their values) and the planner's."""
+    planner = {"--search", "--json", "--top", "--cluster", "--out", "--gpus"}
+    kept, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in LAYOUT_FLAGS or name in planner:
+            takes_value = "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            skip = takes_value
+            continue
+        kept.append(arg)
+    return kept
+
+
+def layouts(num_layers: int, gpus: int, global_batch: int, per_node: int):
+    """(tp, sp, pp, vpp, dp, micro-batch) tuples to try (the run's checks come later)."""
+    for t, u in itertools.product((1, 2, 4, 8), repeat=2):
+        if t * u > per_node:
+            continue
+        for p in (x for x in range(1, num_layers + 1) if num_layers % x == 0 and t * u * x <= gpus):
+            for b in MICRO_BATCHES:
+                d = gpus // (t * u * p)
+                while d > 1 and global_batch % (b * d):
+                    d -= 1
+                if global_batch % (b * d):
+                    continue
+                for v in (1, 2, 4) if p > 1 else (1,):
+                    if num_layers % (p * v) == 0 and (v == 1 or (global_batch // (b * d)) % p == 0):
+                        yield t, u, p, v, d, b
+
+
+def _flags(t, u, p, v, d, b, recompute, megatron_sp, num_layers) -> list[str]:
+    flags = ["--tensor-model-parallel-size", str(t), "--pipeline-model-parallel-size", str(p),
+             "--micro-batch-size", str(b), "--recompute", recompute]
+    if u > 1:
+        flags += ["--sequence-parallel-size", str(u)]
+    if v > 1:
+        flags += ["--num-layers-per-virtual-pipeline-stage", str(num_layers // (p * v))]
+    if megatron_sp:
+        flags.append("--sequence-parallel")
+    if d * u > 1:
+        flags += ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    return flags + ["--dp", str(d)]
+
+
+def search(parse, base: list[str], num_layers: int, gpus: int, global_batch: int,
+           cluster: Cluster, headroom: float = 0.0, rescore: int = 20
+           ) -> tuple[list[Candidate], int, int]:
+    """(fitting candidates, fastest first; layouts the run refused; layouts too big).
+
+    `parse(argv)` is the planner's parsing: flags -> the run's checked PretrainArgs. Every
+    candidate is timed with the pipeline's closed form, the best `rescore` again with the
+    schedule simulated (they lead the list)."""
+    found, refused, too_big = [], 0, 0
+    options = PlanOptions(gpu_memory=cluster.hbm_gb, gpus_per_node=cluster.gpus_per_node)
+    for t, u, p, v, d, b in layouts(num_layers, gpus, global_batch, cluster.gpus_per_node):
+        for recompute, msp in itertools.product(RECOMPUTE, (False, True) if t > 1 else (False,)):
+            flags = _flags(t, u, p, v, d, b, recompute, msp, num_layers)
+            try:
+                args = parse(base + flags)
+                layout = resolve(args, options)
+            except (ValueError, SystemExit):
+                refused += 1
+                continue
+            memory = _estimate(args.model, layout).gpu_total
+            if memory > (cluster.hbm_gb - headroom) * GB:
+                too_big += 1
+                continue
+            found.append(Candidate(flags, step_time(args, layout, cluster, exact=False),
+                                   memory / GB, layout.world_size, (args, layout)))
+    found.sort(key=lambda c: -c.time.tokens_per_s)
+    exact = [dataclasses.replace(c, time=step_time(*c.inputs, cluster)) for c in found[:rescore]]
+    found = sorted(exact, key=lambda c: -c.time.tokens_per_s) + found[rescore:]
+    return found, refused, too_big

@@ -1,0 +1,217 @@
+"""Time of one training step for a layout on a cluster, per pipeline stage.
+
+Each virtual stage's forward and backward per micro-batch is its blocks' work plus the
+embedding on the first and the head and loss on the last (`work.py`: GEMMs on the fitted
+curve, attention, elementwise passes, recompute, the exposed tp / sp collectives). The
+pipeline runs them through the schedule the run executes (`megazoo.pipeline`: 1F1B or
+interleaved, simulated with per-stage times and the p2p time of one activation over NVLink
+or the network), which gives each stage's end and its bubble. After its last backward each
+stage reduces its gradients over dp x sp and steps its optimizer:
+
+- plain engine: fp32 gradients, all-reduced (ring 2 (z - 1) / z x 4 B per parameter) or,
+  with the distributed optimizer, reduce-scattered (4 B) and the bf16 parameters
+  all-gathered (2 B); `--overlap-grad-reduce` hides the reduction behind the last
+  micro-batch's backward except the last bucket; `--overlap-param-gather` hides the gather.
+- DeepSpeed ZeRO-1/2: bf16 gradients reduce-scattered, parameters all-gathered (2 B each),
+  overlapped like the plain engine's. ZeRO-3 (DeepSpeed, FSDP2): per micro-batch, the
+  parameters gathered for forward and for backward and the gradients reduce-scattered, each
+  hidden behind that pass's compute as far as it lasts.
+- optimizer: fused AdamW at its measured rate over the stage's parameters (/ z where
+  sharded) plus a read of the fp32 gradients for the norm; with optimizer offload, the host's
+  Adam (`Cluster.host_adam_params_per_s`) and the PCIe traffic (4 B gradients down, 2 B
+  parameters up per parameter) of the offloaded share.
+
+step = max over stages of (end of its last backward + its dp reduction + its optimizer).
+Per stage the breakdown adds up to the step: compute, tp/sp communication, dp
+communication, optimizer and the rest, the bubble (waiting on the pipeline and on the
+slowest stage). FLOPs are counted as the run logs them (`flops_per_iteration`: no
+recompute) and as Megatron-LM's papers do (96 B s l h^2 (1 + s / 6h + V / 16 l h): the
+forward rerun by full recompute included).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ..models.config import ModelConfig
+from ..pipeline.schedules import build_schedule
+from ..pipeline.simulate import simulate
+from ..training.config import PretrainArgs
+from ..training.logging import flops_per_iteration
+from .calibration import kernel_rates
+from .clusters import Cluster
+from .layout import Resolved
+from .memory import stage_parameters
+from .work import Work, block_work, embedding_work, head_work
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """Seconds of one step on one pipeline rank, by part (they add up to the step)."""
+
+    layers: int
+    compute: float
+    tp_comm: float
+    bubble: float
+    dp_comm: float
+    optimizer: float
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The prediction for one step."""
+
+    step_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    """Model FLOPs (no recompute) per second per GPU: what pretrain_gpt.py logs."""
+    tflops_per_gpu_megatron: float
+    """Megatron-LM's count (full recompute's forward included)."""
+    gpus: int
+    stages: list[StageTime]
+    kernels: str
+    """Where the kernel rates come from."""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def stage_layers(num_layers: int, pp: int, vpp: int) -> list[int]:
+    """Blocks per virtual stage (pp x vpp of them): even where they divide, else (vpp = 1)
+    Megatron-DeepSpeed's split counting the embedding and the head as one layer each (BLOOM:
+    70 blocks on 12 stages = 5, 6, ..., 6, 5); ValueError otherwise."""
+    n = pp * vpp
+    if num_layers % n == 0:
+        return [num_layers // n] * n
+    if vpp == 1 and pp > 1 and (num_layers + 2) % pp == 0 and (num_layers + 2) // pp > 1:
+        per = (num_layers + 2) // pp
+        return [per - 1] + [per] * (pp - 2) + [per - 1]
+    raise ValueError(f"num_layers {num_layers} must divide by pp*vpp = {n} (or, with vpp 1, "
+                     f"num_layers + 2 by pp): change the layout or the model")
+
+
+def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """96 B s l h^2 (1 + s / 6h + V / 16 l h): Narayanan et al. 2021, recompute counted."""
+    return 96.0 * batch * seq * layers * hidden ** 2 * (
+        1 + seq / (6.0 * hidden) + vocab / (16.0 * layers * hidden))
+
+
+def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
+              config: ModelConfig | None = None, exact: bool = True) -> StepTime:
+    """Predict one step of the run `args` (resolved as `layout`) on `cluster`; `config`
+    overrides args.model (a layer count pretrain_gpt.py cannot split, see `stage_layers`).
+    exact=False replaces the pipeline simulation by its closed form (`_pipeline`), for
+    screening many layouts."""
+    config = config or args.model
+    rates = kernel_rates(cluster.calibration).scaled(cluster.peak_bf16_tflops,
+                                                     cluster.hbm_gb_s, cluster.gpu)
+    p, v, m = layout.pp, layout.vpp, layout.num_micro_batches
+    layers = stage_layers(config.num_layers, p, v)
+    block = block_work(config, layout, rates, cluster)
+    works = [block * n for n in layers]
+    works[0] = works[0] + embedding_work(config, layout, rates, cluster)
+    works[-1] = works[-1] + head_work(config, layout, rates, cluster)
+    params = _rank_parameters(config, layout, layers)
+    zero3 = [_zero3_exposed(w, params[i % p] / v, layout, cluster) for i, w in enumerate(works)]
+    ends = _pipeline([w + z for w, z in zip(works, zero3)], layout, config, cluster, exact)
+    tail = [_dp_exposed(args, layout, cluster, params[r], works[r::p])
+            + m * sum(z.fwd_comm + z.bwd_comm for z in zero3[r::p]) for r in range(p)]
+    optim = [_optimizer(layout, cluster, rates, params[r]) for r in range(p)]
+    step = max(e + d + o for e, d, o in zip(ends, tail, optim))
+    stages = []
+    for r in range(p):
+        compute = m * sum(w.fwd + w.bwd for w in works[r::p])
+        comm = m * sum(w.fwd_comm + w.bwd_comm for w in works[r::p])
+        stages.append(StageTime(sum(layers[r::p]), compute, comm,
+                                step - compute - comm - tail[r] - optim[r], tail[r], optim[r]))
+    gpus = layout.world_size
+    batch = layout.micro_batch_size * m * layout.dp
+    tokens = batch * layout.seq_length
+    model = flops_per_iteration(batch, layout.seq_length, config.num_layers, config.hidden_size,
+                                config.padded_vocab(1))
+    paper = megatron_flops(batch, layout.seq_length, config.num_layers, config.hidden_size,
+                           config.padded_vocab(1))
+    return StepTime(step, tokens / step, model / step / gpus / 1e12, paper / step / gpus / 1e12,
+                    gpus, stages, rates.gpu)
+
+
+def _rank_parameters(config: ModelConfig, layout: Resolved, layers: list[int]) -> list[float]:
+    """Parameters per tp rank held by each pipeline rank."""
+    p = layout.pp
+    counts = stage_parameters(config, layout.tp, p)
+    held = [counts["block"] * sum(layers[r::p]) for r in range(p)]
+    held[0] += counts["embedding"]
+    held[-1] += counts["head"] + config.hidden_size * 2
+    return held
+
+
+def _pipeline(works: list[Work], layout: Resolved, config: ModelConfig, cluster: Cluster,
+              exact: bool = True) -> list[float]:
+    """When each pipeline rank's last compute ends. exact: the schedule simulated; else the
+    closed form m max_r T_r + (p - 1) mean_r T_r / v + 2 (p - 1) p2p (T_r: rank r's
+    forward + backward of one micro-batch over its chunks; exact for equal stages), the same
+    end for every rank."""
+    p, v, m = layout.pp, layout.vpp, layout.num_micro_batches
+    tf = [w.fwd + w.fwd_comm for w in works]
+    tb = [w.bwd + w.bwd_comm for w in works]
+    if p == 1:
+        return [m * (tf[0] + tb[0])]
+    shard = layout.tp if layout.megatron_sp_on else 1
+    tokens = layout.seq_length * layout.micro_batch_size
+    sent = 2.0 * tokens * config.hidden_size / (layout.sp * shard)
+    p2p = sent / cluster.link_bytes_s(layout.tp * layout.sp * layout.dp + 1)
+    if not exact:
+        per_rank = [sum(tf[r::p]) + sum(tb[r::p]) for r in range(p)]
+        span = m * max(per_rank) + (p - 1) * (sum(per_rank) / p / v + 2 * p2p)
+        return [span] * p
+    sim = simulate(build_schedule(p, v, m), tf, tb, p2p)
+    return [t[-1].end for t in sim.timelines]
+
+
+def _zero3_exposed(work: Work, params: float, layout: Resolved, cluster: Cluster) -> Work:
+    """ZeRO-3's per-micro-batch gathers and reduce-scatter beyond the compute hiding them."""
+    z = layout.dp * layout.sp
+    if layout.zero_stage != 3 or z == 1:
+        return Work()
+    link = cluster.link_bytes_s(layout.tp * z)
+    gather = (z - 1) / z * 2.0 * params / link
+    if layout.offload_param == "cpu":
+        gather += 2.0 * params / z / (cluster.pcie_gb_s * 1e9)
+    return Work(0.0, 0.0, max(0.0, gather - work.fwd), max(0.0, 2 * gather - work.bwd))
+
+
+def _dp_exposed(args: PretrainArgs, layout: Resolved, cluster: Cluster, params: float,
+                works: list[Work]) -> float:
+    """Seconds of gradient reduction and parameter gather left after the last backward."""
+    z = layout.dp * layout.sp
+    if z == 1 or layout.zero_stage == 3:
+        return 0.0
+    link, share = cluster.link_bytes_s(layout.tp * z), (z - 1) / z
+    t = args.training
+    if layout.plain_engine:
+        sharded = layout.distributed_optimizer
+        reduce = share * 4.0 * params / link * (1 if sharded else 2)
+        gather = share * 2.0 * params / link if sharded else 0.0
+        overlap, overlap_gather = t.overlap_grad_reduce, t.overlap_param_gather
+    else:  # DeepSpeed: bf16 gradients; stage 0 all-reduces, 1 / 2 reduce-scatter + gather
+        reduce = share * 2.0 * params / link * (1 if layout.zero_stage else 2)
+        gather = share * 2.0 * params / link if layout.zero_stage else 0.0
+        overlap, overlap_gather = True, False
+    bucket = min(1.0, max(40e6, 1e6 * z) / max(params, 1.0))
+    if overlap:
+        window = sum(w.bwd + w.bwd_comm for w in works)
+        reduce = max(reduce - window, reduce * bucket)
+    if overlap_gather:
+        gather *= bucket
+    return reduce + gather
+
+
+def _optimizer(layout: Resolved, cluster: Cluster, rates, params: float) -> float:
+    """AdamW over this rank's share and the gradient-norm read; offload: host and PCIe."""
+    z = layout.dp * layout.sp
+    sharded = (layout.distributed_optimizer if layout.plain_engine else layout.zero_stage >= 1)
+    share = params / (z if sharded else 1)
+    off = layout.offload_optimizer_ratio if layout.offload_optimizer == "cpu" else 0.0
+    gpu = (1 - off) * share * rates.adamw_s_per_param + 4.0 * share / rates.copy_bytes_s
+    host = off * share * (1 / cluster.host_adam_params_per_s + 6.0 / (cluster.pcie_gb_s * 1e9))
+    return gpu + host

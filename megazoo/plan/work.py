@@ -1,0 +1,155 @@
+"""Seconds of one micro-batch's work on one GPU: a transformer block, the embedding and head.
+
+For one block at tensor-parallel size t, Ulysses size u, micro-batch b, sequence s (tokens
+per GPU T = s b / u; h width, f MLP width, kv = key/value heads x head dim):
+
+- GEMMs (`KernelRates.gemm`; FP8 ones / its FP8 speedup, plus their casts: amax and cast of
+  the input and weight forward, of the output gradient backward, and the transposed FP8
+  copies the weight gradient needs, `FP8_CAST_BYTES`): q/k/v [T, h] x [h, (h + 2 kv) / t],
+  attention output [T, h / t] x [h / t, h], MLP in [T, h] x [h, f / t] (2 f / t for SwiGLU),
+  MLP out [T, f / t] x [f / t, h]; each backward is its input-gradient and weight-gradient
+  product (the weight gradient's inner dimension is T).
+- attention: causal SDPA over the GPU's heads a / (t u) and the full sequence (ALiBi runs
+  in FlexAttention: `ALIBI_FACTOR` times cuDNN's time, from the attention bench).
+- elementwise passes at the copy bandwidth, in 2-byte elements per token: forward 10 r (two
+  norms, two residual adds; r = h, or h / t under Megatron SP) + the RoPE rotation
+  2 (h + kv) / t + the MLP's activation (GELU's epilogue writes its input, f / t; SwiGLU
+  reads 2 f / t and writes f / t); backward 12 r (norm and residual gradients) + the bias
+  gradients (reads of dy: (h + 2 kv) / t + f / t + 2 h, GPT and BLOOM) + the q/k/v
+  gradient's copy 2 (h + 2 kv) / t + the MLP's (GELU 2 f / t, SwiGLU 5 f / t).
+- recompute: full reruns the forward (GEMMs, attention, elementwise, its tp collectives)
+  inside the backward; selective reruns the attention's forward.
+- tp / sp collectives (not overlapped, as in megazoo and Megatron-LM 2021): 2 all-reduces of
+  T h bf16 forward and 2 backward (under Megatron SP the same bytes as all-gathers and
+  reduce-scatters), ring cost 2 (t - 1) / t x bytes; Ulysses: the q/k/v and output
+  all-to-alls forward and backward, (u - 1) / u x bytes. The group runs over NVLink when its
+  t u ranks share a node (`Cluster.link_bytes_s`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..models.config import ModelConfig
+from .calibration import KernelRates
+from .clusters import Cluster
+from .layout import Resolved
+
+ALIBI_FACTOR = 1.56  # FlexAttention ALiBi 1.28 ms vs cuDNN causal 0.82 ms, 4 x 16 x 2048 x 128
+FP8_CAST_BYTES = 5.0  # amax read (2 B) + bf16 read (2 B) and e4m3 write (1 B) per element
+LOSS_BYTES = 20.0  # per logit element: bf16 logits, fp32 copy, exp, softmax saved, its gradient
+
+
+@dataclass(frozen=True)
+class Work:
+    """Seconds of one micro-batch on one GPU; comm is the exposed tp / sp collectives."""
+
+    fwd: float = 0.0
+    bwd: float = 0.0
+    """Backward, including what recompute reruns."""
+    fwd_comm: float = 0.0
+    bwd_comm: float = 0.0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.fwd + other.fwd, self.bwd + other.bwd, self.fwd_comm + other.fwd_comm,
+                    self.bwd_comm + other.bwd_comm)
+
+    def __mul__(self, k: float) -> Work:
+        return Work(self.fwd * k, self.bwd * k, self.fwd_comm * k, self.bwd_comm * k)
+
+
+def _linear(rates: KernelRates, tokens: int, n_in: float, n_out: float,
+            fp8: bool) -> tuple[float, float]:
+    """(forward, backward) seconds of [tokens, n_in] x [n_in, n_out]; FP8 adds its casts."""
+    fwd = rates.gemm.time(tokens, n_out, n_in)
+    bwd = rates.gemm.time(tokens, n_in, n_out) + rates.gemm.time(n_out, n_in, tokens)
+    if not fp8:
+        return fwd, bwd
+    weights = n_in * n_out
+    cast_fwd = FP8_CAST_BYTES * (tokens * n_in + weights)
+    cast_bwd = FP8_CAST_BYTES * tokens * n_out + (tokens * (n_in + n_out) + weights) * 2
+    return (fwd / rates.fp8_speedup + cast_fwd / rates.copy_bytes_s,
+            bwd / rates.fp8_speedup + cast_bwd / rates.copy_bytes_s)
+
+
+def _kv_width(config: ModelConfig) -> int:
+    """Width of the keys (and of the values): kv heads x head dim."""
+    return config.num_key_value_heads * config.head_dim
+
+
+def block_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluster: Cluster) -> Work:
+    """One transformer block, one micro-batch (module docstring)."""
+    t, u, b, s = layout.tp, layout.sp, layout.micro_batch_size, layout.seq_length
+    h, f, kv = config.hidden_size, config.ffn_hidden_size, _kv_width(config)
+    tokens = s * b // u
+    swiglu = config.activation == "swiglu"
+    fp8_all = config.fp8_format is not None and config.fp8_layers == "all"
+    fp8_mlp = config.fp8_format is not None
+    gemms = [_linear(rates, tokens, h, (h + 2 * kv) / t, fp8_all),
+             _linear(rates, tokens, h / t, h, fp8_all),
+             _linear(rates, tokens, h, (2 if swiglu else 1) * f / t, fp8_mlp),
+             _linear(rates, tokens, f / t, h, fp8_mlp)]
+    g_fwd, g_bwd = sum(g[0] for g in gemms), sum(g[1] for g in gemms)
+    a_fwd, a_bwd = rates.attention(b, config.num_attention_heads / (t * u), s, config.head_dim)
+    if config.position_embedding == "alibi":
+        a_fwd, a_bwd = a_fwd * ALIBI_FACTOR, a_bwd * ALIBI_FACTOR
+    e_fwd, e_bwd = (2.0 * tokens * n / rates.copy_bytes_s for n in _elementwise(config, layout))
+    fwd = g_fwd + a_fwd + e_fwd
+    comm = _tp_comm(config, layout, cluster, tokens)
+    recompute = {"full": fwd, "selective": a_fwd}.get(layout.recompute, 0.0)
+    again = comm if layout.recompute == "full" else 0.0
+    return Work(fwd, g_bwd + a_bwd + e_bwd + recompute, comm, comm + again)
+
+
+def _elementwise(config: ModelConfig, layout: Resolved) -> tuple[float, float]:
+    """(forward, backward) 2-byte elements per token of the passes over memory."""
+    t = layout.tp
+    h, f, kv = config.hidden_size, config.ffn_hidden_size, _kv_width(config)
+    r = h / t if layout.megatron_sp_on else h
+    qkv = (h + 2 * kv) / t
+    rope = 2 * (h + kv) / t if config.position_embedding == "rope" else 0.0
+    swiglu = config.activation == "swiglu"
+    bias = 0.0 if config.family == "llama" else qkv + f / t + 2 * h
+    fwd = 10 * r + rope + (3 if swiglu else 1) * f / t
+    bwd = 12 * r + bias + 2 * qkv + rope + (5 if swiglu else 2) * f / t
+    return fwd, bwd
+
+
+def _tp_comm(config: ModelConfig, layout: Resolved, cluster: Cluster, tokens: int) -> float:
+    """Seconds of one direction's (forward's or backward's) tp / sp collectives."""
+    t, u = layout.tp, layout.sp
+    h, kv = config.hidden_size, _kv_width(config)
+    seconds = 0.0
+    if t > 1:
+        link = cluster.link_bytes_s(t)
+        seconds += 2 * 2 * (t - 1) / t * (2.0 * tokens * h) / link  # two all-reduces
+    if u > 1:
+        link = cluster.link_bytes_s(t * u)
+        moved = 2.0 * tokens * ((h + 2 * kv) + h) / t  # q/k/v in, attention output back
+        seconds += (u - 1) / u * moved / link
+    return seconds
+
+
+def head_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluster: Cluster) -> Work:
+    """The final norm, the vocabulary-parallel head and the loss, one micro-batch."""
+    t, u = layout.tp, layout.sp
+    tokens = layout.seq_length * layout.micro_batch_size // u
+    vocab = config.padded_vocab(t) / t
+    fwd, bwd = _linear(rates, tokens, config.hidden_size, vocab, False)
+    loss = LOSS_BYTES * tokens * vocab / rates.copy_bytes_s
+    comm = 0.0
+    if t > 1:  # the head's input all-reduce (backward) and the loss's max / sum all-reduces
+        comm = 2 * (t - 1) / t * 2.0 * tokens * config.hidden_size / cluster.link_bytes_s(t)
+    return Work(fwd + loss / 2, bwd + loss / 2, 0.0, comm)
+
+
+def embedding_work(config: ModelConfig, layout: Resolved, rates: KernelRates,
+                   cluster: Cluster) -> Work:
+    """The embedding lookup (a gather and, backward, a scatter-add of T h elements) and its
+    tp all-reduce."""
+    t, u = layout.tp, layout.sp
+    tokens = layout.seq_length * layout.micro_batch_size // u
+    moved = 2.0 * 2 * tokens * config.hidden_size / rates.copy_bytes_s
+    comm = 0.0
+    if t > 1:
+        comm = 2 * (t - 1) / t * 2.0 * tokens * config.hidden_size / cluster.link_bytes_s(t)
+    return Work(moved, 2 * moved, comm, 0.0)
