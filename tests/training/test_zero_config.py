@@ -5,22 +5,11 @@ import json
 
 import pytest
 
-from megazoo.models import ModelConfig
 from megazoo.parallel import ParallelConfig
-from megazoo.training.config import PretrainArgs, TrainingConfig
+from megazoo.training.config import TrainingConfig
 from megazoo.training.ds_config import build_ds_config
-from megazoo.training.zero_config import ZeroConfig
 
-
-def args(tmp_path=None, ds: dict | None = None, training=None, **zero):
-    if ds is not None:
-        path = tmp_path / "ds.json"
-        path.write_text(json.dumps(ds))
-        zero["deepspeed_config"] = str(path)
-    zero.setdefault("deepspeed", True)
-    training = training or TrainingConfig(micro_batch_size=4, global_batch_size=32)
-    return PretrainArgs(model=ModelConfig(), parallel=ParallelConfig(), training=training,
-                        zero=ZeroConfig(**zero))
+from helpers.run_args import ds_args as args
 
 
 def test_flags_only():
