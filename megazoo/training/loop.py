@@ -12,9 +12,9 @@ import time
 import torch
 
 from ..figures import INSTALL, has_matplotlib
+from ..generation.api import generate
 from ..plot import draw
 from .checkpoint import save_training_checkpoint
-from .generate import generate
 from .logging import flops_per_iteration
 from ..checkpoint.files import NonFiniteError
 from .nonfinite import SkipWatch, stopped_by_nonfinite_save
@@ -191,9 +191,12 @@ def _summary(run, losses, valid, elapsed, print_fn) -> dict:
            "tokens_per_s": tok_s, "seconds": elapsed, "losses": losses}
     if a.logging.generate_tokens:
         k = a.logging.generate_top_k
-        text = generate(run.engine.model, run.data.tokenizer, a.logging.prompt,
-                        a.logging.generate_tokens, top_k=k, temperature=0.8,
-                        seed=a.training.seed, max_context=a.data.seq_length)
+        # No KV cache: the training layout may shard the sequence, and the engine's model
+        # may gather its parameters in forward hooks (FSDP2, ZeRO-3).
+        text = generate(run.engine.model, a.logging.prompt, a.logging.generate_tokens,
+                        greedy=k == 1, top_k=k, temperature=0.8, seed=a.training.seed,
+                        tokenizer=run.data.tokenizer, cache=False,
+                        max_context=a.data.seq_length)
         how = "greedy" if k == 1 else f"top-{k} sampling, temperature 0.8"
         run.logger.print(f"sample ({how}):\n{text}")
     if valid is not None:
