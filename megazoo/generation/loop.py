@@ -24,7 +24,7 @@ from .cache import KVCache, StepInputs
 from .graphs import DecodeStep
 from .recompute import recompute_ids
 from .sampling import Sampling, choose
-from .step import check_layout, chunk_step, embed, head, local_step
+from .step import check_sequence_unsharded, chunk_step, embed, head, local_step
 
 STOP_CHECK = 8  # decode steps between checks whether every row has stopped
 
@@ -125,7 +125,7 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int,
     if not cache:
         return recompute_ids(model, prompts, max_new_tokens, sampling, seed=seed,
                              stop_id=stop_id, max_context=max_context)
-    check_layout(model)
+    check_sequence_unsharded(model)
     model.eval()
     state, device = model.state, model.layers[str(model.chunks[0][0])].attention.qkv.weight.device
     graphs = use_graphs(cuda_graphs, device, state)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .device import compute_capability
+from ..parallel.device import compute_capability
 from . import wgrad
 from .fp8_cast import CAST_IMPLS, quantize, quantize_both, transpose
 

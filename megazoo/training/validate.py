@@ -37,10 +37,8 @@ def check_engine(zero: ZeroConfig, parallel: ParallelConfig) -> None:
     if zero.zero_impl == "none" and (zero.zero_stage not in (None, 0) or offloads):
         raise ValueError("--zero-stage / --offload-* need a ZeRO engine: add --deepspeed "
                          "(or --zero-impl fsdp2)")
-    if zero.zero_impl == "deepspeed" and parallel.pp > 1:
-        raise ValueError(f"DeepSpeed cannot run megazoo's pipeline schedules (pp={parallel.pp}): "
-                         "use --zero-impl fsdp2 for ZeRO-3 with pipelines, or set "
-                         "--pipeline-model-parallel-size 1")
+    if zero.zero_impl == "deepspeed":
+        check_deepspeed_pipeline(parallel.pp)
     if zero.zero_impl == "fsdp2":
         if zero.zero_stage not in (None, 3):
             raise ValueError(f"--zero-impl fsdp2 shards parameters (ZeRO-3); got --zero-stage "
@@ -60,3 +58,11 @@ def check_engine(zero: ZeroConfig, parallel: ParallelConfig) -> None:
         raise ValueError(f"--offload-param needs --zero-stage 3, got {zero.zero_stage}")
     if zero.offload_optimizer not in (None, "none") and zero.zero_stage == 0:
         raise ValueError("--offload-optimizer needs --zero-stage 1, 2 or 3")
+
+
+def check_deepspeed_pipeline(pp: int) -> None:
+    """DeepSpeed's engine does not run megazoo's pipeline schedules (FSDP2 does)."""
+    if pp > 1:
+        raise ValueError(f"DeepSpeed cannot run megazoo's pipeline schedules (pp={pp}): "
+                         "use --zero-impl fsdp2 for ZeRO-3 with pipelines, or set "
+                         "--pipeline-model-parallel-size 1")

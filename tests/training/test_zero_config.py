@@ -69,11 +69,11 @@ def test_bad_json_and_batch_sizes(tmp_path):
 def test_engines_refuse_bad_layouts_before_collectives():
     from megazoo.parallel.state import ParallelState
     from megazoo.training.backends.fsdp2 import check_args
-    from megazoo.training.backends.deepspeed_zero import check_layout
+    from megazoo.training.validate import check_deepspeed_pipeline
 
     state = ParallelState.single(ParallelConfig())
     with pytest.raises(ValueError, match="zero-impl fsdp2"):
-        check_layout(type("S", (), {"pp": type("G", (), {"size": 2})()})())
+        check_deepspeed_pipeline(2)
     with pytest.raises(ValueError, match="--zero-stage 3"):
         check_args(args(zero_impl="fsdp2", deepspeed=False, zero_stage=2), state)
     with pytest.raises(ValueError, match="fp16"):
