@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megazoo import kernels
-from megazoo.layers.fusion import rms_norm as layer_rms_norm
+from megazoo.kernels.fusion import rms_norm as layer_rms_norm
 from megazoo.layers.norm import RMSNorm
 
 EPS = 1e-6

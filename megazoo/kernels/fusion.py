@@ -12,7 +12,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..kernels.norms import rms_norm_reference
+from .norms import rms_norm_reference
 
 
 def fused_on_gpu(fn):
