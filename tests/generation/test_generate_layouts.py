@@ -6,7 +6,6 @@ cached loop cannot run) against one process, greedy and top-k sampled.
 The layouts compute the same float32 logits up to summation order (~1e-6 relative); with
 random weights the top tokens differ by far more than that, so the chosen ids agree exactly.
 """
-import pytest
 import torch
 
 import megazoo
@@ -24,26 +23,33 @@ PROMPT = [5, 17, 3, 42, 8]
 GREEDY, TOP5 = Sampling(greedy=True), Sampling(top_k=5, temperature=0.8)
 
 
-def _generate_both(family: str, layout: dict) -> tuple[list, list, list, list]:
-    cfg = ModelConfig(family=family, **CONFIG)
-    state = ParallelState.initialize(ParallelConfig(**layout))
-    model = build_model(cfg, state, device="cpu", seed=3)
-    single = build_model(cfg, None, device="cpu", seed=3)
-    runs = []
-    for m in (model, single):
-        runs.append(generate_ids(m, [PROMPT], 6, GREEDY, cache=False)[0])
-        runs.append(generate_ids(m, [PROMPT], 6, TOP5, seed=11, cache=False)[0])
-    return runs
+LAYOUTS = [("gpt", dict(pp=2)), ("llama", dict(tp=2)), ("bloom", dict(pp=2)),
+           ("gpt", dict(sp=2)), ("llama", dict(tp=2, megatron_sp=True))]
 
 
-@pytest.mark.parametrize("family, layout", [
-    ("gpt", dict(pp=2)), ("llama", dict(tp=2)), ("bloom", dict(pp=2)), ("gpt", dict(sp=2)),
-    ("llama", dict(tp=2, megatron_sp=True))])
-def test_every_layout_generates_what_one_process_does(family, layout):
-    for rank_runs in run_distributed(_generate_both, 2, family, layout, timeout=240):
-        greedy, sampled, greedy_1, sampled_1 = rank_runs
-        assert greedy == greedy_1 and sampled == sampled_1, (family, layout, rank_runs)
-        assert len(greedy) == 6
+def _generate_both(cases) -> list[tuple[list, list, list, list]]:
+    """Per (family, layout): greedy and sampled at the layout, then in one process."""
+    out = []
+    for family, layout in cases:
+        cfg = ModelConfig(family=family, **CONFIG)
+        state = ParallelState.initialize(ParallelConfig(**layout))
+        model = build_model(cfg, state, device="cpu", seed=3)
+        single = build_model(cfg, None, device="cpu", seed=3)
+        runs = []
+        for m in (model, single):
+            runs.append(generate_ids(m, [PROMPT], 6, GREEDY, cache=False)[0])
+            runs.append(generate_ids(m, [PROMPT], 6, TOP5, seed=11, cache=False)[0])
+        out.append(tuple(runs))
+    return out
+
+
+def test_every_layout_generates_what_one_process_does():
+    """All layouts in one pair of ranks (a spawn costs more than the generation)."""
+    for rank_results in run_distributed(_generate_both, 2, LAYOUTS, timeout=300):
+        for (family, layout), (greedy, sampled, greedy_1, sampled_1) in zip(LAYOUTS,
+                                                                             rank_results):
+            assert greedy == greedy_1 and sampled == sampled_1, (family, layout)
+            assert len(greedy) == 6
 
 
 def test_single_process_generation_is_deterministic_and_seeded():
