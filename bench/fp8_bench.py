@@ -37,7 +37,7 @@ from common import environment, print_table, time_ms, write_json  # noqa: E402
 
 from megazoo.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from megazoo.layers.fp8 import FP8Recipe, fp8_linear, scaled_mm  # noqa: E402
-from megazoo.layers.fp8_cast import quantize  # noqa: E402
+from megazoo.kernels.fp8_cast import quantize  # noqa: E402
 
 LINEARS = {  # name: (tokens, in, out)
     "gpt-1.3b": [("qkv", 8192, 2048, 6144), ("proj", 8192, 2048, 2048),

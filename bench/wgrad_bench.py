@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from bench.common import environment, print_table, time_ms, write_json
-from megazoo.layers.cublaslt import fp8_gemm_accumulate
+from megazoo.kernels.cublaslt import fp8_gemm_accumulate
 from megazoo.layers.wgrad import accumulate_wgrad
 
 SHAPES = [(4096, 4096, 14336), (4096, 14336, 4096), (8192, 2048, 6144), (8192, 2048, 8192),

@@ -8,6 +8,9 @@ host RSS). Tokens seen are counted from the log itself: iteration x tokens per s
 `{"tokens_per_step": N, ...}` record pretrain_gpt.py writes first; without one, the x axis is
 the iteration. matplotlib is an optional dependency (`pip install -e
 ".[plot]"`): without it the command says so in one line.
+
+A training run draws its own curves when it ends (`draw_run_curves`, called by
+`megazoo.training.run`: the training loop itself only reports metrics).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import json
 import os
 import sys
 
-from .figures import new_figure
+from .matplotlib_figure import INSTALL, has_matplotlib, new_figure
 
 PANELS = (  # (title, keys drawn in it, y scale)
     ("loss (nats/token)", ("loss", "valid_loss"), "linear"),
@@ -86,6 +89,28 @@ def draw(runs: list[tuple[str, list[dict], int | None]], out: str) -> list[str]:
         ax.legend(fontsize=7)
     fig.savefig(out, dpi=110)
     return [p[0] for p in panels]
+
+
+def draw_run_curves(run) -> None:
+    """SAVE/curves.png from a finished run's log records (`run`: what training.run.setup
+    built; rank 0, with --save and --plot-curves). A missing matplotlib or a failed drawing
+    is one line: the picture never fails the run."""
+    a, say = run.args, run.logger.print
+    if run.state.global_rank != 0 or not (a.checkpoint.save and a.logging.plot_curves) \
+            or not run.logger.records:
+        return
+    out = os.path.join(a.checkpoint.save, "curves.png")
+    if not has_matplotlib():
+        say(f"no {out}: matplotlib is not installed: {INSTALL}")
+        return
+    tokens_per_step = a.training.global_batch_size * a.data.seq_length
+    try:
+        draw([(os.path.basename(os.path.normpath(a.checkpoint.save)), run.logger.records,
+               tokens_per_step)], out)
+    except Exception as exc:  # a picture is a convenience, never a reason to fail a run
+        say(f"no {out}: drawing the curves failed ({type(exc).__name__}: {exc})")
+        return
+    say(f"curves: {out} (python -m megazoo.plot draws and overlays --log-json files)")
 
 
 def main(argv=None) -> int:

@@ -16,14 +16,12 @@ automatic dispatch still uses the PyTorch fallback for every CPU tensor.
 import sys
 from pathlib import Path
 
-# Tests sit in one folder per package (tests/layers, tests/training, ...); the shared helper
-# modules (fixtures.py, *_checks.py) sit here. Tests import those, and a few import each
-# other's fixtures, by module name: put this folder and every test folder on the path, in a
-# fixed order, before any test module is imported (spawned ranks inherit it).
+# Tests sit in one folder per package (tests/layers, tests/training, ...); the code they share
+# is the package tests/helpers, imported as `helpers.<module>`. Put tests/ on the path before
+# any test module is imported (spawned ranks inherit it). Test modules never import each other.
 _HERE = Path(__file__).resolve().parent
-for _folder in [_HERE] + sorted(p for p in _HERE.iterdir() if p.is_dir() and p.name.isidentifier()):
-    if str(_folder) not in sys.path:
-        sys.path.insert(1, str(_folder))
+if str(_HERE) not in sys.path:
+    sys.path.insert(1, str(_HERE))
 
 import importlib.util
 import os

@@ -15,14 +15,14 @@ optional C++ index helpers are built lazily (see :mod:`megazoo.data.helpers`).
 
 from megazoo.data.blended import BlendedDataset, build_train_valid_test_datasets
 from megazoo.data.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megazoo.data.helpers import BackendInfo, backend, build_blending_indices, build_sample_idx
+from megazoo.data.helpers import backend, build_blending_indices, build_sample_idx
 from megazoo.data.indexed import IndexedDataset, IndexedDatasetBuilder, best_dtype
 from megazoo.data.splits import parse_data_prefix, parse_split, split_ranges
 from megazoo.data.tokenizer import (ByteLevelTokenizer, HFTokenizer, SentencePieceTokenizer,
                                     Tokenizer, build_tokenizer, train_sentencepiece)
 
 __all__ = [
-    "BackendInfo", "BlendedDataset", "ByteLevelTokenizer", "GPTDataset", "GPTDatasetConfig",
+    "BlendedDataset", "ByteLevelTokenizer", "GPTDataset", "GPTDatasetConfig",
     "HFTokenizer", "IndexedDataset", "IndexedDatasetBuilder", "SentencePieceTokenizer",
     "Tokenizer", "backend", "best_dtype", "build_blending_indices", "build_sample_idx",
     "build_tokenizer", "build_train_valid_test_datasets", "parse_data_prefix", "parse_split",

@@ -9,11 +9,12 @@ Two functions build the index arrays of :mod:`megazoo.data.gpt_dataset`:
 
 Backend choice (``use_cpp``): ``None`` uses the compiled module when it can be had,
 ``True`` requires it (``RuntimeError`` saying why it is missing), ``False`` forces
-NumPy. The compiled module is the prebuilt extension ``megazoo._data_helpers`` when
+NumPy; `backend()` says which, as the kernels' `Choice` record (``impl`` "cpp" or "numpy",
+and why). The compiled module is the prebuilt extension ``megazoo._data_helpers`` when
 ``setup.py`` built it, else ``csrc/data_helpers.cpp`` compiled on first use with
 ``torch.utils.cpp_extension.load`` into torch's extension cache. ``MEGAZOO_NO_CPP=1``
 in the environment makes ``None`` mean NumPy (for testing the fallback).
-Both backends return bit-identical arrays; ``tests/test_data_helpers.py`` checks it.
+Both backends return bit-identical arrays; ``tests/data/test_data_helpers.py`` checks it.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..kernels._dispatch import Choice
 
 #: Compiler flags for ``csrc/data_helpers.cpp`` (setup.py should pass the same ones:
 #: ``-ffp-contract=off`` keeps blending free of fused multiply-adds, see the .cpp).
@@ -34,19 +38,6 @@ CXX_FLAGS: tuple[str, ...] = ("-O3", "-ffp-contract=off")
 JIT_MODULE_NAME = "megazoo_data_helpers"
 #: Path of the C++ source inside a source checkout.
 CPP_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "data_helpers.cpp"
-
-
-@dataclass(frozen=True)
-class BackendInfo:
-    """Which implementation the helpers use, and why."""
-
-    name: str
-    """``"cpp"`` or ``"numpy"``."""
-    reason: str
-    """One line: where the compiled module came from, or why it is not used."""
-
-    def __str__(self) -> str:
-        return f"{self.name} ({self.reason})"
 
 
 @functools.lru_cache(maxsize=1)
@@ -68,27 +59,31 @@ def _load_compiled() -> tuple[ModuleType | None, str]:
             verbose=False,
         )
     except Exception as exc:  # any toolchain failure means: use NumPy
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return None, f"compiling {CPP_SOURCE.name} failed: {first_line[:200]}"
+        from ..kernels._dispatch import first_line
+
+        return None, f"compiling {CPP_SOURCE.name} failed: {first_line(exc, 200)}"
     return module, f"compiled {CPP_SOURCE.name} with torch.utils.cpp_extension"
 
 
-def _resolve(use_cpp: bool | None) -> tuple[ModuleType | None, BackendInfo]:
+def _resolve(use_cpp: bool | None) -> tuple[ModuleType | None, Choice]:
     """Return (module or None, info) for a ``use_cpp`` request."""
+    # The kernels' record (imported here: `import megazoo.data` loads no torch).
+    from ..kernels._dispatch import Choice
+
     if use_cpp is False:
-        return None, BackendInfo("numpy", "requested with use_cpp=False")
+        return None, Choice("numpy", "requested with use_cpp=False")
     if use_cpp is None and os.environ.get("MEGAZOO_NO_CPP") == "1":
-        return None, BackendInfo("numpy", "MEGAZOO_NO_CPP=1 is set")
+        return None, Choice("numpy", "MEGAZOO_NO_CPP=1 is set")
     module, reason = _load_compiled()
     if module is None:
         if use_cpp:
             raise RuntimeError(f"C++ data helpers unavailable: {reason}; "
                                "pass use_cpp=None or False to use NumPy")
-        return None, BackendInfo("numpy", reason)
-    return module, BackendInfo("cpp", reason)
+        return None, Choice("numpy", reason)
+    return module, Choice("cpp", reason)
 
 
-def backend(use_cpp: bool | None = None) -> BackendInfo:
+def backend(use_cpp: bool | None = None) -> Choice:
     """Say which implementation ``use_cpp`` selects (compiling the C++ if needed)."""
     return _resolve(use_cpp)[1]
 

@@ -122,7 +122,8 @@ def _as_ids(prompts, tokenizer) -> tuple[list[list[int]], bool]:
 def generate(model_or_dir, prompts, max_new_tokens: int = 64, *, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, greedy: bool = False, seed: int = 0,
              tokenizer: Tokenizer | str | None = None, state=None, device=None, dtype=None,
-             cuda_graphs: bool | None = None, stop_at_eos: bool = True):
+             cuda_graphs: bool | None = None, stop_at_eos: bool = True, cache: bool = True,
+             max_context: int | None = None):
     """Continue `prompts` with a KV cache (see the module docstring for examples).
 
     prompts: a string, a list of strings, or a list of token-id lists. Returns, for text,
@@ -130,6 +131,8 @@ def generate(model_or_dir, prompts, max_new_tokens: int = 64, *, temperature: fl
     each prompt. A checkpoint folder is loaded at `state`'s layout (None: one process) on
     `device` (default: this rank's accelerator, else the CPU) in `dtype` (default: the
     checkpoint's). Rows stop at the tokenizer's end-of-document id when `stop_at_eos`.
+    `cache=False` recomputes the context (at most `max_context` tokens) per token instead:
+    any layout, any engine's model (`loop.generate_ids`).
     """
     sampling = Sampling(greedy, temperature, top_k, top_p)
     if isinstance(tokenizer, str):
@@ -144,7 +147,7 @@ def generate(model_or_dir, prompts, max_new_tokens: int = 64, *, temperature: fl
     ids, text = _as_ids(prompts, tokenizer)
     stop = tokenizer.eod if (text and stop_at_eos) else None
     new = generate_ids(model, ids, max_new_tokens, sampling, seed=seed, stop_id=stop,
-                       cuda_graphs=cuda_graphs)
+                       cuda_graphs=cuda_graphs, cache=cache, max_context=max_context)
     if not text:
         return new
     out = [decode_text(tokenizer, p + n) for p, n in zip(ids, new)]

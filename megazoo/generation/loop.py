@@ -2,8 +2,9 @@
 
     new = generate_ids(model, [[5, 17, 3], [8]], 20, Sampling(greedy=True))  # per prompt
 
-`model` is a `TransformerModel` at any tp x pp layout (sp = 1, no Megatron SP); every rank
-of the model calls this with the same arguments. Prefill runs the padded prompts through the
+`model` is a `TransformerModel` at any tp x pp layout (sp = 1, no Megatron SP; with
+`cache=False` any layout, see recompute.py); every rank of the model calls this with the same
+arguments. Prefill runs the padded prompts through the
 model once, writing the cache; each decode step then runs one token per row. Under pipeline
 parallelism a step passes the hidden states [s, b, h] from stage to stage (and chunk to chunk
 of an interleaved model), the last stage picks the tokens and broadcasts them to its
@@ -17,20 +18,20 @@ and replayed per token (graphs.py), unless `cuda_graphs=False`.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..pipeline.p2p import Channel
 from .cache import KVCache, StepInputs
 from .graphs import DecodeStep
-from .sampling import Sampling, sample
-from .step import check_layout, chunk_step, embed, head, local_step
+from .recompute import recompute_ids
+from .sampling import Sampling, choose
+from .step import check_sequence_unsharded, chunk_step, embed, head, local_step
 
 STOP_CHECK = 8  # decode steps between checks whether every row has stopped
 
 
-def check_request(prompts, max_new_tokens: int, config) -> None:
+def check_request(prompts, max_new_tokens: int, config, window: bool = False) -> None:
     """ValueError (one line, naming what to change) for prompts or lengths the model cannot
-    take; no collective, so every rank fails alike."""
+    take (with a sliding `window` any length); no collective, so every rank fails alike."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("no prompt given: pass at least one --prompt")
     for n, ids in enumerate(prompts):
@@ -43,7 +44,7 @@ def check_request(prompts, max_new_tokens: int, config) -> None:
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     longest = max(len(ids) for ids in prompts)
-    if longest + max_new_tokens > config.max_position_embeddings:
+    if not window and longest + max_new_tokens > config.max_position_embeddings:
         raise ValueError(f"a prompt of {longest} tokens plus --max-new-tokens {max_new_tokens} "
                          f"exceeds the model's {config.max_position_embeddings} positions "
                          f"(max_position_embeddings): shorten the prompt or lower "
@@ -97,18 +98,6 @@ def model_step(model, ids: torch.Tensor, cache: KVCache, inp: StepInputs) -> tor
     return pipeline_step(model, ids, cache, inp)
 
 
-def choose(logits: torch.Tensor | None, sampling: Sampling, generator, state, batch: int,
-           device) -> torch.Tensor:
-    """The next tokens [b] on every rank: drawn on the last stage, broadcast over pp."""
-    tokens = None if logits is None else sample(logits, sampling, generator)
-    if state.pp.size == 1:
-        return tokens
-    if tokens is None:
-        tokens = torch.empty(batch, dtype=torch.int64, device=device)
-    dist.broadcast(tokens, src=state.pp.ranks[-1], group=state.pp.group)
-    return tokens
-
-
 def left_pad(prompts: list[list[int]], device, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [b, P] left-padded with pad_id, pad [b]: how many pads each row has)."""
     longest = max(len(p) for p in prompts)
@@ -122,15 +111,21 @@ def left_pad(prompts: list[list[int]], device, pad_id: int = 0) -> tuple[torch.T
 @torch.no_grad()
 def generate_ids(model, prompts: list[list[int]], max_new_tokens: int,
                  sampling: Sampling = Sampling(greedy=True), *, seed: int = 0,
-                 stop_id: int | None = None, cuda_graphs: bool | None = None) -> list[list[int]]:
+                 stop_id: int | None = None, cuda_graphs: bool | None = None,
+                 cache: bool = True, max_context: int | None = None) -> list[list[int]]:
     """The new tokens of each prompt (up to `max_new_tokens`; a row stops before `stop_id`).
 
     cuda_graphs: None captures the decode step on CUDA at tp = pp = 1 (falling back to eager
     with a warning if capture fails), True asks for it (also at tp > 1, NCCL collectives
     inside the graph; never at pp > 1), False never captures.
+    cache=False: no KV cache, the whole context (its last `max_context` tokens, default the
+    model's positions) recomputed per token (recompute.py: any layout, any engine's model).
     """
-    check_request(prompts, max_new_tokens, model.config)
-    check_layout(model)
+    check_request(prompts, max_new_tokens, model.config, window=not cache)
+    if not cache:
+        return recompute_ids(model, prompts, max_new_tokens, sampling, seed=seed,
+                             stop_id=stop_id, max_context=max_context)
+    check_sequence_unsharded(model)
     model.eval()
     state, device = model.state, model.layers[str(model.chunks[0][0])].attention.qkv.weight.device
     graphs = use_graphs(cuda_graphs, device, state)

@@ -3,13 +3,15 @@
 Every operation stays on the logits' device and reads no value back to the host, so a
 decode loop on a GPU only synchronises when it returns the tokens. The draw uses a
 `torch.Generator` seeded by the caller: the same seed gives the same tokens, and every tp
-rank (which holds the same gathered logits) draws the same token without a broadcast.
+rank (which holds the same gathered logits) draws the same token without a broadcast; under
+pipeline parallelism the last stage draws and `choose` broadcasts to its pipeline group.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -57,3 +59,15 @@ def sample(logits: torch.Tensor, sampling: Sampling,
         return logits.argmax(dim=-1)
     probs = filter_logits(logits, sampling).softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def choose(logits: torch.Tensor | None, sampling: Sampling, generator, state, batch: int,
+           device) -> torch.Tensor:
+    """The next tokens [b] on every rank: drawn on the last stage, broadcast over pp."""
+    tokens = None if logits is None else sample(logits, sampling, generator)
+    if state.pp.size == 1:
+        return tokens
+    if tokens is None:
+        tokens = torch.empty(batch, dtype=torch.int64, device=device)
+    dist.broadcast(tokens, src=state.pp.ranks[-1], group=state.pp.group)
+    return tokens

@@ -26,7 +26,7 @@ from ..models.parts import full_logits, lm_logits
 from .cache import KVCache, StepInputs
 
 
-def check_layout(model) -> None:
+def check_sequence_unsharded(model) -> None:
     """ValueError for layouts the cached step does not run: Ulysses or Megatron SP shard the
     sequence, which a one-token decode step does not have."""
     cfg = model.state.config

@@ -1,6 +1,6 @@
 """Triton fused amax + scale + FP8 cast (imported only where triton works; GPU tensors).
 
-Computes `megazoo.layers.fp8_cast.quantize_reference` in one or two kernels:
+Computes `megazoo.kernels.fp8_cast.quantize_reference` in one or two kernels:
 
 | function | input | outputs |
 |---|---|---|

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from . import attention_kernels as kernels
-from .device import compute_capability
+from ..parallel.device import compute_capability
 from .positions import alibi_bias
 
 BACKENDS = ("auto", "flash", "sdpa", "flex", "math")

@@ -1,7 +1,7 @@
 """FP8 linear: y = x W^T + b with its three GEMMs in FP8 and dynamic scaling.
 
 FP8 is a compute format here: weights, biases, activations and gradients stay in the run's
-dtype (bf16); each GEMM casts its two operands to FP8 with fresh scales (see `fp8_cast.py`
+dtype (bf16); each GEMM casts its two operands to FP8 with fresh scales (see `kernels/fp8_cast.py`
 for amax / scale / cast), multiplies with float32 accumulation and writes the run's dtype.
 
 | GEMM | product | a (row-major) | b (column-major) | reduction | out |
@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .device import compute_capability
+from ..kernels.fp8_cast import CAST_IMPLS, quantize, quantize_both, transpose
+from ..parallel.device import compute_capability
 from . import wgrad
-from .fp8_cast import CAST_IMPLS, quantize, quantize_both, transpose
 
 FORMATS = ("e4m3", "hybrid")
 RECIPES = ("tensorwise", "rowwise")

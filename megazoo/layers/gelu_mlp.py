@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .cublaslt import gemm
+from ..kernels.cublaslt import gemm
 from .wgrad import weight_grad
 
 #: Smallest [tokens, ffn] activation (elements, per rank) worth the fused path. The kernels

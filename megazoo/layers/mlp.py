@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.fusion import swiglu
 from .fused_linear import FusedColumnParallelLinear
-from .fusion import swiglu
 from .gelu_mlp import fusable, gelu_mlp
 from .groups import Group, group_size
 from .linear import ColumnParallelLinear, RowParallelLinear

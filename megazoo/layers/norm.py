@@ -6,8 +6,10 @@ parameters are then tagged with `mark_sequence_parallel` and summed over tp befo
 
 On CUDA (with Triton) both run the fused Triton kernels of `megazoo.kernels`: one kernel
 forward and one backward, which end to end beat both F.layer_norm and the compiled RMSNorm
-chain (bench/README.md has the figures). Elsewhere F.layer_norm and the compiled RMSNorm of
-fusion.py compute the same function.
+chain (bench/README.md has the figures). Elsewhere F.layer_norm and the RMSNorm of
+kernels/fusion.py (the kernels' reference, compiled on GPUs) compute the same function;
+RMSNorm rounds the same way on every path (float32 inside, one rounding to x's dtype after
+the weight).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from .fusion import rms_norm
+from ..kernels.fusion import rms_norm
 from .linear import mark_sequence_parallel
 
 
@@ -55,7 +57,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.fused_norm_runs(x):
-            return kernels.rms_norm(x, self.weight, self.eps)  # fp32 inside, as LLaMA does
+            return kernels.rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .fusion import rope_pair, rotate_half  # noqa: F401 (re-exported)
+from ..kernels.fusion import rope_pair, rotate_half  # noqa: F401 (re-exported)
 
 
 def alibi_slopes(num_heads: int, device=None) -> torch.Tensor:

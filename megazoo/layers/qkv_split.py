@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .fusion import fused_on_gpu, rope_rotate, rotate_half
+from ..kernels.fusion import fused_on_gpu, rope_rotate, rotate_half
 from .positions import check_rope_factors
 
 

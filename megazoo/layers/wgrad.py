@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .cublaslt import fp8_gemm_accumulate
+from ..kernels.cublaslt import fp8_gemm_accumulate
 
 
 def fuses_wgrad(weight: torch.Tensor) -> bool:

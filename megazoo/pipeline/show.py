@@ -29,7 +29,7 @@ from megazoo.pipeline.schedules import (
     one_f_one_b_schedule,
 )
 from megazoo.pipeline.simulate import SimulationResult, simulate
-from ..figures import new_figure
+from ..matplotlib_figure import new_figure
 
 __all__ = ["draw_timeline", "main"]
 

@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 import json
 
-from ..figures import new_figure
+from ..matplotlib_figure import new_figure
 from ..training.arguments import args_from_namespace
 from .clusters import load_cluster
 from .layout import PlanOptions, resolve

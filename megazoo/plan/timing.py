@@ -36,7 +36,7 @@ from ..models.config import ModelConfig
 from ..pipeline.schedules import build_schedule
 from ..pipeline.simulate import simulate
 from ..training.config import PretrainArgs
-from ..training.logging import flops_per_iteration
+from ..training.metrics import flops_per_iteration
 from .calibration import kernel_rates
 from .clusters import Cluster
 from .layout import Resolved

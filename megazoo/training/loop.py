@@ -1,21 +1,21 @@
 """The training loop: steps, progress bar, logs, evaluation, checkpoints, final sample.
 
     out = train(run)       # run: megazoo.training.run.Run (what setup built)
+
+It reports metrics (the log line, `--log-json`, TensorBoard / W&B, `run.logger.records`);
+pictures are the caller's (`megazoo.plot.draw_run_curves`).
 """
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 
 import torch
 
-from ..figures import INSTALL, has_matplotlib
-from ..plot import draw
+from ..generation.api import generate
 from .checkpoint import save_training_checkpoint
-from .generate import generate
-from .logging import flops_per_iteration
+from .metrics import flops_per_iteration
 from ..checkpoint.files import NonFiniteError
 from .nonfinite import SkipWatch, stopped_by_nonfinite_save
 
@@ -75,26 +75,6 @@ def _save(run, iteration: int, watch: SkipWatch, result) -> None:
     except NonFiniteError as exc:
         raise stopped_by_nonfinite_save(exc, iteration, watch, result) from None
     run.logger.print(f"saved checkpoint {path}")
-
-
-def _draw_curves(run, tokens_per_step: int) -> None:
-    """SAVE/curves.png from this run's log records (rank 0, with --save and --plot-curves).
-    A missing matplotlib or a failed drawing is one line: the picture never fails the run."""
-    a, say = run.args, run.logger.print
-    if run.state.global_rank != 0 or not (a.checkpoint.save and a.logging.plot_curves) \
-            or not run.logger.records:
-        return
-    out = os.path.join(a.checkpoint.save, "curves.png")
-    if not has_matplotlib():
-        say(f"no {out}: matplotlib is not installed: {INSTALL}")
-        return
-    try:
-        draw([(os.path.basename(os.path.normpath(a.checkpoint.save)), run.logger.records,
-               tokens_per_step)], out)
-    except Exception as exc:  # a picture is a convenience, never a reason to fail a run
-        say(f"no {out}: drawing the curves failed ({type(exc).__name__}: {exc})")
-        return
-    say(f"curves: {out} (python -m megazoo.plot draws and overlays --log-json files)")
 
 
 def _log_record(run, iteration, result, seconds, steps, skipped_total) -> dict:
@@ -175,7 +155,6 @@ def train(run, print_fn=print) -> dict:
             break
     progress.close()
     elapsed = time.perf_counter() - start
-    _draw_curves(run, tokens_per_iter)
     out = _summary(run, losses, valid, elapsed, print_fn)
     out["steps"] = steps
     return out
@@ -191,9 +170,12 @@ def _summary(run, losses, valid, elapsed, print_fn) -> dict:
            "tokens_per_s": tok_s, "seconds": elapsed, "losses": losses}
     if a.logging.generate_tokens:
         k = a.logging.generate_top_k
-        text = generate(run.engine.model, run.data.tokenizer, a.logging.prompt,
-                        a.logging.generate_tokens, top_k=k, temperature=0.8,
-                        seed=a.training.seed, max_context=a.data.seq_length)
+        # No KV cache: the training layout may shard the sequence, and the engine's model
+        # may gather its parameters in forward hooks (FSDP2, ZeRO-3).
+        text = generate(run.engine.model, a.logging.prompt, a.logging.generate_tokens,
+                        greedy=k == 1, top_k=k, temperature=0.8, seed=a.training.seed,
+                        tokenizer=run.data.tokenizer, cache=False,
+                        max_context=a.data.seq_length)
         how = "greedy" if k == 1 else f"top-{k} sampling, temperature 0.8"
         run.logger.print(f"sample ({how}):\n{text}")
     if valid is not None:

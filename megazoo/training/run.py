@@ -23,12 +23,13 @@ from ..models import build_model
 from ..models.parts import check_sequence_length
 from ..parallel.device import local_device
 from ..parallel.state import ParallelState
+from ..plot import draw_run_curves
 from .arguments import parse_args
 from .checkpoint import load_training_checkpoint
 from .config import PretrainArgs
 from .data import TrainData, build_data, resolve_data_source, unigram_entropy
 from .backends import Engine, TrainingStopped, build_engine
-from .logging import MetricsLogger
+from .metrics import MetricsLogger
 from .run_checks import prepare_save_dir, resume_warnings
 from .loop import evaluate, train
 
@@ -144,6 +145,7 @@ def run_training(argv: list[str] | None = None, print_fn=print) -> dict:
             out = {"valid_loss": loss, "losses": []}
         else:
             out = train(run, print_fn)
+            draw_run_curves(run)
         if run.owns_process_group and run.state.world_size > 1:
             dist.barrier()  # no rank tears gloo down while a peer still talks to it
         return out

@@ -38,10 +38,8 @@ def check_engine(zero: ZeroConfig, parallel: ParallelConfig) -> None:
     if zero.zero_impl == "none" and (zero.zero_stage not in (None, 0) or offloads):
         raise ValueError("--zero-stage / --offload-* need a ZeRO engine: add --deepspeed "
                          "(or --zero-impl fsdp2)")
-    if zero.zero_impl == "deepspeed" and parallel.pp > 1:
-        raise ValueError(f"DeepSpeed cannot run megazoo's pipeline schedules (pp={parallel.pp}): "
-                         "use --zero-impl fsdp2 for ZeRO-3 with pipelines, or set "
-                         "--pipeline-model-parallel-size 1")
+    if zero.zero_impl == "deepspeed":
+        check_deepspeed_pipeline(parallel.pp)
     if zero.zero_impl == "fsdp2":
         if zero.zero_stage not in (None, 3):
             raise ValueError(f"--zero-impl fsdp2 shards parameters (ZeRO-3); got --zero-stage "
@@ -75,3 +73,11 @@ def check_plain_offload(args: PretrainArgs) -> None:
     if plain and zero.nvme_path and not t.optimizer_cpu_offload:
         raise ValueError("--nvme-path needs --optimizer-cpu-offload (the disk tier holds the "
                          "offloaded optimizer state)")
+
+
+def check_deepspeed_pipeline(pp: int) -> None:
+    """DeepSpeed's engine does not run megazoo's pipeline schedules (FSDP2 does)."""
+    if pp > 1:
+        raise ValueError(f"DeepSpeed cannot run megazoo's pipeline schedules (pp={pp}): "
+                         "use --zero-impl fsdp2 for ZeRO-3 with pipelines, or set "
+                         "--pipeline-model-parallel-size 1")

@@ -20,8 +20,8 @@ from megazoo.models import ModelConfig, build_model, full_name
 from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.pipeline.executor import run_pipeline
 from megazoo.testing import run_distributed
-from model_checks import TOL
-from fixtures import tiny_config
+from helpers.model_checks import TOL
+from helpers.fixtures import tiny_config
 
 VOCAB, B, S = 300, 2, 8
 # (family, save tp, save pp, load tp, load pp, load vpp): every save layout, each family once

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import zlib
 
 import pytest
@@ -24,26 +23,8 @@ from megazoo.convert.cli import megazoo_to_hf_main, reshard_main
 from megazoo.parallel.state import ParallelState
 from megazoo.training.checkpoint import save_training_checkpoint
 
-from test_output_safety import refused, tiny_model
-
-FILE = "model-pp000-tp000.safetensors"
-KEY = "layers.1.mlp.fc1.weight"
-
-
-def tensor_span(file, key: str) -> tuple[int, int]:
-    """[begin, end) byte offsets of `key`'s data in a safetensors file."""
-    with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    begin, end = header[key]["data_offsets"]
-    return 8 + n + begin, 8 + n + end
-
-
-def patch_bytes(file, offset: int, data: bytes) -> None:
-    with open(file, "r+b") as f:
-        f.seek(offset)
-        f.write(data)
-
+from helpers.checkpoints import (FILE, KEY, make_nonfinite, patch_bytes, refused, tensor_span,
+                                 tiny_model)
 
 def without_xxhash(monkeypatch) -> None:
     """As in an install without the xxhash package: CRC-32 is written, xxh3 cannot be read."""
@@ -153,17 +134,6 @@ def test_write_checkpoint_refuses_nonfinite(ckpt, tmp_path):
     with pytest.raises(NonFiniteError, match=f"tensor '{KEY}' holds"):
         write_checkpoint(reader.config, tmp_path / "out", full)
     assert not (tmp_path / "out").exists()
-
-
-def make_nonfinite(ckpt) -> None:
-    """inf over two elements of KEY, in a checkpoint without checksums (as written before
-    they existed: a checksum recorded by the writer vouches for finite bytes, so the
-    finiteness check is what catches this one)."""
-    begin, _ = tensor_span(ckpt / FILE, KEY)
-    patch_bytes(ckpt / FILE, begin + 8, struct.pack("<ff", float("inf"), float("inf")))
-    meta = json.loads((ckpt / "megazoo.json").read_text())
-    del meta[hashes.values_key(meta["checksum"])]
-    (ckpt / "megazoo.json").write_text(json.dumps(meta))
 
 
 def test_loading_nonfinite_is_an_error_unless_allowed(ckpt):

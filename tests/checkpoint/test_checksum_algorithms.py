@@ -13,8 +13,7 @@ from megazoo.checkpoint import checksums as hashes
 from megazoo.checkpoint import load_pretrained, save_checkpoint
 from megazoo.checkpoint.save import SUMS_SUFFIX, _gather_checksums
 
-from test_checkpoint_integrity import FILE, KEY, patch_bytes, tensor_span
-from test_output_safety import tiny_model
+from helpers.checkpoints import FILE, KEY, patch_bytes, tensor_span, tiny_model
 
 
 def saved(path, monkeypatch, algorithm: str):

@@ -8,7 +8,7 @@ from megazoo.checkpoint import CheckpointReader, save_checkpoint
 from megazoo.convert import megazoo_to_hf
 from megazoo.convert.cli import megazoo_to_hf_main
 from megazoo.models import build_model
-from fixtures import tiny_config
+from helpers.fixtures import tiny_config
 
 FIXED = {"mode": "fixed", "block": 16, "different_layout_per_head": True}
 

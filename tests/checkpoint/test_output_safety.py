@@ -18,13 +18,8 @@ from megazoo.checkpoint.output import OWNER_FILE, temp_dir
 from megazoo.convert import megazoo_to_hf
 from megazoo.convert.cli import (hf_to_megazoo_main, megazoo_to_hf_main, reshard_main,
                                  zero_to_megazoo_main)
-from megazoo.models import ModelConfig, build_model
 
-
-def tiny_model(seed: int = 0):
-    cfg = ModelConfig(family="gpt", num_layers=2, hidden_size=32, num_attention_heads=4,
-                      vocab_size=96, max_position_embeddings=16)
-    return build_model(cfg, None, device="cpu", seed=seed)
+from helpers.checkpoints import refused, tiny_model
 
 
 def snapshot(folder) -> dict[str, bytes]:
@@ -36,14 +31,6 @@ def snapshot(folder) -> dict[str, bytes]:
             with open(path, "rb") as f:
                 out[os.path.relpath(path, folder)] = f.read()
     return out
-
-
-def refused(main, argv, capsys, message: str) -> str:
-    """`main(argv)` exits 2 with one stderr line containing `message`; returns the line."""
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and message in err, err
-    return err
 
 
 @pytest.fixture

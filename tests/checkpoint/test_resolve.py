@@ -8,7 +8,7 @@ from megazoo.checkpoint import CheckpointReader, save_checkpoint
 from megazoo.checkpoint.resolve import resolve_checkpoint
 from megazoo.convert.cli import megazoo_to_hf_main, reshard_main
 from megazoo.models import build_model
-from fixtures import tiny_config
+from helpers.fixtures import tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ needs_cpp = pytest.mark.skipif(not HAVE_TOOLCHAIN, reason="no C++ compiler/ninja
 def cpp_backend():
     """The compiled module must load wherever a toolchain exists (compiles on first use)."""
     info = helpers.backend(use_cpp=True)
-    assert info.name == "cpp", info
+    assert info.impl == "cpp", info
     return info
 
 
@@ -124,17 +124,17 @@ def test_blending_cpp_equals_python_on_random_inputs(cpp_backend):
 
 
 def test_backend_selection(monkeypatch):
-    assert helpers.backend(use_cpp=False).name == "numpy"
+    assert helpers.backend(use_cpp=False).impl == "numpy"
     monkeypatch.setenv("MEGAZOO_NO_CPP", "1")
     info = helpers.backend()
-    assert info.name == "numpy" and "MEGAZOO_NO_CPP" in str(info)
+    assert info.impl == "numpy" and "MEGAZOO_NO_CPP" in str(info)
 
 
 def test_cpp_required_but_missing_says_why(monkeypatch):
     monkeypatch.setattr(helpers, "_load_compiled", lambda: (None, "no compiler"))
     with pytest.raises(RuntimeError, match="no compiler"):
         helpers.build_blending_indices([1.0], 3, use_cpp=True)
-    assert helpers.backend().name == "numpy"
+    assert helpers.backend().impl == "numpy"
 
 
 def _best_time(fn, repeats=3) -> float:

@@ -17,9 +17,8 @@ from megazoo.generation.cli import SEPARATOR, main
 from megazoo.models import ModelConfig, build_model
 from megazoo.testing import run_distributed
 from megazoo.training.run import run_training
-from test_training_run import make_data, tiny_argv
+from helpers.runs import ROOT, make_data, tiny_argv
 
-ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ["--prompt", "def f(", "--prompt", "import", "--max-new-tokens", "6", "--greedy"]
 
 

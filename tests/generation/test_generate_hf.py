@@ -3,7 +3,7 @@
 (megazoo left-pads the batch; each row must still equal the prompt generated alone).
 
 float32 on both sides; the converted logits match HF's to ~1e-6 relative
-(test_convert.py), far below the gaps between these random models' top logits.
+(tests/checkpoint/test_convert.py), far below the gaps between these random models' top logits.
 """
 import os
 
@@ -13,14 +13,14 @@ import torch
 import megazoo
 from megazoo.convert import hf_to_megazoo
 from megazoo.generation.loop import generate_ids
-from test_convert import VOCAB, hf_model
+from helpers.hf_models import VOCAB, hf_model
 
 PROMPTS = [[(11 * i + 5) % VOCAB for i in range(n)] for n in (6, 3, 9)]
 NEW = 8
 
 
 def spread(model):
-    """test_convert's tiny model with its matrices scaled up 8x: at the initial std (0.02) the
+    """helpers.hf_models' tiny model with its matrices scaled up 8x: at the initial std (0.02) the
     greedy output repeats one token, which would hide position and cache errors."""
     with torch.no_grad():
         for p in model.parameters():

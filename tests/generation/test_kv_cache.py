@@ -1,5 +1,5 @@
-"""Generation with the KV cache against full recomputation (`training.generate`, which runs
-the whole context through the model for every token), token for token, greedy.
+"""Generation with the KV cache against full recomputation (`cache=False`, which runs the
+whole context through the model for every token), token for token, greedy.
 
 Block-sparse models generate as the model run on the sequence right-padded to the cache
 length L (the total length rounded up to the block; cache.py): their reference recomputes
@@ -20,7 +20,6 @@ from megazoo.generation.sampling import Sampling
 from megazoo.models import ModelConfig, build_model
 from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.testing import run_distributed
-from megazoo.training.generate import generate_ids as recompute_ids
 
 PROMPTS = [[5, 17, 3, 42, 8], [1, 2], [9, 30, 9, 60, 9, 9, 71, 9, 9]]
 NEW = 10
@@ -69,7 +68,7 @@ def reference(name: str) -> list[list[int]]:
         length = cache_length(max(map(len, SPARSE_PROMPTS)) + NEW, model.config)
         with torch.no_grad():
             return [padded_recompute(model, p, length) for p in SPARSE_PROMPTS]
-    return [recompute_ids(model, p, NEW, top_k=1)[len(p):] for p in PROMPTS]
+    return generate_ids(model, PROMPTS, NEW, cache=False)
 
 
 LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "pp2-vpp2": dict(pp=2, vpp=2)}

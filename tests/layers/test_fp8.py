@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fp8_checks
+from helpers import fp8_checks
 from megazoo.layers import ColumnParallelLinear, FusedColumnParallelLinear
 from megazoo.layers import fp8 as fp8_module
 from megazoo.layers.fp8 import FP8Recipe, fp8_linear, fp8_weight_cache
-from megazoo.layers.fp8_cast import quantize, quantize_both, quantize_reference
-from megazoo.layers.fp8_cast import transpose as fp8_transpose
+from megazoo.kernels.fp8_cast import quantize, quantize_both, quantize_reference
+from megazoo.kernels.fp8_cast import transpose as fp8_transpose
 from megazoo.testing import run_distributed
 
 RECIPES = [(f, r) for f in ("e4m3", "hybrid") for r in ("tensorwise", "rowwise")]
@@ -128,7 +128,7 @@ def test_layers_use_the_recipe():
 
 
 def test_tensor_and_sequence_parallel_equal_per_shard_emulation():
-    """tp = 2 (column, row; with and without Megatron SP): see tests/fp8_checks.py."""
+    """tp = 2 (column, row; with and without Megatron SP): see tests/helpers/fp8_checks.py."""
     errors = run_distributed(fp8_checks.check_fp8_layers, 2, RECIPES, timeout=240)[0]
     for (fmt, rec, kind, sp), errs in errors.items():
         assert max(errs) < 0.1, f"{fmt}/{rec} {kind} sp={sp}: per-shard vs per-tensor {errs}"

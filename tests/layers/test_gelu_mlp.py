@@ -1,4 +1,5 @@
-"""The fused GELU MLP (megazoo/layers/gelu_mlp.py) and cuBLASLt's epilogues (cublaslt.py).
+"""The fused GELU MLP (megazoo/layers/gelu_mlp.py) and cuBLASLt's epilogues
+(megazoo/kernels/cublaslt.py).
 
 CPU: cuBLASLt cannot run, so `gelu_mlp` takes its torch fallbacks; that is the backward's
 own arithmetic (the GELU derivative, the weight and bias gradients, the main-gradient
@@ -10,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megazoo.layers import cublaslt, gelu_mlp as gelu_mlp_module
+from megazoo.kernels import cublaslt
+from megazoo.layers import gelu_mlp as gelu_mlp_module
 from megazoo.layers.gelu_mlp import gelu_mlp
 from megazoo.layers.mlp import ParallelMLP
 

@@ -3,7 +3,7 @@
 kernel vs its fallback at large awkward sizes (GPU).
 
 GPU tests: ``python -m pytest tests/layers/test_kernels.py -m gpu -v`` on a machine with a GPU.
-Tolerances are explained in tests/kernel_checks.py.
+Tolerances are explained in tests/helpers/kernel_checks.py.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernel_checks as C
+from helpers import kernel_checks as C
 from bench.experimental import kernels as X
 from megazoo import kernels as K
 from megazoo.kernels import _dispatch

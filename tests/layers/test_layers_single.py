@@ -177,7 +177,7 @@ def test_swiglu_of_the_fused_output_matches_the_formula(device):
     its value and the one gradient it returns equal silu(gate) * up's and the two halves'
     gradients side by side (fp64 on CPU; fp32 on CUDA, where the compiled kernel may contract
     multiplies: 1e-6)."""
-    from megazoo.layers.fusion import swiglu
+    from megazoo.kernels.fusion import swiglu
 
     dtype = torch.float64 if device == "cpu" else torch.float32
     torch.manual_seed(0)

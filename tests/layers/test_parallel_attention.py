@@ -6,7 +6,7 @@ costs seconds.
 """
 import pytest
 
-import attention_checks
+from helpers import attention_checks
 from megazoo.testing import run_distributed
 
 

@@ -1,7 +1,7 @@
 """Tensor-parallel layers against single-process torch.nn, on 4 gloo ranks (tp = 1, 2, 4)."""
 import pytest
 
-import tp_checks
+from helpers import tp_checks
 from megazoo.testing import run_distributed
 
 CHECKS = ["check_column", "check_row", "check_mlp", "check_parallel_mlp_fused", "check_embedding",

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import attention_checks
+from helpers import attention_checks
 from megazoo.layers import UlyssesAttention
 from bench.experimental.ulysses_overlap import UlyssesOverlapAttention, choose_num_chunks
 from megazoo.parallel.state import GroupInfo

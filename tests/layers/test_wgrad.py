@@ -1,5 +1,5 @@
-"""Gradient-accumulation fusion (megazoo/layers/wgrad.py, cublaslt.py): a linear's weight
-gradient summed straight into the fp32 main gradient.
+"""Gradient-accumulation fusion (megazoo/layers/wgrad.py, megazoo/kernels/cublaslt.py): a
+linear's weight gradient summed straight into the fp32 main gradient.
 
 CPU: the fused backward computes the gradient in the weight's dtype and adds it, the same
 arithmetic as the unfused hook, so everything is compared exactly: dW summed over
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazoo.layers import ColumnParallelLinear, RowParallelLinear
-from megazoo.layers.cublaslt import fp8_gemm_accumulate
+from megazoo.kernels.cublaslt import fp8_gemm_accumulate
 from megazoo.layers.fp8 import FP8Recipe
 from megazoo.layers.linear import fusable_weights
 from megazoo.layers.wgrad import accumulate_wgrad

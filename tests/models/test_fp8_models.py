@@ -13,8 +13,8 @@ import warnings
 import pytest
 import torch
 
-import fp8_model_checks
-from fixtures import tiny_config
+from helpers import fp8_model_checks
+from helpers.fixtures import tiny_config
 from megazoo.checkpoint import load_model_weights
 from megazoo import save_checkpoint
 from megazoo.layers.fp8 import FP8Recipe, fp8_linear
@@ -89,7 +89,7 @@ def _tp_configs():
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tp2_and_megatron_sp_equal_per_shard_one_process(sequence_parallel):
-    """Whole models, forward and backward: see tests/fp8_model_checks.py (rtol 1e-4, atol 1e-5)."""
+    """Whole models, forward and backward: see tests/helpers/fp8_model_checks.py (rtol 1e-4, atol 1e-5)."""
     errors = run_distributed(fp8_model_checks.check_fp8_tp, 2, _tp_configs(), sequence_parallel,
                              timeout=300)
     assert errors == [[], []], "\n".join(errors[0][:20])

@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 import torch
 
-import model_checks
+from helpers import model_checks
 from megazoo.layers import FusedColumnParallelLinear, set_tp_layout, tp_slice, tp_unslice
 from megazoo.models import (BloomModel, ModelConfig, TransformerModel, build_model,
                             describe_parameters, full_name, layer_ranges)

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-import model_checks
+from helpers import model_checks
 from megazoo.models import build_model
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-import sparse_model_checks as checks
+from helpers import sparse_model_checks as checks
 from megazoo.checkpoint.load import config_from_dict
 from megazoo.layers import attention, ulysses
 from megazoo.layers.sparse_attention import token_mask

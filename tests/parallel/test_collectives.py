@@ -20,7 +20,7 @@ DEPRECATED = r".*(all_gather_into_tensor|reduce_scatter_tensor)"
 
 
 def _rank_paths() -> dict:
-    import ddp_checks
+    from helpers import ddp_checks
 
     warnings.filterwarnings("error", message=DEPRECATED, category=FutureWarning)
     state = ParallelState.initialize(ParallelConfig(tp=2, megatron_sp=True))

@@ -13,7 +13,7 @@ import torch
 from megazoo.parallel.compress.codecs import BlockCodec, TopKCodec, pack_bits, unpack_bits
 from megazoo.testing import run_distributed
 
-import compression_checks as checks
+from helpers import compression_checks as checks
 
 TIMEOUT = 120
 ALGORITHMS = ["topk", "1bit", "2bit"]

@@ -21,7 +21,7 @@ import torch
 from megazoo.parallel.compress.codecs import BlockCodec, TopKCodec
 from megazoo.testing import run_distributed
 
-import compression_checks as checks
+from helpers import compression_checks as checks
 
 pytestmark = pytest.mark.triton
 

@@ -2,7 +2,7 @@
 m = p, 2p, 3p, with tp = 2 and dp = 2 where 8 ranks allow."""
 import pytest
 
-import pipeline_checks
+from helpers import pipeline_checks
 from megazoo.testing import run_distributed
 
 FOUR_RANKS = [(1, 4, 1, m) for m in (4, 8, 12)] + [(1, 4, 2, m) for m in (4, 8)] \

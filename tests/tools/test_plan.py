@@ -5,36 +5,14 @@ import dataclasses
 import pytest
 
 from megazoo.models import PRESETS, ModelConfig, build_model, count_parameters
-from megazoo.parallel import ParallelConfig
 from megazoo.plan import (GB, RUNTIME_BYTES, PlanOptions, activation_bytes, block_coefficients,
                           estimate_memory, stage_parameters)
 from megazoo.plan.engines import TORCH_HOST_RUNTIME_BYTES
 from megazoo.plan.offload import pinned
-from megazoo.training.config import DataConfig, PretrainArgs, TrainingConfig
-from megazoo.training.zero_config import ZeroConfig
-from fixtures import tiny_config
 
-# A toy GPT: h=64, 2 layers, 8 heads, vocab 300 (padded 384 at tp=1, 512 at tp=2), 128 positions.
-TOY = tiny_config("gpt", max_position_embeddings=128)
+from helpers.run_args import TOY, plan_args
+
 BLOCK = 12 * 64 * 64 + 13 * 64  # 49,984
-
-
-def plan_args(model=TOY, *, seq_length=2048, micro_batch_size=1, dp=1, micro_batches=None,
-              recompute="none", tp=1, sp=1, pp=1, vpp=1, sequence_parallel=False, bf16=True,
-              **zero):
-    """The run's bf16 PretrainArgs for a layout: `micro_batches` per step (default pp, the
-    pipeline full), `zero`: ZeroConfig fields (zero_impl defaults to deepspeed when a stage is
-    given)."""
-    if zero.get("zero_stage") and "zero_impl" not in zero:
-        zero["zero_impl"] = "deepspeed"
-    m = micro_batches or pp
-    return PretrainArgs(
-        model=dataclasses.replace(model, recompute=recompute),
-        parallel=ParallelConfig(tp=tp, sp=sp, pp=pp, vpp=vpp, dp=dp,
-                                sequence_parallel=sequence_parallel),
-        training=TrainingConfig(micro_batch_size=micro_batch_size, bf16=bf16,
-                                global_batch_size=micro_batch_size * dp * m),
-        data=DataConfig(seq_length=seq_length), zero=ZeroConfig(**zero))
 
 
 def test_stage_parameters_by_hand():

@@ -10,7 +10,7 @@ import torch
 from megazoo.training.arguments import parse_args
 from megazoo.training.compression_config import check_onebit_backend
 from megazoo.training.ds_config import build_ds_config
-from test_training_run import ROOT, make_data, tiny_argv
+from helpers.runs import ROOT, make_data, tiny_argv
 
 SEEDS = {"gradient_compression": {"algorithm": "topk", "topk_ratio": 0.01},
          "communication_data_type": "fp16"}

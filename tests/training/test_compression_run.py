@@ -13,16 +13,11 @@ import torch
 from megazoo.testing import run_distributed
 from megazoo.training.run import run_training
 
-import compression_checks as checks
-from test_training_run import make_data, tiny_argv
+from helpers import compression_checks as checks
+from helpers.runs import tiny_argv
 
 TIMEOUT = 240
 BUCKETS = {"ddp_bucket_size": 3000, "overlap_grad_reduce": True}
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_data(tmp_path_factory.mktemp("data"))
 
 
 def _pairs(jobs):

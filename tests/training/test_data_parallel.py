@@ -22,7 +22,7 @@ import torch
 from megazoo.parallel import ParallelConfig
 from megazoo.testing import run_distributed
 
-import ddp_checks as checks
+from helpers import ddp_checks as checks
 
 TIMEOUT = 300
 TWO_RANK = [  # name, training flags

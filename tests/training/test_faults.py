@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -24,10 +23,8 @@ from megazoo.checkpoint.output import FAULT_ENV
 from megazoo.convert import reshard
 from megazoo.training.run import main, run_training
 
-from test_checkpoint_integrity import FILE, KEY, make_nonfinite, patch_bytes, tensor_span
-from test_training_run import data, reference, tiny_argv  # noqa: F401 (fixtures)
-
-ROOT = Path(__file__).resolve().parents[2]
+from helpers.checkpoints import FILE, KEY, make_nonfinite, patch_bytes, tensor_span
+from helpers.runs import ROOT, tiny_argv
 
 
 def launch(argv, **env) -> subprocess.Popen:

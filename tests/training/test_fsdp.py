@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import pytest
 
-import zero_checks as ranks
+from helpers import zero_checks as ranks
+from helpers.zero_checks import assert_close_runs
 from megazoo.parallel import ParallelConfig
 from megazoo.testing import run_distributed
-from test_zero import assert_close_runs
 
 LAYOUTS = [
     (ParallelConfig(pp=2), [{"name": "fsdp"}, {"name": "fsdp_offload", "cpu_offload": True},

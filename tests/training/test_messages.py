@@ -24,7 +24,7 @@ from megazoo.training.default_corpus import LEFTOVERS
 from megazoo.training.ds_config import load_ds_json
 from megazoo.training.run_checks import prepare_save_dir, resume_warnings
 
-from test_output_safety import tiny_model
+from helpers.checkpoints import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 from megazoo.data import preprocess as preprocess_data  # noqa: E402

@@ -9,16 +9,11 @@ from megazoo.parallel import ParallelConfig
 from megazoo.testing import run_distributed
 from megazoo.training.run import main
 
-import zero_checks as ranks
-from test_training_run import make_data, tiny_argv
+from helpers import zero_checks as ranks
+from helpers.runs import tiny_argv
 
 SKIP_AT = (1, 3, 4)  # steps whose loss is forced to nan
 STEPS = 7
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_data(tmp_path_factory.mktemp("data"))
 
 
 class _PoisonFinalNorm:

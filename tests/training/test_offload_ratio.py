@@ -7,9 +7,10 @@ import pytest
 
 from megazoo.models import resolve_config
 from megazoo.plan import estimate_memory
-from test_plan import plan_args
 from megazoo.training.ds_config import build_ds_config
-from test_zero_config import args
+
+from helpers.run_args import ds_args as args
+from helpers.run_args import plan_args
 
 
 def test_ratio_reaches_deepspeed_and_conflicts_are_named(tmp_path):

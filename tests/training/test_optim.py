@@ -18,7 +18,7 @@ from megazoo.training.gradients import clip_gradients, global_grad_norm
 from megazoo.training.optim import param_groups
 from megazoo.training.scaler import DynamicLossScaler
 from megazoo.training.lr_schedule import learning_rate
-from fixtures import tiny_config
+from helpers.fixtures import tiny_config
 
 GPT = tiny_config("gpt", hidden_size=32, num_attention_heads=4, vocab_size=100,
                   max_position_embeddings=32)

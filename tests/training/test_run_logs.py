@@ -9,7 +9,7 @@ import pytest
 from megazoo.training.config import LoggingConfig
 from megazoo.training.log_writers import open_writers
 from megazoo.training.run import run_training
-from test_training_run import make_data, tiny_argv
+from helpers.runs import make_data, tiny_argv
 
 
 def test_run_writes_token_record_tensorboard_wandb_and_curves(tmp_path, monkeypatch, capsys):

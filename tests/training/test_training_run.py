@@ -9,7 +9,6 @@ the vocabulary softmax), so their losses agree to 1e-5 relative, not exactly.
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,40 +17,7 @@ from megazoo.data import IndexedDatasetBuilder
 from megazoo.testing import run_distributed
 from megazoo.training.run import run_training
 
-ROOT = Path(__file__).resolve().parents[2]
-TEXT = (ROOT / "megazoo" / "models" / "model.py").read_text() * 2
-
-
-def make_data(folder: Path) -> str:
-    """60 byte-level documents (pieces of a source file), ids < 257."""
-    prefix = str(folder / "tiny")
-    with IndexedDatasetBuilder(prefix, np.uint16) as b:
-        for i in range(60):
-            b.add_document(list(TEXT[i * 150:(i + 1) * 150].encode()) + [256])
-    return prefix
-
-
-def tiny_argv(prefix: str, *extra: str) -> list[str]:
-    return ["--data-path", prefix, "--tokenizer-type", "ByteLevelTokenizer", "--split", "90,10,0",
-            "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--seq-length", "32", "--max-position-embeddings", "64", "--micro-batch-size", "2",
-            "--global-batch-size", "4", "--train-iters", "6", "--lr-warmup-iters", "2",
-            "--lr", "1e-2", "--min-lr", "1e-3", "--log-interval", "1", "--eval-interval", "3",
-            "--eval-iters", "1", "--generate-tokens", "3", "--no-progress", "--save", "",
-            "--cpu-threads", "1", "--no-plot-curves", *extra]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_data(tmp_path_factory.mktemp("data"))
-
-
-@pytest.fixture(scope="module")
-def reference(data, tmp_path_factory):
-    """6 uninterrupted iterations, checkpoints at 3 and 6."""
-    save = tmp_path_factory.mktemp("ref") / "ck"
-    out = run_training(tiny_argv(data, "--save", str(save), "--save-interval", "3"))
-    return out, save
+from helpers.runs import ROOT, make_data, tiny_argv
 
 
 def test_loss_decreases_and_latest_points_at_last_checkpoint(reference):

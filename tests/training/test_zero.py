@@ -20,24 +20,14 @@ import sys
 
 import pytest
 
-import zero_checks as ranks
+from helpers import zero_checks as ranks
+from helpers.zero_checks import assert_close_runs
 from megazoo.parallel import ParallelConfig
 from megazoo.testing import run_distributed
 
 pytest.importorskip("deepspeed")
 
-LOSS_RTOL, NORM_RTOL = 1e-4, 1e-3
 TIMEOUT = 300
-
-
-def assert_close_runs(results: dict, names, what=""):
-    ref = results["plain"]
-    for name in names:
-        got = results[name]
-        for step, ((l0, n0), (l1, n1)) in enumerate(zip(ref, got)):
-            where = f"{what} {name} step {step}"
-            assert l1 == pytest.approx(l0, rel=LOSS_RTOL), f"{where}: loss {l1} vs plain {l0}"
-            assert n1 == pytest.approx(n0, rel=NORM_RTOL), f"{where}: grad norm {n1} vs plain {n0}"
 
 
 DP_RUNS = [

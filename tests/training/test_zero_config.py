@@ -5,22 +5,11 @@ import json
 
 import pytest
 
-from megazoo.models import ModelConfig
 from megazoo.parallel import ParallelConfig
-from megazoo.training.config import PretrainArgs, TrainingConfig
+from megazoo.training.config import TrainingConfig
 from megazoo.training.ds_config import build_ds_config
-from megazoo.training.zero_config import ZeroConfig
 
-
-def args(tmp_path=None, ds: dict | None = None, training=None, **zero):
-    if ds is not None:
-        path = tmp_path / "ds.json"
-        path.write_text(json.dumps(ds))
-        zero["deepspeed_config"] = str(path)
-    zero.setdefault("deepspeed", True)
-    training = training or TrainingConfig(micro_batch_size=4, global_batch_size=32)
-    return PretrainArgs(model=ModelConfig(), parallel=ParallelConfig(), training=training,
-                        zero=ZeroConfig(**zero))
+from helpers.run_args import ds_args as args
 
 
 def test_flags_only():
@@ -80,11 +69,11 @@ def test_bad_json_and_batch_sizes(tmp_path):
 def test_engines_refuse_bad_layouts_before_collectives():
     from megazoo.parallel.state import ParallelState
     from megazoo.training.backends.fsdp2 import check_args
-    from megazoo.training.backends.deepspeed_zero import check_layout
+    from megazoo.training.validate import check_deepspeed_pipeline
 
     state = ParallelState.single(ParallelConfig())
     with pytest.raises(ValueError, match="zero-impl fsdp2"):
-        check_layout(type("S", (), {"pp": type("G", (), {"size": 2})()})())
+        check_deepspeed_pipeline(2)
     with pytest.raises(ValueError, match="--zero-stage 3"):
         check_args(args(zero_impl="fsdp2", deepspeed=False, zero_stage=2), state)
     with pytest.raises(ValueError, match="fp16"):

@@ -49,6 +49,7 @@ from ...parallel.state import ParallelState
 from ..compression_config import check_onebit_backend
 from ..ds_config import build_ds_config, offload_device, onebit_optimizer, zero_stage
 from ..optim import param_groups
+from ..validate import check_deepspeed_pipeline
 from .base import Engine
 from ..gradients import hook_sequence_parallel_grads
 from .deepspeed_setup import (ZeroMPU, build_optimizer, check_nvme, ensure_process_group,
@@ -57,13 +58,6 @@ from ..ds_ops import prepare_ops
 
 DS_FORMAT = "megazoo-deepspeed-1"
 TAG = "zero"
-
-
-def check_layout(state: ParallelState) -> None:
-    if state.pp.size > 1:
-        raise ValueError(f"DeepSpeed cannot run megazoo's pipeline schedules (pp={state.pp.size}): "
-                         "use --zero-impl fsdp2 for ZeRO-3 with pipelines, or set "
-                         "--pipeline-model-parallel-size 1")
 
 
 class DeepSpeedEngine(Engine):
@@ -77,7 +71,7 @@ class DeepSpeedEngine(Engine):
 
     def __init__(self, model: torch.nn.Module, state: ParallelState, args, *,
                  cpu_adam: bool | None = None):
-        check_layout(state)
+        check_deepspeed_pipeline(state.pp.size)
         self.state, self.args, self.cfg = state, args, args.training
         self.ds_config = build_ds_config(args, state.dp.size)  # ValueErrors, no collective
         device = next(model.parameters()).device

@@ -12,6 +12,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .norms import rms_norm_reference
+
 
 def fused_on_gpu(fn):
     """Decorator: call `torch.compile(fn)` when the first argument is on a CUDA device."""
@@ -29,12 +31,11 @@ def fused_on_gpu(fn):
     return wrapper
 
 
-@fused_on_gpu
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight, in fp32 then cast back (as LLaMA does)."""
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return y.to(x.dtype) * weight
+#: RMSNorm where the Triton kernel does not run: the kernels' reference (float32 inside, the
+#: weight applied before the one rounding to x's dtype, as the Triton kernel does), compiled
+#: on GPUs. Rounding the normalised x before the weight (as HF LLaMA does) would round twice,
+#: and a compiled chain may skip that inner rounding: results would depend on the path.
+rms_norm = fused_on_gpu(rms_norm_reference)
 
 
 @fused_on_gpu

@@ -26,7 +26,7 @@ from megazoo.layers import tp_slice
 from megazoo.models import ModelConfig, build_model, full_name
 from megazoo.training.gradients import allreduce_gradients
 from megazoo.parallel import ParallelConfig, ParallelState
-from fixtures import tiny_config  # noqa: F401 (model_checks.tiny_config in tests)
+from .fixtures import tiny_config  # noqa: F401 (model_checks.tiny_config in tests)
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 VOCAB, B, S = 300, 2, 8  # vocab pads to 384 at tp=1 and 512 at tp=2

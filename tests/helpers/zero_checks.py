@@ -1,5 +1,5 @@
 """Rank-side code of the ZeRO / FSDP2 tests (no tests here; `test_zero.py`, `test_fsdp.py`
-spawn these functions on gloo ranks).
+spawn these functions on gloo ranks, and compare their results with `assert_close_runs`).
 
 Every run builds the same tiny GPT with the same seed, feeds each data-parallel rank its own
 deterministic micro-batches, and records per step (loss, grad norm). The reference is
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from megazoo.models import ModelConfig, build_model
@@ -17,6 +18,18 @@ from megazoo.training.config import PretrainArgs, TrainingConfig
 from megazoo.training.zero_config import ZeroConfig
 
 VOCAB, B, S, M = 128, 2, 16, 2  # vocab, micro-batch, sequence, micro-batches per step
+LOSS_RTOL, NORM_RTOL = 1e-4, 1e-3  # fp32, the same math in another order: see test_zero.py
+
+
+def assert_close_runs(results: dict, names, what=""):
+    """Each run in `names` has the per-step (loss, grad norm) of results["plain"]."""
+    ref = results["plain"]
+    for name in names:
+        got = results[name]
+        for step, ((l0, n0), (l1, n1)) in enumerate(zip(ref, got)):
+            where = f"{what} {name} step {step}"
+            assert l1 == pytest.approx(l0, rel=LOSS_RTOL), f"{where}: loss {l1} vs plain {l0}"
+            assert n1 == pytest.approx(n0, rel=NORM_RTOL), f"{where}: grad norm {n1} vs plain {n0}"
 
 
 def model_config(num_layers: int = 2) -> ModelConfig:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from model_checks import TOL, compare
-from fixtures import tiny_config
+from .model_checks import TOL, compare
+from .fixtures import tiny_config
 from megazoo.models import ModelConfig, build_model
 from megazoo.training.gradients import allreduce_gradients
 from megazoo.parallel import ParallelConfig, ParallelState

@@ -12,8 +12,8 @@ equal the plain one-process FP8 model to the same tolerance.
 import torch
 import torch.distributed as dist
 
-import model_checks
-from model_checks import batch  # noqa: F401 (the batch of the tests)
+from . import model_checks
+from .model_checks import batch  # noqa: F401 (the batch of the tests)
 from megazoo.layers import ColumnParallelLinear, RowParallelLinear
 from megazoo.layers.fp8 import fp8_linear
 from megazoo.layers.sharding import tp_slice

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fixtures import tiny_config
+from .fixtures import tiny_config
 from megazoo.models import build_model
 from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.training.gradients import allreduce_gradients
-from model_checks import TOL, VOCAB, compare, reference
+from .model_checks import TOL, VOCAB, compare, reference
 
 S = 64
 SECTIONS = {

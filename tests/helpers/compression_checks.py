@@ -87,7 +87,7 @@ def compressed_engine(compression: dict, **training):
     """ddp_checks' engine (tiny GPT, seed 7) at this world's dp, compressing its reduction."""
     import dataclasses
 
-    from ddp_checks import make_args
+    from .ddp_checks import make_args
     from megazoo.models import build_model
     from megazoo.parallel import ParallelConfig, ParallelState
     from megazoo.training.backends.plain import PlainEngine
@@ -103,7 +103,7 @@ def compressed_engine(compression: dict, **training):
 
 def train_steps(compression: dict, training: dict, steps: int) -> dict:
     """Losses of `steps` steps and what the engine logged about its bytes."""
-    from ddp_checks import train
+    from .ddp_checks import train
 
     engine, state = compressed_engine(compression, **training)
     losses = train(engine, state, range(steps))
@@ -113,7 +113,7 @@ def train_steps(compression: dict, training: dict, steps: int) -> dict:
 
 def step_norms(compression: dict, training: dict, steps: int) -> list[float]:
     """The gradient norm each of `steps` steps reported (the reduced gradient's)."""
-    from ddp_checks import batches
+    from .ddp_checks import batches
 
     engine, state = compressed_engine(compression, **training)
     return [engine.train_step(batches(s, state.dp.rank, state.dp.size)).grad_norm
@@ -123,7 +123,7 @@ def step_norms(compression: dict, training: dict, steps: int) -> list[float]:
 def with_and_without_momentum(compression: dict, training: dict, steps: int) -> list[dict]:
     """`train_steps` twice: the engine as built (with the variance frozen it carries the
     momentum through the compressed reduction), then with that offset switched off."""
-    from ddp_checks import train
+    from .ddp_checks import train
 
     out = []
     for carry in (True, False):
@@ -137,7 +137,7 @@ def with_and_without_momentum(compression: dict, training: dict, steps: int) -> 
 
 def save_then_continue(path: str, compression: dict, training: dict) -> dict:
     """Steps 0-2, save, steps 3-5: the losses after the save."""
-    from ddp_checks import train
+    from .ddp_checks import train
 
     engine, state = compressed_engine(compression, **training)
     train(engine, state, range(3))
@@ -147,7 +147,7 @@ def save_then_continue(path: str, compression: dict, training: dict) -> dict:
 
 def resume(path: str, compression: dict, training: dict) -> dict:
     """A fresh engine loads `path` and runs steps 3-5; its resume notes."""
-    from ddp_checks import train
+    from .ddp_checks import train
 
     engine, state = compressed_engine(compression, **training)
     engine.load(path)

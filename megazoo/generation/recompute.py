@@ -1,0 +1,58 @@
+"""Generation without a cache: every new token runs the whole context through the model.
+
+Slower than the cached loop (loop.py), but it runs wherever the model's own forward runs:
+every layout (Ulysses and Megatron SP shard the sequence, which a one-token cached step does
+not have) and every engine's model (FSDP2 and ZeRO-3 gather parameters in forward hooks,
+which the cached step's direct calls of a block's parts would skip). `generate_ids(...,
+cache=False)` runs it; the end-of-training sample does, and the cached loop is tested
+against it.
+
+Every rank of a tp x sp group runs the same loop: the model returns the same full logits on
+each, and sampling draws from a generator seeded identically everywhere, so all ranks pick
+the same token with no broadcast. The context is at most `max_context` tokens (a sliding
+window), right-padded to a multiple of the sequence-parallel size; with causal attention the
+padding cannot change the logits at the last real position. With pp > 1 every rank runs the
+forward-only pipeline schedule; the last stage picks the token and sends it to its pipeline
+group.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..models.parts import sequence_shard
+from ..pipeline.executor import run_pipeline
+from .sampling import Sampling, choose
+
+
+def last_logits(model, ids: torch.Tensor, position: int) -> torch.Tensor | None:
+    """float32 logits [1, vocab] at `position` of ids [1, s] (None on stages other than the
+    last)."""
+    state = model.state
+    if state.pp.size == 1:
+        return model(ids)[:, position].float()
+    logits = run_pipeline(model, [(ids, None)], state, forward_only=True)  # last stage: [[1, s, V]]
+    return logits[0][:, position].float() if state.is_last_stage else None
+
+
+def recompute_ids(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, *,
+                  seed: int = 0, stop_id: int | None = None,
+                  max_context: int | None = None) -> list[list[int]]:
+    """The new tokens of each prompt, one prompt at a time (a row stops before `stop_id`)."""
+    model.eval()
+    device = next(model.parameters()).device
+    shard = sequence_shard(model.state)
+    limit = max_context or model.config.max_position_embeddings
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for prompt in prompts:
+        ids, new = [int(i) for i in prompt], []
+        for _ in range(max_new_tokens):
+            context = (ids + new)[-limit:]
+            padded = context + [0] * (-len(context) % shard)
+            logits = last_logits(model, torch.tensor([padded], device=device), len(context) - 1)
+            token = int(choose(logits, sampling, generator, model.state, 1, device)[0])
+            if token == stop_id:
+                break
+            new.append(token)
+        out.append(new)
+    return out
