@@ -79,8 +79,22 @@ class TrainingConfig:
     """Plain engine: the parallel linears' weight-gradient GEMMs add straight into the fp32
     main gradients (no per-micro-batch add pass; `megazoo.layers.wgrad`)."""
     accumulate_allreduce_grads_in_fp32: bool = True
-    """Plain engine: fp32 main gradients, accumulated and reduced in fp32 (always on here:
-    bf16 / fp16 gradient buffers are not implemented)."""
+    """Plain engine: fp32 main gradients, accumulated and reduced in fp32 (the default; for
+    bf16 buffers pass --accumulate-grads-in-bf16 instead)."""
+    accumulate_grads_in_bf16: bool = False
+    """Plain engine: bf16 main gradients (half the GPU memory of fp32; each micro-batch's
+    gradient is rounded to bf16 as it is summed; docs/offload.md gives the cost)."""
+    optimizer_cpu_offload: bool = False
+    """Plain engine: keep the fp32 masters and AdamW moments on the host (pinned memory, or
+    on disk under --nvme-path) and step them there; bf16 parameters stay on the GPU."""
+    optimizer_offload_fraction: float = 1.0
+    """With --optimizer-cpu-offload: the share of the optimizer state (whole gradient
+    buckets, the last ones the forward uses) kept and stepped on the host; the rest steps
+    on the GPU."""
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """With --optimizer-cpu-offload: copy each bucket's gradient to the host as soon as it is
+    final, step the host buckets on a worker thread, and let the next forward wait for each
+    bucket's updated parameters only when it reaches them."""
     seed: int = 1234
     """Seed of the weights, the data order and dropout."""
     num_layers_per_virtual_pipeline_stage: int | None = None
@@ -110,8 +124,11 @@ class TrainingConfig:
         if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
             raise ValueError(f"--ddp-bucket-size must be >= 1, got {self.ddp_bucket_size}")
         if not self.accumulate_allreduce_grads_in_fp32:
-            raise ValueError("main gradients are always fp32 here: drop "
-                             "--no-accumulate-allreduce-grads-in-fp32")
+            raise ValueError("main gradients are always fp32 unless --accumulate-grads-in-bf16: "
+                             "pass that instead of --no-accumulate-allreduce-grads-in-fp32")
+        fraction = self.optimizer_offload_fraction
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
         if not 1.0 <= self.min_loss_scale <= self.initial_loss_scale or self.loss_scale_window < 1:

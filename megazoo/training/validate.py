@@ -14,6 +14,7 @@ from ..models.build import check_layout
 from ..parallel.config import ParallelConfig
 from .compression_config import check_compression_layout, check_engine_compression
 from .config import PretrainArgs
+from .offload_config import check_plain_only, plain_offload
 from .zero_config import ZeroConfig
 
 
@@ -21,6 +22,11 @@ def check_args(args: PretrainArgs) -> None:
     """Raise a ValueError unless `args` describes a run that can start (see the module doc)."""
     check_layout(args.model, args.parallel, args.data.seq_length)
     check_engine(args.zero, args.parallel)
+    check_plain_only(args)
+    offload = plain_offload(args) if args.zero.zero_impl == "none" else None
+    if offload is not None and args.compression.algorithm is not None:
+        raise ValueError("--optimizer-cpu-offload steps dense gradients: drop "
+                         "--gradient-compression (or the offload)")
     check_engine_compression(args.compression, args.zero.zero_impl)
     check_compression_layout(args.compression, args.parallel,
                              args.training.use_distributed_optimizer)
@@ -34,9 +40,9 @@ def check_engine(zero: ZeroConfig, parallel: ParallelConfig) -> None:
     """The ZeRO flags against the engine that reads them (values left to a DeepSpeed JSON,
     None here, are checked when the JSON is merged)."""
     offloads = {v for v in (zero.offload_optimizer, zero.offload_param) if v not in (None, "none")}
-    if zero.zero_impl == "none" and (zero.zero_stage not in (None, 0) or offloads):
-        raise ValueError("--zero-stage / --offload-* need a ZeRO engine: add --deepspeed "
-                         "(or --zero-impl fsdp2)")
+    if zero.zero_impl == "none" and zero.zero_stage not in (None, 0):
+        raise ValueError("--zero-stage needs a ZeRO engine: add --deepspeed (or --zero-impl "
+                         "fsdp2); the plain engine offloads with --offload-optimizer alone")
     if zero.zero_impl == "deepspeed" and parallel.pp > 1:
         raise ValueError(f"DeepSpeed cannot run megazoo's pipeline schedules (pp={parallel.pp}): "
                          "use --zero-impl fsdp2 for ZeRO-3 with pipelines, or set "

@@ -44,10 +44,9 @@ def build_engine(args, model: torch.nn.Module, state) -> Engine:
         from .fsdp2 import FSDP2Engine
 
         return FSDP2Engine(model, state, args)
-    if zero.zero_stage not in (None, 0) or zero.offload_optimizer not in (None, "none") \
-            or zero.offload_param not in (None, "none"):
-        raise ValueError("--zero-stage / --offload-* need a ZeRO engine: add --deepspeed "
-                         "(or --zero-impl fsdp2)")
+    if zero.zero_stage not in (None, 0):
+        raise ValueError("--zero-stage needs a ZeRO engine: add --deepspeed (or --zero-impl "
+                         "fsdp2); the plain engine offloads with --offload-optimizer alone")
     from .plain import PlainEngine
 
     return PlainEngine(model, state, args)
