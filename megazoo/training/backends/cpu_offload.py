@@ -129,16 +129,21 @@ def set_steps(slot: Slot, step: int) -> None:
 
 class ResidentStore:
     """State kept in memory (pinned host memory, or the GPU): `NvmeStateStore`'s interface
-    with nothing to read or write."""
+    with nothing to read or write. A shard is allocated (zeros) when first acquired, so the
+    GPU share's moments need no memory while the model is still fp32 at start-up."""
 
     def __init__(self, numels: list[int], device, pin: bool):
-        self.tensors = [{k: torch.zeros(n, dtype=torch.float32, device=device, pin_memory=pin)
-                         for k in NAMES} for n in numels]
+        self.numels, self.device, self.pin = numels, device, pin
+        self.tensors: list[dict | None] = [None] * len(numels)
 
     def prefetch(self, i: int) -> None:
         pass
 
     def acquire(self, i: int) -> dict:
+        if self.tensors[i] is None:
+            self.tensors[i] = {k: torch.zeros(self.numels[i], dtype=torch.float32,
+                                              device=self.device, pin_memory=self.pin)
+                               for k in NAMES}
         return self.tensors[i]
 
     def release(self, i: int, write: bool = True) -> None:

@@ -67,15 +67,18 @@ class OffloadAdamW:
                                          buffers.state.global_rank),
                        False: ResidentStore([s.numel for s in self.slots if not s.host],
                                             self.device, pin=False)}
+        self._initial = {}  # GPU slots: fp32 initial masters until their state exists
         with torch.no_grad():
             for slot in self.slots:  # fp32 initial values (the buffer is not cast yet)
                 init_steps(slot, torch.device("cpu") if slot.host else self.device)
+                if not slot.host:
+                    self._initial[slot.index] = data[slot.lo:slot.hi].clone()
+                    continue
                 state = self._acquire(slot)
                 state["master"].copy_(data[slot.lo:slot.hi])
                 self._release(slot)
-                if slot.host:
-                    slot.grad = self.copies.host_empty(slot.numel, buffers.main_grad.dtype)
-                    slot.param = self.copies.host_empty(slot.numel, data.dtype)
+                slot.grad = self.copies.host_empty(slot.numel, buffers.main_grad.dtype)
+                slot.param = self.copies.host_empty(slot.numel, data.dtype)
         self.stores[True].flush()
         self._scratch = {}  # fp32 upcasts of bf16 gradients, one per place
         self._divisor = {True: torch.ones((), dtype=torch.float32),
@@ -91,7 +94,10 @@ class OffloadAdamW:
 
     # -- state access -----------------------------------------------------------------------
     def _acquire(self, slot) -> dict:
-        return self.stores[slot.host].acquire(slot.index)
+        state = self.stores[slot.host].acquire(slot.index)
+        if not slot.host and slot.index in self._initial:
+            state["master"].copy_(self._initial.pop(slot.index))
+        return state
 
     def _release(self, slot, write: bool = True) -> None:
         self.stores[slot.host].release(slot.index, write)
