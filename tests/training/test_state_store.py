@@ -19,6 +19,16 @@ from megazoo.training.backends.state_store import NvmeStateStore, StoreError
 NAMES = ("master", "exp_avg", "exp_avg_sq")
 
 
+def _random_shard(numel: int, gen: torch.Generator, dtype=torch.float32) -> dict:
+    return {name: torch.randn(numel, generator=gen).to(dtype) for name in NAMES}
+
+
+def _assert_shard(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
 def test_a_filesystem_refusing_o_direct_falls_back_to_buffered_io(tmp_path, monkeypatch):
     real_open = os.open
 
@@ -34,35 +44,35 @@ def test_a_filesystem_refusing_o_direct_falls_back_to_buffered_io(tmp_path, monk
         _assert_shard(store.acquire(1), shard)
 
 
-def _random_shard(numel: int, gen: torch.Generator, dtype=torch.float32) -> dict:
-    return {name: torch.randn(numel, generator=gen).to(dtype) for name in NAMES}
-
-
-def _assert_shard(got: dict, want: dict) -> None:
-    assert set(got) == set(want)
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
-
-
 @pytest.mark.parametrize("dtype,direct", [(torch.float32, True), (torch.bfloat16, True),
                                           (torch.float32, False)])
-def test_round_trip_is_bitwise_and_survives_reopening(tmp_path, dtype, direct):
-    """O_DIRECT (where tmp_path's filesystem has it) and buffered; sizes not a block multiple."""
+def test_round_trip_is_bitwise_and_the_files_hold_it(tmp_path, dtype, direct):
+    """O_DIRECT (where tmp_path's filesystem has it) and buffered; sizes not a block multiple.
+    The files left by close hold each shard's tensors one after the other; a new store on
+    the same root starts from zeros."""
     numels = [1000, 17, 4096, 1]
     gen = torch.Generator().manual_seed(0)
     ref = [_random_shard(n, gen, dtype) for n in numels]
     with NvmeStateStore(tmp_path, numels, dtype=dtype, pin=False, direct=direct) as store:
         assert store.direct in ((True, False) if direct else (False,))
         for i, shard in enumerate(ref):
+            _assert_shard(store.acquire(i), {k: torch.zeros(numels[i], dtype=dtype)
+                                             for k in NAMES})
+            store.release(i, write=False)
             store.write_shard(i, shard)
         for i, shard in enumerate(ref):
             _assert_shard(store.read_shard(i), shard)
             _assert_shard(store.acquire(i), shard)
             store.release(i, write=False)
     assert sorted(os.listdir(tmp_path)) == [f"shard{i:05d}.bin" for i in range(4)]
-    with NvmeStateStore(tmp_path, numels, dtype=dtype, pin=False, direct=not direct) as store:
-        for i, shard in enumerate(ref):
-            _assert_shard(store.read_shard(i), shard)
+    for i, n in enumerate(numels):
+        raw = (tmp_path / f"shard{i:05d}.bin").read_bytes()
+        assert len(raw) % 4096 == 0
+        flat = torch.frombuffer(bytearray(raw), dtype=dtype)[:3 * n]
+        _assert_shard(dict(zip(NAMES, flat.split(n))), ref[i])
+    with NvmeStateStore(tmp_path, numels, dtype=dtype, pin=False) as store:
+        for i, n in enumerate(numels):
+            _assert_shard(store.read_shard(i), {k: torch.zeros(n, dtype=dtype) for k in NAMES})
 
 
 def _slow_writes(monkeypatch, seconds: float) -> None:
@@ -194,38 +204,58 @@ def test_unwritable_root_is_one_line(tmp_path):
             NvmeStateStore(locked, [10], pin=False)
 
 
-def test_too_little_disk_names_bytes_needed_and_free(tmp_path, monkeypatch):
+def _free_bytes(monkeypatch, free: int) -> None:
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(state_store.shutil, "disk_usage", lambda path: usage(10**6, 0, 4000))
+    monkeypatch.setattr(state_store.shutil, "disk_usage", lambda path: usage(10**9, 0, free))
+
+
+def test_too_little_disk_names_bytes_needed_and_free(tmp_path, monkeypatch):
+    _free_bytes(monkeypatch, 4000)
     with pytest.raises(StoreError) as err:   # 3 x 1024 fp32 = 12288 bytes (3 blocks) a shard
         NvmeStateStore(tmp_path, [1024, 1024], pin=False)
     msg = str(err.value)
     assert str(tmp_path) in msg and "24576" in msg and "4000" in msg and "\n" not in msg
     assert not any(tmp_path.glob("shard*"))
-    # Bytes already in the files count: with shard 0 there, 12288 more bytes are enough.
-    monkeypatch.setattr(state_store.shutil, "disk_usage", lambda path: usage(10**6, 0, 12288))
+    # The blocks the old files hold come back when a new store empties them.
+    _free_bytes(monkeypatch, 12288)
     NvmeStateStore(tmp_path, [1024], pin=False).close()
+    held = sum(p.stat().st_blocks * 512 for p in tmp_path.glob("shard*"))
+    _free_bytes(monkeypatch, 24576 - held)
     NvmeStateStore(tmp_path, [1024, 1024], pin=False).close()
-    monkeypatch.setattr(state_store.shutil, "disk_usage", lambda path: usage(10**6, 0, 12287))
-    with pytest.raises(StoreError, match="needs 12288 more bytes"):
+    held = sum(p.stat().st_blocks * 512 for p in tmp_path.glob("shard*"))
+    _free_bytes(monkeypatch, 36864 - held - 1)
+    with pytest.raises(StoreError, match=f"needs {36864 - held} more bytes"):
         NvmeStateStore(tmp_path, [1024, 1024, 1024], pin=False)
+
+
+def _broken(fd, view):
+    raise OSError(errno.EIO, "Input/output error")
 
 
 def test_background_write_error_surfaces_at_flush_and_after(tmp_path, monkeypatch):
     store = NvmeStateStore(tmp_path, [64, 64], pin=False)
-    store.write_shard(0, _random_shard(64, torch.Generator().manual_seed(4)))
     store.acquire(0)
-
-    def broken(fd, view):
-        raise OSError(5, "Input/output error")
-    monkeypatch.setattr(state_store, "_write_all", broken)
+    monkeypatch.setattr(state_store, "_write_all", _broken)
     store.release(0)
-    with pytest.raises(StoreError, match=r"shard00000.bin: write failed.*Input/output error") as err:
+    failed = r"shard00000.bin: write failed: \[Errno 5\] Input/output error"
+    with pytest.raises(StoreError, match=failed) as err:
         store.flush()
     assert isinstance(err.value.__cause__, OSError)
-    with pytest.raises(StoreError, match="shard00000.bin: write failed"):
-        store.acquire(1)
-    with pytest.raises(StoreError, match="shard00000.bin: write failed"):
-        store.close()
+    for call in (lambda: store.acquire(1), store.flush, store.close):
+        with pytest.raises(StoreError, match=failed):
+            call()
     with pytest.raises(RuntimeError, match="closed"):
         store.acquire(1)
+
+
+def test_background_read_error_surfaces_at_acquire(tmp_path, monkeypatch):
+    with NvmeStateStore(tmp_path, [64, 64], pin=False) as store:
+        monkeypatch.setattr(state_store, "_read_all", _broken)
+        store.prefetch(1)
+        with pytest.raises(StoreError, match=r"shard00001.bin: read failed: .*Input/output"):
+            store.acquire(1)
+        monkeypatch.undo()
+        with pytest.raises(StoreError, match="shard00001.bin: read failed"):
+            store.acquire(0)        # the store stays failed
+        with pytest.raises(StoreError, match="read failed"):
+            store.close()

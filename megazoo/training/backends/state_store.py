@@ -11,12 +11,13 @@
     store.flush()                       # every write is on disk
 
 Optimizer state larger than host memory lives on disk, `slots` shards in memory at a time.
-Shard i is the preallocated file `shard{i:05d}.bin` under `root` (its tensors in `names`
-order, padded to 4 KiB), kept by `close`. I/O: one `os.preadv` / `os.pwritev` of the whole
-shard on a thread pool (the GIL is released, so it overlaps the host optimizer step), with
-O_DIRECT where the filesystem has it (`self.direct`). A read into a slot waits for the
-slot's last write, a read of a shard for that shard's pending write. A background I/O
-error is raised by the next call and every later one. Call the methods from one thread.
+Shard i is the file `shard{i:05d}.bin` under `root` (its tensors in `names` order, padded
+to 4 KiB), allocated anew as zeros by a new store (like state in memory) and left by
+`close`. I/O: one `os.preadv` / `os.pwritev` of the whole shard on a thread pool (no GIL:
+it overlaps the host optimizer step), O_DIRECT where the filesystem has it (`self.direct`).
+A read into a slot waits for the slot's last write, a read of a shard for that shard's
+pending write. A background I/O error is raised by the next call and every later one.
+Call the methods from one thread at a time.
 """
 from __future__ import annotations
 
@@ -96,20 +97,19 @@ class NvmeStateStore:
         self.numels = [int(n) for n in numels]
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.paths = [self.root / f"shard{i:05d}.bin" for i in range(len(self.numels))]
-        self.nbytes = sum(self._span(i) for i in range(len(self.numels)))
+        spans = [self._span(i) for i in range(len(self.numels))]
+        self.nbytes = sum(spans)
         self._fds: list[int] = []
         self.direct = self._open_files(direct)
         pin = torch.cuda.is_available() if pin is None else pin
-        largest = max(self._span(i) for i in range(len(self.numels)))
-        self._slots = [_Slot(_aligned(largest, pin)) for _ in range(slots)]
+        self._slots = [_Slot(_aligned(max(spans), pin)) for _ in range(slots)]
         self._writes: dict[int, Future] = {}
         self._pool = ThreadPoolExecutor(max_workers=threads or max(2, slots),
                                         thread_name_prefix="state-store")
         self._error, self._error_lock = None, threading.Lock()  # the first background failure
         self._ticks, self._closed = count(), False
 
-    def _span(self, i: int) -> int:
-        """Bytes of shard i's file: its tensors, padded to ALIGN."""
+    def _span(self, i: int) -> int:   # bytes of shard i's file: its tensors, padded to ALIGN
         return -(-len(self.names) * self.numels[i] * self.itemsize // ALIGN) * ALIGN
 
     def _open_files(self, direct: bool) -> bool:
@@ -118,14 +118,13 @@ class NvmeStateStore:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             self._unwritable(exc)
-        have = [p.stat().st_size if p.exists() else 0 for p in self.paths]
-        needed = sum(max(0, self._span(i) - h) for i, h in enumerate(have))
+        # The files are emptied and allocated anew: what they hold now comes back.
+        needed = self.nbytes - sum(p.stat().st_blocks * 512 for p in self.paths if p.exists())
         free = shutil.disk_usage(self.root).free
         if needed > free:
-            raise StoreError(f"disk store path {self.root} needs {needed} more bytes "
-                             f"({needed / 2**30:.2f} GiB) for the optimizer state, {free} "
-                             f"bytes ({free / 2**30:.2f} GiB) are free; choose a larger disk "
-                             "or keep less state on disk")
+            raise StoreError(f"disk store path {self.root} needs {needed} more bytes ("
+                             f"{needed / 2**30:.2f} GiB), {free} bytes ({free / 2**30:.2f} GiB) "
+                             "are free; choose a larger disk or keep less state on disk")
         direct, flags = direct and hasattr(os, "O_DIRECT"), os.O_RDWR | os.O_CREAT
         try:
             for i, path in enumerate(self.paths):
@@ -151,6 +150,8 @@ class NvmeStateStore:
 
     @staticmethod
     def _allocate(fd: int, size: int) -> None:
+        """size bytes of zeros (fresh extents read as zeros: nothing is written)."""
+        os.ftruncate(fd, 0)
         os.ftruncate(fd, size)
         try:
             os.posix_fallocate(fd, 0, size)   # reserve the blocks now, not at the first write
@@ -159,9 +160,8 @@ class NvmeStateStore:
                 raise
 
     def _close_files(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        while self._fds:
+            os.close(self._fds.pop())
 
     def _submit(self, what: str, i: int, after: list[Future], io, *args) -> Future:
         def task():
