@@ -87,7 +87,9 @@ class PlainEngine(Engine):
         self.cpu_offload = self.offload is not None
         bf16_grads = cfg.accumulate_grads_in_bf16
         fuse = cfg.gradient_accumulation_fusion and not (bf16_grads and config.model.fp8_format)
-        self.buffers = GradBuffer(model, state, bucket_numel=bucket, overlap=cfg.overlap_grad_reduce,
+        # offload overlap: each bucket's gradient leaves as soon as it is final
+        overlap = cfg.overlap_grad_reduce or bool(self.offload and self.offload.overlap)
+        self.buffers = GradBuffer(model, state, bucket_numel=bucket, overlap=overlap,
                                   shard=cfg.use_distributed_optimizer,
                                   deferred=() if tied is None else (tied,),
                                   wire_dtype=comp.wire_dtype, compressed=self.compressed,
