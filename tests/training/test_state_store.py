@@ -90,8 +90,10 @@ def slow_writes(monkeypatch):
     _slow_writes(monkeypatch, 0.005)
 
 
-def _stream(store, ref, order, gen):
-    """acquire / add noise / release over `order`, prefetching the next shard; ref follows."""
+def _stream(store, ref, order, gen, rng=None):
+    """acquire / add noise / release over `order`, prefetching the next shard; ref follows.
+    With `rng`, a synchronous read_shard of a random shard after each release (it borrows a
+    slot: maybe the prefetched one, or one whose write is pending)."""
     store.prefetch(order[0])
     for pos, i in enumerate(order):
         state = store.acquire(i)
@@ -102,6 +104,9 @@ def _stream(store, ref, order, gen):
             state[name].add_(torch.randn(state[name].shape, generator=gen))
             ref[i][name] = state[name].clone()
         store.release(i)
+        if rng is not None:
+            j = rng.randrange(len(ref))
+            _assert_shard(store.read_shard(j), ref[j])
 
 
 @pytest.mark.parametrize("slots", [1, 2, 3])
@@ -117,6 +122,7 @@ def test_streaming_more_shards_than_slots_keeps_every_latest_value(tmp_path, slo
         for _ in range(4):                                    # four "optimizer steps"
             _stream(store, ref, list(range(len(numels))), gen)
         _stream(store, ref, [rng.randrange(len(numels)) for _ in range(40)], gen)
+        _stream(store, ref, [rng.randrange(len(numels)) for _ in range(40)], gen, rng)
         store.flush()
         for i in range(len(numels)):
             _assert_shard(store.read_shard(i), ref[i])
@@ -175,6 +181,9 @@ def test_write_shard_replaces_a_cached_slot_and_misuse_is_named(tmp_path):
             store.acquire(0)
         with pytest.raises(RuntimeError, match="release it first"):
             store.read_shard(0)
+        one = _random_shard(200, gen)
+        store.write_shard(1, one)          # the only slot is held: through a new buffer
+        _assert_shard(store.read_shard(1), one)
         store.release(0)
         with pytest.raises(RuntimeError, match="not acquired"):
             store.release(0)

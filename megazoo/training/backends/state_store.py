@@ -80,9 +80,8 @@ def _aligned(nbytes: int, pin: bool = False) -> torch.Tensor:
 
 class NvmeStateStore:
     """Per-shard optimizer tensors (`names`, each of numels[i] elements) in files under `root`.
-
-    Staging slots are pinned (for asynchronous copies to the GPU) if `pin`, by default if
-    CUDA is available; `threads` I/O threads, by default max(2, slots)."""
+    Slots are pinned (for asynchronous copies to the GPU) if `pin`, by default if CUDA is
+    available; `threads` I/O threads, by default max(2, slots)."""
 
     def __init__(self, root: str | Path, numels: list[int],
                  names: tuple[str, ...] = ("master", "exp_avg", "exp_avg_sq"),
@@ -252,20 +251,23 @@ class NvmeStateStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _settle(self, i: int) -> _Slot | None:
-        """Wait for everything pending on shard i; its slot (not held) or None."""
+    def _scratch(self, i: int) -> torch.Tensor:
+        """Once nothing is pending on shard i, bytes for its synchronous I/O: its slot, else the
+        least recently used free one (its pages are in memory already), else new ones."""
         self._check(i)
-        slot = self._find(i)
+        slot = self._find(i) or self._take_slot()
         if slot is not None and slot.held:
             raise RuntimeError(f"shard {i} of the disk store is acquired; release it first")
         wait([f for f in (slot and slot.future, self._writes.get(i)) if f is not None])
         self._raise_failed()
-        return slot
+        if slot is None:
+            return _aligned(self._span(i))
+        slot.shard = slot.future = None      # its bytes are not a shard's any more
+        return slot.buf[:self._span(i)]
 
     def read_shard(self, i: int) -> dict[str, torch.Tensor]:
         """Shard i's tensors as they are on disk, in fresh (unshared) CPU tensors."""
-        self._settle(i)
-        buf = _aligned(self._span(i))
+        buf = self._scratch(i)
         _read_all(self._fds[i], _bytes_of(buf))
         return {name: t.clone() for name, t in self._views(i, buf).items()}
 
@@ -277,10 +279,7 @@ class NvmeStateStore:
         sizes = {name: t.numel() for name, t in tensors.items() if t.numel() != self.numels[i]}
         if sizes:
             raise StoreError(f"shard {i} holds {self.numels[i]} elements a tensor, got {sizes}")
-        slot = self._settle(i)
-        if slot is not None:                  # its bytes would be stale now
-            slot.shard, slot.future = None, None
-        buf = _aligned(self._span(i))
+        buf = self._scratch(i)
         for name, view in self._views(i, buf).items():
             view.copy_(tensors[name].detach().reshape(-1))
         _write_all(self._fds[i], _bytes_of(buf))
