@@ -24,9 +24,9 @@ def check_args(args: PretrainArgs) -> None:
     check_engine(args.zero, args.parallel)
     check_plain_only(args)
     offload = plain_offload(args) if args.zero.zero_impl == "none" else None
-    if offload is not None and args.compression.algorithm is not None:
-        raise ValueError("--optimizer-cpu-offload steps dense gradients: drop "
-                         "--gradient-compression (or the offload)")
+    if args.compression.algorithm is not None and (offload or args.training.accumulate_grads_in_bf16):
+        flag = "--optimizer-cpu-offload" if offload else "--accumulate-grads-in-bf16"
+        raise ValueError(f"{flag} takes dense gradients: drop --gradient-compression (or {flag})")
     check_engine_compression(args.compression, args.zero.zero_impl)
     check_compression_layout(args.compression, args.parallel,
                              args.training.use_distributed_optimizer)

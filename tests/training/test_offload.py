@@ -115,14 +115,16 @@ def test_resume_is_bit_exact_and_loads_into_the_plain_engine(tmp_path):
     assert plain["after"] == first["after"]
 
 
-def test_bf16_gradient_accumulation_runs_close_to_fp32(reference, tmp_path):
+@pytest.mark.parametrize("flags", [offload(0.5, accumulate_grads_in_bf16=True),
+                                   {**SMALL, "accumulate_grads_in_bf16": True}],
+                         ids=["offloaded", "on_gpu"])
+def test_bf16_gradient_accumulation_runs_close_to_fp32(reference, tmp_path, flags):
     """bf16 main gradients round each micro-batch's sum to 8 bits of mantissa: the losses
     stay within 1% of fp32 accumulation over 3 steps (a lost micro-batch or a gradient
     never upcast moves them by whole percents); docs/offload.md has the longer measurement."""
-    engine, _ = checks.engine_for(ParallelConfig(), **offload(0.5, accumulate_grads_in_bf16=True))
+    engine, _ = checks.engine_for(ParallelConfig(), **flags)
     assert engine.buffers.main_grad.dtype == torch.bfloat16
-    out = _one_process(checks.run_and_save, ParallelConfig(), str(tmp_path / "ck"),
-                       **offload(0.5, accumulate_grads_in_bf16=True))
+    out = _one_process(checks.run_and_save, ParallelConfig(), str(tmp_path / "ck"), **flags)
     assert out["losses"] == pytest.approx(reference["losses"], rel=1e-2)
     assert out["losses"] != reference["losses"]  # the rounding is really there
 

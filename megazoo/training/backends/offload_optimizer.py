@@ -34,8 +34,21 @@ from torch import nn
 from ...parallel.collectives import all_gather_flat
 from .cpu_offload import (NAMES, ResidentStore, Transfers, adamw_, bucket_slots, init_steps,
                           set_steps)
+from ..offload_config import OffloadPlan, check_nvme_dir
 from .grad_buffer import GradBuffer
-from .master_optimizer import hook_bucket_waits
+from .master_optimizer import MasterAdamW, hook_bucket_waits
+
+
+def build_master_optimizer(model: nn.Module, buffers: GradBuffer, cfg, plan: OffloadPlan | None):
+    """`MasterAdamW`, or `OffloadAdamW` for an offload plan or bf16 main gradients (all on the
+    GPU then: it upcasts each bucket's gradient to fp32 before the step)."""
+    if plan is None and cfg.accumulate_grads_in_bf16:
+        plan = OffloadPlan(fraction=0.0, overlap=False)
+    if plan is None:
+        return MasterAdamW(model, buffers, cfg, overlap_param_gather=cfg.overlap_param_gather)
+    if plan.nvme_path is not None:
+        check_nvme_dir(plan.nvme_path)
+    return OffloadAdamW(model, buffers, cfg, plan, overlap_param_gather=cfg.overlap_param_gather)
 
 
 def _host_store(plan, numels: list[int], pin: bool, rank: int):

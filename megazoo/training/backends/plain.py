@@ -16,6 +16,10 @@ Its part of the one `Engine.train_step`: the losses scaled by the fp16 loss scal
 global norm from the flat buffer (one multi-tensor kernel); `step` skips on a non-finite
 loss or norm in every precision (fp16 also backs the loss scale off), else runs the fused
 AdamW whose gradient divisor folds in the loss scale and the clipping factor.
+
+Optimizer offload (--optimizer-cpu-offload, or a ds_config's offload sections without a ZeRO
+engine: `offload_config.plain_offload`) and bf16 main gradients swap `MasterAdamW` for
+`offload_optimizer.OffloadAdamW`, which steps bucket by bucket on the GPU and the host.
 """
 from __future__ import annotations
 
@@ -34,9 +38,9 @@ from .grad_buffer import GradBuffer
 from ..gradients import (clip_divisor, counted_flat_ranges, flat_grad_norm,
                         hook_sequence_parallel_grads, intersect, sum_tied_embedding,
                         tied_embedding_weight)
-from .master_optimizer import MOMENTS, MasterAdamW
-from .offload_optimizer import OffloadAdamW
-from ..offload_config import check_nvme_dir, plain_offload
+from .master_optimizer import MOMENTS
+from .offload_optimizer import OffloadAdamW, build_master_optimizer
+from ..offload_config import plain_offload
 from ..scaler import DynamicLossScaler
 
 AUX_PREFIXES = MOMENTS
@@ -82,8 +86,6 @@ class PlainEngine(Engine):
             comp.algorithm, state.dp_sp, topk_ratio=comp.value("topk_ratio"),
             block=comp.value("compression_block_size"), wire_dtype=comp.wire_dtype)
         self.offload = plain_offload(config)
-        if self.offload is not None and self.offload.nvme_path is not None:
-            check_nvme_dir(self.offload.nvme_path)
         self.cpu_offload = self.offload is not None
         bf16_grads = cfg.accumulate_grads_in_bf16
         fuse = cfg.gradient_accumulation_fusion and not (bf16_grads and config.model.fp8_format)
@@ -103,12 +105,7 @@ class PlainEngine(Engine):
         self.local_clip = bool(comp.local_gradient_clipping) and state.dp_sp.size > 1
         self.resume_notes: list[str] = []
         self._frozen_selection = None  # _selection_weight once v no longer changes
-        if self.offload is None:
-            self.optimizer = MasterAdamW(model, self.buffers, cfg,
-                                         overlap_param_gather=cfg.overlap_param_gather)
-        else:
-            self.optimizer = OffloadAdamW(model, self.buffers, cfg, self.offload,
-                                          overlap_param_gather=cfg.overlap_param_gather)
+        self.optimizer = build_master_optimizer(model, self.buffers, cfg, self.offload)
         self.buffers.cast_params(model_dtype(cfg))
         counted = counted_flat_ranges([(p, self.buffers.offsets[id(p)]) for p in self.buffers.params],
                                       state)
@@ -126,7 +123,7 @@ class PlainEngine(Engine):
     def start_step(self, num_microbatches: int, lr: float) -> None:
         self.model.train()
         self._scale = self.loss_scale()
-        if self.offload is not None:
+        if isinstance(self.optimizer, OffloadAdamW):
             self.optimizer.start_step()
         compressing = self.buffers.compresses_at(self.steps)
         clip = self.cfg.clip_grad * self._scale * math.sqrt(self.state.dp.size)
