@@ -13,7 +13,7 @@ import torch
 from megazoo.parallel import ParallelConfig
 from megazoo.testing import run_distributed
 from megazoo.training.arguments import parse_args
-from megazoo.training.backends.cpu_offload import host_share
+from megazoo.training.backends.cpu_offload import check_host_memory, host_share
 from megazoo.training.offload_config import check_nvme_dir
 
 import ddp_checks as checks
@@ -156,3 +156,9 @@ def test_unwritable_nvme_path_is_one_line(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ValueError, match="--nvme-path .* not a writable folder"):
         check_nvme_dir(str(blocker / "sub"))
+
+
+def test_host_too_small_is_one_line_naming_the_numbers():
+    with pytest.raises(ValueError, match=r"needs 12.0 GiB .* 4.0 GiB are available: pass --nvme-path"):
+        check_host_memory(12 * 2**30, False, 4 * 2**30)
+    check_host_memory(2**30, False, None)  # unknown: no refusal

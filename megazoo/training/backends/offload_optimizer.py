@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from ...parallel.collectives import all_gather_flat
-from .cpu_offload import (NAMES, ResidentStore, Transfers, adamw_, bucket_slots, init_steps,
-                          set_steps)
+from .cpu_offload import (NAMES, ResidentStore, Transfers, adamw_, available_host_bytes,
+                          bucket_slots, check_host_memory, init_steps, set_steps)
 from ..offload_config import OffloadPlan, check_nvme_dir
 from .grad_buffer import GradBuffer
 from .master_optimizer import MasterAdamW, hook_bucket_waits
@@ -76,6 +76,10 @@ class OffloadAdamW:
         self.order = sorted(self.slots, key=lambda s: -s.bucket.index)  # forward order
         host = [s for s in self.slots if s.host]
         self.host_numel = sum(s.numel for s in host)
+        staging = buffers.main_grad.element_size() + data.element_size()
+        resident = 0 if plan.nvme_path else 12  # fp32 master + 2 moments per element
+        check_host_memory(self.host_numel * (resident + staging), plan.nvme_path is not None,
+                          available_host_bytes())
         self.stores = {True: _host_store(plan, [s.numel for s in host], self.copies.pin,
                                          buffers.state.global_rank),
                        False: ResidentStore([s.numel for s in self.slots if not s.host],
