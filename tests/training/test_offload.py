@@ -162,3 +162,18 @@ def test_host_too_small_is_one_line_naming_the_numbers():
     with pytest.raises(ValueError, match=r"needs 12.0 GiB .* 4.0 GiB are available: pass --nvme-path"):
         check_host_memory(12 * 2**30, False, 4 * 2**30)
     check_host_memory(2**30, False, None)  # unknown: no refusal
+
+
+def test_a_ds_config_offload_section_selects_the_plain_offload(tmp_path):
+    """The seeds' ds_config keys, without --deepspeed: this engine's offload, on disk."""
+    import json
+
+    from megazoo.training.offload_config import plain_offload
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": str(tmp_path / "nv"), "pin_memory": False}}}))
+    plan = plain_offload(parse_args(["--deepspeed_config", str(ds)]))
+    assert plan.nvme_path == str(tmp_path / "nv") and not plan.pin_memory
+    deepspeed = parse_args(["--deepspeed_config", str(ds), "--deepspeed"])
+    assert deepspeed.zero.zero_impl == "deepspeed"  # DeepSpeed's own offload then
