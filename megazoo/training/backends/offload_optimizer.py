@@ -156,21 +156,22 @@ class OffloadAdamW:
         self.step_count += 1
         for divisor in self._divisor.values():
             divisor.fill_(grad_divisor)
-        for slot in self.order:
-            if not slot.host:
-                self._device_step(slot, lr)
         after = self.copies.mark()  # backward is done reading the parameters
         host = [s for s in self.order if s.host]
-        for k, slot in enumerate(host):
+        for slot in host:
             if not slot.sent:
                 self._send(slot.bucket)
             slot.sent, slot.pending = False, True
-            nxt = host[k + 1] if k + 1 < len(host) else None
-            if self._worker is None:
-                self._host_step(slot, nxt, lr, after)
-            else:
+        jobs = [(slot, host[k + 1] if k + 1 < len(host) else None) for k, slot in enumerate(host)]
+        if self._worker is not None:  # the host starts first, the GPU share meanwhile
+            for slot, nxt in jobs:
                 slot.future = self._worker.submit(self._host_step, slot, nxt, lr, after)
+        for slot in self.order:
+            if not slot.host:
+                self._device_step(slot, lr)
         if self._worker is None:
+            for slot, nxt in jobs:
+                self._host_step(slot, nxt, lr, after)
             self.wait_params()
 
     def _device_step(self, slot, lr: float) -> None:
