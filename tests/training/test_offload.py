@@ -177,3 +177,4 @@ def test_a_ds_config_offload_section_selects_the_plain_offload(tmp_path):
     assert plan.nvme_path == str(tmp_path / "nv") and not plan.pin_memory
     deepspeed = parse_args(["--deepspeed_config", str(ds), "--deepspeed"])
     assert deepspeed.zero.zero_impl == "deepspeed"  # DeepSpeed's own offload then
+

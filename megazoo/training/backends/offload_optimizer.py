@@ -93,6 +93,8 @@ class OffloadAdamW:
                     continue
                 state = self._acquire(slot)
                 state["master"].copy_(data[slot.lo:slot.hi])
+                for k in NAMES[1:]:  # (a disk store may hold an older run's files)
+                    state[k].zero_()
                 self._release(slot)
                 slot.grad = self.copies.host_empty(slot.numel, buffers.main_grad.dtype)
                 slot.param = self.copies.host_empty(slot.numel, data.dtype)
