@@ -45,8 +45,7 @@ class Slot:
     steps: dict = field(default_factory=dict)
     """{decayed: [step counter per piece]} (the kernel advances each)."""
     grad: torch.Tensor | None = None
-    param: torch.Tensor | None = None
-    """Host slots: pinned staging buffers for the gradient (down) and parameters (up)."""
+    """Host slots: the pinned buffer the reduced gradient shard is copied down into."""
     d2h: object = None
     h2d: object = None
     sent: bool = False

@@ -38,6 +38,8 @@ from ..offload_config import OffloadPlan, check_nvme_dir
 from .grad_buffer import GradBuffer
 from .master_optimizer import MasterAdamW, hook_bucket_waits
 
+UP_BUFFERS = 4  # pinned staging buffers for parameters going up (a ring)
+
 
 def build_master_optimizer(model: nn.Module, buffers: GradBuffer, cfg, plan: OffloadPlan | None):
     """`MasterAdamW`, or `OffloadAdamW` for an offload plan or bf16 main gradients (all on the
@@ -76,7 +78,7 @@ class OffloadAdamW:
         self.order = sorted(self.slots, key=lambda s: -s.bucket.index)  # forward order
         host = [s for s in self.slots if s.host]
         self.host_numel = sum(s.numel for s in host)
-        staging = buffers.main_grad.element_size() + data.element_size()
+        staging = buffers.main_grad.element_size()  # every host bucket's gradient waits
         resident = 0 if plan.nvme_path else 12  # fp32 master + 2 moments per element
         check_host_memory(self.host_numel * (resident + staging), plan.nvme_path is not None,
                           available_host_bytes())
@@ -97,8 +99,11 @@ class OffloadAdamW:
                     state[k].zero_()
                 self._release(slot)
                 slot.grad = self.copies.host_empty(slot.numel, buffers.main_grad.dtype)
-                slot.param = self.copies.host_empty(slot.numel, data.dtype)
         self.stores[True].flush()
+        # parameters go up through a small ring of staging buffers (an upload takes ~ms)
+        largest = max((s.numel for s in host), default=0)
+        self._up = [self.copies.host_empty(largest, data.dtype) for _ in range(UP_BUFFERS)]
+        self._up_events, self._up_next = [None] * UP_BUFFERS, 0
         self._scratch = {}  # fp32 upcasts of bf16 gradients, one per place
         self._divisor = {True: torch.ones((), dtype=torch.float32),
                          False: torch.ones((), dtype=torch.float32, device=self.device)}
@@ -192,11 +197,14 @@ class OffloadAdamW:
             store.prefetch(nxt.index)
         self.copies.host_waits(slot.d2h)
         adamw_(state, self._fp32(slot, slot.grad), slot, lr, self.cfg, self._divisor[True])
-        self.copies.host_waits(slot.h2d)  # the last upload has left the staging buffer
-        slot.param.copy_(state["master"])
+        r = self._up_next
+        self._up_next = (r + 1) % len(self._up)
+        self.copies.host_waits(self._up_events[r])  # that buffer's last upload has left
+        up = self._up[r][:slot.numel]
+        up.copy_(state["master"])
         store.release(slot.index)
-        slot.h2d = self.copies.to_device(self.buffers.param_data[slot.lo:slot.hi], slot.param,
-                                         after)
+        slot.h2d = self._up_events[r] = self.copies.to_device(
+            self.buffers.param_data[slot.lo:slot.hi], up, after)
 
     # -- parameters up ----------------------------------------------------------------------
     def _gather(self, slot, async_op: bool) -> None:
