@@ -178,3 +178,19 @@ def test_a_ds_config_offload_section_selects_the_plain_offload(tmp_path):
     deepspeed = parse_args(["--deepspeed_config", str(ds), "--deepspeed"])
     assert deepspeed.zero.zero_impl == "deepspeed"  # DeepSpeed's own offload then
 
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlap_sends_gradients_down_while_backward_runs(overlap):
+    """With the overlap each host bucket's gradient leaves from the backward hook, before
+    `finish` (all but a deferred tied-embedding bucket); without it, none does."""
+    engine, state = checks.engine_for(ParallelConfig(), **offload(1.0, overlap))
+    buffers, events = engine.buffers, []
+    send, finish = buffers.on_final, buffers.finish
+    buffers.on_final = lambda b: events.append("send") or send(b)
+    buffers.finish = lambda *a, **k: events.append("finish") or finish(*a, **k)
+    checks.train(engine, state, range(1))
+    early = events[:events.index("finish")].count("send")
+    deferred = sum(b.deferred for b in buffers.buckets)
+    assert early == (len(buffers.buckets) - deferred if overlap else 0)
+    assert events.count("send") == len(buffers.buckets)
