@@ -71,7 +71,7 @@ def accumulate_wgrad(weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) ->
         return add_to_main_grad(weight, dy.t() @ x)
     main, accumulate = _target(weight)
     beta = 1.0 if accumulate else 0.0
-    if x.dtype == torch.float32:
+    if x.dtype == main.dtype:  # fp32, or a bf16 main gradient (--accumulate-grads-in-bf16)
         torch.addmm(main, dy.t(), x, beta=beta, out=main)
     else:
         torch.addmm(main, dy.t(), x, beta=beta, out_dtype=torch.float32, out=main)

@@ -79,21 +79,22 @@ class TrainingConfig:
     """Plain engine: the parallel linears' weight-gradient GEMMs add straight into the fp32
     main gradients (no per-micro-batch add pass; `megazoo.layers.wgrad`)."""
     accumulate_allreduce_grads_in_fp32: bool = True
-    """Plain engine: fp32 main gradients, accumulated and reduced in fp32 (always on here:
-    bf16 / fp16 gradient buffers are not implemented)."""
-    optimizer_cpu_offload: bool = False
-    """Plain engine: keep the fp32 masters and AdamW moments (12 B per parameter, this rank's
-    shard under --use-distributed-optimizer) on the host and step them there; bf16
-    parameters and main gradients stay on the GPU (Megatron-core's flag)."""
-    optimizer_offload_fraction: float = 1.0
-    """With --optimizer-cpu-offload: the share of the optimizer state on the host (0 to 1);
-    the rest stays on the GPU and steps there."""
-    overlap_cpu_optimizer_d2h_h2d: bool = False
-    """With --optimizer-cpu-offload: move each gradient bucket to the host as soon as it is
-    reduced and the updated parameters back on a copy stream, overlapped with compute."""
+    """Plain engine: fp32 main gradients, accumulated and reduced in fp32 (the default; for
+    bf16 buffers pass --accumulate-grads-in-bf16 instead)."""
     accumulate_grads_in_bf16: bool = False
-    """Plain engine: bf16 main gradients (2 B per parameter instead of 4) for models whose
-    fp32 gradients do not fit on the GPU; accumulation then rounds to bf16."""
+    """Plain engine: bf16 main gradients (half the GPU memory of fp32; each micro-batch's
+    gradient is rounded to bf16 as it is summed; docs/offload.md gives the cost)."""
+    optimizer_cpu_offload: bool = False
+    """Plain engine: keep the fp32 masters and AdamW moments on the host (pinned memory, or
+    on disk under --nvme-path) and step them there; bf16 parameters stay on the GPU."""
+    optimizer_offload_fraction: float = 1.0
+    """With --optimizer-cpu-offload: the share of the optimizer state (whole gradient
+    buckets, the last ones the forward uses) kept and stepped on the host; the rest steps
+    on the GPU."""
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """With --optimizer-cpu-offload: copy each bucket's gradient to the host as soon as it is
+    final, step the host buckets on a worker thread, and let the next forward wait for each
+    bucket's updated parameters only when it reaches them."""
     seed: int = 1234
     """Seed of the weights, the data order and dropout."""
     num_layers_per_virtual_pipeline_stage: int | None = None
@@ -123,9 +124,11 @@ class TrainingConfig:
         if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
             raise ValueError(f"--ddp-bucket-size must be >= 1, got {self.ddp_bucket_size}")
         if not self.accumulate_allreduce_grads_in_fp32:
-            raise ValueError("main gradients are always fp32 here: drop "
-                             "--no-accumulate-allreduce-grads-in-fp32")
-        _check_offload_flags(self)
+            raise ValueError("main gradients are always fp32 unless --accumulate-grads-in-bf16: "
+                             "pass that instead of --no-accumulate-allreduce-grads-in-fp32")
+        fraction = self.optimizer_offload_fraction
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
         if not 1.0 <= self.min_loss_scale <= self.initial_loss_scale or self.loss_scale_window < 1:
@@ -265,16 +268,6 @@ class PretrainArgs:
                 "compression")}
         out["model_name"] = self.model_name
         return out
-
-
-def _check_offload_flags(cfg: TrainingConfig) -> None:
-    """The optimizer-offload flags: a fraction in [0, 1], the others only with the offload."""
-    fraction = cfg.optimizer_offload_fraction
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
-    if not cfg.optimizer_cpu_offload and (fraction != 1.0 or cfg.overlap_cpu_optimizer_d2h_h2d):
-        raise ValueError("--optimizer-offload-fraction / --overlap-cpu-optimizer-d2h-h2d need "
-                         "--optimizer-cpu-offload")
 
 
 def _flag(name: str) -> str:

@@ -105,7 +105,7 @@ def flat_grad_norm(views: list[torch.Tensor], state: ParallelState, sharded: boo
     device = views[0].device if views else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
     if views:
-        total += torch.stack(torch._foreach_norm(views)).square().sum()
+        total += torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).square().sum()
     sum_over(total, [state.tp, state.pp] + ([state.dp_sp] if sharded else []))
     value = float(total)
     return math.sqrt(value) if math.isfinite(value) else value

@@ -14,6 +14,7 @@ from ..models.build import check_layout
 from ..parallel.config import ParallelConfig
 from .compression_config import check_compression_layout, check_engine_compression
 from .config import PretrainArgs
+from .offload_config import check_plain_only, plain_offload
 from .zero_config import ZeroConfig
 
 
@@ -21,10 +22,14 @@ def check_args(args: PretrainArgs) -> None:
     """Raise a ValueError unless `args` describes a run that can start (see the module doc)."""
     check_layout(args.model, args.parallel, args.data.seq_length)
     check_engine(args.zero, args.parallel)
+    check_plain_only(args)
+    offload = plain_offload(args) if args.zero.zero_impl == "none" else None
+    if args.compression.algorithm is not None and (offload or args.training.accumulate_grads_in_bf16):
+        flag = "--optimizer-cpu-offload" if offload else "--accumulate-grads-in-bf16"
+        raise ValueError(f"{flag} takes dense gradients: drop --gradient-compression (or {flag})")
     check_engine_compression(args.compression, args.zero.zero_impl)
     check_compression_layout(args.compression, args.parallel,
                              args.training.use_distributed_optimizer)
-    check_plain_offload(args)
     dp, t = args.parallel.dp, args.training
     if dp is not None and t.global_batch_size % (t.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size {t.global_batch_size} must divide by "
@@ -35,9 +40,9 @@ def check_engine(zero: ZeroConfig, parallel: ParallelConfig) -> None:
     """The ZeRO flags against the engine that reads them (values left to a DeepSpeed JSON,
     None here, are checked when the JSON is merged)."""
     offloads = {v for v in (zero.offload_optimizer, zero.offload_param) if v not in (None, "none")}
-    if zero.zero_impl == "none" and (zero.zero_stage not in (None, 0) or offloads):
-        raise ValueError("--zero-stage / --offload-* need a ZeRO engine: add --deepspeed "
-                         "(or --zero-impl fsdp2)")
+    if zero.zero_impl == "none" and zero.zero_stage not in (None, 0):
+        raise ValueError("--zero-stage needs a ZeRO engine: add --deepspeed (or --zero-impl "
+                         "fsdp2); the plain engine offloads with --offload-optimizer alone")
     if zero.zero_impl == "deepspeed":
         check_deepspeed_pipeline(parallel.pp)
     if zero.zero_impl == "fsdp2":
@@ -59,20 +64,6 @@ def check_engine(zero: ZeroConfig, parallel: ParallelConfig) -> None:
         raise ValueError(f"--offload-param needs --zero-stage 3, got {zero.zero_stage}")
     if zero.offload_optimizer not in (None, "none") and zero.zero_stage == 0:
         raise ValueError("--offload-optimizer needs --zero-stage 1, 2 or 3")
-
-
-def check_plain_offload(args: PretrainArgs) -> None:
-    """The plain engine's optimizer-offload flags against the engine (the memory they need
-    is `megazoo.plan.offload.check_offload_plan`'s, which the engine applies at start)."""
-    t, zero = args.training, args.zero
-    plain = zero.zero_impl == "none"
-    if not plain and (t.optimizer_cpu_offload or t.accumulate_grads_in_bf16):
-        raise ValueError("--optimizer-cpu-offload / --accumulate-grads-in-bf16 are the plain "
-                         f"engine's (this run uses --zero-impl {zero.zero_impl}): drop them, or "
-                         "use --offload-optimizer cpu with the ZeRO engine")
-    if plain and zero.nvme_path and not t.optimizer_cpu_offload:
-        raise ValueError("--nvme-path needs --optimizer-cpu-offload (the disk tier holds the "
-                         "offloaded optimizer state)")
 
 
 def check_deepspeed_pipeline(pp: int) -> None:

@@ -74,9 +74,9 @@ def test_fraction_outside_0_1_is_one_line_naming_it(value, capsys):
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--optimizer-offload-fraction", "0.5"], "need --optimizer-cpu-offload"),
+    (["--optimizer-offload-fraction", "0.5"], "needs --optimizer-cpu-offload"),
     (["--nvme-path", "d"], "--nvme-path needs --optimizer-cpu-offload"),
-    (["--deepspeed", "--optimizer-cpu-offload"], "plain engine's"),
+    (["--deepspeed", "--optimizer-cpu-offload"], "is for the plain engine"),
 ])
 def test_offload_flags_against_the_engine(flags, words):
     with pytest.raises(ValueError, match=words):

@@ -6,7 +6,8 @@ save and load.
 
 - `plain`: Megatron's DDP and mixed precision (bf16 / fp16 parameters, bucketed fp32 main
   gradients reduced over dp x sp while backward runs, fp32 masters and moments, optionally
-  sharded: the distributed optimizer); its parts `grad_buffer`, `master_optimizer`;
+  sharded: the distributed optimizer); its parts `grad_buffer`, `master_optimizer`, and for
+  optimizer offload to host / disk `offload_optimizer`, `cpu_offload`, `state_store`;
 - `fsdp2`: ZeRO-3 with our pipeline schedules through PyTorch FSDP2 (`fsdp2_sharding`,
   `fsdp2_checkpoint`);
 - `deepspeed_zero`: ZeRO-1/2/3 and offload through DeepSpeed (`deepspeed_setup`).
@@ -44,10 +45,9 @@ def build_engine(args, model: torch.nn.Module, state) -> Engine:
         from .fsdp2 import FSDP2Engine
 
         return FSDP2Engine(model, state, args)
-    if zero.zero_stage not in (None, 0) or zero.offload_optimizer not in (None, "none") \
-            or zero.offload_param not in (None, "none"):
-        raise ValueError("--zero-stage / --offload-* need a ZeRO engine: add --deepspeed "
-                         "(or --zero-impl fsdp2)")
+    if zero.zero_stage not in (None, 0):
+        raise ValueError("--zero-stage needs a ZeRO engine: add --deepspeed (or --zero-impl "
+                         "fsdp2); the plain engine offloads with --offload-optimizer alone")
     from .plain import PlainEngine
 
     return PlainEngine(model, state, args)

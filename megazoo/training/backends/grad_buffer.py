@@ -52,6 +52,10 @@ local_clip x sqrt(bucket numel / buffer numel) (Deep Gradient Compression's loca
 the caller then skips clipping the reduced gradient). The clip is a device-side factor, no
 host sync; a non-finite norm makes the bucket non-finite, which skips the step as before.
 
+Offload (`on_final`, set by the optimizer): called with each bucket once its reduced
+gradient is complete, from the hook during backward with one rank, after the wait in
+`finish` with more; `grad_dtype` bf16 (--accumulate-grads-in-bf16) halves the buffer.
+
 Padding. The loss never reaches a padded vocabulary row (`tp_unpadded`), so a dense
 reduction leaves its gradient exactly zero; a compressed one would hand it codec noise (a
 1bit block's scale lands on every element of the block), the row would drift from zero, and
@@ -134,7 +138,8 @@ class GradBuffer:
 
     def __init__(self, model: nn.Module, state: ParallelState, *, bucket_numel: int,
                  overlap: bool, shard: bool, deferred: tuple = (), wire_dtype=None,
-                 compressed=None, compress_from: int = 0, fused=()):
+                 compressed=None, compress_from: int = 0, fused=(),
+                 grad_dtype: torch.dtype = torch.float32):
         self.state, self.overlap, self.shard = state, overlap, shard
         self.group = state.dp_sp
         self.dense = DenseReduction(self.group, wire_dtype)
@@ -146,7 +151,8 @@ class GradBuffer:
             params, max(int(bucket_numel), 1), self.group.size, {id(p) for p in deferred})
         device, dtype = params[0].device, params[0].dtype
         self.param_data = torch.zeros(self.numel, dtype=dtype, device=device)
-        self.main_grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.main_grad = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.on_final = None  # callable(bucket): its reduced gradient is complete
         self._bucket_of = {}
         with torch.no_grad():
             for bucket in self.buckets:
@@ -248,6 +254,8 @@ class GradBuffer:
             return
         bucket.launch_time = time.perf_counter()
         if self.group.size == 1:
+            if self.on_final is not None:
+                self.on_final(bucket)
             return
         data = self.main_grad[bucket.start:bucket.end]
         if self._local_clip is not None:
@@ -287,6 +295,9 @@ class GradBuffer:
         if self.reduction.compressed:
             for lo, hi in self.padding:
                 self.main_grad[lo:hi].zero_()
+        if self.on_final is not None and self.group.size > 1:
+            for bucket in self.buckets:
+                self.on_final(bucket)
 
     def wait(self) -> None:
         for bucket in self.buckets:

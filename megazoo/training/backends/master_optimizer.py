@@ -51,6 +51,18 @@ def _pieces(buffers: GradBuffer) -> list[tuple[torch.Tensor, int, int, int]]:
     return out
 
 
+def hook_bucket_waits(model: nn.Module, buffers: GradBuffer, wait) -> None:
+    """A forward pre-hook on every module owning parameters of `buffers`: `wait(indices)`
+    with the indices of the buckets holding them (the bucket's new parameters arrive
+    asynchronously: an all-gather, or the offloaded optimizer's copy up)."""
+    bucket_of = {id(p): b.index for b in buffers.buckets for p in b.params}
+    for module in model.modules():
+        indices = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False)
+                          if id(p) in bucket_of})
+        if indices:
+            module.register_forward_pre_hook(lambda _m, _a, ix=tuple(indices): wait(ix))
+
+
 class MasterAdamW:
     """See the module docstring. `cfg`: TrainingConfig (weight_decay, adam_*, lr)."""
 
@@ -79,7 +91,7 @@ class MasterAdamW:
         self.overlap_param_gather = overlap_param_gather and buffers.shard
         self._gathers: dict[int, object] = {}
         if self.overlap_param_gather:
-            self._hook_modules(model)
+            hook_bucket_waits(model, buffers, self.wait_params)
 
     def _adopt_state(self, view: torch.Tensor, at: int, n: int) -> None:
         """The piece's AdamW state: views of the flat moments and its own step counter (the
@@ -156,14 +168,6 @@ class MasterAdamW:
             if handle is not None:
                 handle.wait()
 
-    def _hook_modules(self, model: nn.Module) -> None:
-        bucket_of = {id(p): b.index for b in self.buffers.buckets for p in b.params}
-        for module in model.modules():
-            indices = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False)
-                              if id(p) in bucket_of})
-            if indices:
-                module.register_forward_pre_hook(
-                    lambda _m, _a, ix=tuple(indices): self.wait_params(ix))
 
     # -- checkpoints ------------------------------------------------------------------------
     def full_state(self) -> dict[str, torch.Tensor]:

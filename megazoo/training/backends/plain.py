@@ -16,6 +16,10 @@ Its part of the one `Engine.train_step`: the losses scaled by the fp16 loss scal
 global norm from the flat buffer (one multi-tensor kernel); `step` skips on a non-finite
 loss or norm in every precision (fp16 also backs the loss scale off), else runs the fused
 AdamW whose gradient divisor folds in the loss scale and the clipping factor.
+
+Optimizer offload (--optimizer-cpu-offload, or a ds_config's offload sections without a ZeRO
+engine: `offload_config.plain_offload`) and bf16 main gradients swap `MasterAdamW` for
+`offload_optimizer.OffloadAdamW`, which steps bucket by bucket on the GPU and the host.
 """
 from __future__ import annotations
 
@@ -34,7 +38,9 @@ from .grad_buffer import GradBuffer
 from ..gradients import (clip_divisor, counted_flat_ranges, flat_grad_norm,
                         hook_sequence_parallel_grads, intersect, sum_tied_embedding,
                         tied_embedding_weight)
-from .master_optimizer import MOMENTS, MasterAdamW
+from .master_optimizer import MOMENTS
+from .offload_optimizer import OffloadAdamW, build_master_optimizer
+from ..offload_config import plain_offload
 from ..scaler import DynamicLossScaler
 
 AUX_PREFIXES = MOMENTS
@@ -79,13 +85,19 @@ class PlainEngine(Engine):
         self.compressed = None if comp.algorithm is None else build_reduction(
             comp.algorithm, state.dp_sp, topk_ratio=comp.value("topk_ratio"),
             block=comp.value("compression_block_size"), wire_dtype=comp.wire_dtype)
-        self.buffers = GradBuffer(model, state, bucket_numel=bucket, overlap=cfg.overlap_grad_reduce,
+        self.offload = plain_offload(config)
+        self.cpu_offload = self.offload is not None
+        bf16_grads = cfg.accumulate_grads_in_bf16
+        fuse = cfg.gradient_accumulation_fusion and not (bf16_grads and config.model.fp8_format)
+        # offload overlap: each bucket's gradient leaves as soon as it is final
+        overlap = cfg.overlap_grad_reduce or bool(self.offload and self.offload.overlap)
+        self.buffers = GradBuffer(model, state, bucket_numel=bucket, overlap=overlap,
                                   shard=cfg.use_distributed_optimizer,
                                   deferred=() if tied is None else (tied,),
                                   wire_dtype=comp.wire_dtype, compressed=self.compressed,
                                   compress_from=comp.value("compression_start_step"),
-                                  fused=fusable_weights(model) if cfg.gradient_accumulation_fusion
-                                  else ())
+                                  fused=fusable_weights(model) if fuse else (),
+                                  grad_dtype=torch.bfloat16 if bf16_grads else torch.float32)
         self.freeze_at = comp.value("compression_start_step") if comp.freeze_variance else None
         self.momentum_share = comp.value("compressed_momentum_share")
         self.select_by_update = comp.topk_selection == "update"
@@ -93,8 +105,7 @@ class PlainEngine(Engine):
         self.local_clip = bool(comp.local_gradient_clipping) and state.dp_sp.size > 1
         self.resume_notes: list[str] = []
         self._frozen_selection = None  # _selection_weight once v no longer changes
-        self.optimizer = MasterAdamW(model, self.buffers, cfg,
-                                     overlap_param_gather=cfg.overlap_param_gather)
+        self.optimizer = build_master_optimizer(model, self.buffers, cfg, self.offload)
         self.buffers.cast_params(model_dtype(cfg))
         counted = counted_flat_ranges([(p, self.buffers.offsets[id(p)]) for p in self.buffers.params],
                                       state)
@@ -112,6 +123,8 @@ class PlainEngine(Engine):
     def start_step(self, num_microbatches: int, lr: float) -> None:
         self.model.train()
         self._scale = self.loss_scale()
+        if isinstance(self.optimizer, OffloadAdamW):
+            self.optimizer.start_step()
         compressing = self.buffers.compresses_at(self.steps)
         clip = self.cfg.clip_grad * self._scale * math.sqrt(self.state.dp.size)
         self.buffers.start_step(num_microbatches, self.steps, self._momentum_offset(),
@@ -232,7 +245,8 @@ class PlainEngine(Engine):
         stored = set(CheckpointReader(path, verify_checksums=False).aux_prefixes)
         prefixes = AUX_PREFIXES if stored.issuperset(AUX_PREFIXES) else ()
         self.optimizer.wait_params()
-        master = torch.zeros(self.buffers.numel, dtype=torch.float32, device=self.device)
+        master = torch.zeros(self.buffers.numel, dtype=torch.float32,
+                             device=getattr(self.optimizer, "state_device", self.device))
         old = self._swap_params(master)
         try:
             meta, aux = load_model_weights(self.model, path, state=self.state,

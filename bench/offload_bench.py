@@ -1,0 +1,204 @@
+"""Optimizer offload on one GPU: the plain engine's `--optimizer-cpu-offload` against the
+model's forward + backward alone and against DeepSpeed ZeRO-3 + CPU optimizer offload, in
+one run on the same machine.
+
+    python -m bench.offload_bench --fraction 0.5 --out offload.json
+    python -m bench.offload_bench --dry-run        # tiny shape on CPU: checks the plumbing
+
+Rows (each `pretrain_gpt.py` row in its own process, so peaks are its own):
+- `adamw`: one AdamW step over N fp32 parameters on the host: torch's fused CPU kernel
+  (the one the offload uses), torch foreach, DeepSpeed's CPUAdam (when its op loads);
+- `fwd+bwd`: the model's forward and backward with --recompute full, bf16 weights, no
+  optimizer step: the rate the offloaded run is measured against (gb micro-batches);
+- `offload`: `pretrain_gpt.py --optimizer-cpu-offload --optimizer-offload-fraction F
+  --overlap-cpu-optimizer-d2h-h2d` (plain engine), at gb 16 and gb 64;
+- `deepspeed`: `pretrain_gpt.py --deepspeed --zero-stage 3 --offload-optimizer cpu`.
+tokens/s, MFU, GPU peak and host RSS peak as the runs log them (median of the logged
+intervals after the first).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from bench.common import REPO, child_env, write_json
+
+SHAPE = dict(family="llama", layers=24, hidden=4096, heads=32, kv_heads=8, ffn=14336, seq=2048,
+             micro=2)
+TINY = dict(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, seq=64, micro=2)
+VOCAB = 2048  # the default corpus' tokenizer
+
+
+def model_flags(shape: dict) -> list[str]:
+    return ["--family", "llama", "--num-layers", str(shape["layers"]),
+            "--hidden-size", str(shape["hidden"]), "--num-attention-heads", str(shape["heads"]),
+            "--num-key-value-heads", str(shape["kv_heads"]), "--ffn-hidden-size",
+            str(shape["ffn"]), "--seq-length", str(shape["seq"]), "--max-position-embeddings",
+            str(shape["seq"]), "--recompute", "full", "--micro-batch-size", str(shape["micro"])]
+
+
+def adamw_rows(n: int) -> list[dict]:
+    """Seconds of one AdamW step over `n` fp32 host parameters, per implementation."""
+    p = torch.zeros(n)
+    p.grad = torch.full((n,), 1e-3)
+    rows = []
+    makers = {"torch fused": lambda: torch.optim.AdamW([p], lr=1e-4, fused=True),
+              "torch foreach": lambda: torch.optim.AdamW([p], lr=1e-4, foreach=True)}
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        makers["deepspeed CPUAdam"] = lambda: DeepSpeedCPUAdam([p], lr=1e-4, adamw_mode=True)
+    except Exception as exc:  # noqa: BLE001 - a peer that does not load is reported
+        rows.append({"row": "adamw deepspeed CPUAdam", "error": str(exc)[:200]})
+    for name, make in makers.items():
+        try:
+            opt = make()
+            opt.step()
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                opt.step()
+                times.append(time.perf_counter() - t0)
+            s = statistics.median(times)
+            rows.append({"row": f"adamw {name}", "params": n, "step_s": s,
+                         "params_per_s": n / s})
+            del opt
+        except Exception as exc:  # noqa: BLE001
+            rows.append({"row": f"adamw {name}", "error": str(exc)[:200]})
+    print(json.dumps(rows), flush=True)
+    return rows
+
+
+def fwd_bwd_row(shape: dict, gb: int, dry: bool) -> dict:
+    """The model's forward + backward over one global batch of micro-batches, no step."""
+    from megazoo.models import ModelConfig, build_model
+    from megazoo.training.logging import flops_per_iteration
+
+    device = torch.device("cpu" if dry else "cuda")
+    cfg = ModelConfig(family="llama", num_layers=shape["layers"], hidden_size=shape["hidden"],
+                      num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+                      ffn_hidden_size=shape["ffn"], vocab_size=VOCAB,
+                      max_position_embeddings=shape["seq"], recompute="full")
+    model = build_model(cfg, state=None, device=device, seed=0,
+                        dtype=torch.float32 if dry else torch.bfloat16)
+    model.check_inputs = False
+    ids = torch.randint(0, VOCAB, (shape["micro"], shape["seq"]), device=device)
+    micro = gb // shape["micro"]
+
+    def step():
+        for _ in range(micro):
+            model(ids, labels=ids).div(micro).backward()
+        for p in model.parameters():
+            p.grad = None
+
+    times = []
+    for i in range(4):
+        if not dry:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if not dry:
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+    s = statistics.median(times)
+    flops = flops_per_iteration(gb, shape["seq"], shape["layers"], shape["hidden"], VOCAB)
+    return {"row": f"fwd+bwd gb {gb}", "step_s": s, "tokens_per_s": gb * shape["seq"] / s,
+            "model_tflops": flops / s / 1e12,
+            "peak_gb": None if dry else torch.cuda.max_memory_allocated() / 1e9}
+
+
+def pretrain_row(name: str, shape: dict, gb: int, iters: int, extra: list[str], dry: bool,
+                 timeout: float) -> dict:
+    """pretrain_gpt.py's logged rates (median of the intervals after the first)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "log.jsonl")
+        cmd = [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *model_flags(shape),
+               "--global-batch-size", str(gb), "--train-iters", str(iters), "--log-interval", "1",
+               "--save", "", "--eval-iters", "0", "--generate-tokens", "0", "--no-progress",
+               "--no-plot-curves", "--lr-warmup-iters", "0",
+               "--data-cache-path", os.path.join(REPO, "data_cache"), "--log-json", log,
+               *([] if dry else ["--bf16"]), *extra]
+        print(name, " ".join(cmd[1:]), flush=True)
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp,
+                                  env=child_env(), timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"row": name, "error": f"timed out after {timeout:.0f} s"}
+        wall = time.perf_counter() - t0
+        records = []
+        if os.path.exists(log):
+            with open(log) as f:
+                records = [json.loads(x) for x in f if '"tokens_per_s"' in x]
+        if proc.returncode != 0 or not records:
+            return {"row": name, "error": (proc.stderr or proc.stdout)[-600:]}
+    rates = [r["tokens_per_s"] for r in records[1:]] or [records[-1]["tokens_per_s"]]
+    last = records[-1]
+    mfus = [r["mfu"] for r in records[1:] if "mfu" in r]
+    return {"row": name, "gb": gb, "tokens_per_s": statistics.median(rates),
+            "step_s": gb * shape["seq"] / statistics.median(rates),
+            "mfu": statistics.median(mfus) if mfus else None,
+            "losses": [round(r.get("loss", float("nan")), 4) for r in records],
+            "peak_gb": last.get("gpu_max_allocated_gb"), "host_rss_gb": last.get("host_rss_gb"),
+            "wall_s": wall, "command": " ".join(["pretrain_gpt.py", *cmd[2:]])}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fraction", type=float, default=0.5)
+    ap.add_argument("--rows", nargs="+", default=["fwd", "offload16", "offload64", "adamw",
+                                                    "deepspeed"])
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for everything")
+    ap.add_argument("--extra", nargs="*", default=[], help="more flags for the offload rows")
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    dry, start = a.dry_run, time.perf_counter()
+    shape = TINY if dry else SHAPE
+    left = lambda: a.budget - (time.perf_counter() - start)  # noqa: E731
+    rows = []
+    offload = ["--optimizer-cpu-offload", "--optimizer-offload-fraction", str(a.fraction),
+               "--overlap-cpu-optimizer-d2h-h2d", *a.extra]
+    print(f"offload fraction {a.fraction}", flush=True)
+    for row in a.rows:
+        if left() < 30:
+            rows.append({"row": row, "error": "no time left"})
+            continue
+        if row == "adamw":
+            rows += adamw_rows(10_000 if dry else 500_000_000)
+        elif row == "fwd":
+            try:
+                rows.append(fwd_bwd_row(shape, 16, dry))
+            except Exception as exc:  # noqa: BLE001 - the other rows still run
+                rows.append({"row": "fwd+bwd gb 16", "error": str(exc)[:300]})
+            if not dry:
+                torch.cuda.empty_cache()
+        elif row.startswith("offload"):
+            gb = int(row[len("offload"):])
+            rows.append(pretrain_row(f"offload f={a.fraction} gb {gb}", shape, gb, a.iters,
+                                     offload, dry, left()))
+        elif row == "deepspeed":
+            rows.append(pretrain_row("deepspeed zero3 cpu-offload gb 16", shape, 16,
+                                     max(3, a.iters - 2), ["--deepspeed", "--zero-stage", "3",
+                                                           "--offload-optimizer", "cpu"],
+                                     dry, left()))
+        print(json.dumps(rows[-1]), flush=True)
+    write_json(a.out, {"shape": shape, "fraction": a.fraction, "rows": rows})
+    for r in rows:
+        keys = ("tokens_per_s", "step_s", "mfu", "peak_gb", "host_rss_gb", "error")
+        print(r["row"], {k: (round(r[k], 3) if isinstance(r.get(k), float) else r.get(k))
+                         for k in keys if k in r})
+
+
+if __name__ == "__main__":
+    main()

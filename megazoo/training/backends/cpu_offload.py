@@ -1,0 +1,233 @@
+"""The host side of the plain engine's optimizer offload: which buckets go to the host, the
+AdamW kernel on a bucket's shard, the copies between the GPU and pinned host buffers, and
+the in-memory state store (the disk one is `state_store.NvmeStateStore`, same interface).
+
+    slots = bucket_slots(buffers, fraction)      # one per bucket: shard range, pieces, place
+    copies = Transfers(device)                   # CUDA: side streams + events; CPU: copies
+    adamw_(state, grad, slot, lr, cfg, divisor)  # torch's AdamW kernel over the slot's pieces
+
+Transfers. On CUDA a gradient shard leaves on a side stream (`to_host`, after the compute
+stream's work so far) into a pinned buffer and an event marks its arrival; parameters return
+on a second stream (`to_device`) and the compute stream waits for that event only when it
+reaches the bucket (`device_waits`). On CPU (the tests, the CPU run) the "device" is host
+memory: every copy is a plain copy and there is nothing to wait for. Only the CUDA branch
+touches torch.cuda.
+
+The kernel is torch's functional AdamW (`torch.optim.adamw.adamw`), the function the
+un-offloaded engine's optimizer calls, over the same per-parameter pieces, so an offloaded
+step computes the same numbers: fused (`torch._fused_adamw_`, on CPU and GPU) where the
+device has it, else the foreach implementation. bench/offload_bench.py measures it beside
+DeepSpeed's CPUAdam on the GPU host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.optim.adamw import adamw
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+NAMES = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class Slot:
+    """One bucket's shard of the optimizer: flat range [lo, hi), its parameters' pieces
+    (start, end, decayed) in shard coordinates, and where its state lives."""
+
+    bucket: object
+    lo: int
+    hi: int
+    pieces: list
+    host: bool
+    index: int = -1
+    """Position in the state store of its place (host or GPU)."""
+    steps: dict = field(default_factory=dict)
+    """{decayed: [step counter per piece]} (the kernel advances each)."""
+    grad: torch.Tensor | None = None
+    """Host slots: the pinned buffer the reduced gradient shard is copied down into."""
+    d2h: object = None
+    h2d: object = None
+    sent: bool = False
+    future: object = None
+    gather: object = None
+    pending: bool = False
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+def host_share(buckets, fraction: float) -> set[int]:
+    """Indices of the buckets whose state goes to the host: the lowest indices first (the
+    parameters are laid out in reverse, so those are the last the forward uses and the ones
+    it can wait for longest), each taken while that brings the share nearer `fraction`."""
+    target, taken, out = fraction * sum(b.numel for b in buckets), 0, set()
+    for b in buckets:
+        if taken + b.numel / 2 > target:
+            break
+        out.add(b.index)
+        taken += b.numel
+    return out
+
+
+def bucket_slots(buffers, fraction: float) -> list[Slot]:
+    """One Slot per bucket of `buffers`, its shard range this rank's (`shard_ranges`)."""
+    host = host_share(buffers.buckets, fraction)
+    slots, counts = [], {True: 0, False: 0}
+    for bucket, (lo, hi) in zip(buffers.buckets, buffers.shard_ranges()):
+        pieces = []
+        for p in bucket.params:
+            start = buffers.offsets[id(p)]
+            a, b = max(lo, start), min(hi, start + p.numel())
+            if a < b:
+                pieces.append((a - lo, b - lo, p.ndim >= 2))
+        on_host = bucket.index in host
+        slots.append(Slot(bucket, lo, hi, pieces, on_host, index=counts[on_host]))
+        counts[on_host] += 1
+    return slots
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_host_memory(needed: int, on_disk: bool, available: int | None) -> None:
+    """One line naming the numbers when the host share cannot fit in host memory."""
+    if available is None or needed <= available:
+        return
+    fix = ("lower --optimizer-offload-fraction" if on_disk else
+           "pass --nvme-path DIR (the state on disk) or lower --optimizer-offload-fraction")
+    raise ValueError(f"the offloaded optimizer needs {needed / 2**30:.1f} GiB of host memory "
+                     f"and {available / 2**30:.1f} GiB are available: {fix}")
+
+
+def fused_available(device: torch.device) -> bool:
+    return device.type in _get_fused_kernels_supported_devices()
+
+
+@torch.no_grad()
+def adamw_(state: dict, grad: torch.Tensor, slot: Slot, lr: float, cfg,
+           divisor: torch.Tensor | None) -> None:
+    """One AdamW step of `slot` on `state` ({master, exp_avg, exp_avg_sq}, fp32, the slot's
+    numel) with the fp32 gradient `grad`, divided by `divisor` (None: 1) inside the kernel;
+    decayed and undecayed pieces as two calls (Megatron's weight-decay grouping)."""
+    fused = fused_available(state["master"].device)
+    for decay in (True, False):
+        sel = [(a, b) for a, b, d in slot.pieces if d is decay]
+        if not sel:
+            continue
+        steps = slot.steps[decay]
+        views = [[t[a:b] for a, b in sel] for t in (state["master"], grad, state["exp_avg"],
+                                                     state["exp_avg_sq"])]
+        adamw(*views, [], steps, foreach=None if fused else True, fused=fused or None,
+              grad_scale=divisor, amsgrad=False, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2,
+              lr=lr, weight_decay=cfg.weight_decay if decay else 0.0, eps=cfg.adam_eps,
+              maximize=False)
+
+
+def init_steps(slot: Slot, device) -> None:
+    """The slot's step counters, one per piece (as torch's optimizer keeps them), on the
+    device its state lives on."""
+    for decay in (True, False):
+        n = sum(1 for *_, d in slot.pieces if d is decay)
+        slot.steps[decay] = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(n)]
+
+
+def set_steps(slot: Slot, step: int) -> None:
+    for steps in slot.steps.values():
+        for t in steps:
+            t.fill_(float(step))
+
+
+class ResidentStore:
+    """State kept in memory (pinned host memory, or the GPU): `NvmeStateStore`'s interface
+    with nothing to read or write. A shard is allocated (zeros) when first acquired, so the
+    GPU share's moments need no memory while the model is still fp32 at start-up."""
+
+    def __init__(self, numels: list[int], device, pin: bool):
+        self.numels, self.device, self.pin = numels, device, pin
+        self.tensors: list[dict | None] = [None] * len(numels)
+
+    def prefetch(self, i: int) -> None:
+        pass
+
+    def acquire(self, i: int) -> dict:
+        if self.tensors[i] is None:
+            self.tensors[i] = {k: torch.zeros(self.numels[i], dtype=torch.float32,
+                                              device=self.device, pin_memory=self.pin)
+                               for k in NAMES}
+        return self.tensors[i]
+
+    def release(self, i: int, write: bool = True) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+class Transfers:
+    """Copies between the device and host buffers; see the module docstring."""
+
+    def __init__(self, device: torch.device, pin: bool = True):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.pin = pin and self.cuda
+        if self.cuda:
+            self.down = torch.cuda.Stream(device)
+            self.up = torch.cuda.Stream(device)
+
+    def host_empty(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(n, dtype=dtype, pin_memory=self.pin)
+
+    def mark(self):
+        """An event at the compute stream's current position (None on CPU)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor):
+        """dst (host) <- src (device) after the compute stream's work so far; its event."""
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        self.down.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.down):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.down)
+        return event
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, after=None):
+        """dst (device) <- src (host) once `after` (an event) has passed; its event. Safe to
+        call from a worker thread."""
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        with torch.cuda.device(self.device), torch.cuda.stream(self.up):
+            if after is not None:
+                self.up.wait_event(after)
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.up)
+        return event
+
+    def device_waits(self, event) -> None:
+        """The compute stream waits for `event` (a no-op for None)."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    @staticmethod
+    def host_waits(event) -> None:
+        """The calling thread waits for `event` (a no-op for None)."""
+        if event is not None:
+            event.synchronize()

@@ -1,0 +1,280 @@
+"""`OffloadAdamW`: the plain engine's fp32 masters and AdamW moments split by gradient
+bucket between the GPU and the host (pinned memory, or disk under --nvme-path), Megatron-
+core's hybrid device optimizer in this engine's terms; `MasterAdamW`'s interface.
+
+    opt = OffloadAdamW(model, buffers, cfg, plan)   # plan: offload_config.OffloadPlan
+    opt.start_step()                  # before backward: the last gradient copies are done
+    opt.step(lr, grad_divisor)        # GPU buckets now; host buckets now or on a thread
+    opt.wait_params([i, ...])         # (forward pre-hooks) bucket i's new parameters
+
+Each bucket's shard (this rank's, with the distributed optimizer) is one `cpu_offload.Slot`.
+The last buckets of the forward (`plan.fraction` of the elements) keep their state on the
+host; the others on the GPU, stepped there by the same AdamW kernel. The model's bf16
+parameters and the main gradients stay on the GPU: per step each host bucket's reduced
+gradient goes down once (as soon as it is final: during backward with one rank, after the
+reduce-scatter with more) and its parameters come up once.
+
+With `plan.overlap` a worker thread steps the host buckets in forward order once the global
+norm is known, and the next forward waits for each bucket when it reaches it (the forward
+pre-hooks of --overlap-param-gather); without it `step` returns with every bucket updated.
+With the distributed optimizer the updated shard is all-gathered over dp x sp, for host
+buckets from that wait (in forward order on every rank, so the collectives match).
+
+Checkpoints: `full_state` / `load_full_state` hold full flat fp32 tensors in host memory,
+the same format `MasterAdamW` writes, so runs resume across the two.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+from ...parallel.collectives import all_gather_flat
+from .cpu_offload import (NAMES, ResidentStore, Transfers, adamw_, available_host_bytes,
+                          bucket_slots, check_host_memory, init_steps, set_steps)
+from ...plan.offload import check_nvme_path
+from ..offload_config import OffloadPlan
+from .grad_buffer import GradBuffer
+from .master_optimizer import MasterAdamW, hook_bucket_waits
+
+UP_BUFFERS = 4  # pinned staging buffers for parameters going up (a ring)
+
+
+def build_master_optimizer(model: nn.Module, buffers: GradBuffer, cfg, plan: OffloadPlan | None):
+    """`MasterAdamW`, or `OffloadAdamW` for an offload plan or bf16 main gradients (all on the
+    GPU then: it upcasts each bucket's gradient to fp32 before the step)."""
+    if plan is None and cfg.accumulate_grads_in_bf16:
+        plan = OffloadPlan(fraction=0.0, overlap=False)
+    if plan is None:
+        return MasterAdamW(model, buffers, cfg, overlap_param_gather=cfg.overlap_param_gather)
+    if plan.nvme_path is not None:
+        check_nvme_path(plan.nvme_path)
+    return OffloadAdamW(model, buffers, cfg, plan, overlap_param_gather=cfg.overlap_param_gather)
+
+
+def _host_store(plan, numels: list[int], pin: bool, rank: int):
+    """Pinned host memory, or files under --nvme-path (a folder per rank)."""
+    if plan.nvme_path is None or not numels:
+        return ResidentStore(numels, "cpu", pin=pin)
+    from .state_store import NvmeStateStore
+
+    return NvmeStateStore(os.path.join(plan.nvme_path, f"rank{rank:05d}"), numels,
+                          names=NAMES, pin=pin)
+
+
+class OffloadAdamW:
+    """See the module docstring. `cfg`: TrainingConfig; `plan`: OffloadPlan."""
+
+    state_device = torch.device("cpu")  # where full_state's tensors live
+
+    def __init__(self, model: nn.Module, buffers: GradBuffer, cfg, plan, *,
+                 overlap_param_gather: bool = False):
+        self.buffers, self.cfg, self.plan = buffers, cfg, plan
+        data = buffers.param_data
+        self.device = data.device
+        self.copies = Transfers(self.device, plan.pin_memory)
+        self.slots = bucket_slots(buffers, plan.fraction)
+        self.order = sorted(self.slots, key=lambda s: -s.bucket.index)  # forward order
+        host = [s for s in self.slots if s.host]
+        self.host_numel = sum(s.numel for s in host)
+        staging = buffers.main_grad.element_size()  # every host bucket's gradient waits
+        resident = 0 if plan.nvme_path else 12  # fp32 master + 2 moments per element
+        check_host_memory(self.host_numel * (resident + staging), plan.nvme_path is not None,
+                          available_host_bytes())
+        self.stores = {True: _host_store(plan, [s.numel for s in host], self.copies.pin,
+                                         buffers.state.global_rank),
+                       False: ResidentStore([s.numel for s in self.slots if not s.host],
+                                            self.device, pin=False)}
+        self._initial = {}  # GPU slots: fp32 initial masters until their state exists
+        with torch.no_grad():
+            for slot in self.slots:  # fp32 initial values (the buffer is not cast yet)
+                init_steps(slot, torch.device("cpu") if slot.host else self.device)
+                if not slot.host:
+                    self._initial[slot.index] = data[slot.lo:slot.hi].clone()
+                    continue
+                state = self._acquire(slot)
+                state["master"].copy_(data[slot.lo:slot.hi])
+                for k in NAMES[1:]:  # (a disk store may hold an older run's files)
+                    state[k].zero_()
+                self._release(slot)
+                slot.grad = self.copies.host_empty(slot.numel, buffers.main_grad.dtype)
+        self.stores[True].flush()
+        # parameters go up through a small ring of staging buffers (an upload takes ~ms)
+        largest = max((s.numel for s in host), default=0)
+        self._up = [self.copies.host_empty(largest, data.dtype) for _ in range(UP_BUFFERS)]
+        self._up_events, self._up_next = [None] * UP_BUFFERS, 0
+        self._scratch = {}  # fp32 upcasts of bf16 gradients, one per place
+        self._divisor = {True: torch.ones((), dtype=torch.float32),
+                         False: torch.ones((), dtype=torch.float32, device=self.device)}
+        self.overlap_param_gather = overlap_param_gather and buffers.shard
+        self.step_count = 0
+        self._threads = torch.get_num_threads()
+        self._worker = ThreadPoolExecutor(1, initializer=torch.set_num_threads,
+                                          initargs=(self._threads,)) if plan.overlap else None
+        buffers.on_final = self._send
+        if plan.overlap or self.overlap_param_gather:
+            hook_bucket_waits(model, buffers, self.wait_params)
+
+    # -- state access -----------------------------------------------------------------------
+    def _acquire(self, slot) -> dict:
+        state = self.stores[slot.host].acquire(slot.index)
+        if not slot.host and slot.index in self._initial:
+            state["master"].copy_(self._initial.pop(slot.index))
+        return state
+
+    def _release(self, slot, write: bool = True) -> None:
+        self.stores[slot.host].release(slot.index, write)
+
+    def _fp32(self, slot, grad: torch.Tensor) -> torch.Tensor:
+        if grad.dtype == torch.float32:
+            return grad
+        size = max(s.numel for s in self.slots if s.host == slot.host)
+        scratch = self._scratch.get(slot.host)
+        if scratch is None:
+            scratch = self._scratch[slot.host] = torch.empty(size, dtype=torch.float32,
+                                                             device=grad.device)
+        return scratch[:grad.numel()].copy_(grad)
+
+    # -- gradients down ---------------------------------------------------------------------
+    def start_step(self) -> None:
+        """Before the step's backward: the compute stream waits for last step's gradient
+        copies (a skipped step never consumed them) before it overwrites the buffer."""
+        for slot in self.slots:
+            if slot.host:
+                self.copies.device_waits(slot.d2h)
+                slot.sent = False
+
+    def _send(self, bucket) -> None:
+        """GradBuffer.on_final: bucket's reduced gradient shard leaves for the host."""
+        slot = self.slots[bucket.index]
+        if not slot.host or slot.sent:
+            return
+        self._wait_slot(slot)  # its host step (and staging buffers) are done
+        slot.d2h = self.copies.to_host(slot.grad, self.buffers.main_grad[slot.lo:slot.hi])
+        slot.sent = True
+
+    # -- the step ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, lr: float, grad_divisor: float = 1.0, frozen_at: int | None = None) -> None:
+        if frozen_at is not None:
+            raise ValueError("the offloaded optimizer has no frozen-variance step")
+        self.wait_params()
+        self.step_count += 1
+        for divisor in self._divisor.values():
+            divisor.fill_(grad_divisor)
+        after = self.copies.mark()  # backward is done reading the parameters
+        host = [s for s in self.order if s.host]
+        for slot in host:
+            if not slot.sent:
+                self._send(slot.bucket)
+            slot.sent, slot.pending = False, True
+        jobs = [(slot, host[k + 1] if k + 1 < len(host) else None) for k, slot in enumerate(host)]
+        if self._worker is not None:  # the host starts first, the GPU share meanwhile
+            for slot, nxt in jobs:
+                slot.future = self._worker.submit(self._host_step, slot, nxt, lr, after)
+        for slot in self.order:
+            if not slot.host:
+                self._device_step(slot, lr)
+        if self._worker is None:
+            for slot, nxt in jobs:
+                self._host_step(slot, nxt, lr, after)
+            self.wait_params()
+
+    def _device_step(self, slot, lr: float) -> None:
+        state = self._acquire(slot)
+        grad = self._fp32(slot, self.buffers.main_grad[slot.lo:slot.hi])
+        adamw_(state, grad, slot, lr, self.cfg, self._divisor[False])
+        self.buffers.param_data[slot.lo:slot.hi].copy_(state["master"])
+        self._gather(slot, async_op=self.overlap_param_gather)
+
+    def _host_step(self, slot, nxt, lr: float, after) -> None:
+        """On the host (the worker thread with overlap): wait for the gradient, step, stage
+        the new parameters and send them up once the compute stream has passed `after`."""
+        store = self.stores[True]
+        state = store.acquire(slot.index)
+        if nxt is not None:  # the disk store reads it while this bucket steps
+            store.prefetch(nxt.index)
+        self.copies.host_waits(slot.d2h)
+        adamw_(state, self._fp32(slot, slot.grad), slot, lr, self.cfg, self._divisor[True])
+        r = self._up_next
+        self._up_next = (r + 1) % len(self._up)
+        self.copies.host_waits(self._up_events[r])  # that buffer's last upload has left
+        up = self._up[r][:slot.numel]
+        up.copy_(state["master"])
+        store.release(slot.index)
+        slot.h2d = self._up_events[r] = self.copies.to_device(
+            self.buffers.param_data[slot.lo:slot.hi], up, after)
+
+    # -- parameters up ----------------------------------------------------------------------
+    def _gather(self, slot, async_op: bool) -> None:
+        group = self.buffers.group
+        if not self.buffers.shard or group.size == 1:
+            return
+        b = slot.bucket
+        handle = all_gather_flat(self.buffers.param_data[b.start:b.end],
+                                 self.buffers.param_data[slot.lo:slot.hi], group=group.group,
+                                 async_op=async_op)
+        slot.gather = handle if async_op else None
+
+    def _wait_slot(self, slot) -> None:
+        if slot.future is not None:
+            slot.future.result()
+            slot.future = None
+        if slot.pending:
+            slot.pending = False
+            self.copies.device_waits(slot.h2d)
+            self._gather(slot, async_op=False)
+        if slot.gather is not None:
+            slot.gather.wait()
+            slot.gather = None
+
+    def wait_params(self, indices=None) -> None:
+        """Wait for the new parameters of buckets `indices` (None: all, in forward order)."""
+        slots = self.order if indices is None else [self.slots[i] for i in indices]
+        for slot in slots:
+            self._wait_slot(slot)
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """{"master", "exp_avg", "exp_avg_sq"}: full flat fp32 host tensors (collective over
+        dp x sp with the distributed optimizer)."""
+        self.wait_params()
+        out = {k: torch.zeros(self.buffers.numel, dtype=torch.float32) for k in NAMES}
+        gather = self.buffers.shard and self.buffers.group.size > 1
+        for slot in self.slots:
+            state, b = self._acquire(slot), slot.bucket
+            for k in NAMES:
+                if not gather:
+                    out[k][slot.lo:slot.hi].copy_(state[k])
+                    continue
+                whole = torch.empty(b.numel, dtype=torch.float32, device=self.device)
+                mine = whole[slot.lo - b.start:slot.hi - b.start]
+                mine.copy_(state[k])
+                all_gather_flat(whole, mine, group=self.buffers.group.group)
+                out[k][b.start:b.end].copy_(whole)
+            self._release(slot, write=False)
+        return out
+
+    @torch.no_grad()
+    def load_full_state(self, full: dict[str, torch.Tensor], step: int) -> None:
+        """Set masters (and moments, when given) from full flat fp32 tensors; publish."""
+        self.wait_params()
+        for slot in self.slots:
+            state = self._acquire(slot)
+            for k in NAMES:
+                if k in full:
+                    state[k].copy_(full[k][slot.lo:slot.hi])
+                else:
+                    state[k].zero_()  # weights only: a fresh optimizer
+            self.buffers.param_data[slot.lo:slot.hi].copy_(state["master"])
+            self._release(slot)
+            set_steps(slot, step)
+            self._gather(slot, async_op=False)
+        self.stores[True].flush()
+        self.step_count = step
+
+    @property
+    def adam_step(self) -> int:
+        return self.step_count

@@ -1,0 +1,90 @@
+"""Where the plain engine keeps its optimizer state: the offload flags and a DeepSpeed JSON's
+`zero_optimization.offload_optimizer` / `offload_param`, resolved once.
+
+    plan = plain_offload(args)      # None: masters and moments on the GPU, as always
+
+The plain engine offloads when `--optimizer-cpu-offload` is given, or when the flags
+`--offload-optimizer` / `--offload-param` or the JSON's sections (`device`: cpu | nvme,
+`nvme_path`, `pin_memory`) ask for it without a ZeRO engine (`--zero-impl none`): the seeds'
+ds_configs then select this engine's offload. For this engine the fp32 master parameters are
+part of the optimizer state, so `offload_param` puts them (with the moments) where it says;
+the bf16 parameters the model computes with stay on the GPU. The state lives on disk when
+the device is nvme, or when `--nvme-path` comes with `--optimizer-cpu-offload`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ds_config import load_ds_json
+
+PLAIN_ONLY = (("optimizer_cpu_offload", "--optimizer-cpu-offload"),
+              ("overlap_cpu_optimizer_d2h_h2d", "--overlap-cpu-optimizer-d2h-h2d"),
+              ("accumulate_grads_in_bf16", "--accumulate-grads-in-bf16"))
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """The plain engine's optimizer offload."""
+
+    fraction: float
+    """Share of the optimizer state (whole buckets) on the host / disk."""
+    overlap: bool
+    """Transfers and the host step overlapped with backward and the next forward."""
+    nvme_path: str | None = None
+    """The host share lives in files under this folder (None: pinned host memory)."""
+    pin_memory: bool = True
+    """Page-locked host buffers (the DMA engines copy them without a bounce through pageable
+    memory); False only when a JSON says so."""
+
+
+def _json_zero(args) -> dict:
+    path = args.zero.deepspeed_config
+    zo = load_ds_json(path).get("zero_optimization") if path else None
+    return zo if isinstance(zo, dict) else {}
+
+
+def _section(zo: dict, key: str) -> dict:
+    section = zo.get(key)
+    return section if isinstance(section, dict) else {}
+
+
+def check_plain_only(args) -> None:
+    """The plain engine's offload flags with another engine: one line naming the flag."""
+    t, zero = args.training, args.zero
+    if zero.zero_impl == "none":
+        return
+    given = [flag for name, flag in PLAIN_ONLY if getattr(t, name)]
+    if t.optimizer_offload_fraction != 1.0:
+        given.append("--optimizer-offload-fraction")
+    if given:
+        raise ValueError(f"{given[0]} is for the plain engine (--zero-impl none); "
+                         f"--zero-impl {zero.zero_impl} offloads with --offload-optimizer: drop it")
+
+
+def plain_offload(args) -> OffloadPlan | None:
+    """The plain engine's offload plan of `args` (None: no offload); a ValueError naming the
+    flag to change when the flags contradict each other."""
+    t, zero = args.training, args.zero
+    zo = _json_zero(args) if zero.zero_impl == "none" else {}
+    opt, par = _section(zo, "offload_optimizer"), _section(zo, "offload_param")
+    devices = {zero.offload_optimizer or opt.get("device"), zero.offload_param or par.get("device")}
+    devices -= {None, "none"}
+    if t.optimizer_cpu_offload:
+        devices.add("cpu")
+    if not devices:
+        if zero.nvme_path and zero.zero_impl == "none":
+            raise ValueError("--nvme-path needs --optimizer-cpu-offload (or --offload-optimizer "
+                             "nvme): the disk tier holds the offloaded optimizer state")
+        if t.optimizer_offload_fraction != 1.0 or t.overlap_cpu_optimizer_d2h_h2d:
+            flag = ("--optimizer-offload-fraction" if t.optimizer_offload_fraction != 1.0
+                    else "--overlap-cpu-optimizer-d2h-h2d")
+            raise ValueError(f"{flag} needs --optimizer-cpu-offload")
+        return None
+    nvme = zero.nvme_path or opt.get("nvme_path") or par.get("nvme_path")
+    on_disk = "nvme" in devices or (t.optimizer_cpu_offload and zero.nvme_path)
+    if "nvme" in devices and not nvme:
+        raise ValueError("offload to nvme needs a folder: pass --nvme-path DIR")
+    pin = bool(opt.get("pin_memory", True)) and bool(par.get("pin_memory", True))
+    return OffloadPlan(fraction=t.optimizer_offload_fraction,
+                       overlap=t.overlap_cpu_optimizer_d2h_h2d,
+                       nvme_path=nvme if on_disk else None, pin_memory=pin)
