@@ -288,7 +288,7 @@ def test_bad_config_one_line(keys, seq, message):
 def test_bad_attention_inputs():
     lay = layout(Config("dense", 16), 4, 128)
     q, k, v = _inputs(128)
-    with pytest.raises(ValueError, match=r"layout must be bool \[hq, s/block, s/block\]"):
+    with pytest.raises(ValueError, match=r"layout must be bool \[hq, ceil\(s/block\), ceil\(s/block\)\]"):
         sparse_attention(q, k, v, lay[:2], 16)
     with pytest.raises(ValueError, match="unknown sparse attention backend"):
         sparse_attention(q, k, v, lay, 16, backend="triton")
