@@ -31,6 +31,7 @@ from megazoo.layers import core_attention
 from megazoo.layers.sparse_attention import (SparseAttention, block_mask_from_layout, choose_plan,
                                              sparse_attention)
 from megazoo.layers.sparse_gather import block_masks
+from megazoo.layers.sparse_plan import build_plan
 from megazoo.layers.sparse_config import SparseAttentionConfig
 from megazoo.layers.sparse_layouts import density, layout
 
@@ -54,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--check", action="store_true",
                    help="compare sparse outputs and gradients with dense-mask math, small s")
     p.add_argument("--with-check", action="store_true", help="the --check, then the sweep")
+    p.add_argument("--compare", nargs="*", default=[], metavar="MODE",
+                   help="these modes at blocks below 128 also on the other path, first length")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU: build every layout and BlockMask at the real sizes, no attention")
     p.add_argument("--out", help="write the results as JSON here")
@@ -113,9 +116,13 @@ def _mask(lay, block, device):
 
 
 def _prepare(label, lay, block, s, device):
-    """(path, block_mask, plan, tile density): what backend "auto" runs (`seeds_tiles`: the
-    layout's own tiles), built once; tile density as computed tiles / ((s/128)^2 heads)."""
-    plan = None if label == "seeds_tiles" else choose_plan(lay, block, True, s, device)
+    """(path, block_mask, plan, tile density): what backend "auto" runs, or the path a label
+    ending in _tiles / _gather names, built once; tile density as computed tiles / ((s/128)^2
+    heads)."""
+    if label.endswith("_gather"):
+        plan = build_plan((lay[:1] if lay.stride(0) == 0 else lay).to(device), block, s, True)
+    else:
+        plan = None if label.endswith("_tiles") else choose_plan(lay, block, True, s, device)
     if plan is None:
         mask, tiles = _mask(lay, block, device)
         return "tiles", mask, None, tiles
@@ -178,6 +185,8 @@ def allow_recompiles(limit: int = 256) -> None:
 
 
 def sweep(args, device) -> list[dict]:
+    """Dense rows, then each config on the path "auto" takes; the --compare modes, at the
+    first length, also on the other path (a label ending in _tiles or _gather)."""
     allow_recompiles()
     start, rows = time.perf_counter(), []
     configs = sparse_configs(args.modes, args.blocks, args.window)
@@ -189,6 +198,9 @@ def sweep(args, device) -> list[dict]:
                 here.append({"s": s, "config": label, "block": cfg.block, "note": "skipped: --budget-s"})
                 continue
             here.append(sparse_row(s, label, cfg, inputs, args, device))
+            other = {"gather": "tiles", "tiles": "gather"}.get(here[-1].get("path"))
+            if label in args.compare and s == args.seqs[0] and cfg.block < 128:
+                here.append(sparse_row(s, f"{label}_{other}", cfg, inputs, args, device))
             torch.cuda.empty_cache()
         _speedups(here)
         rows += here

@@ -47,7 +47,7 @@ from .sparse_plan import TILE as KERNEL_BLOCK
 from .sparse_plan import GatherPlan, build_plan, kv_blocks
 
 BACKENDS = ("auto", "flex", "gather", "math")
-GATHER_GAIN = 0.8  # "auto" gathers when its plan computes at most this share of the tiles
+GATHER_GAIN = 0.5  # "auto" gathers when its plan computes at most this share of the tiles
 
 
 def token_mask(block_layout: torch.Tensor, block: int) -> torch.Tensor:
