@@ -47,7 +47,8 @@ from .sparse_plan import TILE as KERNEL_BLOCK
 from .sparse_plan import GatherPlan, build_plan, kv_blocks
 
 BACKENDS = ("auto", "flex", "gather", "math")
-GATHER_GAIN = 0.5  # "auto" gathers when its plan computes at most this share of the tiles
+GATHER_GAIN = 0.8  # "auto" gathers when its plan costs at most this share of the tiles
+GATHER_KEY_COST = 8  # cost of a tile of keys copied out of place, in computed tiles
 
 
 def token_mask(block_layout: torch.Tensor, block: int) -> torch.Tensor:
@@ -186,15 +187,19 @@ def _heads_of(block_layout: torch.Tensor) -> torch.Tensor:
 
 
 def choose_plan(block_layout, block: int, causal: bool, seq_len: int, device) -> GatherPlan | None:
-    """The gather plan of a layout when it computes at most GATHER_GAIN of the kernel tiles
-    of the layout in place (a block below 128 scattered over many tiles), else None."""
+    """The gather plan of a layout when its cost (tiles computed, plus GATHER_KEY_COST per
+    tile of keys copied out of place) is at most GATHER_GAIN of the kernel tiles of the layout
+    in place, else None. Measured on an H100 (bench/sparse_attention_bench.py): gathering
+    pays where shared global columns make the tiles (fixed), not where random blocks gathered
+    per query tile do (bigbird, variable: their copies cost more than the tiles saved)."""
     if KERNEL_BLOCK % block or block == KERNEL_BLOCK:
         return None
     lay = _heads_of(block_layout).to(device)
     partial, full = _crop_tiles(*tile_layout(lay, block, causal), seq_len,
                                 lay.shape[-1] * block, KERNEL_BLOCK)
     plan = build_plan(lay, block, seq_len, causal)
-    return plan if sum(plan.tiles()) <= GATHER_GAIN * int(partial.sum() + full.sum()) else None
+    cost = sum(plan.tiles()) + GATHER_KEY_COST * plan.gathered_tiles()
+    return plan if cost <= GATHER_GAIN * int(partial.sum() + full.sum()) else None
 
 
 def sparse_attention(q, k, v, layout, block, *, causal: bool = True, scale: float | None = None,

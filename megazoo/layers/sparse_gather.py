@@ -17,6 +17,7 @@ flow through the gathers (index_select / index_copy), no log-sum-exp merge neede
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .sparse_plan import PRIVATE, PRIVATE_BASE, ROW, TILE, GatherPlan, kv_blocks
 
@@ -77,17 +78,26 @@ def block_masks(plan: GatherPlan):
     return plan.masks
 
 
-def _gather(x: torch.Tensor, index: torch.Tensor, heads: int):
+def _gather(x: torch.Tensor, index: torch.Tensor, heads: int, in_place: int = 0):
     """x [b, hx, L, d] at positions index [hp, n] -> ([b, hx or heads, n, d], grouped):
     one index row for all heads keeps hx (GQA stays grouped); per-head rows expand x to
-    `heads` first (query head h reads kv head h // (heads / hx))."""
-    if index.shape[0] == 1:
-        return x.index_select(2, index[0]), x.shape[1] != heads
-    if x.shape[1] != heads:
+    `heads` first (query head h reads kv head h // (heads / hx)). The first `in_place`
+    positions are 0, 1, ... (zero past L): copied by padding, so only the rest is gathered
+    (whose backward adds with atomics)."""
+    head = x
+    if index.shape[0] > 1 and x.shape[1] != heads:
         x = x.repeat_interleave(heads // x.shape[1], dim=1)
-    b, _, length, d = x.shape
-    flat = (index + torch.arange(heads, device=index.device)[:, None] * length).flatten()
-    return x.reshape(b, heads * length, d).index_select(1, flat).view(b, heads, -1, d), False
+    b, hx, length, d = x.shape
+    rest = index[:, in_place:]
+    if index.shape[0] == 1:
+        picked = x.index_select(2, rest[0])
+    else:
+        flat = (rest + torch.arange(heads, device=index.device)[:, None] * length).flatten()
+        picked = x.reshape(b, heads * length, d).index_select(1, flat).view(b, heads, -1, d)
+    if in_place:
+        front = F.pad(x, (0, 0, 0, in_place - length))  # [b, hx, in_place, d]
+        picked = torch.cat([front, picked], dim=2)
+    return picked, index.shape[0] == 1 and head.shape[1] != heads
 
 
 def _put_rows(out: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
@@ -134,8 +144,8 @@ def gather_attention(q, k, v, plan: GatherPlan, *, scale: float, alibi_slopes=No
 
     s, hq = q.shape[0], q.shape[2]
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
-    keys, grouped = _gather(kb, plan.key_pos, hq)
-    values, _ = _gather(vb, plan.key_pos, hq)
+    keys, grouped = _gather(kb, plan.key_pos, hq, plan.direct_len)
+    values, _ = _gather(vb, plan.key_pos, hq, plan.direct_len)
     seq = torch.arange(s, device=q.device)[None]
     if kernel == "flex":
         main_mask, rows_mask = block_masks(plan)

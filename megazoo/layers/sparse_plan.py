@@ -68,6 +68,15 @@ class GatherPlan:
     def heads(self) -> int:
         return self.owner.shape[0]
 
+    @property
+    def direct_len(self) -> int:
+        """Length of segment 1: the keys in place (positions 0, 1, ..., padded to tiles)."""
+        return self.partial.shape[1] * TILE
+
+    def gathered_tiles(self) -> int:
+        """Kernel tiles of keys copied out of place (segments 2 and 3), summed over heads."""
+        return (self.key_pos.shape[1] - self.direct_len) // TILE * self.heads
+
     def tiles(self) -> tuple[int, int]:
         """(partial, full) kernel tiles computed, summed over the plan's heads."""
         p, f = int(self.partial.sum()), int(self.full.sum())
