@@ -13,12 +13,22 @@ from megazoo.layers.sparse_config import SparseAttentionConfig as Config
 from megazoo.layers.sparse_gather import _dense, gather_attention, main_mask_mod, rows_mask_mod
 from megazoo.layers.sparse_layouts import layout
 from megazoo.layers.sparse_plan import NEVER, PRIVATE_BASE, SHARED, TILE, build_plan
-from test_sparse_attention import _inputs, _reference
 
-# float32 math over at most ~1.3k keys against a float64 reference: rounding stays near 1e-6;
-# 2e-5 (outputs) and 2e-4 (gradients, sums over s) leave margin, and a wrong mask entry moves
-# outputs by ~1e-1.
+# float32 math over gathered keys against the float32 dense-mask path (backend "math", itself
+# checked against float64 in test_sparse_attention.py), unit-variance inputs, at most ~1.3k
+# keys: the two sum the same terms in other orders, ~1e-6 apart; 2e-5 (outputs) and 2e-4
+# (gradients, sums over s) leave margin, and a wrong mask entry moves outputs by ~1e-1.
 TOL = 2e-5
+
+
+def _inputs(s, b=1, hq=4, hk=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(s, b, h, d, generator=g) for h in (hq, hk, hk))
+
+
+def _reference(q, k, v, lay, block, causal, slopes):
+    """The dense-mask path: the layout expanded to an explicit [h, s, s] mask, float32 math."""
+    return sparse_attention(q, k, v, lay, block, causal=causal, alibi_slopes=slopes, backend="math")
 
 
 def _config(mode, block, attention):
@@ -51,18 +61,18 @@ def test_gather_equals_dense_mask(mode, block, attention):
     cfg, s, causal = _config(mode, block, attention), _seq(block), attention == "unidirectional"
     attn = SparseAttention(cfg, 4, causal=causal, seed=2, backend="gather")
     lay = attn.layout(s)
-    q, k, v = _inputs(s, b=1)
+    q, k, v = _inputs(s)
     slopes = alibi_slopes(4)
     grad = torch.randn(s, 1, 4, 16, generator=torch.Generator().manual_seed(1))
-    qd, kd, vd = (t.clone().double().requires_grad_() for t in (q, k, v))
+    qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
     ref = _reference(qd, kd, vd, lay, block, causal, slopes)
-    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), grad.double())
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), grad)
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
     out = attn(qs, ks, vs, alibi_slopes=slopes)
     grads = torch.autograd.grad(out, (qs, ks, vs), grad)
-    torch.testing.assert_close(out.double(), ref.detach(), atol=TOL, rtol=0)
+    torch.testing.assert_close(out, ref.detach(), atol=TOL, rtol=0)
     for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got.double(), want, atol=10 * TOL, rtol=0)
+        torch.testing.assert_close(got, want, atol=10 * TOL, rtol=0)
 
 
 def _plan(mode, block, attention, heads=4):
@@ -116,13 +126,13 @@ def test_plan_segments_are_used():
 def test_flex_forward_equals_math(mode, attention):
     """FlexAttention's (eager, CPU) forward over the plan's BlockMasks equals the math path."""
     plan, lay = _plan(mode, 32, attention)
-    q, k, v = _inputs(plan.seq_len, b=1)
+    q, k, v = _inputs(plan.seq_len)
     slopes = alibi_slopes(4)
     want = _reference(q, k, v, lay, 32, plan.causal, slopes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
         got = gather_attention(q, k, v, plan, scale=0.25, alibi_slopes=slopes, kernel="flex")
-    torch.testing.assert_close(got.double(), want, atol=TOL, rtol=0)
+    torch.testing.assert_close(got, want, atol=TOL, rtol=0)
 
 
 def test_shared_plan_keeps_kv_heads_grouped():
@@ -132,7 +142,8 @@ def test_shared_plan_keeps_kv_heads_grouped():
     lay = layout(cfg, 4, 1024, causal=True)
     q, k, v = _inputs(1000, b=2)
     out = sparse_attention(q, k, v, lay[:, :63, :63], 16, backend="gather")
-    torch.testing.assert_close(out.double(), _reference(q, k, v, lay, 16, True, None), atol=TOL, rtol=0)
+    torch.testing.assert_close(out, _reference(q, k, v, lay[:, :63, :63], 16, True, None), atol=TOL,
+                               rtol=0)
 
 
 def test_choose_plan():
