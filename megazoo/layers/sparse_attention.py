@@ -27,8 +27,8 @@ sliding window of w blocks costs about ceil(w * 16 / 128) + 1 tiles per tile row
 Small blocks at their own density: backend "gather" (`sparse_plan.py`, `sparse_gather.py`)
 computes the same function over a rearranged key axis (windows in place, global columns
 gathered once per head, other blocks gathered per query tile, dense rows apart), whose tiles
-are mostly full. "auto" on CUDA takes it for a block below 128 when its plan computes fewer
-tiles than the tiles of the layout in place (`choose_plan`).
+are mostly full. "auto" on CUDA takes it for a block below 128 when the plan's tiles plus the
+cost of its copied keys stay well below the tiles of the layout in place (`choose_plan`).
 
 s need not be a multiple of the block: the layout then has ceil(s / block) blocks per side
 (the layout of the length rounded up to the block, as generation uses it) and its last block

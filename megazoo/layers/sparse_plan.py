@@ -10,7 +10,7 @@ of four owners, on the block level:
 | owner | which blocks | computed against |
 |---|---|---|
 | DIRECT | those in "direct" tiles: the diagonal tile, and tiles holding at least r/2 distinct non-global key blocks of the tile row (r = 128 / block): windows | the keys in place (segment 1) |
-| SHARED | blocks of global columns (set in at least half of the rows that may see them) outside direct tiles | the global columns gathered once per head, sorted by position (segment 2) |
+| SHARED | blocks of global columns (set in at least half of the rows that may see them, and in at least 2r) outside direct tiles | the global columns gathered once per head, sorted by position (segment 2) |
 | PRIVATE | every other block (random blocks, stray window ends) | per query tile, its own key blocks gathered into whole tiles (segment 3) |
 | ROW | all blocks of dense rows (a row that sees at least half of the blocks it may see, and at least 4r of them: global rows) | a second call over gathered query rows |
 
