@@ -17,7 +17,6 @@ flow through the gathers (index_select / index_copy), no log-sum-exp merge neede
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .sparse_plan import PRIVATE, PRIVATE_BASE, ROW, TILE, GatherPlan, kv_blocks
 
@@ -82,7 +81,7 @@ def _gather(x: torch.Tensor, index: torch.Tensor, heads: int, in_place: int = 0)
     """x [b, hx, L, d] at positions index [hp, n] -> ([b, hx or heads, n, d], grouped):
     one index row for all heads keeps hx (GQA stays grouped); per-head rows expand x to
     `heads` first (query head h reads kv head h // (heads / hx)). The first `in_place`
-    positions are 0, 1, ... (zero past L): copied by padding, so only the rest is gathered
+    positions are 0, 1, ... (zero past L): copied in one piece, so only the rest is gathered
     (whose backward adds with atomics)."""
     head = x
     if index.shape[0] > 1 and x.shape[1] != heads:
@@ -94,9 +93,8 @@ def _gather(x: torch.Tensor, index: torch.Tensor, heads: int, in_place: int = 0)
     else:
         flat = (rest + torch.arange(heads, device=index.device)[:, None] * length).flatten()
         picked = x.reshape(b, heads * length, d).index_select(1, flat).view(b, heads, -1, d)
-    if in_place:
-        front = F.pad(x, (0, 0, 0, in_place - length))  # [b, hx, in_place, d]
-        picked = torch.cat([front, picked], dim=2)
+    if in_place:  # one copy: [x | zeros up to in_place | picked]
+        picked = torch.cat([x, x.new_zeros(b, hx, in_place - length, d), picked], dim=2)
     return picked, index.shape[0] == 1 and head.shape[1] != heads
 
 
