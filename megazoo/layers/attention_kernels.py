@@ -46,6 +46,35 @@ def _flex_function(compiled: bool):
     return torch.compile(call, dynamic=False) if compiled else call
 
 
+@functools.lru_cache(maxsize=2)
+def _flex_positions_function(compiled: bool):
+    """flex_attention on [b, h, n, d] whose queries and keys sit at positions q_pos [hp, n_q]
+    and k_pos [hp, n_k] (hp = 1: shared by every head), with ALiBi (-slope * |position
+    distance|) when slopes are given: keys gathered out of order (sparse_gather.py)."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    def call(q, k, v, slopes, q_pos, k_pos, block_mask, scale, enable_gqa):
+        score_mod = None
+        if slopes is not None:
+            qh, kh = q_pos.shape[0] > 1, k_pos.shape[0] > 1  # static under compile
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                qp = q_pos[h if qh else 0, q_idx]
+                kp = k_pos[h if kh else 0, kv_idx]
+                return score - slopes[h] * (qp - kp).abs()
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                    enable_gqa=enable_gqa)
+    return torch.compile(call, dynamic=False) if compiled else call
+
+
+def flex_at_positions(q, k, v, block_mask, alibi_slopes, q_pos, k_pos, scale, enable_gqa):
+    """FlexAttention on [b, h, n, d] (not the [s, b, h, d] layout) with tokens at the given
+    positions (see `_flex_positions_function`); returns [b, hq, n_q, d]."""
+    slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()
+    fn = _flex_positions_function(compiled=q.device.type == "cuda")
+    return fn(q, k, v, slopes, q_pos, k_pos, block_mask, scale, enable_gqa)
+
+
 @functools.lru_cache(maxsize=32)
 def _causal_block_mask(s_q: int, s_k: int, device: torch.device):
     from torch.nn.attention.flex_attention import create_block_mask

@@ -23,6 +23,16 @@ a mask ("full"), a tile with some set is computed with the mask evaluated per el
 ("partial": the layout looked up at [h, i // block, j // block]), a tile with none is skipped.
 So the work is that of the 128-tiles touched, not the layout's own density: a 16-block
 sliding window of w blocks costs about ceil(w * 16 / 128) + 1 tiles per tile row.
+
+Small blocks at their own density: backend "gather" (`sparse_plan.py`, `sparse_gather.py`)
+computes the same function over a rearranged key axis (windows in place, global columns
+gathered once per head, other blocks gathered per query tile, dense rows apart), whose tiles
+are mostly full. "auto" on CUDA takes it for a block below 128 when the plan's tiles plus the
+cost of its copied keys stay well below the tiles of the layout in place (`choose_plan`).
+
+s need not be a multiple of the block: the layout then has ceil(s / block) blocks per side
+(the layout of the length rounded up to the block, as generation uses it) and its last block
+is short.
 """
 from __future__ import annotations
 
@@ -31,10 +41,14 @@ import torch
 from . import attention_kernels as kernels
 from .attention import AttentionRequest, math_attention, unsupported_reason
 from .sparse_config import SparseAttentionConfig
+from .sparse_gather import block_masks, gather_attention
 from .sparse_layouts import layout as make_layout
+from .sparse_plan import TILE as KERNEL_BLOCK
+from .sparse_plan import GatherPlan, build_plan, kv_blocks
 
-KERNEL_BLOCK = 128
-BACKENDS = ("auto", "flex", "math")
+BACKENDS = ("auto", "flex", "gather", "math")
+GATHER_GAIN = 0.8  # "auto" gathers when its plan costs at most this share of the tiles
+GATHER_KEY_COST = 8  # cost of a tile of keys copied out of place, in computed tiles
 
 
 def token_mask(block_layout: torch.Tensor, block: int) -> torch.Tensor:
@@ -69,13 +83,6 @@ def tile_layout(block_layout: torch.Tensor, block: int, causal: bool,
     return needed & ~full, full
 
 
-def _kv_blocks(tiles: torch.Tensor):
-    """[h, n, n] bool -> ([1, h, n] counts, [1, h, n, n] column indices, set ones first)."""
-    counts = tiles.sum(dim=-1, dtype=torch.int32)
-    order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True)
-    return counts[None], order.to(torch.int32)[None]
-
-
 def _layout_mask_mod(table: torch.Tensor, unit: int, causal: bool):
     """mask_mod(b, h, q, kv): table[h, q // unit, kv // unit] (and q >= kv)."""
     last = table.shape[-1] - 1
@@ -88,9 +95,23 @@ def _layout_mask_mod(table: torch.Tensor, unit: int, causal: bool):
     return mask_mod
 
 
+def _crop_tiles(partial, full, s: int, padded: int, kernel_block: int):
+    """Tiles of a sequence s shorter than the layout's padded length: the last tile row and
+    column hold tokens beyond s, so they are never full; tiles past ceil(s / kernel) go."""
+    if s == padded:
+        return partial, full
+    n = -(-s // kernel_block)
+    partial, full = partial[:, :n, :n].clone(), full[:, :n, :n].clone()
+    partial[:, -1, :] |= full[:, -1, :]
+    partial[:, :, -1] |= full[:, :, -1]
+    full[:, -1, :] = False
+    full[:, :, -1] = False
+    return partial, full
+
+
 def block_mask_from_layout(block_layout: torch.Tensor, block: int, *, causal: bool,
                            device=None, kernel_block: int = KERNEL_BLOCK,
-                           lookup_block: int | None = None):
+                           lookup_block: int | None = None, seq_len: int | None = None):
     """The FlexAttention BlockMask of a layout (see the module docstring for the tiling).
 
     Built from the layout directly (`BlockMask.from_kv_blocks`), without evaluating the mask
@@ -98,7 +119,8 @@ def block_mask_from_layout(block_layout: torch.Tensor, block: int, *, causal: bo
     partial tiles, and everywhere by FlexAttention's unfused eager path) looks the layout up
     at lookup_block granularity: by default the block; a smaller one that divides it gives the
     same mask from a larger table, and lets layouts of different blocks share one compiled
-    kernel (the graph depends on the table's shape and the granularity).
+    kernel (the graph depends on the table's shape and the granularity). seq_len: the real
+    length when the last block is short (default: nb * block).
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -106,15 +128,17 @@ def block_mask_from_layout(block_layout: torch.Tensor, block: int, *, causal: bo
     heads, nb, _ = block_layout.shape
     shared = heads == 1 or block_layout.stride(0) == 0
     lay = (block_layout[:1] if shared else block_layout).to(device=device, dtype=torch.bool)
-    partial, full = (t.expand(heads, -1, -1) for t in tile_layout(lay, block, causal, kernel_block))
-    kv_num, kv_idx = _kv_blocks(partial)
-    full_num, full_idx = _kv_blocks(full)
+    s = nb * block if seq_len is None else seq_len
+    partial, full = _crop_tiles(*tile_layout(lay, block, causal, kernel_block), s, nb * block,
+                                kernel_block)
+    partial, full = partial.expand(heads, -1, -1), full.expand(heads, -1, -1)
+    kv_num, kv_idx = kv_blocks(partial)
+    full_num, full_idx = kv_blocks(full)
     unit = block if lookup_block is None else lookup_block
     if unit < 1 or block % unit:
         raise ValueError(f"lookup_block {unit} must divide the block {block}")
     table = lay.repeat_interleave(block // unit, dim=1).repeat_interleave(block // unit, dim=2)
     mask_mod = _layout_mask_mod(table.expand(heads, -1, -1).contiguous(), unit, causal)
-    s = nb * block
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=kernel_block,
                                     mask_mod=mask_mod, seq_lengths=(s, s))
 
@@ -127,48 +151,87 @@ def _check(q, k, v, block_layout, block, alibi_slopes) -> None:
     if k.shape[1] != b or k.shape[3] != d or hq % k.shape[2]:
         raise ValueError(f"k, v {tuple(k.shape)} do not fit q {tuple(q.shape)}: batch and head "
                          f"dim must match and the query heads be a multiple of the kv heads")
-    nb = s // block if block > 0 else -1
-    if block_layout.dtype != torch.bool or block_layout.shape != (hq, nb, nb) or nb * block != s:
-        raise ValueError(f"sparse attention layout must be bool [hq, s/block, s/block] = "
-                         f"[{hq}, {s}/{block}, {s}/{block}] with s a multiple of block; got "
+    nb = -(-s // block) if block > 0 else -1
+    if block_layout.dtype != torch.bool or block_layout.shape != (hq, nb, nb):
+        raise ValueError(f"sparse attention layout must be bool [hq, ceil(s/block), "
+                         f"ceil(s/block)] = [{hq}, {nb}, {nb}] (s {s}, block {block}); got "
                          f"{block_layout.dtype} {tuple(block_layout.shape)}")
     if alibi_slopes is not None and alibi_slopes.shape != (hq,):
         raise ValueError(f"alibi_slopes must have one slope per query head ([{hq}]), "
                          f"got {tuple(alibi_slopes.shape)}")
 
 
-def _select(backend: str, q, k, v, alibi: bool) -> str:
+def _select(backend: str, q, k, v, alibi: bool, block: int) -> str:
+    """The backend that runs: "math", "flex", "gather", or "auto" (CUDA: flex or gather)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown sparse attention backend {backend!r}; choose one of {BACKENDS}")
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     req = AttentionRequest(q.device.type, q.dtype, q.shape[-1], alibi, False, False, grad)
     reason = unsupported_reason("flex", req)
     if backend == "auto":
-        return "flex" if q.device.type == "cuda" and reason is None else "math"
-    if backend == "flex" and reason is not None:
-        raise ValueError(f"sparse attention backend 'flex' cannot run this call: {reason}; "
-                         f"use backend='math' or 'auto'")
+        return "auto" if q.device.type == "cuda" and reason is None else "math"
+    if backend == "gather" and KERNEL_BLOCK % block:
+        raise ValueError(f"sparse attention backend 'gather' needs a block dividing "
+                         f"{KERNEL_BLOCK}, got {block}; use backend='flex' or 'auto'")
+    if q.device.type == "cuda" or backend == "flex":
+        if backend != "math" and reason is not None:
+            raise ValueError(f"sparse attention backend {backend!r} cannot run this call: "
+                             f"{reason}; use backend='math' or 'auto'")
     return backend
+
+
+def _heads_of(block_layout: torch.Tensor) -> torch.Tensor:
+    """The layout with one head when every head shares it (an expanded view), else itself."""
+    shared = block_layout.shape[0] == 1 or block_layout.stride(0) == 0
+    return block_layout[:1] if shared else block_layout
+
+
+def choose_plan(block_layout, block: int, causal: bool, seq_len: int, device) -> GatherPlan | None:
+    """The gather plan of a layout when its cost (tiles computed, plus GATHER_KEY_COST per
+    tile of keys copied out of place) is at most GATHER_GAIN of the kernel tiles of the layout
+    in place, else None. Measured on an H100 (bench/sparse_attention_bench.py): gathering
+    pays where shared global columns make the tiles (fixed), not where random blocks gathered
+    per query tile do (bigbird, variable: their copies cost more than the tiles saved)."""
+    if KERNEL_BLOCK % block or block == KERNEL_BLOCK:
+        return None
+    lay = _heads_of(block_layout).to(device)
+    partial, full = _crop_tiles(*tile_layout(lay, block, causal), seq_len,
+                                lay.shape[-1] * block, KERNEL_BLOCK)
+    plan = build_plan(lay, block, seq_len, causal)
+    cost = sum(plan.tiles()) + GATHER_KEY_COST * plan.gathered_tiles()
+    return plan if cost <= GATHER_GAIN * int(partial.sum() + full.sum()) else None
 
 
 def sparse_attention(q, k, v, layout, block, *, causal: bool = True, scale: float | None = None,
                      alibi_slopes: torch.Tensor | None = None, backend: str = "auto",
-                     block_mask=None) -> torch.Tensor:
+                     block_mask=None, plan: GatherPlan | None = None) -> torch.Tensor:
     """Attention restricted to the layout's tiles (module docstring: shapes and semantics).
 
-    backend: "flex" (FlexAttention, compiled on CUDA; eager and forward-only on CPU), "math"
-    (float32, an explicit [h, s, s] mask: small sizes and checking) or "auto" (flex on CUDA,
-    else math). block_mask: a `block_mask_from_layout(layout, block, causal=causal)` built
-    beforehand, reused across calls (built here when None).
+    backend: "flex" (FlexAttention over the layout's tiles, compiled on CUDA; eager and
+    forward-only on CPU), "gather" (the gather plan: FlexAttention on CUDA, float32 math over
+    the gathered keys on CPU), "math" (float32, an explicit [h, s, s] mask: small sizes and
+    checking) or "auto" (on CUDA the gather plan when `choose_plan` gives one, else flex; math
+    elsewhere). block_mask / plan: built beforehand and reused across calls (built when None).
     """
     _check(q, k, v, layout, block, alibi_slopes)
+    s = q.shape[0]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    name = _select(backend, q, k, v, alibi_slopes is not None)
+    name = _select(backend, q, k, v, alibi_slopes is not None, block)
+    if name == "auto" and block_mask is None:
+        plan = plan if plan is not None else choose_plan(layout, block, causal, s, q.device)
+        name = "flex" if plan is None else "gather"
     if name == "math":
-        mask = token_mask(layout.to(q.device), block)[None]  # [1, hq, s, s]
+        mask = token_mask(layout.to(q.device), block)[None, :, :s, :s]  # [1, hq, s, s]
         return math_attention(q, k, v, causal, None, alibi_slopes, scale, 0.0, mask=mask)
+    if name == "gather":
+        if plan is None:
+            plan = build_plan(_heads_of(layout).to(q.device), block, s, causal)
+        kernel = "flex" if q.device.type == "cuda" else "math"
+        return gather_attention(q, k, v, plan, scale=scale, alibi_slopes=alibi_slopes,
+                                kernel=kernel)
     if block_mask is None:
-        block_mask = block_mask_from_layout(layout, block, causal=causal, device=q.device)
+        block_mask = block_mask_from_layout(layout, block, causal=causal, device=q.device,
+                                            seq_len=s)
     return kernels.flex_with_block_mask(q, k, v, block_mask, alibi_slopes, scale)
 
 
@@ -192,22 +255,39 @@ class SparseAttention:
         self._masks: dict = {}
 
     def layout(self, seq_len: int) -> torch.Tensor:
-        """Bool [h1 - h0, s / block, s / block] on CPU (ValueError if s does not fit)."""
+        """Bool [h1 - h0, nb, nb] on CPU, nb = ceil(s / block): the layout of s rounded up to
+        the block (ValueError if that length does not fit the config)."""
         if seq_len not in self._layouts:
-            self._layouts[seq_len] = make_layout(self.config, self.num_heads, seq_len, self.seed,
+            padded = -(-seq_len // self.config.block) * self.config.block
+            self._layouts[seq_len] = make_layout(self.config, self.num_heads, padded, self.seed,
                                                  causal=self.causal, heads=self.head_range)
         return self._layouts[seq_len]
 
-    def block_mask(self, seq_len: int, device):
-        key = (seq_len, str(device))
+    def prepared(self, seq_len: int, device, backend: str):
+        """(block_mask, plan) for a CUDA backend, built once per (s, device, backend)."""
+        key = (seq_len, str(device), backend)
         if key not in self._masks:
-            self._masks[key] = block_mask_from_layout(self.layout(seq_len), self.config.block,
-                                                      causal=self.causal, device=device)
+            lay, block = self.layout(seq_len), self.config.block
+            plan = None
+            if backend == "auto":
+                plan = choose_plan(lay, block, self.causal, seq_len, device)
+            elif backend == "gather":
+                plan = build_plan(_heads_of(lay).to(device), block, seq_len, self.causal)
+            if plan is not None:
+                block_masks(plan)  # kept on the plan
+                self._masks[key] = (None, plan)
+            else:
+                self._masks[key] = (block_mask_from_layout(lay, block, causal=self.causal,
+                                                           device=device, seq_len=seq_len), None)
         return self._masks[key]
 
     def __call__(self, q, k, v, *, alibi_slopes=None, scale=None) -> torch.Tensor:
         lay = self.layout(q.shape[0])
-        name = _select(self.backend, q, k, v, alibi_slopes is not None)
-        mask = self.block_mask(q.shape[0], q.device) if name == "flex" else None
+        name = _select(self.backend, q, k, v, alibi_slopes is not None, self.config.block)
+        mask, plan = None, None
+        if name != "math" and q.device.type == "cuda":
+            mask, plan = self.prepared(q.shape[0], q.device, name)
+            name = "gather" if plan is not None else "flex"
         return sparse_attention(q, k, v, lay, self.config.block, causal=self.causal, scale=scale,
-                                alibi_slopes=alibi_slopes, backend=name, block_mask=mask)
+                                alibi_slopes=alibi_slopes, backend=name, block_mask=mask,
+                                plan=plan)

@@ -110,6 +110,24 @@ def test_flex_forward_at_every_tiling(block, lookup):
     torch.testing.assert_close(flex.double(), ref, atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("block, s", [(16, 600), (64, 600), (128, 600), (256, 600)])
+def test_short_last_block(block, s):
+    """s not a multiple of the block: the layout of s rounded up to the block, cut to s (math
+    against the float64 reference; FlexAttention's forward over the cropped tiles too)."""
+    c = Config("bigbird", block, True, num_random_blocks=1, num_sliding_window_blocks=1,
+               attention="unidirectional")
+    attn = SparseAttention(c, 4, seed=1)
+    lay = attn.layout(s)
+    assert lay.shape == (4, -(-s // block), -(-s // block))
+    q, k, v = _inputs(s)
+    ref = _reference(q, k, v, lay, block, True, None)
+    torch.testing.assert_close(attn(q, k, v).double(), ref, atol=TOL, rtol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
+        flex = sparse_attention(q, k, v, lay, block, backend="flex")
+    torch.testing.assert_close(flex.double(), ref, atol=TOL, rtol=0)
+
+
 # ---- layouts: the semantics written per tile, independently of the vectorised code ----
 
 def _fixed_tile(c, h, nb, r, col):
@@ -250,6 +268,20 @@ def test_block_mask_tiles_equal_create_block_mask(block, causal):
     assert not (partial & full).any()
 
 
+@pytest.mark.parametrize("block", [16, 256])
+def test_block_mask_tiles_of_a_short_sequence(block):
+    """600 tokens (not a multiple of the block): the cropped tiles equal create_block_mask's."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    c = Config("bigbird", block, True, num_random_blocks=1, num_sliding_window_blocks=1)
+    lay = SparseAttention(c, 2, causal=True).layout(600)
+    idx = torch.arange(600)
+    mask = lay[:, idx[:, None] // block, idx[None, :] // block] & (idx[None, :] <= idx[:, None])
+    want = create_block_mask(lambda b, h, qi, ki: mask[h, qi, ki], 1, 2, 600, 600, device="cpu")
+    got = block_mask_from_layout(lay, block, causal=True, seq_len=600)
+    for name in ("kv_num_blocks", "full_kv_num_blocks"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
 def test_config_round_trip_and_seed_section():
     seeds = {"mode": "fixed", "block": 16, "different_layout_per_head": True}
     c = Config.from_ds_config(seeds)
@@ -288,7 +320,7 @@ def test_bad_config_one_line(keys, seq, message):
 def test_bad_attention_inputs():
     lay = layout(Config("dense", 16), 4, 128)
     q, k, v = _inputs(128)
-    with pytest.raises(ValueError, match=r"layout must be bool \[hq, s/block, s/block\]"):
+    with pytest.raises(ValueError, match=r"layout must be bool \[hq, ceil\(s/block\), ceil\(s/block\)\]"):
         sparse_attention(q, k, v, lay[:2], 16)
     with pytest.raises(ValueError, match="unknown sparse attention backend"):
         sparse_attention(q, k, v, lay, 16, backend="triton")
