@@ -88,18 +88,6 @@ def bucket_slots(buffers, fraction: float) -> list[Slot]:
     return slots
 
 
-def available_host_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def check_host_memory(needed: int, on_disk: bool, available: int | None) -> None:
     """One line naming the numbers when the host share cannot fit in host memory."""
     if available is None or needed <= available:

@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 from ...parallel.collectives import all_gather_flat
-from .cpu_offload import (NAMES, ResidentStore, Transfers, adamw_, available_host_bytes,
+from .cpu_offload import (NAMES, ResidentStore, Transfers, adamw_,
                           bucket_slots, check_host_memory, init_steps, set_steps)
-from ...plan.offload import check_nvme_path
+from ...plan.offload import check_nvme_path, host_memory_bytes
 from ..offload_config import OffloadPlan
 from .grad_buffer import GradBuffer
 from .master_optimizer import MasterAdamW, hook_bucket_waits
@@ -82,7 +82,7 @@ class OffloadAdamW:
         staging = buffers.main_grad.element_size()  # every host bucket's gradient waits
         resident = 0 if plan.nvme_path else 12  # fp32 master + 2 moments per element
         check_host_memory(self.host_numel * (resident + staging), plan.nvme_path is not None,
-                          available_host_bytes())
+                          host_memory_bytes())
         self.stores = {True: _host_store(plan, [s.numel for s in host], self.copies.pin,
                                          buffers.state.global_rank),
                        False: ResidentStore([s.numel for s in self.slots if not s.host],
