@@ -75,6 +75,8 @@ class DeepSpeedEngine(Engine):
     offloaded and its op loads; False forces torch AdamW.
     """
 
+    checkpoint_kind = "deepspeed"
+
     def __init__(self, model: torch.nn.Module, state: ParallelState, args, *,
                  cpu_adam: bool | None = None):
         check_layout(state)
