@@ -102,11 +102,26 @@ def test_flipped_aux_byte_is_caught_when_the_aux_tensor_is_read(ckpt):
         load_model_weights(model, ckpt, aux_prefixes=("exp_avg",))
 
 
-def test_checkpoint_without_checksums_still_loads(ckpt):
+@pytest.mark.parametrize("edit", ["drop-values", "rename-algorithm-key", "drop-one-entry"])
+def test_a_missing_checksum_is_an_error_unless_told_not_to(ckpt, edit):
+    """Editing megazoo.json must not switch verification off: no values, the hash's key
+    renamed (so the CRC-32 default finds no values), one tensor's entry dropped."""
     meta = json.loads((ckpt / "megazoo.json").read_text())
-    del meta[hashes.values_key(meta["checksum"])], meta["checksum"]
+    algorithm = meta["checksum"]
+    if edit == "drop-values":
+        del meta[hashes.values_key(algorithm)]
+        message = "records no .* checksums under"
+    elif edit == "rename-algorithm-key":
+        meta["checksum_algorithm"] = meta.pop("checksum")
+        message = "records no checksums" if algorithm == "crc32" else "records no checksums \\(no"
+    else:
+        del meta[hashes.values_key(algorithm)][FILE][KEY]
+        message = f"records no checksum for tensor '{KEY}' of {FILE}"
     (ckpt / "megazoo.json").write_text(json.dumps(meta))
-    model = load_pretrained(ckpt)
+    if not (edit == "rename-algorithm-key" and algorithm == "crc32"):  # crc32: still verified
+        with pytest.raises(ValueError, match=message + ".*--no-verify-checksums"):
+            load_pretrained(ckpt)
+    model = load_pretrained(ckpt, verify_checksums=False)
     assert torch.equal(dict(model.named_parameters())[KEY], dict(tiny_model().named_parameters())[KEY])
 
 
@@ -156,13 +171,14 @@ def test_write_checkpoint_refuses_nonfinite(ckpt, tmp_path):
 
 
 def make_nonfinite(ckpt) -> None:
-    """inf over two elements of KEY, in a checkpoint without checksums (as written before
-    they existed: a checksum recorded by the writer vouches for finite bytes, so the
-    finiteness check is what catches this one)."""
-    begin, _ = tensor_span(ckpt / FILE, KEY)
+    """inf over two elements of KEY, with the checksum in megazoo.json then made to match
+    (computed with the hash library itself): the bytes verify, the values are unusable, and
+    the finiteness check must still catch them."""
+    begin, end = tensor_span(ckpt / FILE, KEY)
     patch_bytes(ckpt / FILE, begin + 8, struct.pack("<ff", float("inf"), float("inf")))
     meta = json.loads((ckpt / "megazoo.json").read_text())
-    del meta[hashes.values_key(meta["checksum"])]
+    raw = (ckpt / FILE).read_bytes()[begin:end]
+    meta[hashes.values_key(meta["checksum"])][FILE][KEY] = reference_digest(raw, meta["checksum"])
     (ckpt / "megazoo.json").write_text(json.dumps(meta))
 
 
