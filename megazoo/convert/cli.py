@@ -29,8 +29,8 @@ def _output_args(parser: argparse.ArgumentParser) -> None:
 
 def _verify_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
-                        help="read the --load checkpoint without checking each tensor against "
-                             "the checksum megazoo.json recorded for it")
+                        help="read the --load checkpoint without checking each tensor (each "
+                             "DeepSpeed file) against the checksum megazoo.json recorded for it")
 
 
 def _dtype(args):

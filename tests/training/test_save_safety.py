@@ -91,3 +91,23 @@ def test_a_blow_up_does_not_move_latest(data, save, capsys, how):
     assert "not saving a checkpoint, the training loss nan" in err, err
     assert "likely cause: the learning rate is too high (--lr 1e+30)" in err
     assert (snapshot(save) if save.exists() else {}) == before
+
+
+def test_resuming_through_a_symlinked_iteration_folder_is_this_runs_folder(tmp_path):
+    """--save SAVE --load SAVE/iter_0000010, where that folder is a symlink to a checkpoint
+    kept elsewhere: --load is compared as the folder it resolves to, inside SAVE, so the run
+    resumes (real paths on both sides) instead of taking SAVE for another run's folder."""
+    from megazoo.checkpoint import save_checkpoint
+    from megazoo.training.run_checks import prepare_save_dir
+
+    from test_messages import tiny_args, tiny_model
+
+    save_checkpoint(tiny_model(), tmp_path / "kept" / "ck10",
+                    extra={"args": {"training": {"seed": 1234}}})
+    save = tmp_path / "SAVE"
+    save.mkdir()
+    (save / "iter_0000010").symlink_to(tmp_path / "kept" / "ck10")
+    (save / "latest").write_text("10\n")
+    prepare_save_dir(tiny_args(save, "--load", str(save / "iter_0000010")), True, print)
+    with pytest.raises(ValueError, match="holds checkpoints up to iteration 10"):
+        prepare_save_dir(tiny_args(save), True, print)  # not resuming: still refused
