@@ -114,11 +114,20 @@ def check_output_dir(out, *, kind: str, overwrite: bool = False, inputs=(),
         return
     if not overwrite:
         raise ValueError(f"{out} exists and is not empty; choose another {what} or pass {flag}")
-    marker, patterns = KINDS[kind]
+    marker = KINDS[kind][0]
     if marker not in entries:
         raise ValueError(f"{flag} replaces only a {kind} checkpoint folder ({marker} inside); "
                          f"{out} is not one, so it is kept: choose another {what}")
-    foreign = [e for e in entries if not any(fnmatch.fnmatch(e, p) for p in patterns)]
+    check_only_ours(out, kind, names)
+
+
+def check_only_ours(out: str, kind: str, names: tuple[str, str] = ("--out", "--overwrite")) -> None:
+    """ValueError naming the entries of the folder `out` that a checkpoint of `kind` does not
+    hold (what replacing the folder would delete that is not the writer's own)."""
+    what, flag = names
+    patterns = KINDS[kind][1]
+    foreign = [e for e in sorted(os.listdir(out))
+               if not any(fnmatch.fnmatch(e, p) for p in patterns)]
     if foreign:
         raise ValueError(f"{flag} would delete {', '.join(foreign[:3])}"
                          f"{' ...' if len(foreign) > 3 else ''} in {out}, which a {kind} "

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ..checkpoint.files import NonFiniteError
 from ..checkpoint.layout import METADATA_FILE
-from ..checkpoint.output import check_output_dir, fault_point
+from ..checkpoint.output import check_only_ours, fault_point
 from ..checkpoint.resolve import LATEST, iteration_dir, read_latest, resolve_checkpoint
 
 # The temp file `_write_latest` renames over `latest` (left behind only by a killed run).
@@ -102,15 +102,21 @@ def check_save_target(save_dir: str, iteration: int, kind: str, overwrite: bool,
     path = iteration_dir(save_dir, iteration)
     if not os.path.lexists(path):
         return False
-    if not os.path.isfile(os.path.join(path, METADATA_FILE)):
-        check_output_dir(path, kind=kind, names=RUN_NAMES)  # anything in it is not ours
-        return False
-    if not overwrite and _saving(save_dir) != iteration:
+    latest = read_latest(save_dir)
+    killed = _saving(save_dir) == iteration and (latest is None or iteration > latest)
+    complete = os.path.isfile(os.path.join(path, METADATA_FILE))
+    if complete and not (overwrite or killed):
         raise ValueError(f"--save {save_dir} holds {path}, a complete checkpoint later than "
                          f"iteration {resumed_from} this run starts from: the run would replace "
                          f"it; resume from it (--load {path}), move it away, or pass "
                          f"--overwrite-checkpoints to replace it")
-    check_output_dir(path, kind=kind, overwrite=True, names=RUN_NAMES)
+    if not complete and not killed:  # not this run's: refused unless an empty folder
+        if os.path.isdir(path) and not os.listdir(path):
+            return False
+        raise ValueError(f"--save {save_dir} holds {path}, which is not a complete checkpoint "
+                         f"({METADATA_FILE} is missing) nor left by a killed save of this run: "
+                         f"move it away or choose another --save")
+    check_only_ours(path, kind, RUN_NAMES)  # a save killed mid-way, or a checkpoint to replace
     return True
 
 

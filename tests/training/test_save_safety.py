@@ -111,3 +111,26 @@ def test_resuming_through_a_symlinked_iteration_folder_is_this_runs_folder(tmp_p
     prepare_save_dir(tiny_args(save, "--load", str(save / "iter_0000010")), True, print)
     with pytest.raises(ValueError, match="holds checkpoints up to iteration 10"):
         prepare_save_dir(tiny_args(save), True, print)  # not resuming: still refused
+
+
+def test_an_unfinished_folder_is_replaced_only_when_a_killed_save_left_it(tmp_path):
+    """DeepSpeed writes its shards into iter_N before megazoo.json: a save killed between
+    leaves an incomplete folder, which the next save may replace (its note names it) as
+    long as it holds only DeepSpeed's files; any other incomplete folder is named."""
+    from megazoo.training.checkpoint import check_save_target
+
+    folder = tmp_path / "iter_0000006"
+    (folder / "zero").mkdir(parents=True)
+    (folder / "zero" / "mp_rank_00_model_states.pt").write_bytes(b"partial")
+    (tmp_path / "latest").write_text("3\n")
+    with pytest.raises(ValueError, match="is not a complete checkpoint .*nor left by a killed"):
+        check_save_target(str(tmp_path), 6, "deepspeed", True, 3)
+    (tmp_path / ".megazoo-saving").write_text("6\n")
+    assert check_save_target(str(tmp_path), 6, "deepspeed", False, 3)
+    (folder / "mine.txt").write_text("x")
+    with pytest.raises(ValueError, match="would delete mine.txt"):
+        check_save_target(str(tmp_path), 6, "deepspeed", False, 3)
+    (tmp_path / "latest").write_text("6\n")  # a stale note (latest moved past it) counts not
+    (folder / "mine.txt").unlink()
+    with pytest.raises(ValueError, match="is not a complete checkpoint"):
+        check_save_target(str(tmp_path), 6, "deepspeed", False, 3)
