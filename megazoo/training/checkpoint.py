@@ -17,10 +17,10 @@ and the error says so; the training loop turns it into the run's stop
 for every folder the run will write and again just before each save): an `iter_N` folder
 holding a checkpoint is replaced only with `--overwrite-checkpoints`, or when it is the one
 a save killed before moving `latest` left (named by the `SAVING` note rank 0 writes before
-a save and removes once `latest` names it); and even then only when it holds nothing but
-what the engine writes (`output.check_output_dir`'s rule): any other file is named and the
-run refused. Pointing `latest` back at an earlier iteration and resuming therefore never
-deletes the later iterations.
+a save and removes once `latest` names it, and only while `latest` names an earlier one);
+and even then only when it holds nothing but what the engine writes (the converters' rule,
+`output.check_only_ours`): any other file is named and the run refused. Pointing `latest`
+back at an earlier iteration and resuming therefore never deletes the later iterations.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ LATEST_TMP = r"\.latest\.tmp(?P<pid>\d+)"
 # The note naming the iteration being saved, from before its folder is written until
 # `latest` names it: a complete folder it names was left by a killed save, not by the user.
 SAVING = ".megazoo-saving"
-# How `check_output_dir`'s messages call a training run's output and the flag allowing it.
+# How `output`'s messages call a training run's output and the flag allowing its replacement.
 RUN_NAMES = ("checkpoint folder", "--overwrite-checkpoints")
 
 
