@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megazoo.convert.cli import zero_to_megazoo_main
 from megazoo.training.run import main
@@ -28,10 +29,14 @@ DS = ("--deepspeed", "--zero-stage", "1")
 
 @pytest.fixture(scope="module")
 def ds_save(data, tmp_path_factory):
+    """The checkpoint; afterwards the one-rank process group the runs set up in this
+    process is destroyed, so later tests see no world (they read WORLD_SIZE)."""
     save = tmp_path_factory.mktemp("ds") / "ck"
     assert main(tiny_argv(data, *DS, "--save", str(save), "--train-iters", "2",
                           "--eval-interval", "2", "--generate-tokens", "0")) == 0
-    return save
+    yield save
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @pytest.fixture
