@@ -8,11 +8,13 @@ and cut for the target rank with `tp_slice`; so any tp/pp/vpp loads into any oth
 
 Each tensor is checked as it is read (hashed piece by piece as the pieces arrive, while they are
 still in the CPU cache: no extra pass over memory): against the checksum megazoo.json recorded
-for it, with the hash megazoo.json names (`checksums.py`; CRC-32 where it names none;
-checkpoints written before checksums existed have none and load unchecked), and for
-inf / nan where no verified checksum already vouches for it (the writer records checksums of
-finite tensors only, so matching bytes are finite). Either failure is a ValueError naming the file and the tensor; `verify_checksums=
-False` and `allow_nonfinite=True` turn the checks off.
+for it, with the hash megazoo.json names (`checksums.py`; CRC-32 where it names none but
+holds CRC-32 values), and for inf / nan. Both checks, always: a matching checksum says the
+bytes are the ones recorded, not that the values are usable (megazoo.json can be rewritten
+along with the file). A checksum megazoo.json does not record (no values at all, a renamed
+key, one tensor's entry dropped) is an error too, not a reason to skip the check. Every
+failure is a ValueError naming the file and the tensor; `verify_checksums=False`
+(--no-verify-checksums) and `allow_nonfinite=True` (--allow-nonfinite-load) turn the checks off.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ from .files import BackgroundChecks, nonfinite_count, parse_dtype, read_header, 
 from .resolve import resolve_checkpoint
 from .layout import FORMAT, METADATA_FILE, check_layout, rank_model, stored_parameters
 
+# What a missing checksum's error offers (the command lines' flag, the API's argument).
+UNCHECKED = "restore it, or load unchecked with --no-verify-checksums (verify_checksums=False)"
 # Fields that must agree between a checkpoint and the model it is loaded into.
 SHAPE_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
                 "num_key_value_heads", "ffn_hidden_size", "vocab_size", "position_embedding",
@@ -80,9 +84,9 @@ class CheckpointReader:
         self._background: BackgroundChecks | None = None
         self.metadata = _read_metadata(self.path)
         self.algorithm = self.metadata.get("checksum") or CRC32
-        self.checksums = self.metadata.get(values_key(self.algorithm)) or {}
-        if verify_checksums and "checksum" in self.metadata:
-            check_algorithm(self.algorithm, f"checkpoint {self.path}")
+        self.checksums = self.metadata.get(values_key(self.algorithm))
+        if verify_checksums:
+            self._check_recorded()
         self.config = config_from_dict(self.metadata["model"])
         lay = self.metadata["layout"]
         self.layout = check_layout(lay["tp"], lay["pp"], lay.get("vpp", 1))
@@ -97,6 +101,18 @@ class CheckpointReader:
         for p in range(self.layout["pp"]):
             for fname in stored_parameters(rank_model(self.config, self.layout, p, 0)):
                 self._stage_of[fname] = p
+
+    def _check_recorded(self) -> None:
+        """ValueError unless megazoo.json names a hash this install computes and holds its
+        values ({file: {key: hex}})."""
+        where = os.path.join(self.path, METADATA_FILE)
+        check_algorithm(self.algorithm, f"checkpoint {self.path}")
+        if not isinstance(self.checksums, dict):
+            named = f"{self.algorithm} checksums" if "checksum" in self.metadata else \
+                "checksums (no \"checksum\" key)"
+            raise ValueError(f"{where} records no {named} under "
+                             f"\"{values_key(self.algorithm)}\": the file was edited or the "
+                             f"checkpoint predates checksums; {UNCHECKED}")
 
     def _check_file(self, name: str) -> None:
         file = os.path.join(self.path, name)
@@ -127,8 +143,14 @@ class CheckpointReader:
         start, entries = self._headers[os.path.basename(file)]
         if key not in entries:
             raise ValueError(f"checkpoint file {file} has no tensor {key!r}")
-        recorded = self.checksums.get(os.path.basename(file), {}).get(key)
-        hasher = Hasher(self.algorithm) if self.verify_checksums and recorded else None
+        hasher = None
+        if self.verify_checksums:
+            recorded = (self.checksums.get(os.path.basename(file)) or {}).get(key)
+            if not isinstance(recorded, str):
+                raise ValueError(f"{os.path.join(self.path, METADATA_FILE)} records no checksum "
+                                 f"for tensor {key!r} of {os.path.basename(file)}: the file was "
+                                 f"edited or damaged; {UNCHECKED}")
+            hasher = Hasher(self.algorithm)
         try:
             with open(file, "rb", buffering=0) as f:
                 tensor = read_tensor(f, start, entries[key], hasher)
@@ -139,8 +161,7 @@ class CheckpointReader:
                              f"{hasher.hexdigest()}, megazoo.json recorded {recorded}; restore "
                              f"the file or load another checkpoint (--no-verify-checksums, "
                              f"verify_checksums=False, skips this check)")
-        # The writer records checksums of finite tensors only: bytes matching one are finite.
-        if hasher is None and not self.allow_nonfinite:
+        if not self.allow_nonfinite:  # a matching checksum does not make the values usable
             if self._background is not None:
                 self._background.submit(self._check_finite, file, key, tensor)
             else:

@@ -4,7 +4,11 @@
 
 - an `out` that does not exist, or is an empty folder, is fine;
 - an `out` that is, or contains, one of the inputs is refused (even with overwrite): writing
-  `reshard --load SAVE/iter_10 --out SAVE` must not replace the folder it reads from;
+  `reshard --load SAVE/iter_10 --out SAVE` must not replace the folder it reads from. Both
+  sides are compared as real paths (symlinks followed), and an input stands also for the
+  checkpoint folder it resolves to (`resolve.input_folders`): `--load SAVE --out
+  SAVE/iter_20` is refused when SAVE's `latest` names 20. An `out` inside an input
+  checkpoint folder is refused too (it would add foreign files to the checkpoint read);
 - an `out` that exists and is not empty is refused unless `overwrite`; with it, only a folder
   that is itself a checkpoint of the kind being written (its marker file present) and holds
   nothing but that kind's files is replaced. Anything else in it (a tokenizer, a README, other
@@ -29,8 +33,10 @@ import socket
 import sys
 import time
 
+from .resolve import OLD_SUFFIX, input_folders
+
 OWNER_FILE = ".megazoo-writer.json"
-TEMP_SUFFIX, OLD_SUFFIX = ".megazoo-tmp", ".megazoo-old"
+TEMP_SUFFIX = ".megazoo-tmp"
 
 # kind -> (marker file that makes a folder a checkpoint of that kind, file patterns it owns)
 KINDS = {
@@ -38,6 +44,9 @@ KINDS = {
                                  OWNER_FILE)),
     "hf": ("config.json", ("config.json", "generation_config.json", "model.safetensors",
                            "model-*-of-*.safetensors", "model.safetensors.index.json", OWNER_FILE)),
+    # DeepSpeedEngine.save: DeepSpeed's files (its shards under zero/, its scripts) + ours
+    "deepspeed": ("megazoo.json", ("megazoo.json", "latest", "zero", "zero_to_fp32.py",
+                                   "zero_to_torch.py")),
 }
 
 
@@ -69,35 +78,60 @@ def _is_within(inner: str, outer: str) -> bool:
     return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
 
 
-def check_output_dir(out, *, kind: str, overwrite: bool = False, inputs=()) -> None:
+def _check_inputs(out: str, inputs) -> None:
+    """ValueError if `out` is, contains, or lies inside one of `inputs` (see the module doc)."""
+    for source in inputs:
+        if source is None:
+            continue
+        folders = input_folders(source)
+        hit = next((f for f in folders if _is_within(f, out)), None)
+        if hit is None and len(folders) > 1 and _is_within(out, folders[-1]):
+            hit = folders[-1]  # inside the checkpoint folder the input resolves to
+        if hit is not None:
+            means = "" if hit == os.path.realpath(os.fspath(source)) else \
+                f" ({hit}, the checkpoint {os.fspath(source)} resolves to)"
+            raise ValueError(f"--out {out} is or contains the input {os.fspath(source)}{means}: "
+                             f"writing it would replace what is being read; choose another --out")
+
+
+def check_output_dir(out, *, kind: str, overwrite: bool = False, inputs=(),
+                     names: tuple[str, str] = ("--out", "--overwrite")) -> None:
     """ValueError (one line, saying what to change) unless writing `out` loses nothing.
 
-    `kind` is "megazoo" or "hf"; `inputs` are the folders the writer reads. See the module
-    docstring for the rules.
+    `kind` is a key of `KINDS`; `inputs` are the folders the writer reads. `names`: how the
+    messages call the output and the flag that allows replacing it (a training run's are
+    "checkpoint folder" and "--overwrite-checkpoints"). See the module docstring for the rules.
     """
     out = clean_path(out)
-    for source in inputs:
-        if source is not None and _is_within(os.fspath(source), out):
-            raise ValueError(f"--out {out} is or contains the input {os.fspath(source)}: writing "
-                             f"it would replace what is being read; choose another --out")
+    _check_inputs(out, inputs)
+    what, flag = names
     if not os.path.lexists(out):
         return
     if not os.path.isdir(out):
-        raise ValueError(f"--out {out} exists and is not a folder; choose another --out")
+        raise ValueError(f"{what} {out} exists and is not a folder; choose another {what}")
     entries = sorted(os.listdir(out))
     if not entries:
         return
     if not overwrite:
-        raise ValueError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
-    marker, patterns = KINDS[kind]
+        raise ValueError(f"{out} exists and is not empty; choose another {what} or pass {flag}")
+    marker = KINDS[kind][0]
     if marker not in entries:
-        raise ValueError(f"--overwrite replaces only a {kind} checkpoint folder ({marker} inside); "
-                         f"{out} is not one, so it is kept: choose another --out")
-    foreign = [e for e in entries if not any(fnmatch.fnmatch(e, p) for p in patterns)]
+        raise ValueError(f"{flag} replaces only a {kind} checkpoint folder ({marker} inside); "
+                         f"{out} is not one, so it is kept: choose another {what}")
+    check_only_ours(out, kind, names)
+
+
+def check_only_ours(out: str, kind: str, names: tuple[str, str] = ("--out", "--overwrite")) -> None:
+    """ValueError naming the entries of the folder `out` that a checkpoint of `kind` does not
+    hold (what replacing the folder would delete that is not the writer's own)."""
+    what, flag = names
+    patterns = KINDS[kind][1]
+    foreign = [e for e in sorted(os.listdir(out))
+               if not any(fnmatch.fnmatch(e, p) for p in patterns)]
     if foreign:
-        raise ValueError(f"--overwrite would delete {', '.join(foreign[:3])}"
+        raise ValueError(f"{flag} would delete {', '.join(foreign[:3])}"
                          f"{' ...' if len(foreign) > 3 else ''} in {out}, which a {kind} "
-                         f"checkpoint does not hold: move them away or choose another --out")
+                         f"checkpoint does not hold: move them away or choose another {what}")
 
 
 def _pid_alive(pid: int) -> bool:

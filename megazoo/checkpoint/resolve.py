@@ -17,9 +17,10 @@ import os
 import re
 
 from .layout import METADATA_FILE
-from .output import OLD_SUFFIX
 
 LATEST = "latest"
+# Where `output.publish` keeps the previous checkpoint while it renames the new one in.
+OLD_SUFFIX = ".megazoo-old"
 
 
 class CheckpointNotFound(FileNotFoundError, ValueError):
@@ -31,10 +32,11 @@ def iteration_dir(save_dir: str, iteration: int) -> str:
     return os.path.join(save_dir, f"iter_{iteration:07d}")
 
 
-def read_latest(save_dir: str) -> int | None:
-    """The iteration `save_dir/latest` names (None: no such file, or not a number)."""
+def read_latest(save_dir: str, name: str = LATEST) -> int | None:
+    """The iteration `save_dir/latest` names (None: no such file, or not a number); `name`:
+    another note of a --save folder holding one iteration number."""
     try:
-        with open(os.path.join(save_dir, LATEST)) as f:
+        with open(os.path.join(save_dir, name)) as f:
             text = f.read().strip()
     except OSError:
         return None
@@ -81,3 +83,15 @@ def resolve_checkpoint(path) -> str:
                 f"{earlier}" if earlier else "; no earlier iter_* checkpoint is there either")
         raise CheckpointNotFound(f"{latest} names iteration {text} but {found} is missing{hint}")
     return found
+
+
+def input_folders(path) -> list[str]:
+    """The real paths (symlinks followed) an input path stands for: itself and, when it is a
+    checkpoint or a --save folder, the checkpoint folder it resolves to (its `latest`).
+    A writer compares its output with all of them (`output.check_output_dir`)."""
+    folders = [os.path.realpath(os.fspath(path))]
+    try:
+        resolved = os.path.realpath(resolve_checkpoint(path))
+    except (ValueError, OSError):  # not a checkpoint (an HF folder, a missing path)
+        return folders
+    return folders if resolved in folders else folders + [resolved]

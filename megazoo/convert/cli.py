@@ -29,8 +29,8 @@ def _output_args(parser: argparse.ArgumentParser) -> None:
 
 def _verify_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
-                        help="read the --load checkpoint without checking each tensor against "
-                             "the checksum megazoo.json recorded for it")
+                        help="read the --load checkpoint without checking each tensor (each "
+                             "DeepSpeed file) against the checksum megazoo.json recorded for it")
 
 
 def _dtype(args):
@@ -88,7 +88,7 @@ def megazoo_to_hf_main(argv=None) -> int:
 
 def _relayout_main(argv, description: str, load_help: str, convert, verify: bool) -> int:
     """--load + --out + layout flags -> `convert(load, out, tp=, pp=, vpp=, dtype=, overwrite=)`
-    (and `verify_checksums=` when `verify`: the input is a megazoo checkpoint)."""
+    (and `verify_checksums=` when `verify`: the input is a checkpoint megazoo wrote)."""
     parser = HintingParser(description=description)
     parser.add_argument("--load", required=True, help=load_help)
     parser.add_argument("--out", required=True, help="megazoo checkpoint folder to write")
@@ -118,4 +118,4 @@ def zero_to_megazoo_main(argv=None) -> int:
     return _relayout_main(argv, "Consolidate a DeepSpeedEngine (ZeRO-1/2/3) checkpoint into a "
                                 "megazoo checkpoint.",
                           f"DeepSpeedEngine checkpoint: {LOAD_FORMS}",
-                          zero_to_megazoo, verify=False)
+                          zero_to_megazoo, verify=True)

@@ -8,9 +8,16 @@ folder so it sees one tp rank at a time); the tp shards are then joined with meg
 metadata (`tp_unslice` on the meta-device model of rank t) and streamed into a megazoo
 checkpoint by `megazoo.checkpoint.write_checkpoint` at the layout asked for (default tp=1,
 pp=1), loadable at any layout. The fp32 masters are used, so a bf16 run converts without loss.
+
+Nothing is written before the input is verified: every DeepSpeed file against the checksum
+its megazoo.json records (`megazoo.checkpoint.deepspeed_files`; `verify_checksums=False`,
+--no-verify-checksums, skips it), and every reassembled tensor for inf / nan. A corrupted
+shard is an error naming the file, never a converted checkpoint with fresh, valid checksums.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import tempfile
 
@@ -34,7 +41,8 @@ def tp_rank_state_dict(load: str, tag: str, tp_rank: int) -> dict[str, torch.Ten
         os.makedirs(os.path.join(tmp, tag))
         for f in _tp_rank_files(ds_dir, tp_rank):
             os.symlink(os.path.abspath(os.path.join(ds_dir, f)), os.path.join(tmp, tag, f))
-        sd = get_fp32_state_dict_from_zero_checkpoint(tmp, tag=tag)
+        with contextlib.redirect_stderr(io.StringIO()):  # DeepSpeed's progress bar
+            sd = get_fp32_state_dict_from_zero_checkpoint(tmp, tag=tag)
     return {k: (v.materialize() if hasattr(v, "materialize") else v) for k, v in sd.items()}
 
 
@@ -63,16 +71,24 @@ def full_state_dict(load: str) -> tuple[object, dict[str, torch.Tensor], dict]:
 
 
 def zero_to_megazoo(load, out, *, tp: int = 1, pp: int = 1, vpp: int = 1,
-                    dtype: torch.dtype | None = None, overwrite: bool = False) -> None:
+                    dtype: torch.dtype | None = None, overwrite: bool = False,
+                    verify_checksums: bool = True) -> None:
     """Consolidate the DeepSpeedEngine checkpoint `load` into a megazoo checkpoint `out`
-    (`overwrite` as in `hf_to_megazoo`; `out` is never `load` nor a folder containing it)."""
+    (`overwrite` as in `hf_to_megazoo`; `out` is never `load` nor a folder containing it),
+    after verifying it (see the module doc)."""
     from ..checkpoint import write_checkpoint
+    from ..checkpoint.deepspeed_files import check_finite_loaded, verify_checksums as verify
     from ..checkpoint.output import check_output_dir
     from ..checkpoint.resolve import resolve_checkpoint
+    from ..training.backends.deepspeed_zero import read_ds_metadata
 
     load, out = os.fspath(load), os.fspath(out)
     check_output_dir(out, kind="megazoo", overwrite=overwrite, inputs=[load])
-    config, full, meta = full_state_dict(resolve_checkpoint(load))  # a --save folder: its latest
+    folder = resolve_checkpoint(load)  # a --save folder: its latest
+    if verify_checksums:
+        verify(folder, read_ds_metadata(folder))
+    config, full, meta = full_state_dict(folder)
+    check_finite_loaded(full.items(), folder, allow="")
     extra = {"converted_from": "deepspeed", "zero_stage": meta.get("zero_stage"),
              "source_layout": meta["layout"], "source_extra": meta.get("extra") or {}}
     write_checkpoint(config, out, lambda name: full[name].to(dtype or torch.float32),

@@ -64,6 +64,9 @@ def build_parser() -> HintingParser:
     p.add_argument("--cuda-graphs", action=__import__("argparse").BooleanOptionalAction,
                    default=None, help="capture the decode step as a CUDA graph (default: on "
                    "CUDA at tp = pp = 1, with an eager fallback)")
+    p.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
+                   help="read the checkpoint without checking each tensor against the checksum "
+                        "its megazoo.json recorded")
     return p
 
 
@@ -109,7 +112,8 @@ def run(args) -> None:
     checkpoint, tokenizer, ids, sampling = prepare(args)
     dtype = parse_dtype(args.dtype) if args.dtype else None
     state = ParallelState.initialize(ParallelConfig(tp=args.tp, pp=args.pp))
-    model = load_pretrained(checkpoint, state=state, device=local_device(), dtype=dtype)
+    model = load_pretrained(checkpoint, state=state, device=local_device(), dtype=dtype,
+                            verify_checksums=args.verify_checksums)
     start = time.perf_counter()
     new = generate_ids(model, ids, args.max_new_tokens, sampling, seed=args.seed,
                        stop_id=None if args.ignore_eos else tokenizer.eod,

@@ -12,6 +12,15 @@ RNG states are stored as lists of ints (JSON), never pickled. A save refused for
 in a tensor (`NonFiniteError`, raised by every engine's save) leaves `latest` where it was,
 and the error says so; the training loop turns it into the run's stop
 (`nonfinite.stopped_by_nonfinite_save`).
+
+**A complete checkpoint is never replaced implicitly** (`check_save_target`, made at setup
+for every folder the run will write and again just before each save): an `iter_N` folder
+holding a checkpoint is replaced only with `--overwrite-checkpoints`, or when it is the one
+a save killed before moving `latest` left (named by the `SAVING` note rank 0 writes before
+a save and removes once `latest` names it, and only while `latest` names an earlier one);
+and even then only when it holds nothing but what the engine writes (the converters' rule,
+`output.check_only_ours`): any other file is named and the run refused. Pointing `latest`
+back at an earlier iteration and resuming therefore never deletes the later iterations.
 """
 from __future__ import annotations
 
@@ -24,11 +33,17 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.files import NonFiniteError
-from ..checkpoint.output import fault_point
+from ..checkpoint.layout import METADATA_FILE
+from ..checkpoint.output import check_only_ours, fault_point
 from ..checkpoint.resolve import LATEST, iteration_dir, read_latest, resolve_checkpoint
 
 # The temp file `_write_latest` renames over `latest` (left behind only by a killed run).
 LATEST_TMP = r"\.latest\.tmp(?P<pid>\d+)"
+# The note naming the iteration being saved, from before its folder is written until
+# `latest` names it: a complete folder it names was left by a killed save, not by the user.
+SAVING = ".megazoo-saving"
+# How `output`'s messages call a training run's output and the flag allowing its replacement.
+RUN_NAMES = ("checkpoint folder", "--overwrite-checkpoints")
 
 
 def rng_state() -> dict:
@@ -48,34 +63,86 @@ def set_rng_state(state: dict) -> None:
     random.setstate((version, tuple(internal), gauss_py))
 
 
-def _write_latest(save_dir: str, iteration: int) -> None:
+def _write_note(save_dir: str, name: str, iteration: int) -> None:
+    """`save_dir/name` := the iteration, replaced atomically (write a temp file, rename)."""
     tmp = os.path.join(save_dir, f".{LATEST}.tmp{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(f"{iteration}\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(save_dir, LATEST))
+    os.replace(tmp, os.path.join(save_dir, name))
+
+
+def _write_latest(save_dir: str, iteration: int) -> None:
+    _write_note(save_dir, LATEST, iteration)
+
+
+def _saving(save_dir: str) -> int | None:
+    """The iteration the `SAVING` note names (None: no note)."""
+    return read_latest(save_dir, SAVING)
+
+
+def forget_saving(save_dir: str, unless_after: int | None = None) -> None:
+    """Remove the `SAVING` note (rank 0), or keep it when it names an iteration later than
+    `unless_after` (the note of a save killed before `latest` moved)."""
+    noted = _saving(save_dir)
+    if noted is not None and (unless_after is None or noted <= unless_after):
+        try:
+            os.remove(os.path.join(save_dir, SAVING))
+        except FileNotFoundError:
+            pass
+
+
+def check_save_target(save_dir: str, iteration: int, kind: str, overwrite: bool,
+                      resumed_from: int) -> bool:
+    """Whether saving `iteration` replaces a checkpoint (True: the folder holds only what
+    the engine writes and may be removed first; False: nothing to replace); ValueError (one
+    line, naming the folder and the flag) when the save would lose something. `kind`: the
+    engine's checkpoint kind (`output.KINDS`)."""
+    path = iteration_dir(save_dir, iteration)
+    if not os.path.lexists(path):
+        return False
+    latest = read_latest(save_dir)
+    killed = _saving(save_dir) == iteration and (latest is None or iteration > latest)
+    complete = os.path.isfile(os.path.join(path, METADATA_FILE))
+    if complete and not (overwrite or killed):
+        raise ValueError(f"--save {save_dir} holds {path}, a complete checkpoint later than "
+                         f"iteration {resumed_from} this run starts from: the run would replace "
+                         f"it; resume from it (--load {path}), move it away, or pass "
+                         f"--overwrite-checkpoints to replace it")
+    if not complete and not killed:  # not this run's: refused unless an empty folder
+        if os.path.isdir(path) and not os.listdir(path):
+            return False
+        raise ValueError(f"--save {save_dir} holds {path}, which is not a complete checkpoint "
+                         f"({METADATA_FILE} is missing) nor left by a killed save of this run: "
+                         f"move it away or choose another --save")
+    check_only_ours(path, kind, RUN_NAMES)  # a save killed mid-way, or a checkpoint to replace
+    return True
 
 
 def save_training_checkpoint(engine, save_dir: str, iteration: int, extra: dict, state, *,
-                             overwrite: bool = False) -> str:
+                             overwrite: bool = False, resumed_from: int = 0) -> str:
     """Write `save_dir/iter_N` (collective), then point `latest` at it; return the path.
 
-    An existing `iter_N` holding a checkpoint is replaced (removed first) when `latest` does
-    not reach it (a save killed between publishing it and moving `latest`; setup has checked
-    the folder is this run's) or with `overwrite` (--overwrite-checkpoints); else refused."""
+    An existing `iter_N` is replaced only as `check_save_target` allows (a ValueError on
+    every rank otherwise, before anything is removed)."""
     path = iteration_dir(save_dir, iteration)
+    replace = check_save_target(save_dir, iteration, getattr(engine, "checkpoint_kind", "megazoo"),
+                                overwrite, resumed_from)
+    if state.world_size > 1:
+        dist.barrier()  # every rank has checked before rank 0 removes anything
     if state.global_rank == 0:
         os.makedirs(save_dir, exist_ok=True)
-        latest = read_latest(save_dir)
-        unreferenced = latest is None or iteration > latest  # left by a save killed before latest
-        if (overwrite or unreferenced) and os.path.isfile(os.path.join(path, "megazoo.json")):
+        _write_note(save_dir, SAVING, iteration)
+        if replace:
             shutil.rmtree(path)
     if state.world_size > 1:
         dist.barrier()
     try:
         engine.save(path, {**extra, "iteration": iteration, "rng": rng_state()})
     except NonFiniteError as exc:
+        if state.global_rank == 0:
+            forget_saving(save_dir)
         kept = read_latest(save_dir)
         where = f"{LATEST} still names iteration {kept}" if kept is not None else \
             f"no {LATEST} was written"
@@ -83,6 +150,7 @@ def save_training_checkpoint(engine, save_dir: str, iteration: int, extra: dict,
     if state.global_rank == 0:
         fault_point("before-latest", path)
         _write_latest(save_dir, iteration)
+        forget_saving(save_dir)
     if state.world_size > 1:
         dist.barrier()
     return path

@@ -192,8 +192,9 @@ class CheckpointConfig:
     allow_nonfinite_load: bool = False
     """Load a checkpoint even if a tensor holds inf or nan (refused otherwise)."""
     overwrite_checkpoints: bool = False
-    """Save into a --save folder holding another run's checkpoints (other model shape or
-    --seed); refused otherwise, so one run never moves another's `latest`."""
+    """Save over complete checkpoints in --save: another run's (other model shape or --seed),
+    or iterations later than the one resumed from (`latest` pointed back); refused otherwise.
+    Only the files the run writes are replaced: any other file there is named and refused."""
 
     def __post_init__(self) -> None:
         if self.save_interval is not None and self.save_interval < 1:

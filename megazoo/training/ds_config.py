@@ -30,6 +30,8 @@ import json
 import math
 import os
 
+from .ds_schema import check_types
+
 AUTO = "auto"
 SPARSE_SECTION = "sparse_attention"  # megazoo's model reads it; DeepSpeed never gets it
 # DeepSpeed's compressed-communication optimizers: their "optimizer" section passes through.
@@ -37,7 +39,8 @@ ONEBIT_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
 
 
 def load_ds_json(path: str) -> dict:
-    """The JSON object in `path`; a clear error if it is missing or not a JSON object."""
+    """The JSON object in `path`; a clear error if it is missing, not a JSON object, or holds
+    a value of the wrong type for its key (`ds_schema.check_types`)."""
     if not os.path.isfile(path):
         raise ValueError(f"--deepspeed_config {path}: no such file")
     with open(path, "rb") as f:
@@ -52,6 +55,7 @@ def load_ds_json(path: str) -> dict:
         raise ValueError(f"--deepspeed_config {path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--deepspeed_config {path} must hold a JSON object, got {type(data).__name__}")
+    check_types(data, f"--deepspeed_config {path}")
     return data
 
 
@@ -130,6 +134,25 @@ def _batches(ds: dict, training, dp: int, source: str) -> None:
            f"--global-batch-size {glob} / (--micro-batch-size {micro} x dp {dp})", source)
 
 
+def _training_keys(ds: dict, training, dp: int, source: str) -> None:
+    """Merge precision, clipping and batch sizes into `ds`: a JSON value other than the
+    flags' is an error naming both (every engine's one check of these keys)."""
+    _precision(ds, training, source)
+    _merge(ds, ("gradient_clipping",), float(training.clip_grad), f"--clip-grad {training.clip_grad}",
+           source)
+    _batches(ds, training, dp, source)
+
+
+def check_json_training_keys(args, dp: int) -> None:
+    """For the engines other than DeepSpeed (plain, fsdp2), which read --deepspeed_config's
+    batch sizes, clipping and precision but never build a DeepSpeed config: the JSON's
+    values must agree with the flags exactly as `build_ds_config` requires for --deepspeed
+    (the same check, the same message)."""
+    path = args.zero.deepspeed_config
+    if path:
+        _training_keys(load_ds_json(path), args.training, dp, f"--deepspeed_config {path}")
+
+
 def build_ds_config(args, dp: int) -> dict:
     """The DeepSpeed config dict of `args` (`args.zero`, `args.training`) at data-parallel
     size `dp`. Pure: no file is written and no collective is issued."""
@@ -141,10 +164,7 @@ def build_ds_config(args, dp: int) -> dict:
         ds.pop(SPARSE_SECTION, None)  # the model's (see the module doc)
         source = f"--deepspeed_config {zero.deepspeed_config}"
     _zero_flags(ds, zero, source)
-    _precision(ds, training, source)
-    _merge(ds, ("gradient_clipping",), float(training.clip_grad), f"--clip-grad {training.clip_grad}",
-           source)
-    _batches(ds, training, dp, source)
+    _training_keys(ds, training, dp, source)
     comm = getattr(getattr(args, "compression", None), "communication_data_type", None)
     if comm is not None:
         _merge(ds, ("communication_data_type",), comm, f"--communication-data-type {comm}", source)

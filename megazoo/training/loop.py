@@ -17,7 +17,8 @@ from ..generation.api import generate
 from .checkpoint import save_training_checkpoint
 from .metrics import flops_per_iteration
 from ..checkpoint.files import NonFiniteError
-from .nonfinite import SkipWatch, stopped_by_nonfinite_save
+from .nonfinite import SkipWatch, refuse_nonfinite_loss, stopped_by_nonfinite_save
+from .run_checks import saved_iterations
 
 SUMMARY_STEPS = 10  # the final train loss averages this many last iterations
 
@@ -64,14 +65,18 @@ def seed_step(seed: int, iteration: int, state) -> None:
     torch.manual_seed(((seed + 100 * state.pp.rank) * 1_000_003 + iteration) % 2 ** 63)
 
 
-def _save(run, iteration: int, watch: SkipWatch, result) -> None:
-    """Save iteration `iteration`; a save refused for inf / nan stops the run (exit 1)."""
+def _save(run, iteration: int, watch: SkipWatch, result, valid: float | None) -> None:
+    """Save iteration `iteration`; a save refused for inf / nan stops the run (exit 1), and
+    so does a non-finite last training or evaluation loss (`nonfinite.refuse_nonfinite_loss`):
+    weights that give such a loss are not saved, and `latest` stays where it was."""
     save_dir = run.args.checkpoint.save
+    refuse_nonfinite_loss(iteration, result, valid, watch, save_dir)
     extra = {"consumed_samples": iteration * run.args.training.global_batch_size,
              "args": run.args.to_dict()}
     try:
         path = save_training_checkpoint(run.engine, save_dir, iteration, extra, run.state,
-                                        overwrite=run.args.checkpoint.overwrite_checkpoints)
+                                        overwrite=run.args.checkpoint.overwrite_checkpoints,
+                                        resumed_from=run.start_iteration)
     except NonFiniteError as exc:
         raise stopped_by_nonfinite_save(exc, iteration, watch, result) from None
     run.logger.print(f"saved checkpoint {path}")
@@ -148,9 +153,8 @@ def train(run, print_fn=print) -> dict:
             if valid is not None:
                 run.logger.write({"iteration": n, "valid_loss": valid})
         stop = bool(a.training.exit_interval) and n % a.training.exit_interval == 0
-        if a.checkpoint.save and (n == a.training.train_iters or stop or (
-                a.checkpoint.save_interval and n % a.checkpoint.save_interval == 0)):
-            _save(run, n, watch, result)
+        if a.checkpoint.save and saved_iterations(a, run.start_iteration, [n]):
+            _save(run, n, watch, result, valid)
         if stop:
             break
     progress.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 from ..checkpoint.files import NonFiniteError
+from ..checkpoint.resolve import LATEST, read_latest
 from .backends.base import StepResult, TrainingStopped
 
 
@@ -62,6 +63,25 @@ class SkipWatch:
             return (f"the fp16 loss scale is at its minimum ({result.loss_scale:g}) and the "
                     f"gradients still overflow: lower --lr (now {t.lr:g}) or use --bf16")
         return f"the learning rate is too high (--lr {t.lr:g}): lower it or lengthen the warmup"
+
+
+def refuse_nonfinite_loss(iteration: int, result: StepResult, valid: float | None,
+                          watch: SkipWatch, save_dir: str) -> None:
+    """TrainingStopped (exit 1) instead of saving iteration `iteration` when its training
+    loss or the last evaluation loss is inf / nan: finite weights can still be unusable
+    (a blow-up near the end of a run), and `latest` must keep naming weights that work.
+    Every rank decides alike (both losses are the same on every rank)."""
+    bad = [f"{what} {value:g}" for what, value in (("training loss", result.loss),
+                                                   ("last evaluation loss", valid))
+           if value is not None and not math.isfinite(value)]
+    if not bad:
+        return
+    kept = read_latest(save_dir)
+    where = f"{LATEST} still names iteration {kept}" if kept is not None else \
+        f"no {LATEST} was written"
+    raise TrainingStopped(f"iteration {iteration}: not saving a checkpoint, the "
+                          f"{' and the '.join(bad)}; {where}; likely cause: "
+                          f"{watch.cause(result)}")
 
 
 def stopped_by_nonfinite_save(exc: NonFiniteError, iteration: int, watch: SkipWatch,

@@ -30,7 +30,7 @@ from .config import PretrainArgs
 from .data import TrainData, build_data, resolve_data_source, unigram_entropy
 from .backends import Engine, TrainingStopped, build_engine
 from .metrics import MetricsLogger
-from .run_checks import prepare_save_dir, resume_warnings
+from .run_checks import check_save_targets, prepare_save_dir, resume_warnings
 from .loop import evaluate, train
 
 USER_ERRORS = (ValueError, FileNotFoundError)
@@ -107,6 +107,8 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
         log(f"resumed from {args.checkpoint.load} at iteration {start}")
     elif args.logging.eval_only:
         raise ValueError("--eval-only needs --load DIR (the checkpoint to evaluate)")
+    if not args.logging.eval_only:
+        check_save_targets(args, start, engine.checkpoint_kind)
     logger = MetricsLogger(args.logging, device, rank0, print_fn=log,
                            save_dir=args.checkpoint.save, run_config=args.to_dict())
     return Run(args, state, data, engine, logger, start, entropy, owns)

@@ -2,6 +2,7 @@
 
     read_options(args)                  # how --load is read: checksums, inf / nan
     prepare_save_dir(args, rank0, log)  # leftovers removed; another run's folder refused
+    check_save_targets(args, start, kind)  # no complete checkpoint replaced implicitly
     resume_warnings(args, extra)        # --seq-length / tokenizer differing from the checkpoint's
 
 A `--save` folder belongs to one run: a run that does not resume from it (no `--load` of that
@@ -14,10 +15,13 @@ from __future__ import annotations
 import json
 import os
 
+import re
+
 from ..checkpoint.load import SHAPE_FIELDS
 from ..checkpoint.output import remove_leftovers
-from ..checkpoint.resolve import iteration_dir, previous_checkpoint, read_latest
-from .checkpoint import LATEST_TMP
+from ..checkpoint.resolve import (iteration_dir, previous_checkpoint, read_latest,
+                                  resolve_checkpoint)
+from .checkpoint import LATEST_TMP, check_save_target, forget_saving
 
 
 def read_options(args) -> dict:
@@ -55,11 +59,18 @@ def _differences(args, meta: dict) -> list[str]:
 
 
 def _resumes_from(args, save: str) -> bool:
+    """Whether --load is the --save folder or one of its checkpoints (real paths compared,
+    symlinks followed, --load taken as the checkpoint folder it resolves to)."""
     load = args.checkpoint.load
     if not load:
         return False
-    save, load = os.path.realpath(save), os.path.realpath(load)
-    return load == save or os.path.dirname(load) == save
+    try:
+        folder = resolve_checkpoint(load)
+    except (ValueError, OSError):
+        folder = load  # setup's load names the problem
+    save = os.path.realpath(save)
+    return save in (os.path.realpath(load), os.path.realpath(folder),
+                    os.path.realpath(os.path.dirname(os.path.normpath(folder))))
 
 
 def prepare_save_dir(args, rank0: bool, log) -> None:
@@ -71,6 +82,8 @@ def prepare_save_dir(args, rank0: bool, log) -> None:
     if rank0:
         for path in remove_leftovers(save, LATEST_TMP):
             log(f"removed {path}, left by a killed run")
+        if os.path.isdir(save):
+            forget_saving(save, unless_after=read_latest(save))
     found = _newest_checkpoint(save)
     if found is None or _resumes_from(args, save):
         return
@@ -83,6 +96,28 @@ def prepare_save_dir(args, rank0: bool, log) -> None:
         return
     raise ValueError(f"--save {save} holds {what}: pass --load {save} to resume it, choose "
                      f"another --save, or pass --overwrite-checkpoints to save over them")
+
+
+def saved_iterations(args, start: int, iterations) -> list[int]:
+    """Those of `iterations` that a run starting at `start` will save (as the loop decides:
+    every --save-interval, every --exit-interval, which also ends the run, and the last)."""
+    t, every = args.training, args.checkpoint.save_interval
+    last = t.train_iters
+    if t.exit_interval:
+        last = min(last, (start // t.exit_interval + 1) * t.exit_interval)
+    return sorted(n for n in iterations if start < n <= last and (
+        n == last or (every and n % every == 0)))
+
+
+def check_save_targets(args, start: int, kind: str) -> None:
+    """Before the first step (every rank): each existing iter_* folder of --save that the run
+    will write passes `checkpoint.check_save_target` (a ValueError naming it otherwise)."""
+    save = args.checkpoint.save
+    if not save or not os.path.isdir(save):
+        return
+    found = [int(m[1]) for name in os.listdir(save) if (m := re.fullmatch(r"iter_(\d+)", name))]
+    for n in saved_iterations(args, start, found):
+        check_save_target(save, n, kind, args.checkpoint.overwrite_checkpoints, start)
 
 
 def resume_warnings(args, extra: dict) -> list[str]:

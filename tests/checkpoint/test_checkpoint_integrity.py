@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from megazoo.convert.cli import megazoo_to_hf_main, reshard_main
 from megazoo.parallel.state import ParallelState
 from megazoo.training.checkpoint import save_training_checkpoint
 
-from helpers.checkpoints import (FILE, KEY, make_nonfinite, patch_bytes, refused, tensor_span,
+from helpers.checkpoints import (FILE, KEY, make_nonfinite, reference_digest, patch_bytes, refused, tensor_span,
                                  tiny_model)
 
 def without_xxhash(monkeypatch) -> None:
@@ -46,14 +45,6 @@ def ckpt(tmp_path, algorithm):
     aux = {"exp_avg": {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}}
     save_checkpoint(model, tmp_path / "ck", aux=aux)
     return tmp_path / "ck"
-
-
-def reference_digest(raw: bytes, algorithm: str) -> str:
-    """The checksum computed here from the library's own primitives, not megazoo's."""
-    if algorithm == "crc32":
-        return f"{zlib.crc32(raw):08x}"
-    import xxhash
-    return xxhash.xxh3_64(raw).hexdigest()
 
 
 def test_every_tensor_has_a_checksum_of_its_bytes(ckpt, algorithm):
@@ -83,11 +74,26 @@ def test_flipped_aux_byte_is_caught_when_the_aux_tensor_is_read(ckpt):
         load_model_weights(model, ckpt, aux_prefixes=("exp_avg",))
 
 
-def test_checkpoint_without_checksums_still_loads(ckpt):
+@pytest.mark.parametrize("edit", ["drop-values", "rename-algorithm-key", "drop-one-entry"])
+def test_a_missing_checksum_is_an_error_unless_told_not_to(ckpt, edit):
+    """Editing megazoo.json must not switch verification off: no values, the hash's key
+    renamed (so the CRC-32 default finds no values), one tensor's entry dropped."""
     meta = json.loads((ckpt / "megazoo.json").read_text())
-    del meta[hashes.values_key(meta["checksum"])], meta["checksum"]
+    algorithm = meta["checksum"]
+    if edit == "drop-values":
+        del meta[hashes.values_key(algorithm)]
+        message = "records no .* checksums under"
+    elif edit == "rename-algorithm-key":
+        meta["checksum_algorithm"] = meta.pop("checksum")
+        message = "records no checksums" if algorithm == "crc32" else "records no checksums \\(no"
+    else:
+        del meta[hashes.values_key(algorithm)][FILE][KEY]
+        message = f"records no checksum for tensor '{KEY}' of {FILE}"
     (ckpt / "megazoo.json").write_text(json.dumps(meta))
-    model = load_pretrained(ckpt)
+    if not (edit == "rename-algorithm-key" and algorithm == "crc32"):  # crc32: still verified
+        with pytest.raises(ValueError, match=message + ".*--no-verify-checksums"):
+            load_pretrained(ckpt)
+    model = load_pretrained(ckpt, verify_checksums=False)
     assert torch.equal(dict(model.named_parameters())[KEY], dict(tiny_model().named_parameters())[KEY])
 
 

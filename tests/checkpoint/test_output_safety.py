@@ -19,18 +19,7 @@ from megazoo.convert import megazoo_to_hf
 from megazoo.convert.cli import (hf_to_megazoo_main, megazoo_to_hf_main, reshard_main,
                                  zero_to_megazoo_main)
 
-from helpers.checkpoints import refused, tiny_model
-
-
-def snapshot(folder) -> dict[str, bytes]:
-    """Every file under `folder` with its bytes (what must survive a refused write)."""
-    out = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, folder)] = f.read()
-    return out
+from helpers.checkpoints import refused, snapshot, tiny_model
 
 
 @pytest.fixture
@@ -157,3 +146,18 @@ def test_unwritable_out_names_the_output_folder(tmp_path, capsys):
     err = refused(reshard_main, ["--load", str(tmp_path / "mz"), "--out", str(out)], capsys,
                   f"cannot create the output folder {out}")
     assert ".megazoo-tmp" not in err  # the internal temp folder is not the user's business
+
+
+@pytest.mark.parametrize("how", ["save-folder", "symlink"])
+def test_out_that_the_load_path_resolves_to_is_refused(training_folder, tmp_path, capsys, how):
+    """`--load SAVE` means SAVE/iter_0000020 (its `latest`): an --out naming that folder, or
+    a symlink to it, is the input itself, with or without --overwrite."""
+    out = training_folder / "iter_0000020"
+    if how == "symlink":
+        os.symlink(out, tmp_path / "link")
+        out = tmp_path / "link"
+    before = snapshot(training_folder)
+    for main, extra in ((reshard_main, ["--tp", "2"]), (megazoo_to_hf_main, [])):
+        refused(main, ["--load", str(training_folder), "--out", str(out), "--overwrite", *extra],
+                capsys, "is or contains the input")
+    assert snapshot(training_folder) == before

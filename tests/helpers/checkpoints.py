@@ -3,7 +3,9 @@ corruption in place, and the converters' refused-command check."""
 from __future__ import annotations
 
 import json
+import os
 import struct
+import zlib
 
 from megazoo.checkpoint import checksums as hashes
 from megazoo.models import ModelConfig, build_model
@@ -42,12 +44,32 @@ def patch_bytes(file, offset: int, data: bytes) -> None:
         f.write(data)
 
 
+def reference_digest(raw: bytes, algorithm: str) -> str:
+    """The checksum computed here from the library's own primitives, not megazoo's."""
+    if algorithm == "crc32":
+        return f"{zlib.crc32(raw):08x}"
+    import xxhash
+    return xxhash.xxh3_64(raw).hexdigest()
+
+
 def make_nonfinite(ckpt) -> None:
-    """inf over two elements of KEY, in a checkpoint without checksums (as written before
-    they existed: a checksum recorded by the writer vouches for finite bytes, so the
-    finiteness check is what catches this one)."""
-    begin, _ = tensor_span(ckpt / FILE, KEY)
+    """inf over two elements of KEY, with the checksum in megazoo.json then made to match
+    (computed with the hash library itself): the bytes verify, the values are unusable, and
+    the finiteness check must still catch them."""
+    begin, end = tensor_span(ckpt / FILE, KEY)
     patch_bytes(ckpt / FILE, begin + 8, struct.pack("<ff", float("inf"), float("inf")))
     meta = json.loads((ckpt / "megazoo.json").read_text())
-    del meta[hashes.values_key(meta["checksum"])]
+    raw = (ckpt / FILE).read_bytes()[begin:end]
+    meta[hashes.values_key(meta["checksum"])][FILE][KEY] = reference_digest(raw, meta["checksum"])
     (ckpt / "megazoo.json").write_text(json.dumps(meta))
+
+
+def snapshot(folder) -> dict[str, bytes]:
+    """Every file under `folder` with its bytes (what must survive a refused write)."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = f.read()
+    return out

@@ -6,6 +6,7 @@ import json
 
 from megazoo.models import ModelConfig
 from megazoo.parallel import ParallelConfig
+from megazoo.training.arguments import parse_args
 from megazoo.training.config import DataConfig, PretrainArgs, TrainingConfig
 from megazoo.training.zero_config import ZeroConfig
 
@@ -44,3 +45,11 @@ def ds_args(tmp_path=None, ds: dict | None = None, training=None, **zero):
     training = training or TrainingConfig(micro_batch_size=4, global_batch_size=32)
     return PretrainArgs(model=ModelConfig(), parallel=ParallelConfig(), training=training,
                         zero=ZeroConfig(**zero))
+
+
+def tiny_args(save, *extra):
+    args = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                       "--max-position-embeddings", "16", "--seq-length", "16", "--save", str(save),
+                       *extra])
+    args.model = dataclasses.replace(args.model, vocab_size=96)  # as build_data sets it
+    return args

@@ -184,3 +184,36 @@ def test_residual_files_are_verified_on_read(tmp_path):
     file.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match="is corrupted: tensor .* does not match its checksum"):
         compression_state.read_errors(str(tmp_path), here, here, 0, torch.device("cpu"))
+
+
+def test_residuals_are_checked_for_nan_and_missing_checksums(tmp_path):
+    """A nan under a matching checksum, or a checksum note without values, is an error (the
+    bytes verifying does not make them usable; an edited note does not switch the check
+    off); the run's --allow-nonfinite-load / --no-verify-checksums let them through."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from megazoo.checkpoint.checksums import digest
+    from megazoo.checkpoint.files import tensor_bytes
+    from megazoo.training.backends import compression_state
+
+    errors = {"bucket0.worker": torch.randn(100)}
+    errors["bucket0.worker"][7] = float("nan")
+    folder, here, cpu = str(tmp_path), {"algorithm": "BlockReduction"}, torch.device("cpu")
+    file = tmp_path / "compression" / "rank00000.safetensors"
+    file.parent.mkdir()
+    save_file(errors, str(file))  # megazoo's writer refuses the nan: written as a flipped bit would
+    note = {"checksum": "crc32", "values": {
+        "bucket0.worker": digest(tensor_bytes(errors["bucket0.worker"]), "crc32")}}
+    (tmp_path / "compression" / "rank00000.safetensors.checksums.json").write_text(json.dumps(note))
+    with pytest.raises(ValueError, match="'bucket0.worker' holds 1 non-finite value"):
+        compression_state.read_errors(folder, here, here, 0, cpu)
+    back, _ = compression_state.read_errors(folder, here, here, 0, cpu, allow_nonfinite=True)
+    assert torch.isnan(back["bucket0.worker"][7])
+    del note["values"]
+    (tmp_path / "compression" / "rank00000.safetensors.checksums.json").write_text(json.dumps(note))
+    with pytest.raises(ValueError, match="cannot be read .*--no-verify-checksums"):
+        compression_state.read_errors(folder, here, here, 0, cpu, allow_nonfinite=True)
+    compression_state.read_errors(folder, here, here, 0, cpu, verify_checksums=False,
+                                  allow_nonfinite=True)

@@ -3,7 +3,6 @@ checkpoint, another run's --save folder, resuming with other data settings, Deep
 locks, and the leftovers of killed runs cleaned at the next start."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import subprocess
@@ -25,6 +24,7 @@ from megazoo.training.ds_config import load_ds_json
 from megazoo.training.run_checks import prepare_save_dir, resume_warnings
 
 from helpers.checkpoints import tiny_model
+from helpers.run_args import tiny_args
 
 ROOT = Path(__file__).resolve().parents[2]
 from megazoo.data import preprocess as preprocess_data  # noqa: E402
@@ -93,14 +93,6 @@ def test_latest_naming_a_missing_checkpoint_points_at_the_previous(tmp_path):
     with pytest.raises(FileNotFoundError, match="iter_0000020 is missing; the previous "
                                                 f"checkpoint {tmp_path}/iter_0000010 is there"):
         resolve_checkpoint(str(tmp_path))
-
-
-def tiny_args(save, *extra):
-    args = parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-                       "--max-position-embeddings", "16", "--seq-length", "16", "--save", str(save),
-                       *extra])
-    args.model = dataclasses.replace(args.model, vocab_size=96)  # as build_data sets it
-    return args
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from megazoo.parallel import ParallelConfig
 from megazoo.training.config import TrainingConfig
@@ -146,3 +147,64 @@ def test_global_batch_from_accumulation_steps_and_world(tmp_path, monkeypatch):
     a = _parse_with_json(tmp_path, ds, "--global-batch-size", "16")  # given: kept, then checked
     with pytest.raises(ValueError, match="gradient_accumulation_steps = 3"):
         build_ds_config(a, dp=8)
+
+
+@pytest.mark.parametrize("ds, words", [
+    ({"bf16": {"enabled": "false"}}, 'bf16.enabled = "false" must be a JSON bool'),
+    ({"fp16": {"enabled": 1}}, "fp16.enabled = 1 must be a JSON bool"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": True}}},
+     "zero_optimization.offload_optimizer.ratio = true must be a number"),
+    ({"zero_optimization": {"stage": "2"}}, 'zero_optimization.stage = "2" must be an integer'),
+    ({"train_batch_size": 32.5}, "train_batch_size = 32.5 must be an integer or \"auto\""),
+    ({"gradient_clipping": "1.0"}, 'gradient_clipping = "1.0" must be a number or "auto"'),
+    ({"gradient_compression": {"algorithm": "topk", "local_gradient_clipping": "false"}},
+     'gradient_compression.local_gradient_clipping = "false" must be a JSON bool'),
+    ({"zero_optimization": {"overlap_comm": "true"}},
+     'zero_optimization.overlap_comm = "true" must be a JSON bool (true or false) or null'),
+])
+def test_json_values_of_the_wrong_type_are_one_line(tmp_path, capsys, ds, words):
+    """A string "false" would be truthy and `true` a ratio of 1.0: each is refused, naming
+    the key, the value and the type, before anything else (exit 2, one line)."""
+    from megazoo.training.run import main
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    assert main(["--deepspeed", "--deepspeed_config", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"error: --deepspeed_config {path}: {words}" in err[0], err
+
+
+def test_json_values_of_the_right_type_pass(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ds = {"train_batch_size": "auto", "gradient_clipping": 1, "bf16": {"enabled": True},
+          "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8, "overlap_comm": None,
+                                "offload_optimizer": {"device": "cpu", "pin_memory": False}}}
+    a = _parse_with_json(tmp_path, ds)
+    assert build_ds_config(a, dp=1)["zero_optimization"]["reduce_bucket_size"] == 5e8
+
+
+@pytest.mark.parametrize("json_values, flags", [
+    ({"train_batch_size": 32}, ["--global-batch-size", "64"]),
+    ({"train_micro_batch_size_per_gpu": 4}, ["--micro-batch-size", "8"]),
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+     ["--global-batch-size", "16"]),
+])
+@pytest.mark.parametrize("engine", [[], ["--zero-impl", "fsdp2"]])
+def test_every_engine_refuses_json_batch_conflicts_alike(tmp_path, monkeypatch, json_values,
+                                                         flags, engine):
+    """The plain and FSDP2 engines read the JSON's batch sizes too: a flag contradicting
+    them is the error --deepspeed gives, word for word (one check)."""
+    from megazoo.parallel import ParallelState
+    from megazoo.training.arguments import parse_args
+    from megazoo.training.backends import build_engine
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(json_values))
+    with pytest.raises(ValueError) as deepspeed:
+        build_ds_config(parse_args(["--deepspeed", "--deepspeed_config", str(path), *flags]), 1)
+    a = parse_args(["--deepspeed_config", str(path), *flags, *engine])
+    with pytest.raises(ValueError) as other:
+        build_engine(a, torch.nn.Linear(2, 2), ParallelState.single())
+    assert str(other.value) == str(deepspeed.value)
+    assert "make them agree" in str(other.value)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ds_config import check_json_training_keys
 from .base import Engine, StepResult, TrainingStopped
 
 __all__ = ["Engine", "StepResult", "TrainingStopped", "build_engine"]
@@ -41,6 +42,7 @@ def build_engine(args, model: torch.nn.Module, state) -> Engine:
         from .deepspeed_zero import DeepSpeedEngine
 
         return DeepSpeedEngine(model, state, args)
+    check_json_training_keys(args, state.dp.size)  # what build_ds_config checks for DeepSpeed
     if zero.zero_impl == "fsdp2":
         from .fsdp2 import FSDP2Engine
 

@@ -67,6 +67,9 @@ class Engine:
     """Optimizer steps applied (skipped ones not): the learning-rate clock."""
     cpu_offload: bool = False
     """The optimizer step runs on the host (CPU offload)."""
+    checkpoint_kind: str = "megazoo"
+    """What `save` writes, as `megazoo.checkpoint.output.KINDS` names it (which files in a
+    checkpoint folder are the engine's own, and may be replaced)."""
     gathers_parameters: bool = False
     """Whole parameters exist only while a layer runs (ZeRO-3, FSDP2): FP8 weight casts are then
     not kept across the step's micro-batches (`fp8_weight_cache` would hold an FP8 copy of

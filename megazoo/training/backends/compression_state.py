@@ -19,7 +19,8 @@ import os
 import torch
 
 from ...checkpoint.checksums import CRC32, Hasher, check_algorithm
-from ...checkpoint.files import SafetensorsWriter, read_header, read_tensor, write_json
+from ...checkpoint.files import (NonFiniteError, SafetensorsWriter, check_finite, read_header,
+                                 read_tensor, write_json)
 
 FOLDER = "compression"
 
@@ -57,9 +58,13 @@ def _difference(saved: dict, here: dict) -> str | None:
     return None
 
 
-def read_errors(path: str, saved: dict | None, here: dict, rank: int,
-                device: torch.device) -> tuple[dict, str | None]:
-    """({name: tensor}, None), or ({}, the warning) when the saved state does not fit here."""
+def read_errors(path: str, saved: dict | None, here: dict, rank: int, device: torch.device,
+                verify_checksums: bool = True,
+                allow_nonfinite: bool = False) -> tuple[dict, str | None]:
+    """({name: tensor}, None), or ({}, the warning) when the saved state does not fit here.
+    Each tensor is checked against its checksum and for inf / nan, as checkpoint tensors are
+    (`megazoo.checkpoint.load`), unless the run's --no-verify-checksums /
+    --allow-nonfinite-load say otherwise."""
     if saved is None:  # written without compression, or before it started: nothing to carry
         return {}, None
     diff = _difference(saved, here)
@@ -71,21 +76,38 @@ def read_errors(path: str, saved: dict | None, here: dict, rank: int,
     if not os.path.isfile(file):
         raise ValueError(f"{path} lacks {os.path.relpath(file, path)}, this rank's "
                          f"gradient-compression residuals: the checkpoint is incomplete")
-    with open(file + ".checksums.json") as f:
-        recorded = json.load(f)
-    algorithm, sums = recorded.get("checksum", CRC32), recorded.get("values", {})
-    check_algorithm(algorithm, file)
+    algorithm, sums = _recorded(file) if verify_checksums else (CRC32, None)
     start, entries = read_header(file)
     out = {}
     with open(file, "rb", buffering=0) as f:
         for key, entry in entries.items():
-            hasher = Hasher(algorithm)
+            hasher = Hasher(algorithm) if sums is not None else None
             try:
                 tensor = read_tensor(f, start, entry, hasher)
             except (OSError, ValueError) as exc:
                 raise ValueError(f"{file}: cannot read {key!r} ({exc})") from None
-            if hasher.hexdigest() != sums.get(key):
+            if hasher is not None and hasher.hexdigest() != sums.get(key):
                 raise ValueError(f"{file} is corrupted: tensor {key!r} does not match its "
-                                 f"checksum")
+                                 f"checksum (or has none); --no-verify-checksums skips the check")
+            if not allow_nonfinite:
+                try:
+                    check_finite(key, tensor)
+                except NonFiniteError as exc:
+                    raise ValueError(f"{file}: {exc}; --allow-nonfinite-load loads it anyway") \
+                        from None
             out[key] = tensor.to(device)
     return out, None
+
+
+def _recorded(file: str) -> tuple[str, dict]:
+    """(hash name, {key: hex}) of a residual file's checksum note (ValueError if unreadable)."""
+    note = file + ".checksums.json"
+    try:
+        with open(note) as f:
+            recorded = json.load(f)
+        algorithm, sums = recorded.get("checksum", CRC32), recorded["values"]
+    except (OSError, ValueError, KeyError, AttributeError) as exc:
+        raise ValueError(f"{note} cannot be read ({exc}): restore it, or resume unchecked with "
+                         f"--no-verify-checksums") from None
+    check_algorithm(algorithm, file)
+    return algorithm, sums

@@ -31,7 +31,10 @@ groups before the step; the gradient norm is DeepSpeed's (before clipping, each 
 
 Checkpoints: `save(path, extra)` writes DeepSpeed's own files under `path/zero/` (its format,
 including the partitioned optimizer state) and `path/megazoo.json` with format
-"megazoo-deepspeed-1" (model config, layout, engine counters and `extra`, JSON).
+"megazoo-deepspeed-1" (model config, layout, engine counters and `extra`, JSON, and a
+checksum of every DeepSpeed file: `megazoo.checkpoint.deepspeed_files`). `load` verifies the
+checksums before DeepSpeed reads a byte, and the loaded weights and optimizer state for
+inf / nan after (--no-verify-checksums, --allow-nonfinite-load as for every checkpoint).
 `checkpoints_tools/zero_to_megazoo.py` turns such a folder into an ordinary megazoo
 checkpoint loadable at any layout.
 """
@@ -44,6 +47,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from ...checkpoint.deepspeed_files import (FILES_KEY, check_finite_loaded, record_checksums,
+                                           verify_checksums)
 from ...checkpoint.save import refuse_nonfinite
 from ...parallel.state import ParallelState
 from ..compression_config import check_onebit_backend
@@ -55,6 +60,7 @@ from ..gradients import hook_sequence_parallel_grads
 from .deepspeed_setup import (ZeroMPU, build_optimizer, check_nvme, ensure_process_group,
                          tag_tensor_parallel, use_accelerator_of)
 from ..ds_ops import prepare_ops
+from ..run_checks import read_options
 
 DS_FORMAT = "megazoo-deepspeed-1"
 TAG = "zero"
@@ -68,6 +74,8 @@ class DeepSpeedEngine(Engine):
     `.zero` (ZeroConfig). `cpu_adam`: None picks DeepSpeedCPUAdam when the optimizer is
     offloaded and its op loads; False forces torch AdamW.
     """
+
+    checkpoint_kind = "deepspeed"
 
     def __init__(self, model: torch.nn.Module, state: ParallelState, args, *,
                  cpu_adam: bool | None = None):
@@ -161,8 +169,12 @@ class DeepSpeedEngine(Engine):
         rank's weights hold inf or nan."""
         refuse_nonfinite(self._local_parameters(), path, self.state, self.device)
         self.ds.save_checkpoint(path, tag=TAG)
+        if self.state.world_size > 1:
+            dist.barrier()  # every rank's files are written before they are hashed
+        algorithm, sums = record_checksums(path, TAG, self.state)
         if self.state.global_rank == 0:
             meta = {"format": DS_FORMAT, "tag": TAG, "model": self.model.config.to_dict(),
+                    "checksum": algorithm, FILES_KEY: sums,
                     "layout": {"tp": self.state.tp.size, "sp": self.state.sp.size,
                                "dp": self.state.dp.size, "pp": 1, "vpp": 1},
                     "zero_stage": zero_stage(self.ds_config),
@@ -175,8 +187,23 @@ class DeepSpeedEngine(Engine):
         if self.state.world_size > 1:
             dist.barrier()
 
+    def _state_tensors(self):
+        """(name, tensor) of this rank's weights and optimizer state (the fp32 partitions
+        and moments DeepSpeed's optimizer steps), for the check after loading."""
+        yield from self._local_parameters()
+        inner = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)
+        for i, group in enumerate(getattr(inner, "param_groups", [])):
+            for j, p in enumerate(group["params"]):
+                yield f"optimizer group {i} tensor {j}", p
+                for key, value in getattr(inner, "state", {}).get(p, {}).items():
+                    if torch.is_tensor(value):
+                        yield f"optimizer group {i} tensor {j} {key}", value
+
     def load(self, path: str) -> dict:
         meta = read_ds_metadata(path)
+        options = read_options(self.args)
+        if options["verify_checksums"]:
+            verify_checksums(path, meta, self.state, self.device)
         saved = (meta["layout"]["tp"], meta["layout"]["dp"] * meta["layout"]["sp"])
         here = (self.state.tp.size, self.state.dp_sp.size)
         if saved != here:  # DeepSpeed's partitions are tied to the tp and dp x sp sizes
@@ -186,6 +213,8 @@ class DeepSpeedEngine(Engine):
         loaded, _ = self.ds.load_checkpoint(path, tag=meta["tag"])
         if loaded is None:
             raise ValueError(f"DeepSpeed could not load {path}/{meta['tag']}")
+        if not options["allow_nonfinite"]:
+            check_finite_loaded(self._state_tensors(), path, self.state, self.device)
         self.steps = int(meta["engine"]["steps"])
         return meta.get("extra") or {}
 

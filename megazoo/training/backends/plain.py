@@ -281,6 +281,8 @@ class PlainEngine(Engine):
         return errors, lambda tmp: compression_state.write_errors(errors, tmp, rank)
 
     def _load_residuals(self, path: str, saved: dict | None) -> None:
+        from ..run_checks import read_options
+
         self.resume_notes = []
         if self.compressed is None:
             if saved is not None:
@@ -289,7 +291,7 @@ class PlainEngine(Engine):
             return
         here = compression_state.describe(self.compressed, self.buffers, self.state)
         errors, note = compression_state.read_errors(path, saved, here, self.state.global_rank,
-                                                     self.device)
+                                                     self.device, **read_options(self.config))
         self.compressed.reset_errors()
         self.compressed.errors.update(errors)
         if note:
