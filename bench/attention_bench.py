@@ -24,7 +24,8 @@ BACKENDS = ("math", "sdpa", "flex", "flash")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     p.add_argument("--heads", type=int, default=16)

@@ -36,7 +36,7 @@ def losses(extra: list[str], iters: int) -> list[float]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--out")
     a = ap.parse_args(argv)

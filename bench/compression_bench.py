@@ -42,7 +42,7 @@ ALGORITHMS = {"dense_fp32": (None, None, None), "dense_bf16": (None, torch.bfloa
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=float, default=None,
                    help="gradient elements (default: gpt-1.3b's parameter count)")

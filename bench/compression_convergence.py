@@ -83,7 +83,7 @@ def run_variant(name: str, iters: int, folder: str, extra: list[str],
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=800)
     parser.add_argument("--variants", nargs="+", default=["none", "topk-tuned", "1bit-fv"],
                         choices=sorted(VARIANTS))

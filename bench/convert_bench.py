@@ -105,7 +105,7 @@ def run_converter(hf_dir: str, out: str, args) -> tuple[float, float, int, int]:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--small", action="store_true", help="a tiny llama instead of llama-7b")
     parser.add_argument("--dtype", default="fp16", help="on-disk dtype: fp16 or bf16")
     parser.add_argument("--tp", type=int, default=1)

@@ -192,7 +192,7 @@ def run_stacks(stacks, layers, device, iters) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, emulation")
     p.add_argument("--parts", nargs="+", default=["linears", "stacks"],
                    choices=["linears", "stacks"])

@@ -90,7 +90,7 @@ def report(trace_path: str, rows: int = 25, min_us: float = 5.0, depth: int = 2)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("trace")
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--min-us", type=float, default=5.0)

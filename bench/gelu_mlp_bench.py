@@ -64,7 +64,7 @@ def shape_row(m: int, h: int, ffn: int, device: torch.device, dtype) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="a small shape on CPU, float32")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)

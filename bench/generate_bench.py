@@ -32,7 +32,7 @@ TARGETS = {1: 3.0, 16: 1.5}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--prompt-len", type=int, default=128)

@@ -119,7 +119,7 @@ def decode_rate(data: np.ndarray, symbols: int = 20_000) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args(argv)
     grad = trained_gradient(args.steps)

@@ -38,7 +38,7 @@ def run(name: str, flags: list[str], common: list[str], ranks: int, folder: str)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out")

@@ -145,7 +145,8 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--two-gpu", action="store_true", help="the 2-rank layouts (under torchrun)")
     p.add_argument("--only", nargs="+", help="run only the layouts whose name contains one of these")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny models: predictions only")

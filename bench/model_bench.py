@@ -102,7 +102,7 @@ def run_one(family: str, impl: str) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--families", nargs="+", default=["gpt", "bloom", "llama"])
     p.add_argument("--impls", nargs="+", default=["hf", "megazoo"])
     p.add_argument("--out", default=None)

@@ -153,7 +153,7 @@ def pretrain_row(name: str, shape: dict, gb: int, iters: int, extra: list[str], 
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--fraction", type=float, default=0.5)
     ap.add_argument("--rows", nargs="+", default=["fwd", "offload16", "offload64", "adamw",
                                                     "deepspeed"])

@@ -100,7 +100,7 @@ def p2p_time(shape, iters=10) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--heads", type=int, default=16)

@@ -149,7 +149,7 @@ def measure(device, dry_run: bool, max_tflop: float, save) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--max-gemm-tflop", type=float, default=4.0,
                         help="Leave out GEMMs with more work than this (TFLOP)")

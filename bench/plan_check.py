@@ -134,7 +134,7 @@ def sweep(names: list[str], dry_run: bool, timeout: float, budget: float) -> lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--only", nargs="+", default=None, help="these rows only")
     parser.add_argument("--with-plain-offload", action="store_true",

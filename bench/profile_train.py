@@ -69,7 +69,7 @@ def exposed_communication(events, on_gpu: bool) -> tuple[float, float]:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--skip", type=int, default=5)
     p.add_argument("--rows", type=int, default=20)

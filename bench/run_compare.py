@@ -82,7 +82,7 @@ def run_variant(name: str, flags: list[str], logs: str, timeout: float | None,
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--common", default="", help="pretrain_gpt.py flags every variant gets")
     p.add_argument("--variant", type=parse_variant, action="append", default=[],
                    help="NAME=FLAGS, repeatable; the first is the reference")

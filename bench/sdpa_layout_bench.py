@@ -38,7 +38,7 @@ def layouts(s: int, h: int, d: int, device, dtype) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--seqs", type=int, nargs="+", default=[32768, 65536, 131072])
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)

@@ -41,7 +41,8 @@ MODES = ["seeds", "bslongformer", "bigbird", "fixed", "variable"]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", type=int, nargs="+", default=[32768, 65536])
     p.add_argument("--blocks", type=int, nargs="+", default=[16, 64, 128])
     p.add_argument("--modes", nargs="+", default=MODES, help=f"of {MODES + ['seeds_tiles']}")

@@ -207,7 +207,7 @@ def run_child(kind: str, shape: str, global_batch: int, dry: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["gpt-1.3b"], choices=sorted(SHAPES))
     p.add_argument("--global-batch", nargs="+", type=int, default=[8, 32])
     p.add_argument("--rows", nargs="+", default=["model", "pretrain", "deepspeed"])

@@ -212,7 +212,7 @@ def part_offload(cfg) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--out", required=True, help="folder for each part's JSON (added to, not wiped)")
     p.add_argument("--dry-run", action="store_true", help="CPU, gloo, 2 ranks, tiny shapes")

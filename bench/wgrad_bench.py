@@ -69,7 +69,7 @@ def shape_row(m: int, k: int, n: int, device: torch.device, fp8: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="small shapes on CPU, bf16 only")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)

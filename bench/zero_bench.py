@@ -313,7 +313,7 @@ def compare(dry: bool, warmup: int, iters: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--largest", action="store_true")
     p.add_argument("--two-gpu", action="store_true")
     p.add_argument("--layouts", nargs="+", choices=list(TWO_GPU_LAYOUTS), default=list(TWO_GPU_LAYOUTS),

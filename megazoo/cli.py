@@ -18,8 +18,10 @@ Every command exists in up to three spellings that run the same function of the 
 
 The scripts are three-line shims (import, call, exit) with no path set-up: they need megazoo
 importable, which `pip install -e .` gives. Each function below returns the exit code (0, or
-2 after a one-line error for bad input); the work happens in the module it imports, loaded
-only when the command runs.
+2 after a one-line error for bad input: `megazoo.errors.report_error`, which under torchrun
+prints the line on rank 0 only and hands it to torchrun's failure summary as its root cause;
+argparse's errors included, with abbreviated flags refused); the work happens in the module
+it imports, loaded only when the command runs.
 """
 from __future__ import annotations
 

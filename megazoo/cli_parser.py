@@ -7,13 +7,18 @@
 
 A long usage block printed before the error buries the one line that matters; the nearest
 flags (or choices, for a value like `--model gpt-125`) by difflib's similarity ratio are what
-the user most likely meant.
+the user most likely meant. Abbreviations are off (as in Megatron): `--train-iter 10` is an
+unknown flag with a "did you mean --train-iters?", never silently taken for it. Under
+torchrun the line is printed once (rank 0; `megazoo.errors.report_error`).
 """
 from __future__ import annotations
 
 import argparse
 import difflib
 import re
+import sys
+
+from .errors import report_error
 
 
 def closest(word: str, candidates, n: int = 1) -> list[str]:
@@ -24,11 +29,15 @@ def closest(word: str, candidates, n: int = 1) -> list[str]:
 
 class HintingParser(argparse.ArgumentParser):
     """ArgumentParser printing `prog: error: ...` on one line, with a suggestion where one
-    is near, and exiting with status 2 (argparse's convention)."""
+    is near, and exiting with status 2 (argparse's convention); no abbreviated flags."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {self._with_hint(message)} "
-                     f"({self.prog} --help lists every flag)\n")
+        sys.exit(report_error(f"{self._with_hint(message)} ({self.prog} --help lists every "
+                              f"flag)", prefix=f"{self.prog}: error: "))
 
     def _flags(self) -> list[str]:
         return [s for action in self._actions for s in action.option_strings if s.startswith("--")]

@@ -1,25 +1,33 @@
 """Training curves from `--log-json` files: one picture, several runs overlaid.
 
     python -m megazoo.plot RUN.jsonl [MORE.jsonl ...] --out curves.png [--labels a b]
+    python -m megazoo.plot SAVE               # a --save folder: its metrics.jsonl, every segment
 
 Panels (each drawn only when some run logged its key): training and validation loss against
 tokens seen, learning rate, tokens/s, MFU, gradient norm, memory (GPU peak allocated, else
 host RSS). Tokens seen are counted from the log itself: iteration x tokens per step, read from the
 `{"tokens_per_step": N, ...}` record pretrain_gpt.py writes first; without one, the x axis is
-the iteration. matplotlib is an optional dependency (`pip install -e
-".[plot]"`): without it the command says so in one line.
+the iteration. A run resumed from iteration N starts a new segment with a
+`{"start_iteration": N, ...}` record; what an earlier segment logged after N (steps redone
+after a kill) is replaced by the new segment's, so a resumed run draws as one. A --save folder
+stands for the metrics.jsonl every training run keeps there. matplotlib is an optional
+dependency (`pip install -e ".[plot]"`): without it the command says so in one line.
 
 A training run draws its own curves when it ends (`draw_run_curves`, called by
-`megazoo.training.run`: the training loop itself only reports metrics).
+`megazoo.training.run`: the training loop itself only reports metrics), from the whole run's
+SAVE/metrics.jsonl.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
+from .cli_parser import HintingParser
+from .errors import read_text, report_error
 from .matplotlib_figure import INSTALL, has_matplotlib, new_figure
+
+METRICS_FILE = "metrics.jsonl"  # what a training run keeps in its --save folder
 
 PANELS = (  # (title, keys drawn in it, y scale)
     ("loss (nats/token)", ("loss", "valid_loss"), "linear"),
@@ -31,24 +39,31 @@ PANELS = (  # (title, keys drawn in it, y scale)
 )
 
 
+def log_file(path: str) -> str:
+    """The JSON-lines file `path` means: itself, or a --save folder's metrics.jsonl."""
+    return os.path.join(path, METRICS_FILE) if os.path.isdir(path) else path
+
+
 def read_log(path: str) -> tuple[list[dict], int | None]:
-    """(records with an iteration, tokens per step or None) of one --log-json file."""
+    """(records with an iteration, tokens per step or None) of one --log-json file or --save
+    folder, later segments replacing what earlier ones logged past their start."""
+    path = log_file(path)
     records, tokens_per_step = [], None
-    try:
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    raise ValueError(f"{path}:{n} is not a JSON line: is it a --log-json file?")
-                if isinstance(record, dict) and "tokens_per_step" in record:
-                    tokens_per_step = int(record["tokens_per_step"])
-                if isinstance(record, dict) and "iteration" in record:
-                    records.append(record)
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    for n, line in enumerate(read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}:{n} is not a JSON line: is it a --log-json file?") from None
+        if not isinstance(record, dict):
+            continue
+        if "tokens_per_step" in record:
+            tokens_per_step = int(record["tokens_per_step"])
+        if isinstance(record.get("start_iteration"), int):  # a segment starts: drop the redone
+            records = [r for r in records if r["iteration"] <= record["start_iteration"]]
+        if isinstance(record.get("iteration"), int):
+            records.append(record)
     if not records:
         raise ValueError(f"{path} holds no logged iterations")
     return records, tokens_per_step
@@ -92,43 +107,44 @@ def draw(runs: list[tuple[str, list[dict], int | None]], out: str) -> list[str]:
 
 
 def draw_run_curves(run) -> None:
-    """SAVE/curves.png from a finished run's log records (`run`: what training.run.setup
-    built; rank 0, with --save and --plot-curves). A missing matplotlib or a failed drawing
-    is one line: the picture never fails the run."""
+    """SAVE/curves.png from the whole run's SAVE/metrics.jsonl, every resumed segment included
+    (`run`: what training.run.setup built; rank 0, with --save and --plot-curves). A missing
+    matplotlib or a failed drawing is one line: the picture never fails the run."""
     a, say = run.args, run.logger.print
-    if run.state.global_rank != 0 or not (a.checkpoint.save and a.logging.plot_curves) \
+    metrics = run.logger.metrics_path
+    if run.state.global_rank != 0 or not (metrics and a.logging.plot_curves) \
             or not run.logger.records:
         return
     out = os.path.join(a.checkpoint.save, "curves.png")
     if not has_matplotlib():
         say(f"no {out}: matplotlib is not installed: {INSTALL}")
         return
-    tokens_per_step = a.training.global_batch_size * a.data.seq_length
     try:
-        draw([(os.path.basename(os.path.normpath(a.checkpoint.save)), run.logger.records,
-               tokens_per_step)], out)
+        draw([(os.path.basename(os.path.normpath(a.checkpoint.save)), *read_log(metrics))], out)
     except Exception as exc:  # a picture is a convenience, never a reason to fail a run
         say(f"no {out}: drawing the curves failed ({type(exc).__name__}: {exc})")
         return
-    say(f"curves: {out} (python -m megazoo.plot draws and overlays --log-json files)")
+    say(f"curves: {out} (the whole run; python -m megazoo.plot {a.checkpoint.save} draws it "
+        f"again, and overlays runs)")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megazoo.plot",
-                                     description="Plot training curves of --log-json files.")
-    parser.add_argument("logs", nargs="+", help="--log-json files of pretrain_gpt.py runs")
+    parser = HintingParser(prog="python -m megazoo.plot",
+                           description="Plot training curves of --log-json files.")
+    parser.add_argument("logs", nargs="+", help="--log-json files of pretrain_gpt.py runs, or "
+                        "their --save folders (each keeps its metrics.jsonl)")
     parser.add_argument("--out", default="curves.png", help="picture to write (default: %(default)s)")
     parser.add_argument("--labels", nargs="+", help="legend names (default: the file names)")
     args = parser.parse_args(argv)
-    labels = args.labels or [os.path.splitext(os.path.basename(p))[0] for p in args.logs]
+    labels = args.labels or [os.path.splitext(os.path.basename(os.path.normpath(p)))[0]
+                             for p in args.logs]
     try:
         if len(labels) != len(args.logs):
             raise ValueError(f"--labels names {len(labels)} runs, {len(args.logs)} logs given")
         runs = [(label, *read_log(path)) for label, path in zip(labels, args.logs)]
         panels = draw(runs, args.out)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report_error(str(exc))
     print(f"wrote {args.out}: {', '.join(panels)} for {len(runs)} run(s)")
     return 0
 

@@ -19,13 +19,13 @@ failure is a ValueError naming the file and the tensor; `verify_checksums=False`
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..errors import read_json
 from ..layers.sharding import full_shape, tp_slice, tp_unslice
 from ..models import ModelConfig, build_model, full_name
 from ..parallel.state import ParallelState
@@ -45,14 +45,9 @@ SHAPE_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
 
 def _read_metadata(path: str) -> dict:
     file = os.path.join(path, METADATA_FILE)
-    try:
-        with open(file) as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{file} cannot be read ({exc}): the checkpoint is damaged") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"{file}: format {meta.get('format') if isinstance(meta, dict) else None!r}"
-                         f" is not {FORMAT!r}")
+    meta = read_json(file, advice="the checkpoint is damaged")
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{file}: format {meta.get('format')!r} is not {FORMAT!r}")
     return meta
 
 
@@ -77,6 +72,10 @@ class CheckpointReader:
     a distinct shard) and reads only that key, checking its checksum (unless
     `verify_checksums=False`) and that it is finite (unless `allow_nonfinite`).
     """
+
+    #: How a non-finite tensor's error says to load it anyway; a tool that cannot (a converter:
+    #: its writer refuses inf / nan) sets "" so its advice stays followable.
+    nonfinite_override = " (--allow-nonfinite-load, allow_nonfinite=True, loads it anyway)"
 
     def __init__(self, path, *, verify_checksums: bool = True, allow_nonfinite: bool = False):
         self.path = resolve_checkpoint(path)  # a --save folder means its `latest`
@@ -180,15 +179,13 @@ class CheckpointReader:
         if background is not None:
             background.close(wait)
 
-    @staticmethod
-    def _check_finite(file: str, key: str, tensor: torch.Tensor) -> None:
+    def _check_finite(self, file: str, key: str, tensor: torch.Tensor) -> None:
         """ValueError naming file and tensor if it holds inf / nan."""
         bad = nonfinite_count(tensor)
         if bad:
             raise ValueError(f"checkpoint file {file}: tensor {key!r} holds {bad} non-finite "
                              f"value{'s' if bad > 1 else ''} (inf or nan); load an earlier "
-                             f"checkpoint (--allow-nonfinite-load, allow_nonfinite=True, loads "
-                             f"it anyway)")
+                             f"checkpoint{self.nonfinite_override}")
 
     def full_tensor(self, name: str, prefix: str | None = None) -> torch.Tensor:
         """The full (one-process, unpadded) parameter `name`, or its aux tensor `prefix`."""

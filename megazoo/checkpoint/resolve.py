@@ -9,13 +9,15 @@ file naming the newest complete one. Everything that reads a checkpoint (resumin
 
 A missing folder, one holding neither, or a `latest` naming a missing folder is a
 `CheckpointNotFound` (both a FileNotFoundError and a ValueError, what the command lines turn
-into one "error: ..." line); a `latest` that is not a number is a ValueError.
+into one "error: ..." line); a `latest` that is not a number (or not text) is a ValueError
+naming it.
 """
 from __future__ import annotations
 
 import os
 import re
 
+from ..errors import read_text
 from .layout import METADATA_FILE
 
 LATEST = "latest"
@@ -36,11 +38,11 @@ def read_latest(save_dir: str, name: str = LATEST) -> int | None:
     """The iteration `save_dir/latest` names (None: no such file, or not a number); `name`:
     another note of a --save folder holding one iteration number."""
     try:
-        with open(os.path.join(save_dir, name)) as f:
+        with open(os.path.join(save_dir, name), "rb") as f:
             text = f.read().strip()
     except OSError:
         return None
-    return int(text) if text.isdigit() else None
+    return int(text) if text.isdigit() else None  # bytes: any text that is not digits
 
 
 def previous_checkpoint(save_dir: str, before: int) -> str | None:
@@ -72,8 +74,7 @@ def resolve_checkpoint(path) -> str:
         raise CheckpointNotFound(f"{path} is not a megazoo checkpoint ({METADATA_FILE} is "
                                  f"missing) nor a --save folder (no {LATEST} file){hint}; pass "
                                  f"a --save folder or one of its iter_* folders")
-    with open(latest) as f:
-        text = f.read().strip()
+    text = read_text(latest).strip()
     if not text.isdigit():
         raise ValueError(f"{latest} holds {text!r}, not an iteration number: fix or delete it")
     found = iteration_dir(path, int(text))

@@ -111,6 +111,12 @@ def _gather_checksums(tmp: str, files: list[str]) -> tuple[str, dict[str, dict]]
     return (algorithms.pop() if algorithms else default_algorithm()), sums
 
 
+class SavedElsewhereFailed(RuntimeError, ValueError):
+    """A save that failed on another rank (whose own error says why: a full disk, inf / nan);
+    a ValueError too, so a command reports it as one line (printed by rank 0) like the
+    cause, never as a traceback on every other rank."""
+
+
 def _collectively(step: Callable[[], object], state: ParallelState, device: torch.device,
                   path: str, owns_temp: bool = True) -> object:
     """Run `step()` on this rank, then agree (one all-reduce, which also synchronises): if
@@ -132,7 +138,8 @@ def _collectively(step: Callable[[], object], state: ParallelState, device: torc
         if error is None and code == 2:  # the same kind of error on every rank
             error = NonFiniteError(f"not saving {path}: another rank found a tensor holding inf "
                                    f"or nan (its error names it)")
-        raise error or RuntimeError(f"saving {path} failed on another rank; see its error")
+        raise error or SavedElsewhereFailed(f"saving {path} failed on another rank; see its "
+                                            f"error")
     return result
 
 

@@ -123,6 +123,7 @@ def megazoo_to_hf(load, out, *, dtype: torch.dtype | None = None,
     load, out = os.fspath(load), os.fspath(out)
     check_output_dir(out, kind="hf", overwrite=overwrite, inputs=[load])
     reader = CheckpointReader(load, verify_checksums=verify_checksums)
+    reader.nonfinite_override = ""  # the writer refuses inf / nan: no flag can help
     cfg, dtype = reader.config, dtype or reader.dtype
     config = hf_config(cfg, dtype, (reader.metadata.get("extra") or {}).get("hf_token_ids"))
     rules = BY_FAMILY[cfg.family].rules(cfg)
@@ -152,6 +153,7 @@ def reshard(load, out, *, tp: int = 1, pp: int = 1, vpp: int = 1,
     `verify_checksums` as in `megazoo_to_hf`)."""
     check_output_dir(out, kind="megazoo", overwrite=overwrite, inputs=[load])
     reader = CheckpointReader(load, verify_checksums=verify_checksums)
+    reader.nonfinite_override = ""  # the writer refuses inf / nan: no flag can help
     meta = reader.metadata
     aux_dtypes = {meta.get("aux_dtypes", {}).get(a, "float32") for a in reader.aux_prefixes}
     aux_dtype = getattr(torch, aux_dtypes.pop()) if len(aux_dtypes) == 1 else torch.float32

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 from ..checkpoint.files import parse_dtype
 from ..cli_parser import HintingParser
+from ..errors import report_error, user_path
 
 LOAD_FORMS = "a --save folder (its `latest` checkpoint) or one iter_* folder"
 
@@ -38,19 +38,19 @@ def _dtype(args):
     return parse_dtype(args.dtype) if args.dtype else None
 
 
-def _run(action, argv) -> int:
-    """Run `action(args)`; every converter's one error path: a ValueError, OSError or
-    RuntimeError (DeepSpeed's loader) becomes one line on stderr and exit code 2."""
+def _run(action, args, paths: dict[str, str]) -> int:
+    """Run `action(args)`; every converter's one error path: a ValueError or RuntimeError
+    (DeepSpeed's loader) becomes one line on stderr and exit code 2, and an OSError (a full
+    disk, a read-only --out, ...) one line naming the flag of `paths` (flag -> path) it is
+    about and what to do."""
     try:
         start = time.perf_counter()
-        message = action(argv)
+        with user_path(paths):
+            message = action(args)
         print(f"{message} in {time.perf_counter() - start:.2f} s")
         return 0
     except (ValueError, OSError, RuntimeError) as exc:
-        text = str(exc) if not isinstance(exc, OSError) or not exc.strerror else (
-            f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror)
-        print("error: " + " ".join(text.split()), file=sys.stderr)
-        return 2
+        return report_error(str(exc))
 
 
 def hf_to_megazoo_main(argv=None) -> int:
@@ -66,7 +66,7 @@ def hf_to_megazoo_main(argv=None) -> int:
         cfg = hf_to_megazoo(args.hf_dir, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp,
                             dtype=_dtype(args), overwrite=args.overwrite)
         return f"wrote {args.out}: {cfg.family} {cfg.num_layers} layers, tp={args.tp} pp={args.pp}"
-    return _run(action, args)
+    return _run(action, args, {"--out": args.out, "--hf-dir": args.hf_dir})
 
 
 def megazoo_to_hf_main(argv=None) -> int:
@@ -83,7 +83,7 @@ def megazoo_to_hf_main(argv=None) -> int:
         config = megazoo_to_hf(args.load, args.out, dtype=_dtype(args), overwrite=args.overwrite,
                                verify_checksums=args.verify_checksums)
         return f"wrote {args.out}: {config['architectures'][0]}"
-    return _run(action, args)
+    return _run(action, args, {"--out": args.out, "--load": args.load})
 
 
 def _relayout_main(argv, description: str, load_help: str, convert, verify: bool) -> int:
@@ -102,7 +102,7 @@ def _relayout_main(argv, description: str, load_help: str, convert, verify: bool
         convert(args.load, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, dtype=_dtype(args),
                 overwrite=args.overwrite, **options)
         return f"wrote {args.out} at tp={args.tp} pp={args.pp} vpp={args.vpp}"
-    return _run(action, args)
+    return _run(action, args, {"--out": args.out, "--load": args.load})
 
 
 def reshard_main(argv=None) -> int:

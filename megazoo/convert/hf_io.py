@@ -11,13 +11,13 @@ exists and streamed with `SafetensorsWriter`; an index json maps keys to files w
 """
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 from safetensors import safe_open
 
 from ..checkpoint.files import SafetensorsWriter, write_json
+from ..errors import read_json
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -26,11 +26,7 @@ def read_hf_config(hf_dir: str) -> dict:
     file = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(file):
         raise ValueError(f"{hf_dir} has no config.json: not a Hugging Face model directory")
-    try:
-        with open(file) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{file} cannot be read ({exc})") from None
+    return read_json(file, advice="fix it or convert another --hf-dir")
 
 
 class HFReader:
@@ -64,11 +60,9 @@ class HFReader:
     def _files(self) -> list[str]:
         index = os.path.join(self.dir, INDEX)
         if os.path.isfile(index):
-            try:
-                with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (OSError, KeyError, json.JSONDecodeError) as exc:
-                raise ValueError(f"{index} cannot be read ({exc})") from None
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no weight_map: fix it or convert another --hf-dir")
             return sorted(set(weight_map.values()))
         if os.path.isfile(os.path.join(self.dir, SINGLE)):
             return [SINGLE]

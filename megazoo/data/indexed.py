@@ -21,11 +21,14 @@ writes one sequence per document, so sequence ``i`` is document ``i``.
 from __future__ import annotations
 
 import os
+import re
 import struct
 import uuid
 from pathlib import Path
 
 import numpy as np
+
+from ..checkpoint.output import remove_leftovers
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -73,12 +76,35 @@ def data_file_paths(path_prefix: str | os.PathLike) -> tuple[Path, Path]:
     return Path(prefix + ".idx"), Path(prefix + ".bin")
 
 
+def _temp_names(path_prefix) -> tuple[str, str]:
+    """(regex of this prefix's temp file names with a `pid` group, regex of the names older
+    builders used: a uuid alone)."""
+    names = "|".join(re.escape(p.name) for p in data_file_paths(path_prefix))
+    return rf"(?:{names})\.tmp-(?P<pid>\d+)-[0-9a-f]+", rf"(?:{names})\.tmp-[0-9a-f]{{32}}"
+
+
+def clean_temp_files(path_prefix) -> tuple[list[str], list[str]]:
+    """Remove the temp files a killed builder of `path_prefix` left (its process is gone);
+    return (removed, others in the way: of a live builder, or of an older megazoo)."""
+    folder = data_file_paths(path_prefix)[1].parent
+    ours, legacy = _temp_names(path_prefix)
+    removed = remove_leftovers(str(folder), ours)
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        names = []
+    others = [str(folder / n) for n in names if re.fullmatch(ours, n) or re.fullmatch(legacy, n)]
+    return removed, others
+
+
 class IndexedDatasetBuilder:
     """Write a dataset document by document; files appear only at :meth:`finalize`.
 
-    Data goes to temporary files next to the target, renamed into place at the end, so
-    a reader never sees a half-written dataset. Usable as a context manager: a clean
-    exit finalizes, an exception removes the temporary files.
+    Data goes to temporary files next to the target (``PREFIX.bin.tmp-<pid>-<uuid>``),
+    renamed into place at the end, so a reader never sees a half-written dataset. Usable as
+    a context manager: a clean exit finalizes, an exception (in the body, or a full disk
+    while finalizing) removes the temporary files; a killed writer's are removed by the next
+    run (`clean_temp_files`).
     """
 
     def __init__(self, path_prefix: str | os.PathLike, dtype: np.dtype | type = np.uint16):
@@ -88,7 +114,7 @@ class IndexedDatasetBuilder:
         if not self._bin_path.parent.is_dir():
             raise FileNotFoundError(f"output directory {self._bin_path.parent} does not exist; "
                                     "create it first")
-        suffix = f".tmp-{uuid.uuid4().hex}"
+        suffix = f".tmp-{os.getpid()}-{uuid.uuid4().hex}"
         self._tmp_bin = self._bin_path.with_name(self._bin_path.name + suffix)
         self._tmp_idx = self._idx_path.with_name(self._idx_path.name + suffix)
         self._bin = open(self._tmp_bin, "wb")
@@ -135,9 +161,13 @@ class IndexedDatasetBuilder:
         os.replace(self._tmp_idx, self._idx_path)
 
     def abort(self) -> None:
-        """Drop everything written so far (temporary files only)."""
+        """Drop everything written so far (temporary files only), also on a full disk (where
+        closing fails to flush what is buffered)."""
         if self._bin is not None:
-            self._bin.close()
+            try:
+                self._bin.close()
+            except OSError:
+                pass
             self._bin = None
         for path in (self._tmp_bin, self._tmp_idx):
             path.unlink(missing_ok=True)
@@ -146,10 +176,14 @@ class IndexedDatasetBuilder:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.finalize()
-        else:
+        if exc_type is not None:
             self.abort()
+            return
+        try:
+            self.finalize()
+        except BaseException:
+            self.abort()
+            raise
 
 
 def _read_index(idx_path: Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:

@@ -22,12 +22,12 @@ import functools
 import glob
 import json
 import multiprocessing
-import sys
 from pathlib import Path
 from typing import Iterator
 
 from ..cli_parser import HintingParser
-from .indexed import IndexedDatasetBuilder, best_dtype
+from ..errors import report_error, user_path
+from .indexed import IndexedDatasetBuilder, best_dtype, clean_temp_files
 from .tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -90,9 +90,11 @@ def iter_documents(files: list[Path], json_key: str, split_lines: bool,
     """Yield the text of every document, file by file (None: one skipped as undecodable)."""
     for path in files:
         if path.suffix not in JSON_SUFFIXES and not split_lines:
-            yield _decode(path.read_bytes(), path, None, encoding, errors)
+            with user_path("--input", path):
+                raw = path.read_bytes()
+            yield _decode(raw, path, None, encoding, errors)
             continue
-        with open(path, "rb") as f:
+        with user_path("--input", path), open(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
                 line = _decode(raw, path, lineno, encoding, errors)
                 if line is None or path.suffix not in JSON_SUFFIXES:
@@ -160,10 +162,22 @@ def preprocess(args: argparse.Namespace) -> tuple[int, int, int, int]:
     out_dir = Path(args.output_prefix).parent
     if not out_dir.is_dir():
         raise FileNotFoundError(f"output directory {out_dir} does not exist; create it first")
+    removed, in_the_way = clean_temp_files(args.output_prefix)
+    for path in removed:
+        print(f"removed {path}, left by an interrupted run")
+    if in_the_way:
+        print(f"warning: {', '.join(in_the_way)} left by another run of this --output-prefix "
+              f"(still running, or an older megazoo): remove them if that run is over")
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     encoder = Encoder(args.tokenizer_type, args.tokenizer_model, args.append_eod)
     batches = _batches(iter_documents(files, args.json_key, args.split_lines, args.encoding,
                                       args.errors), BATCH_DOCUMENTS)
+    with user_path("--output-prefix", args.output_prefix):  # a full disk: one line, no temp
+        return _write(args, encoder, tokenizer, batches)
+
+
+def _write(args, encoder, tokenizer, batches) -> tuple[int, int, int, int]:
+    """Tokenize `batches` into the output files (temp files renamed at the end)."""
     docs = tokens = skipped = undecodable = 0
     with IndexedDatasetBuilder(args.output_prefix, best_dtype(tokenizer.vocab_size)) as builder:
         if args.workers == 1:
@@ -192,13 +206,12 @@ def preprocess(args: argparse.Namespace) -> tuple[int, int, int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: prints the counts, or one error line and exit status 1."""
+    """Entry point: prints the counts, or one error line and exit status 2."""
     args = parse_args(argv)
     try:
         docs, tokens, skipped, undecodable = preprocess(args)
     except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return report_error(str(exc))
     not_text = f", skipped undecodable documents {undecodable}" if args.errors == "skip" else ""
     print(f"wrote {args.output_prefix}.bin/.idx: documents {docs}, tokens {tokens}, "
           f"skipped empty documents {skipped}{not_text}")

@@ -59,11 +59,20 @@ class ByteLevelTokenizer(Tokenizer):
 
 
 def _require_file(path: str | os.PathLike, what: str) -> Path:
-    """Return ``path`` as a Path, or raise FileNotFoundError naming the flag to fix."""
+    """Return ``path`` as a Path, or raise FileNotFoundError naming it (every command that
+    takes a tokenizer names its own flag for it, so the message names none)."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"{what} {p} not found; check --tokenizer-model")
+        raise FileNotFoundError(f"{what} {p} not found; check the path")
     return p
+
+
+def _unreadable(path, what: str, exc: Exception) -> ValueError:
+    """One line for a tokenizer file its library cannot parse (the library's own reason,
+    first line, shortened)."""
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
+    return ValueError(f"{path} is not a readable {what} ({reason}): pass the tokenizer file "
+                      f"the data and the model were made with")
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -74,7 +83,10 @@ class SentencePieceTokenizer(Tokenizer):
 
         path = _require_file(model_path, "SentencePiece model")
         self.model_path = str(path)
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=self.model_path)
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=self.model_path)
+        except Exception as exc:  # sentencepiece raises RuntimeError / OSError, by version
+            raise _unreadable(path, "SentencePiece model", exc) from None
         self._eod = self._sp.eos_id()
         if self._eod < 0:
             raise ValueError(f"SentencePiece model {path} has no eos piece; retrain it with "
@@ -141,7 +153,10 @@ class HFTokenizer(Tokenizer):
             p = p / "tokenizer.json"
         p = _require_file(p, "tokenizer.json")
         self.path = str(p)
-        self._tok = tokenizers.Tokenizer.from_file(self.path)
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(self.path)
+        except Exception as exc:  # the Rust library's parse errors are plain Exceptions
+            raise _unreadable(p, "Hugging Face tokenizer.json", exc) from None
         candidates = (eod_token,) if eod_token else HF_EOD_CANDIDATES
         for token in candidates:
             token_id = self._tok.token_to_id(token)
@@ -186,6 +201,8 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | os.PathLike | No
     if TOKENIZER_TYPES[tokenizer_type] and tokenizer_model is None:
         raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model "
                          "(a .model file for SentencePiece, a tokenizer.json for HF)")
+    if TOKENIZER_TYPES[tokenizer_type] and not Path(tokenizer_model).is_dir():
+        _require_file(tokenizer_model, "--tokenizer-model")
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "HFTokenizer":

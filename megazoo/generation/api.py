@@ -15,12 +15,11 @@ is put). `tokenizer=` overrides the lookup.
 """
 from __future__ import annotations
 
-import json
 import os
-
 
 from ..data.tokenizer import (ByteLevelTokenizer, HFTokenizer, SentencePieceTokenizer, Tokenizer,
                               build_tokenizer)
+from ..errors import read_json
 from ..parallel.device import local_device
 from .loop import generate_ids
 from .sampling import Sampling
@@ -55,8 +54,8 @@ def tokenizer_from(spec: str) -> Tokenizer:
 
 def recorded_tokenizer(checkpoint: str) -> Tokenizer | None:
     """The tokenizer the training run recorded in megazoo.json (None if it recorded none)."""
-    with open(os.path.join(checkpoint, "megazoo.json")) as f:
-        data = (((json.load(f).get("extra") or {}).get("args") or {}).get("data") or {})
+    meta = read_json(os.path.join(checkpoint, "megazoo.json"), advice="the checkpoint is damaged")
+    data = (((meta.get("extra") or {}).get("args") or {}).get("data") or {})
     kind, model = data.get("tokenizer_type"), data.get("tokenizer_model")
     if not kind:
         return None

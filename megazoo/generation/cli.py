@@ -11,7 +11,6 @@ process group is set up or any weight is read.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from ..checkpoint import config_from_dict, parse_dtype
 from ..cli_parser import HintingParser
+from ..errors import read_json, read_text, report_error
 from ..parallel.device import local_device
 from .api import decode_text, encode_prompt, find_tokenizer, resolve_checkpoint
 from .loop import check_request, generate_ids
@@ -61,28 +61,38 @@ def build_parser() -> HintingParser:
                    help="same as --dtype bfloat16")
     p.add_argument("--fp16", dest="dtype", action="store_const", const="float16",
                    help="same as --dtype float16")
+    p.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
+                   help="read the checkpoint without checking each tensor against the "
+                   "checksum megazoo.json recorded for it")
+    p.add_argument("--allow-nonfinite-load", action="store_true", help="load a checkpoint "
+                   "holding inf / nan values (refused by default)")
     p.add_argument("--cuda-graphs", action=__import__("argparse").BooleanOptionalAction,
                    default=None, help="capture the decode step as a CUDA graph (default: on "
                    "CUDA at tp = pp = 1, with an eager fallback)")
-    p.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
-                   help="read the checkpoint without checking each tensor against the checksum "
-                        "its megazoo.json recorded")
     return p
 
 
 def read_prompts(args) -> list[str]:
-    prompts = list(args.prompt)
+    """The prompts of --prompt and --prompt-file, each checked to be non-empty UTF-8 text
+    (the shell passes bytes that are not UTF-8 as lone surrogates)."""
+    prompts = [(f"--prompt {n + 1}", text) for n, text in enumerate(args.prompt)]
     if args.prompt_file:
         if not os.path.isfile(args.prompt_file):
             raise ValueError(f"--prompt-file {args.prompt_file}: no such file")
-        with open(args.prompt_file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        lines = read_text(args.prompt_file, "--prompt-file ").splitlines()
+        prompts += [(f"--prompt-file {args.prompt_file} line {n + 1}", line)
+                    for n, line in enumerate(lines) if line.strip()]
     if not prompts:
         raise ValueError("no prompt given: pass --prompt TEXT (repeatable) or --prompt-file FILE")
-    for n, text in enumerate(prompts):
+    for where, text in prompts:
         if not text:
-            raise ValueError(f"prompt {n + 1} is empty: give it some text")
-    return prompts
+            raise ValueError(f"{where} is empty: give it some text")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where} is not valid UTF-8 text: pass the prompt as UTF-8 (e.g. "
+                             f"convert it with iconv)") from None
+    return [text for _, text in prompts]
 
 
 def prepare(args):
@@ -90,8 +100,8 @@ def prepare(args):
     sampling = Sampling(args.greedy, args.temperature, args.top_k, args.top_p)
     prompts = read_prompts(args)
     checkpoint = resolve_checkpoint(args.load)
-    with open(os.path.join(checkpoint, "megazoo.json")) as f:
-        config = config_from_dict(json.load(f)["model"])
+    meta = read_json(os.path.join(checkpoint, "megazoo.json"), advice="the checkpoint is damaged")
+    config = config_from_dict(meta.get("model") or {})
     tokenizer = find_tokenizer(checkpoint, args.tokenizer)
     ids = [encode_prompt(tokenizer, text) for text in prompts]
     if args.max_new_tokens is None:  # as many as fit, up to the default
@@ -113,7 +123,8 @@ def run(args) -> None:
     dtype = parse_dtype(args.dtype) if args.dtype else None
     state = ParallelState.initialize(ParallelConfig(tp=args.tp, pp=args.pp))
     model = load_pretrained(checkpoint, state=state, device=local_device(), dtype=dtype,
-                            verify_checksums=args.verify_checksums)
+                            verify_checksums=args.verify_checksums,
+                            allow_nonfinite=args.allow_nonfinite_load)
     start = time.perf_counter()
     new = generate_ids(model, ids, args.max_new_tokens, sampling, seed=args.seed,
                        stop_id=None if args.ignore_eos else tokenizer.eod,
@@ -136,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except (ValueError, FileNotFoundError) as exc:
-        print("error: " + " ".join(str(exc).split()), file=sys.stderr)
-        return 2
+        return report_error(str(exc))
     finally:
         if dist.is_initialized() and dist.get_backend() != "gloo":
             dist.destroy_process_group()

@@ -45,10 +45,12 @@ def check_request(prompts, max_new_tokens: int, config, window: bool = False) ->
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     longest = max(len(ids) for ids in prompts)
     if not window and longest + max_new_tokens > config.max_position_embeddings:
+        room = config.max_position_embeddings - longest
+        fix = (f"shorten the prompt or lower --max-new-tokens to {room}" if room >= 1 else
+               f"shorten the prompt to at most {config.max_position_embeddings - 1} tokens")
         raise ValueError(f"a prompt of {longest} tokens plus --max-new-tokens {max_new_tokens} "
                          f"exceeds the model's {config.max_position_embeddings} positions "
-                         f"(max_position_embeddings): shorten the prompt or lower "
-                         f"--max-new-tokens to {max(config.max_position_embeddings - longest, 0)}")
+                         f"(max_position_embeddings): {fix}")
 
 
 def cache_length(total: int, config) -> int:

@@ -10,7 +10,8 @@ against it.
 Every rank of a tp x sp group runs the same loop: the model returns the same full logits on
 each, and sampling draws from a generator seeded identically everywhere, so all ranks pick
 the same token with no broadcast. The context is at most `max_context` tokens (a sliding
-window), right-padded to a multiple of the sequence-parallel size; with causal attention the
+window), right-padded to a multiple of the sequence-parallel size (a block-sparse model's to
+`max_context`, the run's sequence length its layout is defined for); with causal attention the
 padding cannot change the logits at the last real position. With pp > 1 every rank runs the
 forward-only pipeline schedule; the last stage picks the token and sends it to its pipeline
 group.
@@ -41,6 +42,7 @@ def recompute_ids(model, prompts: list[list[int]], max_new_tokens: int, sampling
     model.eval()
     device = next(model.parameters()).device
     shard = sequence_shard(model.state)
+    sparse = model.config.sparse is not None
     limit = max_context or model.config.max_position_embeddings
     generator = torch.Generator(device=device).manual_seed(seed)
     out = []
@@ -48,7 +50,10 @@ def recompute_ids(model, prompts: list[list[int]], max_new_tokens: int, sampling
         ids, new = [int(i) for i in prompt], []
         for _ in range(max_new_tokens):
             context = (ids + new)[-limit:]
-            padded = context + [0] * (-len(context) % shard)
+            # block-sparse layouts are defined for whole sequences of this length (a window
+            # of 3 blocks needs 3 blocks): pad to it; dense attention: to the sp shards
+            length = limit if sparse else -(-len(context) // shard) * shard
+            padded = context + [0] * (length - len(context))
             logits = last_logits(model, torch.tensor([padded], device=device), len(context) - 1)
             token = int(choose(logits, sampling, generator, model.state, 1, device)[0])
             if token == stop_id:

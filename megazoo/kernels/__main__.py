@@ -2,14 +2,13 @@
 and whether the C++ dataset helpers are built (or the NumPy fallback runs, and why)."""
 from __future__ import annotations
 
-import argparse
-
+from ..cli_parser import HintingParser
 from .report import format_report, kernel_report
 
 
 def main(argv: list[str] | None = None) -> None:
     """Print the kernel table for a device (default: the first CUDA GPU, else CPU)."""
-    parser = argparse.ArgumentParser(prog="python -m megazoo.kernels", description=__doc__)
+    parser = HintingParser(prog="python -m megazoo.kernels", description=__doc__)
     parser.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if any)")
     args = parser.parse_args(argv)
     print(format_report(kernel_report(args.device)))

@@ -38,7 +38,6 @@ token-level causality inside diagonal tiles is applied by the attention itself.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -46,6 +45,7 @@ import sys
 import torch
 
 from .sparse_config import SparseAttentionConfig
+from ..cli_parser import HintingParser
 
 __all__ = ["SparseAttentionConfig", "check_sequence", "layout", "rank_layout", "density", "show"]
 
@@ -226,8 +226,8 @@ def show(block_layout: torch.Tensor, block: int, causal: bool, out: str, title: 
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m megazoo.layers.sparse_layouts",
-                                description="Draw a block-sparse attention layout.")
+    p = HintingParser(prog="python -m megazoo.layers.sparse_layouts",
+                      description="Draw a block-sparse attention layout.")
     p.add_argument("--ds-config", help="a DeepSpeed JSON; its sparse_attention section is used")
     p.add_argument("--mode", help="dense, fixed, variable, bigbird or bslongformer")
     p.add_argument("--block", type=int)

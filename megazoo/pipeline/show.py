@@ -29,6 +29,7 @@ from megazoo.pipeline.schedules import (
     one_f_one_b_schedule,
 )
 from megazoo.pipeline.simulate import SimulationResult, simulate
+from ..cli_parser import HintingParser
 from ..matplotlib_figure import new_figure
 
 __all__ = ["draw_timeline", "main"]
@@ -87,8 +88,8 @@ def draw_timeline(result: SimulationResult, out: str | Path, title: str) -> Path
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line flags."""
-    parser = argparse.ArgumentParser(prog="python -m megazoo.pipeline.show",
-                                     description=__doc__.split("\n\n")[0])
+    parser = HintingParser(prog="python -m megazoo.pipeline.show",
+                           description=__doc__.split("\n\n")[0])
     parser.add_argument("--pp", type=int, default=4, help="pipeline ranks (default: %(default)s)")
     parser.add_argument("--vpp", type=int, default=1, help="model chunks per rank (default: %(default)s)")
     parser.add_argument("--microbatches", type=int, default=8, help="micro-batches, m (default: %(default)s)")

@@ -12,9 +12,9 @@ import dataclasses
 import difflib
 import json
 import re
-import sys
 import typing
 
+from ..errors import report_error
 from ..models.presets import PRESETS
 from ..training.arguments import args_from_namespace, build_parser, field_docs
 from ..training.config import PretrainArgs
@@ -29,9 +29,11 @@ from .stages import draw_plan, stage_estimates
 class _OneLineParser(argparse.ArgumentParser):
     """argparse, but an error is one line ("error: ...", a suggestion) and exit status 2."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
     def error(self, message: str) -> typing.NoReturn:
-        print(f"error: {message}{_suggestion(self, message)}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(report_error(f"{message}{_suggestion(self, message)}"))
 
 
 def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
@@ -148,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.out:
             picture = _draw(name, args, layout, ns.out)
     except (ValueError, OSError) as exc:  # a layout that cannot be: say what, no traceback
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report_error(str(exc))
     if ns.json:
         print(json.dumps({"model": name, "layout": dataclasses.asdict(layout),
                           "args": args.to_dict(), **est.to_dict()}, indent=2))

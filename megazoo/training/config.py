@@ -244,6 +244,10 @@ class LoggingConfig:
                 raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
         if self.eval_iters < 0 or self.generate_tokens < 0:
             raise ValueError("--eval-iters and --generate-tokens must be >= 0")
+        try:  # a shell passes bytes that are not UTF-8 as lone surrogates: refuse them now,
+            self.prompt.encode("utf-8")  # not when the sample is drawn after training
+        except UnicodeEncodeError:
+            raise ValueError("--prompt is not valid UTF-8 text: pass the prompt as UTF-8") from None
 
 
 @dataclass

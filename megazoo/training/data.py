@@ -20,6 +20,7 @@ import torch
 from ..data import (GPTDatasetConfig, IndexedDataset, Tokenizer, build_tokenizer,
                     build_train_valid_test_datasets, parse_data_prefix)
 from ..data.indexed import data_file_paths
+from ..errors import user_path
 from ..parallel.state import ParallelState
 from .config import PretrainArgs
 from .default_corpus import prepare_default_corpus
@@ -103,11 +104,16 @@ def resolve_data_source(args: PretrainArgs, is_rank0: bool, barrier, log) -> Non
     d = args.data
     if d.data_path is not None:
         return
+
+    def prepare():
+        with user_path("--data-cache-path", d.data_cache_path):  # where the corpus is written
+            return prepare_default_corpus(d.data_cache_path, d.default_corpus_mb,
+                                          d.default_vocab_size, log)
+
     if is_rank0:
-        prepare_default_corpus(d.data_cache_path, d.default_corpus_mb, d.default_vocab_size, log)
+        prepare()
     barrier()
-    prefix, model = prepare_default_corpus(d.data_cache_path, d.default_corpus_mb,
-                                           d.default_vocab_size, log)
+    prefix, model = prepare()
     d.data_path, d.tokenizer_type, d.tokenizer_model = [prefix], "SentencePieceTokenizer", model
 
 

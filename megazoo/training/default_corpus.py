@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..checkpoint.output import remove_leftovers
 from ..data import IndexedDatasetBuilder, SentencePieceTokenizer, best_dtype
+from ..data.indexed import clean_temp_files
 
 # Temp files of a preparation, named after its process (removed at the next start once that
 # process is gone): the tokenizer's training text and its model under a temporary prefix.
@@ -32,13 +33,19 @@ def train_code_tokenizer(text_file: Path, vocab_size: int, prefix: Path) -> str:
     """A SentencePiece BPE for source code (see the module docstring); returns its path."""
     import sentencepiece
 
-    sentencepiece.SentencePieceTrainer.train(
-        input=str(text_file), model_prefix=str(prefix), vocab_size=vocab_size,
-        model_type="bpe", character_coverage=1.0, byte_fallback=True,
-        normalization_rule_name="identity", remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True, hard_vocab_limit=False,
-        input_sentence_size=300_000, shuffle_input_sentence=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=2, minloglevel=2)
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            input=str(text_file), model_prefix=str(prefix), vocab_size=vocab_size,
+            model_type="bpe", character_coverage=1.0, byte_fallback=True,
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True, hard_vocab_limit=False,
+            input_sentence_size=300_000, shuffle_input_sentence=True,
+            unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=2, minloglevel=2)
+    except RuntimeError as exc:  # e.g. fewer pieces than the corpus has characters
+        reason = str(exc).strip().splitlines()[-1].split("] ")[-1]
+        raise ValueError(f"--default-vocab-size {vocab_size}: SentencePiece cannot train the "
+                         f"default corpus' tokenizer ({reason}): pass a larger "
+                         f"--default-vocab-size") from None
     return str(prefix) + ".model"
 
 
@@ -73,7 +80,7 @@ def prepare_default_corpus(cache_dir: str, megabytes: float, vocab_size: int,
                        .encode()).hexdigest()[:10]
     folder = Path(cache_dir) / f"stdlib-{key}"
     prefix, model = folder / "corpus", folder / "tokenizer.model"
-    for path in remove_leftovers(str(folder), LEFTOVERS):
+    for path in remove_leftovers(str(folder), LEFTOVERS) + clean_temp_files(prefix)[0]:
         log(f"removed {path}, left by a killed run")
     if model.is_file() and Path(str(prefix) + ".idx").is_file():
         return str(prefix), str(model)

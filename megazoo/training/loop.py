@@ -17,6 +17,7 @@ from ..generation.api import generate
 from .checkpoint import save_training_checkpoint
 from .metrics import flops_per_iteration
 from ..checkpoint.files import NonFiniteError
+from ..errors import user_path
 from .nonfinite import SkipWatch, refuse_nonfinite_loss, stopped_by_nonfinite_save
 from .run_checks import saved_iterations
 
@@ -74,9 +75,10 @@ def _save(run, iteration: int, watch: SkipWatch, result, valid: float | None) ->
     extra = {"consumed_samples": iteration * run.args.training.global_batch_size,
              "args": run.args.to_dict()}
     try:
-        path = save_training_checkpoint(run.engine, save_dir, iteration, extra, run.state,
-                                        overwrite=run.args.checkpoint.overwrite_checkpoints,
-                                        resumed_from=run.start_iteration)
+        with user_path("--save", save_dir):  # a full disk: one line, `latest` unmoved
+            path = save_training_checkpoint(run.engine, save_dir, iteration, extra, run.state,
+                                            overwrite=run.args.checkpoint.overwrite_checkpoints,
+                                            resumed_from=run.start_iteration)
     except NonFiniteError as exc:
         raise stopped_by_nonfinite_save(exc, iteration, watch, result) from None
     run.logger.print(f"saved checkpoint {path}")
@@ -124,9 +126,24 @@ def _header(run, tokens_per_iter: int) -> None:
                       "seq_length": a.data.seq_length}, show=False)
 
 
+def complete(run) -> str | None:
+    """The line saying a resumed run has nothing left to do (its checkpoint is at or past
+    --train-iters), else None."""
+    done, total = run.start_iteration, run.args.training.train_iters
+    if done < total:
+        return None
+    return (f"the run is complete at iteration {done} (--train-iters {total}): nothing to "
+            f"train; to extend it, pass --train-iters N with N > {done}")
+
+
 def train(run, print_fn=print) -> dict:
     """Train from run.start_iteration to --train-iters; return the final numbers."""
     a, log = run.args, run.args.logging
+    finished = complete(run)
+    if finished:
+        run.logger.print(finished)
+        return {"train_loss": None, "valid_loss": None, "losses": [], "steps": [],
+                "complete": True}
     tokens_per_iter = a.training.global_batch_size * a.data.seq_length
     _header(run, tokens_per_iter)
     progress, losses, steps = _Progress(run, print_fn), [], []

@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from ..errors import user_path
+from ..plot import METRICS_FILE  # the run's metrics in its --save folder, appended on resume
 from .log_writers import open_writers
 
 
@@ -51,19 +53,31 @@ def host_rss_gb() -> float:
     return peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9
 
 
+def _open_append(flag: str, path: str):
+    """`path` opened for appending (its folder created), OSErrors as one line naming `flag`."""
+    with user_path(flag, path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        return open(path, "a")
+
+
 class MetricsLogger:
-    """Formats, prints (rank 0) and records metrics; `write` takes a dict of numbers."""
+    """Formats, prints (rank 0) and records metrics; `write` takes a dict of numbers.
+
+    Records are appended as JSON lines to --log-json and, with `metrics_dir` (the --save
+    folder of a training run), to `metrics_dir/metrics.jsonl`."""
 
     def __init__(self, logging_cfg, device: torch.device, is_rank0: bool, print_fn=print,
-                 save_dir: str | None = None, run_config: dict | None = None):
+                 save_dir: str | None = None, run_config: dict | None = None,
+                 metrics_dir: str | None = None):
         self.cfg, self.device, self.is_rank0, self.print = logging_cfg, device, is_rank0, print_fn
-        self.json_file, self.writers = None, []
-        self.records: list[dict] = []  # what the curves picture at the end draws
-        if is_rank0 and logging_cfg.log_json:
-            folder = os.path.dirname(os.path.abspath(logging_cfg.log_json))
-            os.makedirs(folder, exist_ok=True)
-            self.json_file = open(logging_cfg.log_json, "a")
+        self.sinks, self.writers = [], []  # (flag, path, open file) of each JSON-lines file
+        self.records: list[dict] = []  # this segment's, kept to tell whether it logged any
+        self.metrics_path = os.path.join(metrics_dir, METRICS_FILE) if metrics_dir else None
         if is_rank0:
+            for flag, path in (("--log-json", logging_cfg.log_json),
+                               ("--save", self.metrics_path)):
+                if path:
+                    self.sinks.append((flag, path, _open_append(flag, path)))
             self.writers = open_writers(logging_cfg, save_dir, run_config or {}, print_fn)
         self.peak = logging_cfg.peak_tflops
         if self.peak is None:
@@ -91,9 +105,10 @@ class MetricsLogger:
             return
         if show:
             self.print(" | ".join(_fmt(k, v) for k, v in record.items()))
-        if self.json_file is not None:
-            self.json_file.write(json.dumps(record) + "\n")
-            self.json_file.flush()
+        for flag, path, file in self.sinks:
+            with user_path(flag, path):  # a disk that fills up mid-run: one line
+                file.write(json.dumps(record) + "\n")
+                file.flush()
         if "iteration" not in record:
             return
         self.records.append(record)
@@ -103,11 +118,14 @@ class MetricsLogger:
             writer.scalars(numbers, record["iteration"])
 
     def close(self) -> None:
-        if self.json_file is not None:
-            self.json_file.close()
+        for _, _, file in self.sinks:
+            try:
+                file.close()
+            except OSError:
+                pass  # a full disk was reported when the record was written
         for writer in self.writers:
             writer.close()
-        self.json_file, self.writers = None, []
+        self.sinks, self.writers = [], []
 
 
 def _fmt(key: str, value) -> str:

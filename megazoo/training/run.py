@@ -11,16 +11,18 @@ turns into one "error: ..." line and exit status 2.
 from __future__ import annotations
 
 import os
+import random
 import shlex
-import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..layers.fp8 import check_fp8_run
 from ..models import build_model
 from ..models.parts import check_sequence_length
+from ..errors import report_error
 from ..parallel.device import local_device
 from ..parallel.state import ParallelState
 from ..plot import draw_run_curves
@@ -70,6 +72,7 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     """Initialise ranks, data, model, engine (and resume); raise USER_ERRORS on bad input."""
     if args.training.cpu_threads:
         torch.set_num_threads(args.training.cpu_threads)
+    seed_everything(args.training.seed)
     check_fp8_run(args.model.fp8(), local_device())  # every rank, before any collective
     owns = not dist.is_initialized()
     _one_rank_group_for_zero(args)
@@ -109,9 +112,19 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
         raise ValueError("--eval-only needs --load DIR (the checkpoint to evaluate)")
     if not args.logging.eval_only:
         check_save_targets(args, start, engine.checkpoint_kind)
+    metrics = None if args.logging.eval_only else args.checkpoint.save
     logger = MetricsLogger(args.logging, device, rank0, print_fn=log,
-                           save_dir=args.checkpoint.save, run_config=args.to_dict())
+                           save_dir=args.checkpoint.save, run_config=args.to_dict(),
+                           metrics_dir=metrics or None)
     return Run(args, state, data, engine, logger, start, entropy, owns)
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, numpy's and torch's global generators from --seed, so two fresh runs with
+    the same flags hold (and save) the same random states."""
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
 
 
 def host_thread_advice(cpu_offload: bool, threads: int, cores: int, local_ranks: int) -> str | None:
@@ -172,9 +185,7 @@ def main(argv: list[str] | None = None, print_fn=print) -> int:
     try:
         run_training(argv, print_fn)
     except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report_error(str(exc))
     except TrainingStopped as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return report_error(str(exc), code=1)
     return 0

@@ -1,7 +1,7 @@
 """Checks of a run against the checkpoints around it, made at setup before the first step.
 
     read_options(args)                  # how --load is read: checksums, inf / nan
-    prepare_save_dir(args, rank0, log)  # leftovers removed; another run's folder refused
+    prepare_save_dir(args, rank0, log)  # writable; leftovers removed; another run's refused
     check_save_targets(args, start, kind)  # no complete checkpoint replaced implicitly
     resume_warnings(args, extra)        # --seq-length / tokenizer differing from the checkpoint's
 
@@ -21,6 +21,7 @@ from ..checkpoint.load import SHAPE_FIELDS
 from ..checkpoint.output import remove_leftovers
 from ..checkpoint.resolve import (iteration_dir, previous_checkpoint, read_latest,
                                   resolve_checkpoint)
+from ..errors import user_path
 from .checkpoint import LATEST_TMP, check_save_target, forget_saving
 
 
@@ -73,12 +74,32 @@ def _resumes_from(args, save: str) -> bool:
                     os.path.realpath(os.path.dirname(os.path.normpath(folder))))
 
 
+def check_writable(save: str) -> None:
+    """Create --save and write a file into it now, so a read-only file system, a file in the
+    way or a refused permission is one line before the first step, not after the last (a
+    folder made only for this is removed again)."""
+    probe = os.path.join(save, f".megazoo-write-test.{os.getpid()}")
+    created = not os.path.isdir(save)
+    with user_path("--save", save):
+        os.makedirs(save, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("megazoo\n")
+        os.remove(probe)
+        if created:  # made again at the first save: a run refused later leaves no folder
+            try:
+                os.rmdir(save)
+            except OSError:
+                pass  # another rank's probe is in it, or it has gone
+
+
 def prepare_save_dir(args, rank0: bool, log) -> None:
-    """Remove `.latest.tmp<pid>` files of dead runs (rank 0), then refuse a --save folder
-    holding another run's checkpoints unless --overwrite-checkpoints (every rank)."""
+    """Check --save can be written, remove `.latest.tmp<pid>` files of dead runs (rank 0),
+    then refuse a --save folder holding another run's checkpoints unless
+    --overwrite-checkpoints (every rank)."""
     save = args.checkpoint.save
     if not save:
         return
+    check_writable(save)
     if rank0:
         for path in remove_leftovers(save, LATEST_TMP):
             log(f"removed {path}, left by a killed run")

@@ -192,13 +192,13 @@ def test_preprocess_split_lines_and_errors(tmp_path):
     assert [bytes(d.tolist()).decode() for d in IndexedDataset(prefix)] == ["one", "two", "three"]
     missing = _preprocess("--input", str(tmp_path / "nope*.jsonl"), "--output-prefix",
                           str(prefix), "--tokenizer-type", "ByteLevelTokenizer")
-    assert missing.returncode == 1 and "matches no file" in missing.stderr
+    assert missing.returncode == 2 and "matches no file" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"other": 1}\n', encoding="utf-8")
     result = _preprocess("--input", str(bad), "--output-prefix", str(prefix),
                          "--tokenizer-type", "ByteLevelTokenizer")
-    assert result.returncode == 1 and "bad.jsonl:2" in result.stderr
+    assert result.returncode == 2 and "bad.jsonl:2" in result.stderr
     assert len(IndexedDataset(prefix)) == 3  # the failed run left the old files alone
     assert sorted(p.name for p in tmp_path.glob("lines.*")) == ["lines.bin", "lines.idx", "lines.txt"]
 

@@ -61,7 +61,7 @@ def test_kill_during_save_then_resume_is_exact(data, reference, tmp_path, point)
     rest = run_training(tiny_argv(data, "--save", str(save), "--load", str(save)))["losses"]
     assert rest == losses[3:]
     assert (save / "latest").read_text().strip() == "6"
-    assert sorted(os.listdir(save)) == ["iter_0000003", "iter_0000006", "latest"]
+    assert sorted(os.listdir(save)) == ["iter_0000003", "iter_0000006", "latest", "metrics.jsonl"]
     ours, ref = CheckpointReader(save / "iter_0000006"), CheckpointReader(ref_save / "iter_0000006")
     assert all(ours.full_tensor(n).equal(ref.full_tensor(n)) for n in ref.names())
 

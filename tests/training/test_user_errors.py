@@ -1,0 +1,144 @@
+"""A training run's user and environment errors are one line and exit status 2, before the
+first step where they can be seen then: a --save, --log-json or --data-cache-path that cannot
+be written (a file in the way, a full disk), a disk that fills up at save time (`latest`
+stays), a tokenizer file that does not parse, a --prompt that is not UTF-8, an abbreviated
+flag. And what a resumed run keeps: a finished run says so and how to extend it, the metrics
+of every segment stay in SAVE/metrics.jsonl (the curves and `python -m megazoo.plot SAVE` show
+the whole run), and --seed seeds Python's and numpy's generators too (two fresh runs save the
+same states)."""
+from __future__ import annotations
+
+import errno
+import json
+import random
+
+import numpy as np
+import pytest
+
+from helpers.runs import tiny_argv
+from megazoo.checkpoint import save as checkpoint_save
+from megazoo.plot import read_log
+from megazoo.training.run import main
+
+
+def one_line(capsys, code, expected: int = 2) -> str:
+    out, err = capsys.readouterr()
+    assert code == expected and len(err.strip().splitlines()) == 1, (code, err)
+    assert "iteration 1 |" not in out  # refused before the first step
+    return err.strip()
+
+
+def test_a_file_where_the_save_folder_should_be_is_refused_before_training(data, tmp_path, capsys):
+    (tmp_path / "f").write_text("mine")
+    save = tmp_path / "f" / "ck"
+    err = one_line(capsys, main(tiny_argv(data, "--save", str(save))))
+    assert err == (f"error: --save {save}: {tmp_path / 'f'} is a file where a folder is "
+                   f"expected: move it away or choose another --save")
+    assert (tmp_path / "f").read_text() == "mine"
+
+
+def test_log_json_on_a_full_disk(data, capsys):
+    err = one_line(capsys, main(tiny_argv(data, "--log-json", "/dev/full")))
+    assert err.startswith("error: --log-json /dev/full: no space left on the disk of /dev/full")
+    assert err.endswith("free some space or choose a --log-json on another disk")
+
+
+def test_data_cache_path_under_a_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "f").write_text("")
+    err = one_line(capsys, main(["--data-cache-path", "f/cache", "--train-iters", "1"]))
+    assert err == ("error: --data-cache-path f/cache: f is a file where a folder is expected: "
+                   "move it away or choose another --data-cache-path")
+
+
+def test_disk_full_at_save_time_is_one_line_and_latest_stays(data, tmp_path, monkeypatch, capsys):
+    save = tmp_path / "ck"
+    argv = tiny_argv(data, "--save", str(save), "--train-iters", "4", "--save-interval", "2")
+    real = checkpoint_save._write_rank_file
+
+    def fills_up(model, file, aux):
+        if "iter_0000004" in file:
+            raise OSError(errno.ENOSPC, "No space left on device", file)
+        return real(model, file, aux)
+
+    monkeypatch.setattr(checkpoint_save, "_write_rank_file", fills_up)
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: --save {save}: no space left on the disk of {save}/iter_0000004")
+    assert (save / "latest").read_text().strip() == "2"
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter")) == ["iter_0000002"]
+
+
+def test_tokenizer_files_that_do_not_parse(data, tmp_path, capsys):
+    bad = tmp_path / "tok.model"
+    bad.write_bytes(b"\xffnot a model")
+    argv = tiny_argv(data, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                     str(bad))
+    err = one_line(capsys, main(argv))
+    assert err.startswith(f"error: {bad} is not a readable SentencePiece model (")
+    (tmp_path / "tokenizer.json").write_text('{"model": ')
+    argv[argv.index(str(bad))] = str(tmp_path / "tokenizer.json")
+    argv[argv.index("SentencePieceTokenizer")] = "HFTokenizer"
+    err = one_line(capsys, main(argv))
+    assert err.startswith(f"error: {tmp_path / 'tokenizer.json'} is not a readable Hugging "
+                          f"Face tokenizer.json (")
+
+
+def test_abbreviated_flags_are_refused_with_the_full_name(data, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(tiny_argv(data, "--train-iter", "10"))
+    err = one_line(capsys, exit_info.value.code)
+    assert "unrecognized argument --train-iter: did you mean --train-iters?" in err
+
+
+def test_resuming_a_finished_run_says_how_to_extend_it(data, tmp_path):
+    save, lines = tmp_path / "ck", []
+    argv = tiny_argv(data, "--train-iters", "2", "--save", str(save))
+    assert main(argv) == 0
+    assert main(argv + ["--load", str(save)], print_fn=lines.append) == 0
+    assert lines[-1] == ("the run is complete at iteration 2 (--train-iters 2): nothing to "
+                         "train; to extend it, pass --train-iters N with N > 2")
+    assert not any(line.startswith("done:") for line in lines)
+
+
+def test_metrics_of_every_segment_stay_in_the_save_folder(data, tmp_path, capsys):
+    save = tmp_path / "ck"
+    assert main(tiny_argv(data, "--train-iters", "2", "--save", str(save))) == 0
+    assert main(tiny_argv(data, "--train-iters", "4", "--save", str(save),
+                          "--load", str(save))) == 0
+    records, tokens_per_step = read_log(str(save))  # the folder form of `megazoo.plot SAVE`
+    assert [r["iteration"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    assert tokens_per_step == 4 * 32
+    starts = [json.loads(x).get("start_iteration") for x in
+              (save / "metrics.jsonl").read_text().splitlines()]
+    assert [s for s in starts if s is not None] == [0, 2]
+
+
+def test_a_resumed_segment_replaces_what_a_killed_one_logged_past_its_start(tmp_path):
+    log = tmp_path / "m.jsonl"
+    rows = [{"tokens_per_step": 8, "start_iteration": 0}] + \
+        [{"iteration": i, "loss": 10.0 - i} for i in (1, 2, 3)] + \
+        [{"tokens_per_step": 8, "start_iteration": 2}, {"iteration": 3, "loss": 1.0}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records, _ = read_log(str(log))
+    assert [(r["iteration"], r["loss"]) for r in records] == [(1, 9.0), (2, 8.0), (3, 1.0)]
+
+
+def test_two_fresh_runs_save_the_same_random_states(data, tmp_path):
+    states = []
+    for name in ("a", "b"):
+        np.random.seed(None)  # fresh from the OS, as in a new process
+        random.seed(None)
+        save = tmp_path / name
+        assert main(tiny_argv(data, "--train-iters", "1", "--save", str(save),
+                              "--generate-tokens", "0")) == 0
+        meta = json.loads((save / "iter_0000001" / "megazoo.json").read_text())
+        states.append(meta["extra"]["rng"])
+    assert states[0]["numpy"] == states[1]["numpy"] and states[0]["random"] == states[1]["random"]
+    assert states[0]["torch"] == states[1]["torch"]
+
+
+def test_a_sample_prompt_that_is_not_utf8_is_refused_before_training(data, capsys):
+    err = one_line(capsys, main(tiny_argv(data, "--prompt", "def \udcff")))
+    assert err == "error: --prompt is not valid UTF-8 text: pass the prompt as UTF-8"
