@@ -22,10 +22,13 @@ open, runs at the planner's: the smallest fraction whose GPU share fits the GPU.
   (--offload-fraction, else the planner's for one GPU): scaling efficiency
   tokens/s(2) / (2 tokens/s(1)); DeepSpeed at dp = 2, global batch 32; then dp = 2 at the
   planner's dp = 2 fraction where that differs (0 on an 80 GB GPU: no offload needed).
-- largest: `python -m megazoo.plan --largest` for tp = 2 and for dp = 2 at this machine's GPU
-  memory and host memory (--largest-gpu-gb, --largest-host-gb); the larger model is trained
-  with the planner's command for --largest-iters steps: losses (finite and falling), GPU peak
-  and rank 0's host RSS against the plan (target: within 5%).
+- largest: `python -m megazoo.plan --largest --optimizer-cpu-offload
+  --overlap-cpu-optimizer-d2h-h2d --use-distributed-optimizer` with --tp 2 and with --dp 2, at
+  --plan-gpu-gb (default 0.95 of GPU 0's memory) and --plan-host-gb (0.8 of the host's); the
+  larger answer is trained with the planner's command (its vocabulary of 32,000 becomes the
+  corpus's 2,048, and the row is planned again at that) for --largest-iters steps: losses
+  (finite, the mean of the last 3 below the first), GPU peak (the run's max allocated, build
+  included) and rank 0's host RSS against the plan (target: within 5%).
 With --dry-run each row runs on CPU with gloo at a tiny shape; the largest row asks the
 planner the same questions and trains a tiny model with the answer's layout and offload flags.
 """
@@ -43,7 +46,7 @@ import statistics
 import time
 
 from bench import offload_bench, train_bench
-from bench.common import write_json
+from bench.common import failure_line, run_command, write_json
 from bench.run_compare import run_variant
 
 LAYOUTS = ("tp2", "dp2", "largest")
@@ -209,15 +212,18 @@ def layout_largest(cfg) -> dict:
 
 
 def machine(cfg) -> dict:
-    """The budgets the planner is given: GPU 0's memory and the host's, in GB."""
+    """The budgets the planner is given: GPU 0's memory and the host's, in GB. nvidia-smi,
+    not torch.cuda: a CUDA context here would hold GPU 0 memory while the rows run."""
     if cfg.dry_run:
         return {"gpu_gb": 80.0, "host_gb": 250.0}
-    import torch
-
+    rc, out, err = run_command(["nvidia-smi", "--query-gpu=memory.total,name",
+                                "--format=csv,noheader,nounits", "--id=0"], 60)
+    if rc != 0:
+        raise SystemExit(f"error: nvidia-smi failed: {failure_line(err or out)}")
+    mib, name = out.strip().split(",", 1)
     with open("/proc/meminfo") as f:
         total_kb = next(int(x.split()[1]) for x in f if x.startswith("MemTotal:"))
-    return {"gpu_gb": torch.cuda.get_device_properties(0).total_memory / 1e9,
-            "host_gb": total_kb * 1024 / 1e9, "gpu": torch.cuda.get_device_name(0)}
+    return {"gpu_gb": int(mib) * 2**20 / 1e9, "host_gb": total_kb * 1024 / 1e9, "gpu": name.strip()}
 
 
 def run_part(cfg) -> None:
