@@ -22,7 +22,7 @@ import statistics
 import sys
 import tempfile
 
-from bench.common import REPO, failure_line, print_table, run_command, torchrun, write_json
+from bench.common import REPO, child_env, failure_line, print_table, run_command, torchrun, write_json
 
 DRY_FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
              "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4 "
@@ -37,7 +37,7 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 
 def summarize(log_path: str) -> dict:
-    """tokens/s, last losses and peak memory from one run's --log-json."""
+    """tokens/s, losses, peak GPU memory and host RSS (rank 0's) from one run's --log-json."""
     with open(log_path) as f:
         records = [json.loads(line) for line in f if line.strip()]
     steps = [r for r in records if "tokens_per_s" in r]
@@ -49,15 +49,18 @@ def summarize(log_path: str) -> dict:
            "train_loss": steps[-1]["loss"]}
     if valid:
         out["valid_loss"] = valid[-1]["valid_loss"]
-    peaks = [r["gpu_max_allocated_gb"] for r in steps if "gpu_max_allocated_gb" in r]
-    if peaks:
-        out["peak_gb"] = max(peaks)
+    for key, name in (("gpu_max_allocated_gb", "peak_gb"), ("host_rss_gb", "host_rss_gb")):
+        peaks = [r[key] for r in steps if key in r]
+        if peaks:
+            out[name] = max(peaks)
+    out["losses"] = [r["loss"] for r in steps]
     return out
 
 
 def run_variant(name: str, flags: list[str], logs: str, timeout: float | None,
-                nproc: int = 1) -> dict:
-    """One pretrain_gpt.py run (through torchrun with `nproc` ranks when > 1), summarized."""
+                nproc: int = 1, env: dict | None = None) -> dict:
+    """One pretrain_gpt.py run (through torchrun with `nproc` ranks when > 1), summarized;
+    `env`: variables set for it on top of this process's environment."""
     log = os.path.join(logs, f"{name}.jsonl")
     if os.path.exists(log):
         os.remove(log)
@@ -67,7 +70,7 @@ def run_variant(name: str, flags: list[str], logs: str, timeout: float | None,
            "--data-cache-path", os.path.join(REPO, "data_cache"), *flags]
     print(f"[{name}] {shlex.join(cmd[1:])}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        rc, _, err = run_command(cmd, timeout, cwd=tmp)
+        rc, _, err = run_command(cmd, timeout, cwd=tmp, env=child_env(**(env or {})))
     error = None if rc == 0 else (
         failure_line(err) if rc is not None else
         f"stopped after {timeout:.0f} s (--timeout); the row is what was logged")

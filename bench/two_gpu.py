@@ -22,6 +22,8 @@ children print goes to `OUT/*.log` and `OUT/logs/` (pretrain_gpt.py's --log-json
   at dp = 2 with each row of COMPRESSION (step time, vs the plain NCCL all-reduce).
 - offload: zero_bench.py --two-gpu (DeepSpeed and FSDP2 ZeRO-3 + CPU offload at tp = 2, each
   rank on its share of the host cores, as --cpu-threads does for pretrain_gpt.py).
+- plain-offload: the plain engine's --optimizer-cpu-offload at tp = 2 and dp = 2 against
+  DeepSpeed ZeRO-3 + CPU offload, and the largest model two GPUs train (bench/two_gpu_offload.py).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import json
 import os
 import sys
 
+from bench import two_gpu_offload
 from bench.common import (REPO, failure_line, module_command, results, run_command, torchrun,
                           write_json)
 from bench.run_compare import run_variant
@@ -54,7 +57,7 @@ DP_VARIANTS = {
 }
 PROFILED = ("overlap+distopt", "distopt")  # exposed communication with overlap on and off
 DP_EXTRAS = ("deepspeed", "plan", "profile")
-PARTS = ("dp", "sparse", "compress", "offload")
+PARTS = ("dp", "sparse", "compress", "offload", "plain-offload")
 # pretrain_gpt.py flags of every run here: no checkpoint, no sample text, plain log lines.
 RUN_FLAGS = ["--save", "", "--generate-tokens", "0", "--no-progress",
              "--data-cache-path", os.path.join(REPO, "data_cache")]
@@ -228,6 +231,7 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=24, help="pretrain_gpt.py iterations per run")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds per child process (default 420; dry run 300)")
+    two_gpu_offload.add_flags(p)
     cfg = p.parse_args(argv)
     cfg.shape = "tiny" if cfg.dry_run else "gpt-1.3b"
     cfg.dp_batches = cfg.dp_batches or ([8] if cfg.dry_run else [16, 64])
@@ -237,6 +241,9 @@ def parse_args(argv=None):
         p.error(f"--dp-batches {bad[0]} must divide by micro-batch {micro} x 2 ranks")
     if cfg.iters < 7:
         p.error(f"--iters {cfg.iters}: give at least 7 (the first log interval is warm-up)")
+    if cfg.offload_iters < 3 or cfg.largest_iters < 10:
+        p.error(f"--offload-iters {cfg.offload_iters} / --largest-iters {cfg.largest_iters}: "
+                "give at least 3 / 10")
     cfg.timeout = cfg.timeout or (300.0 if cfg.dry_run else 420.0)
     return cfg
 
@@ -245,7 +252,7 @@ def main(argv=None) -> int:
     cfg = parse_args(argv)
     os.makedirs(cfg.out, exist_ok=True)
     runners = {"dp": part_dp, "sparse": part_sparse, "compress": part_compress,
-               "offload": part_offload}
+               "offload": part_offload, "plain-offload": two_gpu_offload.run_part}
     for part in cfg.parts:
         print(f"== {part}", flush=True)
         runners[part](cfg)

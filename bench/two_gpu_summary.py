@@ -11,6 +11,9 @@
 - compress: the reduction benchmark's own rows, and pretrain_gpt.py's step time at dp = 2
   per algorithm against the plain NCCL all-reduce.
 - offload: tokens/s of each ZeRO-3 layout and FSDP2's against DeepSpeed's at tp = 2.
+- plain-offload: per layout, each row's tokens/s against DeepSpeed ZeRO-3 + CPU offload in the
+  same layout, dp = 2's scaling efficiency against the one-GPU row, GPU peak and rank 0's host
+  RSS against the planner, and the largest model's losses.
 """
 from __future__ import annotations
 
@@ -88,6 +91,35 @@ def offload_rows(saved: dict) -> list[dict]:
     return rows
 
 
+PLAIN_OFFLOAD_COLUMNS = ["layout", "row", "fraction", "tokens_s", "vs_deepspeed", "efficiency",
+                         "peak_gb", "peak_vs_plan", "host_rss_gb", "host_vs_plan", "loss_first",
+                         "loss_last", "falling", "plan_params_b", "error"]
+
+
+def plain_offload_rows(saved: dict) -> list[dict]:
+    """One row per run of a plain_offload_<layout>.json: the ratios the targets are about."""
+    runs = saved.get("rows", {})
+    base = runs.get("deepspeed", {}).get("tokens_per_s")
+    one = runs.get("1 gpu", {}).get("tokens_per_s")
+    rows = []
+    for key, run in runs.items():
+        losses = run.get("losses") or [None]
+        rate = run.get("tokens_per_s")
+        rows.append({
+            "layout": saved.get("layout"), "row": run.get("name", key),
+            "fraction": run.get("fraction"), "tokens_s": rate,
+            "vs_deepspeed": _ratio(rate, base) if key != "1 gpu" else None,
+            "efficiency": _ratio(rate, 2 * (one or 0)) if key.startswith("dp2") else None,
+            "peak_gb": run.get("peak_gb"), "peak_vs_plan": _ratio(run.get("peak_gb"), run.get("plan_peak_gb")),
+            "host_rss_gb": run.get("host_rss_gb"),
+            "host_vs_plan": _ratio(run.get("host_rss_gb"), run.get("plan_host_gb")),
+            "loss_first": losses[0], "loss_last": losses[-1],
+            "falling": run.get("finite_and_falling"),
+            "plan_params_b": run["num_parameters"] / 1e9 if "num_parameters" in run else None,
+            "error": (run.get("error") or "")[-160:] or None})
+    return rows
+
+
 def summarize(out: str) -> int:
     """Print and write (OUT/summary.json) the ratios of every part found in `out`."""
     summary = {}
@@ -116,6 +148,13 @@ def summarize(out: str) -> int:
         print("\n## offload: ZeRO-3 at tp = 2 / sp = 2 (zero_bench.py --two-gpu)")
         print_table(rows or [parts["offload"]], OFFLOAD_COLUMNS + ["error"])
         summary["offload"] = rows or parts["offload"]
+    plain = [r for p in sorted(glob.glob(os.path.join(out, "plain_offload_*.json")))
+             for r in plain_offload_rows(_load(p))]
+    if plain:
+        print("\n## plain-offload: --optimizer-cpu-offload vs DeepSpeed ZeRO-3 + CPU offload "
+              "(efficiency = tokens/s(dp 2) / (2 tokens/s(1 GPU)); vs plan: measured / planned)")
+        print_table(plain, PLAIN_OFFLOAD_COLUMNS)
+        summary["plain_offload"] = plain
     write_json(os.path.join(out, "summary.json"), summary)
     return 0
 

@@ -75,3 +75,54 @@ def test_sparse_part_dry_run(tmp_path):
         assert r["block"] == 128 and r["max_diff"] <= 1e-5
         assert r["eff_sparse"] > 0 and r["x_dense"] > 0
     assert "eff_sparse" in proc.stdout  # the summary table was printed
+
+
+def test_plain_offload_summary_ratios(tmp_path):
+    """Each row against DeepSpeed in its layout, dp = 2 against twice the one-GPU row, and
+    measured memory over planned (exact arithmetic on the numbers given)."""
+    rows = {"1 gpu": {"name": "dp1", "tokens_per_s": 100.0, "fraction": 0.5},
+            "dp2": {"name": "dp2", "tokens_per_s": 190.0, "fraction": 0.5, "peak_gb": 42.0,
+                    "plan_peak_gb": 40.0, "host_rss_gb": 30.0, "plan_host_gb": 32.0,
+                    "losses": [8.0, 7.5, 7.0]},
+            "deepspeed": {"name": "ds", "tokens_per_s": 95.0}}
+    (tmp_path / "plain_offload_dp2.json").write_text(json.dumps({"layout": "dp2", "rows": rows}))
+    (tmp_path / "plain_offload_largest.json").write_text(json.dumps({"layout": "largest", "rows": {
+        "largest": {"name": "largest tp2", "error": "stopped", "num_parameters": 15e9,
+                    "finite_and_falling": False}}}))
+    assert summarize(str(tmp_path)) == 0
+    got = {r["row"]: r for r in json.loads((tmp_path / "summary.json").read_text())["plain_offload"]}
+    assert got["dp1"]["vs_deepspeed"] is None and got["dp1"]["efficiency"] is None
+    assert abs(got["dp2"]["vs_deepspeed"] - 2.0) < 1e-12 and abs(got["dp2"]["efficiency"] - 0.95) < 1e-12
+    assert abs(got["dp2"]["peak_vs_plan"] - 1.05) < 1e-12 and abs(got["dp2"]["host_vs_plan"] - 0.9375) < 1e-12
+    assert (got["dp2"]["loss_first"], got["dp2"]["loss_last"]) == (8.0, 7.0)
+    assert abs(got["ds"]["vs_deepspeed"] - 1.0) < 1e-12 and got["ds"]["efficiency"] is None
+    assert got["largest tp2"]["error"] == "stopped" and got["largest tp2"]["plan_params_b"] == 15.0
+    assert got["largest tp2"]["falling"] is False and got["largest tp2"]["tokens_s"] is None
+
+
+@pytest.mark.slow
+def test_plain_offload_part_dry_run(tmp_path):
+    """The plain-offload part on CPU (gloo, 2 ranks, tiny shapes), its dp2 and largest layouts
+    without the DeepSpeed rows: every row trains, dp2's rows run at the fractions they name,
+    and the largest row trains the larger of the planner's tp = 2 and dp = 2 answers."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH"))))}
+    proc = subprocess.run([sys.executable, "-m", "bench.two_gpu", "--dry-run", "--parts", "plain-offload",
+                           "--offload-layouts", "dp2", "largest", "--no-offload-peer", "--offload-iters", "3",
+                           "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "plain_offload_dp2.json").read_text())["rows"]
+    assert set(rows) == {"1 gpu", "dp2", "dp2 planned"}
+    # 0.5: the dry run's fixed fraction; 0: the planner's, whose 80 GB GPU holds a tiny model
+    assert [rows[k]["fraction"] for k in ("1 gpu", "dp2", "dp2 planned")] == [0.5, 0.5, 0.0]
+    for row in rows.values():
+        assert "error" not in row and row["tokens_per_s"] > 0 and len(row["losses"]) == 3
+        assert f"--optimizer-offload-fraction {row['fraction']:g}" in row["flags"]
+    largest = json.loads((tmp_path / "plain_offload_largest.json").read_text())["rows"]["largest"]
+    asked = largest["asked"]
+    assert set(asked) == {"tp2", "dp2"} and all("command" in a for a in asked.values())
+    assert largest["num_parameters"] == max(a["num_parameters"] for a in asked.values())
+    assert largest["num_parameters"] == asked[largest["layout"]]["num_parameters"]
+    assert "error" not in largest and len(largest["losses"]) == 12
+    assert largest["finite_and_falling"]  # 12 deterministic CPU steps of the tiny model
+    assert "plain-offload:" in proc.stdout  # the summary table was printed
