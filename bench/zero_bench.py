@@ -71,8 +71,8 @@ def run_args(shape: dict, par, *, dp: int, bf16: bool, offload_param: str = "non
              offload_optimizer: str = "cpu", recompute: str = "none", ratio: float = 1.0,
              zero_impl: str = "deepspeed", reshard: bool = True):
     """The run's PretrainArgs for `shape`: what the engines train with and the planner plans."""
-    from megazoo.training.config import DataConfig, PretrainArgs, TrainingConfig
-    from megazoo.training.zero_config import ZeroConfig
+    from megazoo.config.run import DataConfig, PretrainArgs, TrainingConfig
+    from megazoo.config.zero import ZeroConfig
 
     training = TrainingConfig(micro_batch_size=shape["batch"], global_batch_size=shape["batch"] * dp,
                               lr=3e-4, min_lr=3e-4, lr_warmup_iters=0, lr_decay_style="constant",
@@ -149,7 +149,7 @@ def hf_engine(shape, state, args):
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    from megazoo.training.ds_config import build_ds_config
+    from megazoo.config.ds_config import build_ds_config
     from megazoo.training.backends.deepspeed_setup import ZeroMPU, use_accelerator_of
 
     use_accelerator_of(device())

@@ -30,7 +30,7 @@ import torch
 
 from . import attention_kernels as kernels
 from .attention import AttentionRequest, math_attention, unsupported_reason
-from .sparse_config import SparseAttentionConfig
+from ..config.sparse_attention import SparseAttentionConfig
 from .sparse_layouts import layout as make_layout
 
 KERNEL_BLOCK = 128

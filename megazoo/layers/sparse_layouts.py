@@ -45,7 +45,7 @@ import sys
 
 import torch
 
-from .sparse_config import SparseAttentionConfig
+from ..config.sparse_attention import SparseAttentionConfig
 
 __all__ = ["SparseAttentionConfig", "check_sequence", "layout", "rank_layout", "density", "show"]
 

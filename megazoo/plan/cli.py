@@ -15,9 +15,9 @@ import re
 import sys
 import typing
 
-from ..models.presets import PRESETS
-from ..training.arguments import args_from_namespace, build_parser, field_docs
-from ..training.config import PretrainArgs
+from ..config.presets import PRESETS
+from ..config.flags import args_from_namespace, build_parser, field_docs
+from ..config.run import PretrainArgs
 from .largest import (LARGEST_DEFAULTS, describe, family_shapes, run_command, search,
                       training_fits)
 from .layout import PlanOptions, resolve

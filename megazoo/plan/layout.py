@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..training.config import PretrainArgs
-from ..training.ds_config import build_ds_config, offload_device, zero_stage
-from ..training.validate import check_args
+from ..config.run import PretrainArgs
+from ..config.ds_config import build_ds_config, offload_device, zero_stage
+from ..config.validate import check_args
 from .offload import default_bucket_elements
 
 

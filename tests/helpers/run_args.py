@@ -6,8 +6,8 @@ import json
 
 from megazoo.models import ModelConfig
 from megazoo.parallel import ParallelConfig
-from megazoo.training.config import DataConfig, PretrainArgs, TrainingConfig
-from megazoo.training.zero_config import ZeroConfig
+from megazoo.config.run import DataConfig, PretrainArgs, TrainingConfig
+from megazoo.config.zero import ZeroConfig
 
 from .fixtures import tiny_config
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from megazoo.parallel import ParallelConfig
-from megazoo.training.config import TrainingConfig
-from megazoo.training.ds_config import build_ds_config
+from megazoo.config.run import TrainingConfig
+from megazoo.config.ds_config import build_ds_config
 
 from helpers.run_args import ds_args as args
 
@@ -69,7 +69,7 @@ def test_bad_json_and_batch_sizes(tmp_path):
 def test_engines_refuse_bad_layouts_before_collectives():
     from megazoo.parallel.state import ParallelState
     from megazoo.training.backends.fsdp2 import check_args
-    from megazoo.training.validate import check_deepspeed_pipeline
+    from megazoo.config.validate import check_deepspeed_pipeline
 
     state = ParallelState.single(ParallelConfig())
     with pytest.raises(ValueError, match="zero-impl fsdp2"):
@@ -82,7 +82,7 @@ def test_engines_refuse_bad_layouts_before_collectives():
 
 
 def test_training_values_from_json(tmp_path):
-    from megazoo.training.ds_config import training_values_from_json
+    from megazoo.config.ds_config import training_values_from_json
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "train_batch_size": "auto",
@@ -92,7 +92,7 @@ def test_training_values_from_json(tmp_path):
 
 
 def _parse_with_json(tmp_path, ds: dict, *flags: str):
-    from megazoo.training.arguments import parse_args
+    from megazoo.config.flags import parse_args
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))

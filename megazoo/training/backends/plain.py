@@ -26,8 +26,8 @@ import torch
 from ...layers.linear import fusable_weights
 from ...parallel.compress import build_reduction
 from ...parallel.state import ParallelState
-from ..compression_config import CompressionConfig
-from ..config import PretrainArgs
+from ...config.compression import CompressionConfig
+from ...config.run import PretrainArgs
 from . import compression_state
 from .base import Engine
 from .grad_buffer import GradBuffer
