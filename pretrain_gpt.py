@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 pretrain_gpt.py --tensor-model-parallel-size 2
     python pretrain_gpt.py --help                 # every flag, generated from the configs
 
-The flags come from the dataclasses in `megazoo/training/config.py` (plus ModelConfig,
+The flags come from the dataclasses in `megazoo/config/run.py` (plus ModelConfig,
 ParallelConfig and ZeroConfig); the run itself is `megazoo.training.run.main`, reached
 through `megazoo.cli.pretrain` (also installed as the `megazoo-pretrain` command).
 """

@@ -54,7 +54,7 @@ def stream_stats(name: str, data: np.ndarray) -> dict:
 
 
 def trained_gradient(steps: int) -> torch.Tensor:
-    from megazoo.training.arguments import parse_args
+    from megazoo.config.flags import parse_args
     from megazoo.training.run import setup
 
     torch.set_num_threads(1)

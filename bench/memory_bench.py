@@ -40,7 +40,7 @@ from megazoo.models.build import resolve_config
 from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.plan import GB, estimate_memory
 from megazoo.training.backends import build_engine
-from megazoo.training.config import DataConfig, PretrainArgs, TrainingConfig
+from megazoo.config.run import DataConfig, PretrainArgs, TrainingConfig
 
 LLAMA_1B4 = dict(family="llama", num_layers=24, hidden_size=2048, num_attention_heads=16,
                  ffn_hidden_size=5504, vocab_size=32000, max_position_embeddings=2048)

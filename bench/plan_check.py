@@ -68,7 +68,7 @@ def planned(flags: list[str]) -> dict:
     import dataclasses
 
     from megazoo.plan import GB, RUNTIME_BYTES, estimate_memory
-    from megazoo.training.arguments import parse_args
+    from megazoo.config.flags import parse_args
 
     args = parse_args(flags)
     args.model = dataclasses.replace(args.model, vocab_size=VOCAB)
@@ -85,7 +85,7 @@ def child(name: str, dry_run: bool) -> None:
     """Run one row's setup and training here; print its measurements as a RESULT line."""
     import torch
 
-    from megazoo.training.arguments import parse_args
+    from megazoo.config.flags import parse_args
     from megazoo.training.loop import train
     from megazoo.training.run import setup
 

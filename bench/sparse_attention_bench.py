@@ -32,7 +32,7 @@ from megazoo.layers.sparse_attention import (SparseAttention, block_mask_from_la
                                              sparse_attention)
 from megazoo.layers.sparse_gather import block_masks
 from megazoo.layers.sparse_plan import build_plan
-from megazoo.layers.sparse_config import SparseAttentionConfig
+from megazoo.config.sparse_attention import SparseAttentionConfig
 from megazoo.layers.sparse_layouts import density, layout
 
 COLUMNS = ["s", "config", "block", "path", "density", "tile_density", "ms", "x_sdpa", "x_flex",

@@ -81,7 +81,7 @@ def plan_args(flags: list[str], dp: int):
     """The run's PretrainArgs as `python -m megazoo.plan FLAGS --dp DP` parses them, with the
     default corpus's vocabulary."""
     from megazoo.plan.cli import plan_parser
-    from megazoo.training.arguments import args_from_namespace
+    from megazoo.config.flags import args_from_namespace
 
     args = args_from_namespace(plan_parser().parse_args(flags + ["--dp", str(dp)]))
     return dataclasses.replace(args, model=dataclasses.replace(args.model, vocab_size=VOCAB))

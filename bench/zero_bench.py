@@ -13,7 +13,7 @@ clipping 1.0. Rows, each in its own subprocess (peak GPU memory and host RSS are
 FSDP2Engine with CPUOffloadPolicy (fp32 parameters, gradients and AdamW state on the host,
 torch's fused CPU AdamW, clipping folded into it); "fsdp2-keep" = the same with the gathered
 parameters kept from forward to backward (--no-fsdp-reshard-after-forward); "hf" = the peer,
-DeepSpeed + Hugging Face GPT2 with the same DeepSpeed config (`megazoo.training.ds_config`).
+DeepSpeed + Hugging Face GPT2 with the same DeepSpeed config (`megazoo.config.ds_config`).
 Reported: tokens/s (median step after warm-up), the ratio to the peer (target >= 1.3), peak
 GPU memory allocated and reserved, peak host RSS, and `megazoo.plan.estimate_memory` for the
 run (the same PretrainArgs the engine trains with). `bench/offload_probe.py` breaks a step down.
@@ -71,8 +71,8 @@ def run_args(shape: dict, par, *, dp: int, bf16: bool, offload_param: str = "non
              offload_optimizer: str = "cpu", recompute: str = "none", ratio: float = 1.0,
              zero_impl: str = "deepspeed", reshard: bool = True):
     """The run's PretrainArgs for `shape`: what the engines train with and the planner plans."""
-    from megazoo.training.config import DataConfig, PretrainArgs, TrainingConfig
-    from megazoo.training.zero_config import ZeroConfig
+    from megazoo.config.run import DataConfig, PretrainArgs, TrainingConfig
+    from megazoo.config.zero import ZeroConfig
 
     training = TrainingConfig(micro_batch_size=shape["batch"], global_batch_size=shape["batch"] * dp,
                               lr=3e-4, min_lr=3e-4, lr_warmup_iters=0, lr_decay_style="constant",
@@ -149,7 +149,7 @@ def hf_engine(shape, state, args):
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    from megazoo.training.ds_config import build_ds_config
+    from megazoo.config.ds_config import build_ds_config
     from megazoo.training.backends.deepspeed_setup import ZeroMPU, use_accelerator_of
 
     use_accelerator_of(device())

@@ -49,7 +49,7 @@ from .groups import Group, group_rank, group_size, process_group
 from .init import NormalInit, default_init
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .sharding import set_tp_layout
-from .sparse_config import SparseAttentionConfig
+from ..config.sparse_attention import SparseAttentionConfig
 from .ulysses import UlyssesAttention, check_global_inputs
 
 

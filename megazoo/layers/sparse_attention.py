@@ -40,7 +40,7 @@ import torch
 
 from . import attention_kernels as kernels
 from .attention import AttentionRequest, math_attention, unsupported_reason
-from .sparse_config import SparseAttentionConfig
+from ..config.sparse_attention import SparseAttentionConfig
 from .sparse_gather import block_masks, gather_attention
 from .sparse_layouts import layout as make_layout
 from .sparse_plan import TILE as KERNEL_BLOCK

@@ -44,7 +44,7 @@ import sys
 
 import torch
 
-from .sparse_config import SparseAttentionConfig
+from ..config.sparse_attention import SparseAttentionConfig
 from ..cli_parser import HintingParser
 
 __all__ = ["SparseAttentionConfig", "check_sequence", "layout", "rank_layout", "density", "show"]

@@ -12,12 +12,12 @@
 from .block import TransformerBlock
 from .bloom import BloomModel
 from .build import MODEL_CLASSES, build_model, check_layout, layer_ranges, resolve_config
-from .config import ModelConfig
+from ..config.model import ModelConfig
 from .gpt import GPTModel
 from .llama import LlamaModel
 from .model import TransformerModel
 from .params import count_parameters, describe_parameters, full_name
-from .presets import PRESETS
+from ..config.presets import PRESETS
 
 __all__ = ["ModelConfig", "build_model", "PRESETS", "TransformerModel", "GPTModel",
            "BloomModel", "LlamaModel", "count_parameters",

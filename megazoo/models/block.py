@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from ..layers import AttentionConfig, NormalInit, ParallelAttention, ParallelMLP
 from ..layers.norm import build_norm
 from ..parallel.state import ParallelState
-from .config import ModelConfig
+from ..config.model import ModelConfig
 
 
 class TransformerBlock(nn.Module):

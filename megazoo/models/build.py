@@ -11,11 +11,11 @@ from ..layers.ulysses import check_sequence_split
 from ..parallel.config import ParallelConfig
 from ..parallel.state import ParallelState
 from .bloom import BloomModel
-from .config import ModelConfig
+from ..config.model import ModelConfig
 from .gpt import GPTModel
 from .llama import LlamaModel
 from .model import TransformerModel
-from .presets import PRESETS
+from ..config.presets import PRESETS
 
 MODEL_CLASSES = {"gpt": GPTModel, "bloom": BloomModel, "llama": LlamaModel}
 

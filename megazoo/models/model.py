@@ -24,7 +24,7 @@ from ..layers import ColumnParallelLinear, NormalInit, set_tp_layout
 from ..layers.norm import build_norm
 from ..parallel.state import ParallelState
 from .block import TransformerBlock
-from .config import ModelConfig
+from ..config.model import ModelConfig
 from .parts import (WORD_EMBEDDINGS, Embedding, check_sequence_length, full_logits, lm_logits,
                     mean_token_loss, sequence_shard, ulysses_window)
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..layers.sharding import full_shape, tp_dim_of
-from .config import ModelConfig
+from ..config.model import ModelConfig
 
 
 def parameter_parts(config: ModelConfig, tp: int = 1, *, padded: bool = True) -> dict[str, int]:

@@ -18,7 +18,7 @@ from ..layers import (NormalInit, VocabParallelEmbedding, copy_to_tensor_paralle
 from ..layers.norm import build_norm
 from ..layers.ulysses import check_sequence_split, sequence_pieces, sequence_shard_range
 from ..parallel.state import ParallelState
-from .config import ModelConfig
+from ..config.model import ModelConfig
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 

@@ -43,7 +43,7 @@ or intermediate copies: the planner describes the GPU path.
 """
 from __future__ import annotations
 
-from ..models.config import ModelConfig
+from ..config.model import ModelConfig
 from .layout import Resolved
 
 

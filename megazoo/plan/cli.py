@@ -1,6 +1,6 @@
 """`python -m megazoo.plan [pretrain_gpt.py flags] [--dp N] [--gpu-memory GB] [--json] [--out PNG]`.
 
-The parser is `pretrain_gpt.py`'s own (`megazoo.training.arguments.build_parser`), extended
+The parser is `pretrain_gpt.py`'s own (`megazoo.config.flags.build_parser`), extended
 with the planner's few flags; the parsed flags become the run's `PretrainArgs` through the
 run's own `args_from_namespace` (and its checks). Every error is one line and exit status 2,
 with a "did you mean" for a misspelt flag or preset.
@@ -15,9 +15,9 @@ import re
 import typing
 
 from ..errors import report_error
-from ..models.presets import PRESETS
-from ..training.arguments import args_from_namespace, build_parser, field_docs
-from ..training.config import PretrainArgs
+from ..config.presets import PRESETS
+from ..config.flags import args_from_namespace, build_parser, field_docs
+from ..config.run import PretrainArgs
 from .largest import (LARGEST_DEFAULTS, describe, family_shapes, run_command, search,
                       training_fits)
 from .layout import PlanOptions, resolve

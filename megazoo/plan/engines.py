@@ -9,7 +9,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from ..models.config import ModelConfig
+from ..config.model import ModelConfig
 from .layout import Resolved
 from .offload import offload_bytes, pinned
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import shlex
 
-from ..models.config import ModelConfig
+from ..config.model import ModelConfig
 from ..models.params import count_parameters
 from .layout import resolve
 from .memory import GB, RUNTIME_BYTES, MemoryEstimate, _estimate

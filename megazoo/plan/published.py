@@ -20,10 +20,10 @@ import argparse
 import copy
 import dataclasses
 
-from ..models.config import ModelConfig
-from ..models.presets import PRESETS
-from ..training.arguments import args_from_namespace
-from ..training.config import PretrainArgs
+from ..config.model import ModelConfig
+from ..config.presets import PRESETS
+from ..config.flags import args_from_namespace
+from ..config.run import PretrainArgs
 from .memory import FRAGMENTATION, GB, MemoryEstimate
 from .timing import stage_layers
 

@@ -17,7 +17,7 @@ import dataclasses
 import json
 
 from ..matplotlib_figure import new_figure
-from ..training.arguments import args_from_namespace
+from ..config.flags import args_from_namespace
 from .clusters import load_cluster
 from .layout import PlanOptions, resolve
 from .memory import GB

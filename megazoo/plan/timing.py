@@ -32,10 +32,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ..models.config import ModelConfig
+from ..config.model import ModelConfig
 from ..pipeline.schedules import build_schedule
 from ..pipeline.simulate import simulate
-from ..training.config import PretrainArgs
+from ..config.run import PretrainArgs
 from ..training.metrics import flops_per_iteration
 from .calibration import kernel_rates
 from .clusters import Cluster

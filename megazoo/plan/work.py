@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models.config import ModelConfig
+from ..config.model import ModelConfig
 from .calibration import KernelRates
 from .clusters import Cluster
 from .layout import Resolved

@@ -22,7 +22,7 @@ from ..data import (GPTDatasetConfig, IndexedDataset, Tokenizer, build_tokenizer
 from ..data.indexed import data_file_paths
 from ..errors import user_path
 from ..parallel.state import ParallelState
-from .config import PretrainArgs
+from ..config.run import PretrainArgs
 from .default_corpus import prepare_default_corpus
 
 ENTROPY_MAX_TOKENS = 50_000_000

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from .config import TrainingConfig
+from ..config.run import TrainingConfig
 
 
 def learning_rate(step: int, cfg: TrainingConfig) -> float:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import TrainingConfig
+from ..config.run import TrainingConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

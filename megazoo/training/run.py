@@ -26,9 +26,9 @@ from ..errors import report_error
 from ..parallel.device import local_device
 from ..parallel.state import ParallelState
 from ..plot import draw_run_curves
-from .arguments import parse_args
+from ..config.flags import parse_args
 from .checkpoint import load_training_checkpoint
-from .config import PretrainArgs
+from ..config.run import PretrainArgs
 from .data import TrainData, build_data, resolve_data_source, unigram_entropy
 from .backends import Engine, TrainingStopped, build_engine
 from .metrics import MetricsLogger

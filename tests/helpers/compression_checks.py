@@ -91,7 +91,7 @@ def compressed_engine(compression: dict, **training):
     from megazoo.models import build_model
     from megazoo.parallel import ParallelConfig, ParallelState
     from megazoo.training.backends.plain import PlainEngine
-    from megazoo.training.compression_config import CompressionConfig
+    from megazoo.config.compression import CompressionConfig
 
     state = ParallelState.initialize(ParallelConfig()) if dist.is_initialized() \
         else ParallelState.single()

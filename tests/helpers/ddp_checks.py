@@ -14,7 +14,7 @@ import torch
 import megazoo
 from megazoo.models import ModelConfig, build_model
 from megazoo.parallel import ParallelConfig, ParallelState
-from megazoo.training.config import PretrainArgs, TrainingConfig
+from megazoo.config.run import PretrainArgs, TrainingConfig
 
 VOCAB, B, S, GLOBAL_MB = 128, 2, 16, 4
 

@@ -6,9 +6,9 @@ import json
 
 from megazoo.models import ModelConfig
 from megazoo.parallel import ParallelConfig
-from megazoo.training.arguments import parse_args
-from megazoo.training.config import DataConfig, PretrainArgs, TrainingConfig
-from megazoo.training.zero_config import ZeroConfig
+from megazoo.config.flags import parse_args
+from megazoo.config.run import DataConfig, PretrainArgs, TrainingConfig
+from megazoo.config.zero import ZeroConfig
 
 from .fixtures import tiny_config
 

@@ -9,7 +9,7 @@ import torch
 from megazoo.layers.positions import alibi_slopes
 from megazoo.layers.sparse_attention import (SparseAttention, block_mask_from_layout,
                                              sparse_attention, tile_layout)
-from megazoo.layers.sparse_config import SparseAttentionConfig as Config
+from megazoo.config.sparse_attention import SparseAttentionConfig as Config
 from megazoo.layers.sparse_layouts import density, layout, main, rank_layout
 
 # float32 math (and FlexAttention's eager float32 path) against a float64 reference over at

@@ -9,7 +9,7 @@ import torch
 
 from megazoo.layers.positions import alibi_slopes
 from megazoo.layers.sparse_attention import SparseAttention, choose_plan, sparse_attention
-from megazoo.layers.sparse_config import SparseAttentionConfig as Config
+from megazoo.config.sparse_attention import SparseAttentionConfig as Config
 from megazoo.layers.sparse_gather import _dense, gather_attention, main_mask_mod, rows_mask_mod
 from megazoo.layers.sparse_layouts import layout
 from megazoo.layers.sparse_plan import NEVER, PRIVATE_BASE, SHARED, TILE, build_plan

@@ -89,7 +89,7 @@ def test_megatron_sp_is_named_apart_and_megatron_spelling_still_works():
     builds the same config, and Ulysses stays `sp`."""
     from dataclasses import asdict, replace
 
-    from megazoo.training.arguments import parse_args
+    from megazoo.config.flags import parse_args
 
     new, old = ParallelConfig(tp=2, megatron_sp=True), ParallelConfig(tp=2, sequence_parallel=True)
     assert new == old and old.sequence_parallel and replace(old, dp=1).megatron_sp

@@ -215,7 +215,7 @@ def test_block_coefficients_match_what_a_gpt_block_saves(recompute):
 def test_megazoo_engine_matches_h100_runs(flags, measured_gb):
     """pretrain_gpt.py --bf16 on one H100 (bench/README.md, train_bench.py, vocabulary 2048):
     the peak allocated memory it logged against the plan of the same flags, within 5%."""
-    from megazoo.training.arguments import parse_args
+    from megazoo.config.flags import parse_args
 
     args = parse_args(flags + ["--bf16", "--global-batch-size", "8"])
     args.model = dataclasses.replace(args.model, vocab_size=2048)

@@ -7,7 +7,7 @@ import pytest
 
 from megazoo.plan import main
 from megazoo.plan.cli import plan_parser
-from megazoo.training.arguments import build_parser, parse_args
+from megazoo.config.flags import build_parser, parse_args
 
 BAD = [  # flags the run rejects at parsing, and so must the planner
     ["--model", "gpt-1.3b", "--tp", "3"],               # 16 heads over tp 3

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 
 from megazoo.plan import GB, RUNTIME_BYTES, PlanOptions, estimate_memory
-from megazoo.training.arguments import parse_args
+from megazoo.config.flags import parse_args
 
 KIB = 1.024  # the run logged host GB as ru_maxrss (KiB) / 1e6
 ISSUE = ["--family", "llama", "--num-layers", "24", "--hidden-size", "4096",

@@ -12,8 +12,8 @@ from megazoo.plan.layout import PlanOptions
 from megazoo.plan.memory import estimate_memory
 from megazoo.plan.offload import (check_nvme_path, check_offload_plan, check_offload_run,
                                   offload_bytes, pinned)
-from megazoo.training.arguments import parse_args
-from megazoo.training.config import TrainingConfig
+from megazoo.config.flags import parse_args
+from megazoo.config.run import TrainingConfig
 
 SHAPE = ["--family", "llama", "--num-layers", "8", "--hidden-size", "1024",
          "--num-attention-heads", "8", "--num-key-value-heads", "8", "--ffn-hidden-size", "2816",
@@ -134,7 +134,7 @@ def test_largest_fits_and_the_next_larger_does_not(family, flags, budgets):
     ns = plan_parser().parse_args(argv)
     _default_sequence(ns)
     ns.training__global_batch_size = 1
-    from megazoo.training.arguments import args_from_namespace
+    from megazoo.config.flags import args_from_namespace
 
     args = args_from_namespace(ns)
     pick = args.training.optimizer_cpu_offload

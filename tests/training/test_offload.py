@@ -12,7 +12,7 @@ import torch
 
 from megazoo.parallel import ParallelConfig
 from megazoo.testing import run_distributed
-from megazoo.training.arguments import parse_args
+from megazoo.config.flags import parse_args
 from megazoo.training.backends.cpu_offload import check_host_memory, host_share
 
 from helpers import ddp_checks as checks
@@ -77,7 +77,7 @@ def _run_on_disk(path: str, nvme: str) -> dict:
     from megazoo.models import build_model
     from megazoo.parallel import ParallelState
     from megazoo.training.backends.plain import PlainEngine
-    from megazoo.training.zero_config import ZeroConfig
+    from megazoo.config.zero import ZeroConfig
 
     args = checks.make_args(ParallelConfig(), **offload(0.5))
     args.zero = ZeroConfig(nvme_path=nvme)
@@ -143,7 +143,7 @@ def test_bad_offload_flags_are_one_line(argv, words):
 
 
 def test_offload_flags_without_a_zero_engine_select_the_plain_offload():
-    from megazoo.training.offload_config import plain_offload
+    from megazoo.config.offload import plain_offload
 
     plan = plain_offload(parse_args(["--offload-optimizer", "cpu"]))
     assert plan is not None and plan.fraction == 1.0 and plan.nvme_path is None
@@ -160,7 +160,7 @@ def test_a_ds_config_offload_section_selects_the_plain_offload(tmp_path):
     """The seeds' ds_config keys, without --deepspeed: this engine's offload, on disk."""
     import json
 
-    from megazoo.training.offload_config import plain_offload
+    from megazoo.config.offload import plain_offload
 
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {

@@ -7,7 +7,7 @@ import pytest
 
 from megazoo.models import resolve_config
 from megazoo.plan import estimate_memory
-from megazoo.training.ds_config import build_ds_config
+from megazoo.config.ds_config import build_ds_config
 
 from helpers.run_args import ds_args as args
 from helpers.run_args import plan_args

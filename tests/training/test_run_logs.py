@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from megazoo.training.config import LoggingConfig
+from megazoo.config.run import LoggingConfig
 from megazoo.training.log_writers import open_writers
 from megazoo.training.run import run_training
 from helpers.runs import make_data, tiny_argv

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from megazoo.training.arguments import parse_args
+from megazoo.config.flags import parse_args
 from helpers.runs import ROOT, make_data, tiny_argv
 
 SEEDS = {"sparse_attention": {"mode": "fixed", "block": 16, "different_layout_per_head": True}}

@@ -14,7 +14,7 @@ OTHER = {"zero_optimization": {"stage": 1, "contiguous_gradients": False},
 
 
 def _args(json_path: str):
-    from megazoo.training.arguments import parse_args
+    from megazoo.config.flags import parse_args
 
     return parse_args(["--deepspeed", "--deepspeed_config", json_path, "--num-layers", "2",
                        "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",

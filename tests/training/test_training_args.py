@@ -2,8 +2,8 @@
 import pytest
 
 from megazoo.models import PRESETS
-from megazoo.training.arguments import DEFAULT_MODEL, build_parser, field_docs, parse_args
-from megazoo.training.config import TrainingConfig
+from megazoo.config.flags import DEFAULT_MODEL, build_parser, field_docs, parse_args
+from megazoo.config.run import TrainingConfig
 
 
 def test_megatron_flags_reach_the_configs():

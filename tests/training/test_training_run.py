@@ -139,7 +139,7 @@ def test_bf16_autocast_trains_close_to_fp32(data, reference):
 def test_skipped_fp16_step_leaves_weights_untouched(data):
     import torch
 
-    from megazoo.training.arguments import parse_args
+    from megazoo.config.flags import parse_args
     from megazoo.training.run import setup
 
     run = setup(parse_args(tiny_argv(data, "--fp16", "--initial-loss-scale", str(2.0 ** 40))),

@@ -1,4 +1,4 @@
-"""DeepSpeed config merging (`megazoo.training.ds_config`), without processes."""
+"""DeepSpeed config merging (`megazoo.config.ds_config`), without processes."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megazoo.parallel import ParallelConfig
-from megazoo.training.config import TrainingConfig
-from megazoo.training.ds_config import build_ds_config
+from megazoo.config.run import TrainingConfig
+from megazoo.config.ds_config import build_ds_config
 
 from helpers.run_args import ds_args as args
 
@@ -70,7 +70,7 @@ def test_bad_json_and_batch_sizes(tmp_path):
 def test_engines_refuse_bad_layouts_before_collectives():
     from megazoo.parallel.state import ParallelState
     from megazoo.training.backends.fsdp2 import check_args
-    from megazoo.training.validate import check_deepspeed_pipeline
+    from megazoo.config.validate import check_deepspeed_pipeline
 
     state = ParallelState.single(ParallelConfig())
     with pytest.raises(ValueError, match="zero-impl fsdp2"):
@@ -83,7 +83,7 @@ def test_engines_refuse_bad_layouts_before_collectives():
 
 
 def test_training_values_from_json(tmp_path):
-    from megazoo.training.ds_config import training_values_from_json
+    from megazoo.config.ds_config import training_values_from_json
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "train_batch_size": "auto",
@@ -93,7 +93,7 @@ def test_training_values_from_json(tmp_path):
 
 
 def _parse_with_json(tmp_path, ds: dict, *flags: str):
-    from megazoo.training.arguments import parse_args
+    from megazoo.config.flags import parse_args
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))
@@ -195,7 +195,7 @@ def test_every_engine_refuses_json_batch_conflicts_alike(tmp_path, monkeypatch, 
     """The plain and FSDP2 engines read the JSON's batch sizes too: a flag contradicting
     them is the error --deepspeed gives, word for word (one check)."""
     from megazoo.parallel import ParallelState
-    from megazoo.training.arguments import parse_args
+    from megazoo.config.flags import parse_args
     from megazoo.training.backends import build_engine
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ds_config import check_json_training_keys
+from ...config.ds_config import check_json_training_keys
 from .base import Engine, StepResult, TrainingStopped
 
 __all__ = ["Engine", "StepResult", "TrainingStopped", "build_engine"]
@@ -26,7 +26,7 @@ __all__ = ["Engine", "StepResult", "TrainingStopped", "build_engine"]
 def build_engine(args, model: torch.nn.Module, state) -> Engine:
     """The engine `args.zero` asks for, constructed as `Engine(model, state, args)`.
 
-    `args` is the run's `megazoo.training.config.PretrainArgs`; `state` its ParallelState.
+    `args` is the run's `megazoo.config.run.PretrainArgs`; `state` its ParallelState.
     zero_impl "none": `plain.PlainEngine`; "deepspeed": `deepspeed_zero.DeepSpeedEngine`;
     "fsdp2": `fsdp2.FSDP2Engine` (each imported only when asked for).
     """

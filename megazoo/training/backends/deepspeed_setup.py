@@ -33,7 +33,7 @@ from torch import nn
 from ...layers.sharding import tp_dim_of
 from ...parallel.mpu import _NAMES, DeepSpeedMPU
 from ...parallel.state import ParallelState
-from ..ds_config import offload_device
+from ...config.ds_config import offload_device
 from ..optim import build_optimizer as torch_adamw, param_groups
 from ..ds_ops import before_build
 

@@ -51,10 +51,10 @@ from ...checkpoint.deepspeed_files import (FILES_KEY, check_finite_loaded, recor
                                            verify_checksums)
 from ...checkpoint.save import refuse_nonfinite
 from ...parallel.state import ParallelState
-from ..compression_config import check_onebit_backend
-from ..ds_config import build_ds_config, offload_device, onebit_optimizer, zero_stage
+from ...config.compression import check_onebit_backend
+from ...config.ds_config import build_ds_config, offload_device, onebit_optimizer, zero_stage
 from ..optim import param_groups
-from ..validate import check_deepspeed_pipeline
+from ...config.validate import check_deepspeed_pipeline
 from .base import Engine
 from ..gradients import hook_sequence_parallel_grads
 from .deepspeed_setup import (ZeroMPU, build_optimizer, check_nvme, ensure_process_group,

@@ -2,7 +2,7 @@
 bucket between the GPU and the host (pinned memory, or disk under --nvme-path), Megatron-
 core's hybrid device optimizer in this engine's terms; `MasterAdamW`'s interface.
 
-    opt = OffloadAdamW(model, buffers, cfg, plan)   # plan: offload_config.OffloadPlan
+    opt = OffloadAdamW(model, buffers, cfg, plan)   # plan: config.offload.OffloadPlan
     opt.start_step()                  # before backward: the last gradient copies are done
     opt.step(lr, grad_divisor)        # GPU buckets now; host buckets now or on a thread
     opt.wait_params([i, ...])         # (forward pre-hooks) bucket i's new parameters
@@ -35,7 +35,7 @@ from ...parallel.collectives import all_gather_flat
 from .cpu_offload import (NAMES, ResidentStore, Transfers, adamw_,
                           bucket_slots, check_host_memory, init_steps, set_steps)
 from ...plan.offload import check_nvme_path, host_memory_bytes
-from ..offload_config import OffloadPlan
+from ...config.offload import OffloadPlan
 from .grad_buffer import GradBuffer
 from .master_optimizer import MasterAdamW, hook_bucket_waits
 

@@ -18,7 +18,7 @@ loss or norm in every precision (fp16 also backs the loss scale off), else runs 
 AdamW whose gradient divisor folds in the loss scale and the clipping factor.
 
 Optimizer offload (--optimizer-cpu-offload, or a ds_config's offload sections without a ZeRO
-engine: `offload_config.plain_offload`) and bf16 main gradients swap `MasterAdamW` for
+engine: `config.offload.plain_offload`) and bf16 main gradients swap `MasterAdamW` for
 `offload_optimizer.OffloadAdamW`, which steps bucket by bucket on the GPU and the host.
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch
 from ...layers.linear import fusable_weights
 from ...parallel.compress import build_reduction
 from ...parallel.state import ParallelState
-from ..compression_config import CompressionConfig
-from ..config import PretrainArgs
+from ...config.compression import CompressionConfig
+from ...config.run import PretrainArgs
 from . import compression_state
 from .base import Engine
 from .grad_buffer import GradBuffer
@@ -40,7 +40,7 @@ from ..gradients import (clip_divisor, counted_flat_ranges, flat_grad_norm,
                         tied_embedding_weight)
 from .master_optimizer import MOMENTS
 from .offload_optimizer import OffloadAdamW, build_master_optimizer
-from ..offload_config import plain_offload
+from ...config.offload import plain_offload
 from ..scaler import DynamicLossScaler
 
 AUX_PREFIXES = MOMENTS

@@ -27,16 +27,16 @@ import torch.distributed as dist
 
 from ..cli_parser import HintingParser
 from ..layers.fp8 import FORMATS as FP8_FORMATS, RECIPES as FP8_RECIPES
-from ..models.config import ModelConfig, _default_ffn
-from ..models.presets import PRESETS
 from ..parallel.config import ParallelConfig
-from .compression_config import ALGORITHMS, DTYPES as COMM_DTYPES, TOPK_SELECTIONS, \
+from .compression import ALGORITHMS, DTYPES as COMM_DTYPES, TOPK_SELECTIONS, \
     CompressionConfig, resolve_compression
-from .config import CheckpointConfig, DataConfig, LoggingConfig, PretrainArgs, TrainingConfig
 from .ds_config import training_defaults_from_json
-from .sparse_args import add_sparse_flags, sparse_section, warn_unused_sections
+from .model import ModelConfig, _default_ffn
+from .presets import PRESETS
+from .run import CheckpointConfig, DataConfig, LoggingConfig, PretrainArgs, TrainingConfig
+from .sparse import add_sparse_flags, sparse_section, warn_unused_sections
 from .validate import check_args
-from .zero_config import ZeroConfig
+from .zero import ZeroConfig
 
 # Field -> flags, where Megatron's names differ from `--field-name`.
 ALIASES = {

@@ -17,7 +17,7 @@ llama-70b uses 8 key/value heads and ffn 28,672.
 """
 from __future__ import annotations
 
-from .config import ModelConfig
+from .model import ModelConfig
 
 
 def _gpt(layers: int, hidden: int, heads: int, **extra) -> ModelConfig:

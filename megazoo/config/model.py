@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ..layers.sparse_config import SparseAttentionConfig
 from ..layers.fp8 import FP8Recipe
+from .sparse_attention import SparseAttentionConfig
 
 # Per-family defaults of the fields that are None unless given.
 FAMILY_DEFAULTS = {

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from ..models.build import check_layout
 from ..parallel.config import ParallelConfig
-from .compression_config import check_compression_layout, check_engine_compression
-from .config import PretrainArgs
-from .offload_config import check_plain_only, plain_offload
-from .zero_config import ZeroConfig
+from .compression import check_compression_layout, check_engine_compression
+from .run import PretrainArgs
+from .zero import ZeroConfig
+from .offload import check_plain_only, plain_offload
 
 
 def check_args(args: PretrainArgs) -> None:

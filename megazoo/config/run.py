@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 from ..data.indexed import check_data_prefix
 from ..data.splits import parse_data_prefix
-from ..models.config import ModelConfig
 from ..parallel.config import ParallelConfig
-from .compression_config import CompressionConfig
-from .zero_config import ZeroConfig
+from .compression import CompressionConfig
+from .model import ModelConfig
+from .zero import ZeroConfig
 
 DECAY_STYLES = ("cosine", "linear", "constant")
 
