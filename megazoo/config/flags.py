@@ -26,7 +26,7 @@ import typing
 import torch.distributed as dist
 
 from ..cli_parser import HintingParser
-from ..layers.fp8 import FORMATS as FP8_FORMATS, RECIPES as FP8_RECIPES
+from .precision import FORMATS as FP8_FORMATS, RECIPES as FP8_RECIPES
 from ..parallel.config import ParallelConfig
 from .compression import ALGORITHMS, DTYPES as COMM_DTYPES, TOPK_SELECTIONS, \
     CompressionConfig, resolve_compression

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ..layers.fp8 import FP8Recipe
+from .precision import FP8Recipe
 from .sparse_attention import SparseAttentionConfig
 
 # Per-family defaults of the fields that are None unless given.
