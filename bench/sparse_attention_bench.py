@@ -24,9 +24,9 @@ import time
 import torch
 
 from bench.common import environment, print_table, time_ms, write_json
+from megazoo.config.sparse_attention import SparseAttentionConfig
 from megazoo.layers import core_attention
 from megazoo.layers.sparse_attention import block_mask_from_layout, sparse_attention
-from megazoo.config.sparse_attention import SparseAttentionConfig
 from megazoo.layers.sparse_layouts import density, layout
 
 COLUMNS = ["s", "config", "block", "density", "tile_density", "ms", "x_sdpa", "x_flex", "note"]

@@ -15,8 +15,8 @@ import re
 import sys
 import typing
 
-from ..config.presets import PRESETS
 from ..config.flags import args_from_namespace, build_parser, field_docs
+from ..config.presets import PRESETS
 from ..config.run import PretrainArgs
 from .largest import (LARGEST_DEFAULTS, describe, family_shapes, run_command, search,
                       training_fits)

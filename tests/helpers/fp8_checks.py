@@ -17,8 +17,8 @@ computations on the full tensors:
 """
 import torch
 
-from megazoo.layers import ColumnParallelLinear, RowParallelLinear
 from megazoo.config.precision import FP8Recipe
+from megazoo.layers import ColumnParallelLinear, RowParallelLinear
 from megazoo.layers.fp8 import fp8_linear
 from megazoo.parallel import ParallelConfig, ParallelState
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megazoo.config.flags import parse_args
 from megazoo.config.precision import FP8Recipe
 from megazoo.layers import fp8
-from megazoo.config.flags import parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_ERROR = ("error: --fp8-format needs a GPU with FP8 tensor cores (compute capability 8.9+: "

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from megazoo.parallel import ParallelConfig
-from megazoo.config.run import TrainingConfig
 from megazoo.config.ds_config import build_ds_config
+from megazoo.config.run import TrainingConfig
+from megazoo.parallel import ParallelConfig
 
 from helpers.run_args import ds_args as args
 

@@ -45,11 +45,11 @@ import torch
 import torch.distributed as dist
 
 from ...checkpoint.save import refuse_nonfinite
-from ...parallel.state import ParallelState
 from ...config.compression import check_onebit_backend
 from ...config.ds_config import build_ds_config, offload_device, onebit_optimizer, zero_stage
-from ..optim import param_groups
 from ...config.validate import check_deepspeed_pipeline
+from ...parallel.state import ParallelState
+from ..optim import param_groups
 from .base import Engine
 from ..gradients import hook_sequence_parallel_grads
 from .deepspeed_setup import (ZeroMPU, build_optimizer, check_nvme, ensure_process_group,
