@@ -34,9 +34,9 @@ from dataclasses import asdict, dataclass, field
 
 from ..config.model import ModelConfig
 from ..config.run import PretrainArgs
+from ..models.flops import flops_per_iteration
 from ..pipeline.schedules import build_schedule
 from ..pipeline.simulate import simulate
-from ..training.metrics import flops_per_iteration
 from .calibration import kernel_rates
 from .clusters import Cluster
 from .layout import Resolved
