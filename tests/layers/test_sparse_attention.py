@@ -6,11 +6,12 @@ import warnings
 import pytest
 import torch
 
+from megazoo.cli import sparse_layout as main
+from megazoo.config.sparse_attention import SparseAttentionConfig as Config
 from megazoo.layers.positions import alibi_slopes
 from megazoo.layers.sparse_attention import (SparseAttention, block_mask_from_layout,
                                              sparse_attention, tile_layout)
-from megazoo.config.sparse_attention import SparseAttentionConfig as Config
-from megazoo.layers.sparse_layouts import density, layout, main, rank_layout
+from megazoo.layers.sparse_layouts import density, layout, rank_layout
 
 # float32 math (and FlexAttention's eager float32 path) against a float64 reference over at
 # most 320 keys of unit-variance inputs: rounding stays near 1e-6; 2e-5 leaves margin and
