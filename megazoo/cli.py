@@ -26,7 +26,6 @@ written out here so that `layers/` holds no command line).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 #: console command -> "module:function" (setup.py's console_scripts are built from this text).
@@ -127,24 +126,29 @@ def plot(argv: list[str] | None = None) -> int:
 
 def sparse_layout(argv: list[str] | None = None) -> int:
     """`megazoo-sparse-layout`: a block-sparse attention layout's density per head, and its
-    picture (`--out`); the section comes from `--ds-config`'s sparse_attention, then the flags."""
+    picture (`--out`). The section comes from pretrain_gpt.py's own sparse flags and
+    --deepspeed_config, merged as a run merges them."""
+    from .config.sparse import add_sparse_flags
+
     p = argparse.ArgumentParser(prog="megazoo-sparse-layout",
                                 description="Draw a block-sparse attention layout.")
-    p.add_argument("--ds-config", help="a DeepSpeed JSON; its sparse_attention section is used")
-    p.add_argument("--mode", help="dense, fixed, variable, bigbird or bslongformer")
-    p.add_argument("--block", type=int)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                   help="any other sparse_attention key, e.g. num_random_blocks=2")
+    p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
+                   help="a DeepSpeed JSON; its sparse_attention section is used")
+    add_sparse_flags(p)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--causal", action="store_true", help="intersect with causality (decoders)")
     p.add_argument("--out", help="image file to write (png, pdf, svg)")
     args = p.parse_args(argv)
+    from .config.ds_config import read_ds_config
+    from .config.sparse import sparse_section
+    from .config.sparse_attention import SparseAttentionConfig
     from .layers.sparse_layouts import density, layout
 
     try:
-        config = _sparse_section(args)
+        config = SparseAttentionConfig.from_ds_config(
+            sparse_section(args, *read_ds_config(args.deepspeed_config)) or {})
         lay = layout(config, args.heads, args.seq, args.seed, causal=args.causal)
         print(f"{config.to_ds_config()}  s={args.seq}  {lay.shape[-1]} blocks per side")
         for h in range(lay.shape[0]):
@@ -157,23 +161,6 @@ def sparse_layout(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-def _sparse_section(args):
-    """The SparseAttentionConfig of `sparse_layout`'s flags (they override the JSON's keys)."""
-    from .config.ds_config import SPARSE_SECTION, load_ds_json
-    from .config.sparse_attention import SparseAttentionConfig
-
-    section = dict(load_ds_json(args.ds_config).get(SPARSE_SECTION) or {}) if args.ds_config \
-        else {}
-    section.update({k: getattr(args, k) for k in ("mode", "block") if getattr(args, k) is not None})
-    for item in args.set:
-        key, _, value = item.partition("=")
-        try:
-            section[key] = json.loads(value)
-        except json.JSONDecodeError:
-            section[key] = value
-    return SparseAttentionConfig.from_ds_config(section)
 
 
 def _draw_sparse_layout(block_layout, block: int, causal: bool, out: str, title: str,

@@ -300,8 +300,9 @@ def test_bad_attention_inputs():
 def test_cli_picture_and_errors(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "layout.png"
-    assert main(["--mode", "bigbird", "--seq", "1024", "--block", "64", "--heads", "2",
-                 "--causal", "--out", str(out)]) == 0
+    assert main(["--sparse-attention-mode", "bigbird", "--seq", "1024", "--sparse-block", "64",
+                 "--heads", "2", "--causal", "--out", str(out)]) == 0
     assert out.stat().st_size > 0 and "density" in capsys.readouterr().out
-    assert main(["--mode", "fixed", "--set", "num_random_blocks=2"]) == 2
+    assert main(["--sparse-attention-mode", "fixed",
+                 "--sparse-attention-config", '{"num_random_blocks": 2}']) == 2
     assert capsys.readouterr().err.count("\n") == 1
