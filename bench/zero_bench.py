@@ -13,7 +13,7 @@ clipping 1.0. Rows, each in its own subprocess (peak GPU memory and host RSS are
 FSDP2Engine with CPUOffloadPolicy (fp32 parameters, gradients and AdamW state on the host,
 torch's fused CPU AdamW, clipping folded into it); "fsdp2-keep" = the same with the gathered
 parameters kept from forward to backward (--no-fsdp-reshard-after-forward); "hf" = the peer,
-DeepSpeed + Hugging Face GPT2 with the same DeepSpeed config (`megazoo.training.ds_config`).
+DeepSpeed + Hugging Face GPT2 with the same DeepSpeed config (`megazoo.config.ds_config`).
 Reported: tokens/s (median step after warm-up), the ratio to the peer (target >= 1.3), peak
 GPU memory allocated and reserved, peak host RSS, and `megazoo.plan.estimate_memory` for the
 run (the same PretrainArgs the engine trains with). `bench/offload_probe.py` breaks a step down.

@@ -16,7 +16,7 @@ size, which a launched run takes from its world size), `--gpu-memory`, `--host-m
 `--fp32-grad-accumulation`, `--json`, `--out PNG` (the plan of each pipeline stage as a
 stacked bar, `stages.py`) and `--largest --model-family F` (`largest.py`: the largest shape of
 the family that fits, and its pretrain_gpt.py command). It checks them with the run's own
-`megazoo.training.validate.check_args`, so a layout it plans is one the run accepts.
+`megazoo.config.validate.check_args`, so a layout it plans is one the run accepts.
 `estimate_memory(args)` takes the run's `PretrainArgs` and is a pure function returning a
 `MemoryEstimate` (bytes). The model (all of it stated, so a measurement can be compared part
 by part; bench/README.md and bench/results/plan_memory_* hold the comparisons):

@@ -1,6 +1,6 @@
 """`python -m megazoo.plan [pretrain_gpt.py flags] [--dp N] [--gpu-memory GB] [--json] [--out PNG]`.
 
-The parser is `pretrain_gpt.py`'s own (`megazoo.training.arguments.build_parser`), extended
+The parser is `pretrain_gpt.py`'s own (`megazoo.config.flags.build_parser`), extended
 with the planner's few flags; the parsed flags become the run's `PretrainArgs` through the
 run's own `args_from_namespace` (and its checks). Every error is one line and exit status 2,
 with a "did you mean" for a misspelt flag or preset.

@@ -1,6 +1,6 @@
 """What the planner reads from a run's configuration, resolved once.
 
-The planner takes the run's own `PretrainArgs` (`megazoo.training.config`): the model, the
+The planner takes the run's own `PretrainArgs` (`megazoo.config.run`): the model, the
 parallel layout (`parallel.dp` is the data-parallel size to plan for; None means 1), the
 micro-batch and global batch, the sequence length, recompute and the ZeRO flags. `resolve`
 checks them with the run's own `check_args` and turns them into the few numbers the

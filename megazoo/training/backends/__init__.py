@@ -24,7 +24,7 @@ __all__ = ["Engine", "StepResult", "TrainingStopped", "build_engine"]
 def build_engine(args, model: torch.nn.Module, state) -> Engine:
     """The engine `args.zero` asks for, constructed as `Engine(model, state, args)`.
 
-    `args` is the run's `megazoo.training.config.PretrainArgs`; `state` its ParallelState.
+    `args` is the run's `megazoo.config.run.PretrainArgs`; `state` its ParallelState.
     zero_impl "none": `plain.PlainEngine`; "deepspeed": `deepspeed_zero.DeepSpeedEngine`;
     "fsdp2": `fsdp2.FSDP2Engine` (each imported only when asked for).
     """
