@@ -3,8 +3,8 @@ the command line of a benchmark run as a child process.
 
 Conventions (bench/README.md): warm up, then take the median of several timed steps; random
 data, never zeros; MFU against the bf16 matmul ceiling measured in the same run. Model FLOPs
-and that ceiling are the library's own (`megazoo.training.metrics.flops_per_iteration`,
-`measure_peak_tflops`), so a benchmark reports what `pretrain_gpt.py` logs.
+and that ceiling are the library's own (`megazoo.models.flops.flops_per_iteration`,
+`megazoo.training.metrics.measure_peak_tflops`), so a benchmark reports what the run logs.
 
 Every benchmark is a module of the `bench` package, run from the repository root:
 `python -m bench.model_bench`, `torchrun --nproc-per-node 2 -m bench.ulysses_bench`.

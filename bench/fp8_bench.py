@@ -35,8 +35,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, print_table, time_ms, write_json  # noqa: E402
 
+from megazoo.config.precision import FP8Recipe  # noqa: E402
 from megazoo.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from megazoo.layers.fp8 import FP8Recipe, fp8_linear, scaled_mm  # noqa: E402
+from megazoo.layers.fp8 import fp8_linear, scaled_mm  # noqa: E402
 from megazoo.kernels.fp8_cast import quantize  # noqa: E402
 
 LINEARS = {  # name: (tokens, in, out)

@@ -35,12 +35,12 @@ import torch.distributed as dist
 
 from bench.common import environment, print_table, write_json
 
+from megazoo.config.run import DataConfig, PretrainArgs, TrainingConfig
 from megazoo.models import ModelConfig, build_model
 from megazoo.models.build import resolve_config
 from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.plan import GB, estimate_memory
 from megazoo.training.backends import build_engine
-from megazoo.config.run import DataConfig, PretrainArgs, TrainingConfig
 
 LLAMA_1B4 = dict(family="llama", num_layers=24, hidden_size=2048, num_attention_heads=16,
                  ffn_hidden_size=5504, vocab_size=32000, max_position_embeddings=2048)

@@ -24,7 +24,8 @@ import torch
 
 from bench.common import (REPO, RESULT, child_env, module_command, print_table, results, time_cuda,
                           write_json)
-from megazoo.training.metrics import flops_per_iteration, measure_peak_tflops
+from megazoo.models.flops import flops_per_iteration
+from megazoo.training.metrics import measure_peak_tflops
 
 SHAPE = dict(hidden=2048, layers=24, heads=16, seq=2048, batch=4, vocab=50304, llama_ffn=5504)
 

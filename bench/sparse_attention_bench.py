@@ -27,12 +27,12 @@ import time
 import torch
 
 from bench.common import environment, print_table, time_ms, write_json
+from megazoo.config.sparse_attention import SparseAttentionConfig
 from megazoo.layers import core_attention
 from megazoo.layers.sparse_attention import (SparseAttention, block_mask_from_layout, choose_plan,
                                              sparse_attention)
 from megazoo.layers.sparse_gather import block_masks
 from megazoo.layers.sparse_plan import build_plan
-from megazoo.config.sparse_attention import SparseAttentionConfig
 from megazoo.layers.sparse_layouts import density, layout
 
 COLUMNS = ["s", "config", "block", "path", "density", "tile_density", "ms", "x_sdpa", "x_flex",

@@ -27,7 +27,7 @@ Rows, each in its own subprocess (its own peak memory):
 
 All three use the vocabulary of the default corpus' tokenizer (2048 ids), so the logits cost
 the same everywhere. Model TFLOP/s count F = 72 B s l h^2 (1 + s / 6h) + 6 B s h V
-(`megazoo.training.metrics.flops_per_iteration`).
+(`megazoo.models.flops.flops_per_iteration`).
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def model_flags(shape: dict) -> list[str]:
 
 
 def flops(shape: dict, batch: int) -> float:
-    from megazoo.training.metrics import flops_per_iteration
+    from megazoo.models.flops import flops_per_iteration
     return flops_per_iteration(batch, shape["seq"], shape["layers"], shape["hidden"], VOCAB)
 
 

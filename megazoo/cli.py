@@ -15,15 +15,19 @@ Every command exists in up to three spellings that run the same function of the 
 | `megazoo-kernels` | | `python -m megazoo.kernels` |
 | `megazoo-pipeline-show` | | `python -m megazoo.pipeline.show` |
 | `megazoo-plot` | | `python -m megazoo.plot` |
+| `megazoo-sparse-layout` | | |
 
 The scripts are three-line shims (import, call, exit) with no path set-up: they need megazoo
 importable, which `pip install -e .` gives. Each function below returns the exit code (0, or
 2 after a one-line error for bad input: `megazoo.errors.report_error`, which under torchrun
 prints the line on rank 0 only and hands it to torchrun's failure summary as its root cause;
 argparse's errors included, with abbreviated flags refused); the work happens in the module
-it imports, loaded only when the command runs.
+it imports, loaded only when the command runs (`megazoo-sparse-layout`, a picture of a
+layer's data, is written out here so that `layers/` holds no command line).
 """
 from __future__ import annotations
+
+import sys
 
 #: console command -> "module:function" (setup.py's console_scripts are built from this text).
 COMMANDS = {
@@ -38,6 +42,7 @@ COMMANDS = {
     "megazoo-kernels": "megazoo.cli:kernels",
     "megazoo-pipeline-show": "megazoo.cli:pipeline_show",
     "megazoo-plot": "megazoo.cli:plot",
+    "megazoo-sparse-layout": "megazoo.cli:sparse_layout",
 }
 
 
@@ -118,3 +123,62 @@ def plot(argv: list[str] | None = None) -> int:
     from .plot import main
 
     return main(argv)
+
+
+def sparse_layout(argv: list[str] | None = None) -> int:
+    """`megazoo-sparse-layout`: a block-sparse attention layout's density per head, and its
+    picture (`--out`). The section comes from pretrain_gpt.py's own sparse flags and
+    --deepspeed_config, merged as a run merges them."""
+    from .cli_parser import HintingParser
+    from .config.sparse import add_sparse_flags
+
+    p = HintingParser(prog="megazoo-sparse-layout",
+                      description="Draw a block-sparse attention layout.")
+    p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
+                   help="a DeepSpeed JSON; its sparse_attention section is used")
+    add_sparse_flags(p)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--causal", action="store_true", help="intersect with causality (decoders)")
+    p.add_argument("--out", help="image file to write (png, pdf, svg)")
+    args = p.parse_args(argv)
+    from .config.ds_config import read_ds_config
+    from .config.sparse import sparse_section
+    from .config.sparse_attention import SparseAttentionConfig
+    from .layers.sparse_layouts import density, layout
+
+    try:
+        config = SparseAttentionConfig.from_ds_config(
+            sparse_section(args, *read_ds_config(args.deepspeed_config)) or {})
+        lay = layout(config, args.heads, args.seq, args.seed, causal=args.causal)
+        print(f"{config.to_ds_config()}  s={args.seq}  {lay.shape[-1]} blocks per side")
+        for h in range(lay.shape[0]):
+            print(f"head {h}: density {100 * density(lay[h:h + 1], config.block, args.causal):.2f}%")
+        if args.out:
+            _draw_sparse_layout(lay, config.block, args.causal, args.out,
+                                f"{config.mode}, block {config.block}, s = {args.seq}")
+            print(f"wrote {args.out}")
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _draw_sparse_layout(block_layout, block: int, causal: bool, out: str, title: str,
+                        max_heads: int = 4) -> None:
+    """The block pattern of the first few heads, one panel each, to an image file."""
+    from .layers.sparse_layouts import density
+    from .matplotlib_figure import new_figure
+
+    n = min(max_heads, block_layout.shape[0])
+    fig = new_figure("the sparse layout picture", figsize=(3.2 * n, 3.4), layout="constrained")
+    for h in range(n):
+        ax = fig.add_subplot(1, n, h + 1)
+        ax.imshow(block_layout[h].numpy(), cmap="Greys", interpolation="nearest")
+        ax.set_title(f"head {h}: {100 * density(block_layout[h:h + 1], block, causal):.1f}%",
+                     fontsize=9)
+        ax.set_xlabel("key block")
+        ax.set_ylabel("query block")
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(out, dpi=120)

@@ -5,7 +5,7 @@
 
 of `--deepspeed_config` (read by the plain engine too) or the flags of the same names
 (`--gradient-compression topk --topk-ratio 0.01 --compression-start-step 100
---communication-data-type bf16`). A key given both ways must agree. The plain engine
+--communication-data-type bf16`), merged by `ds_config.merge_flags`. The plain engine
 compresses its data-parallel bucket reduction (`megazoo.parallel.compress`); DeepSpeed gets
 `communication_data_type` as its own key and FSDP2 as its reduce dtype; `gradient_compression`
 on those engines is refused (`check_engine_compression`).
@@ -17,15 +17,13 @@ on those engines is refused (`check_engine_compression`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from ..parallel.compress import ALGORITHMS as COMPRESSORS
-from .ds_config import load_ds_json
+from .ds_config import COMM_KEY, COMPRESSION_SECTION as SECTION, JsonKey, json_section, merge_flags
 
-SECTION = "gradient_compression"
-TOP_KEY = "communication_data_type"
 ALGORITHMS = ("none", *COMPRESSORS)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULTS = {"topk_ratio": 0.01, "compression_start_step": 0, "compression_block_size": 1024,
@@ -39,6 +37,8 @@ SECTION_KEYS = {"algorithm": "gradient_compression", "topk_ratio": "topk_ratio",
                 "topk_selection": "topk_selection",
                 "local_gradient_clipping": "local_gradient_clipping",
                 "huffman_coding": "huffman_coding"}
+KEYS = (*(JsonKey(f, (SECTION, k), "--" + f.replace("_", "-")) for k, f in SECTION_KEYS.items()),
+        COMM_KEY)
 TOPK_SELECTIONS = ("magnitude", "update")
 HUFFMAN_REFUSAL = ("huffman_coding is not implemented: measured on megazoo's gradients it saves "
                    "3% of the 1bit bytes, 6% of topk's and 29% of 2bit's (still 1.4x 1bit's), "
@@ -151,39 +151,15 @@ class CompressionConfig:
         return DTYPES.get(self.communication_data_type)
 
 
-def _json_values(path: str) -> dict:
-    """{field: value} of the ds_config's section and top-level key (errors for bad shapes)."""
-    ds = load_ds_json(path)
-    out = {}
-    if TOP_KEY in ds:
-        out["communication_data_type"] = ds[TOP_KEY]
-    section = ds.get(SECTION)
-    if section is None:
-        return out
-    if not isinstance(section, dict):
-        raise ValueError(f"--deepspeed_config {path}: \"{SECTION}\" must be a JSON object, got "
-                         f"{type(section).__name__}")
+def resolve_compression(given: dict, ds: dict, source: str) -> CompressionConfig:
+    """The run's CompressionConfig from the flags `given` ({field: value}) and the ds_config
+    `ds` (`merge_flags` over KEYS; the section's keys are checked: a typo is an error)."""
+    section = json_section(ds, SECTION, source) or {}
     unknown = sorted(set(section) - set(SECTION_KEYS))
     if unknown:
-        raise ValueError(f"--deepspeed_config {path}: {SECTION} has unknown keys {unknown}; "
-                         f"known: {sorted(SECTION_KEYS)}")
-    out.update({SECTION_KEYS[k]: v for k, v in section.items()})
-    return out
-
-
-def resolve_compression(given: dict, deepspeed_config: str | None) -> CompressionConfig:
-    """The run's CompressionConfig from the flags `given` ({field: value}) and the JSON."""
-    merged = dict(_json_values(deepspeed_config)) if deepspeed_config else {}
-    for name, value in given.items():
-        old = merged.get(name)
-        if old is not None and old != value:
-            key = TOP_KEY if name == TOP_KEY else f"{SECTION}." + next(
-                k for k, f in SECTION_KEYS.items() if f == name)
-            raise ValueError(f"--deepspeed_config {deepspeed_config} sets {key} = {old!r} but "
-                             f"--{name.replace('_', '-')} gives {value!r}: make them agree")
-        merged[name] = value
-    known = {f.name for f in fields(CompressionConfig)}
-    return CompressionConfig(**{k: v for k, v in merged.items() if k in known})
+        raise ValueError(f"{source}: {SECTION} has unknown keys {unknown}; known: "
+                         f"{sorted(SECTION_KEYS)}")
+    return CompressionConfig(**merge_flags(ds, given, KEYS, source))
 
 
 def check_compression_layout(cfg: CompressionConfig, parallel, sharded: bool) -> None:

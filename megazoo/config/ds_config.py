@@ -1,41 +1,78 @@
-"""The DeepSpeed config of a run: the user's JSON, the `--zero-*` flags and the training args.
+"""A DeepSpeed JSON and the flags: one merge, one conflict rule, one message.
 
-    ds = build_ds_config(args, state)   # a dict for deepspeed.initialize(config=...)
+    values = merge_flags(ds, given, TRAINING_KEYS, source)   # {field: value}
+    ds = build_ds_config(args, dp)     # the dict for deepspeed.initialize(config=...)
 
-Sources, merged key by key:
-- `--deepspeed_config ds_config.json` (the file Megatron-DeepSpeed users already have);
-- the ZeRO flags (`ZeroConfig`: `--zero-stage`, `--offload-optimizer`, `--offload-param`,
-  `--nvme-path`): None means "not given", so the JSON's value (or DeepSpeed's default) holds;
-- the training args (`TrainingConfig`: micro / global batch size, `--clip-grad`, `--bf16`,
-  `--fp16`, loss-scale settings): these always have a value, because the data loader and the
-  schedule are built from them before the engine exists.
+Each section of a run's configuration that a ds_config can also state (batches, clipping,
+precision, ZeRO stage and offload, compression, sparse attention) is a table of `JsonKey`s:
+the field, where the JSON holds it, the flag that gives it. `merge_flags` applies the one
+rule to any table: a flag given wins where the JSON says nothing or "auto" (as in Hugging
+Face's DeepSpeed integration), a flag not given takes the JSON's value, and a JSON value
+other than a given flag's (numbers compare by value) is an error naming both:
 
-A key the JSON sets to a value other than what the flags say is an error naming both
-(`"auto"` in the JSON, as in Hugging Face's DeepSpeed integration, means "take the flag's").
-Batch sizes are checked against each other and the data-parallel size: DeepSpeed's
-`train_batch_size = micro * accumulation * dp`, where dp is our dp (not dp x sp: sp ranks see
-pieces of the same sequences).
+    --deepspeed_config ds.json sets train_batch_size = 64 but --global-batch-size gives 32:
+    make them agree (change the flag or the JSON, or put "auto" in the JSON)
+
+The parser (`flags.py`) merges the training, compression and sparse attention tables for
+every engine. The ZeRO table is DeepSpeed's alone: `build_ds_config` merges it, and the run's
+training values (which always have one: the data loader and the schedule are built before
+the engine), into a copy of the JSON. Batch sizes are checked against each other and the
+data-parallel size: DeepSpeed's `train_batch_size = micro * accumulation * dp`, where dp is
+our dp (not dp x sp: sp ranks see pieces of the same sequences).
 
 The JSON's `sparse_attention` section configures megazoo's own block-sparse attention (the
-model's, `sparse_args.py`, in every engine) and is left out of the dict DeepSpeed gets:
-DeepSpeed's sparse attention only ever served models built from its own SparseSelfAttention
-modules, and DeepSpeed releases without it refuse a config holding the block
-("DeepSpeed Sparse Attention has been removed"), which would stop every --deepspeed run of a
-Megatron-DeepSpeed ds_config that has one. The file itself is never changed.
+model's, in every engine) and is left out of the dict DeepSpeed gets: DeepSpeed's sparse
+attention only ever served models built from its own SparseSelfAttention modules, and
+DeepSpeed releases without it refuse a config holding the block ("DeepSpeed Sparse Attention
+has been removed"), which would stop every --deepspeed run of a Megatron-DeepSpeed ds_config
+that has one. The file itself is never changed.
 """
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
+import sys
+from dataclasses import dataclass
 
 from .ds_schema import check_types
 
 AUTO = "auto"
 SPARSE_SECTION = "sparse_attention"  # megazoo's model reads it; DeepSpeed never gets it
+COMPRESSION_SECTION = "gradient_compression"  # the plain engine's; refused by the others
 # DeepSpeed's compressed-communication optimizers: their "optimizer" section passes through.
 ONEBIT_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
+
+
+@dataclass(frozen=True)
+class JsonKey:
+    """A config field, where a ds_config holds it, and the flag that gives it."""
+
+    field: str
+    path: tuple[str, ...]
+    flag: str
+    switch: bool = False
+    """A store-true flag: False is "the absence of" the flag."""
+
+
+TRAINING_KEYS = (
+    JsonKey("micro_batch_size", ("train_micro_batch_size_per_gpu",), "--micro-batch-size"),
+    JsonKey("global_batch_size", ("train_batch_size",), "--global-batch-size"),
+    JsonKey("clip_grad", ("gradient_clipping",), "--clip-grad"),
+    JsonKey("bf16", ("bf16", "enabled"), "--bf16", switch=True),
+    JsonKey("fp16", ("fp16", "enabled"), "--fp16", switch=True))
+ZERO_KEYS = (
+    JsonKey("zero_stage", ("zero_optimization", "stage"), "--zero-stage"),
+    JsonKey("offload_optimizer", ("zero_optimization", "offload_optimizer", "device"),
+            "--offload-optimizer"),
+    JsonKey("offload_param", ("zero_optimization", "offload_param", "device"), "--offload-param"),
+    JsonKey("offload_optimizer_ratio", ("zero_optimization", "offload_optimizer", "ratio"),
+            "--offload-optimizer-ratio"))
+COMM_KEY = JsonKey("communication_data_type", ("communication_data_type",),
+                   "--communication-data-type")
+# Top-level keys that every engine reads (DeepSpeed's engine reads the whole file).
+READ_BY_ALL = {SPARSE_SECTION, COMPRESSION_SECTION, COMM_KEY.path[0],
+               "gradient_accumulation_steps"} | {k.path[0] for k in TRAINING_KEYS}
 
 
 def load_ds_json(path: str) -> dict:
@@ -59,19 +96,68 @@ def load_ds_json(path: str) -> dict:
     return data
 
 
-def _merge(ds: dict, keys: tuple[str, ...], value, flag: str, source: str) -> None:
-    """Set ds[k0][k1]... = value unless the JSON already holds a different (non-auto) value."""
+def read_ds_config(path: str | None) -> tuple[dict, str]:
+    """(the JSON at `path`, the name errors give it); ({}, ...) without a file."""
+    if not path:
+        return {}, "DeepSpeed config"
+    return load_ds_json(path), f"--deepspeed_config {path}"
+
+
+def merge_flags(ds: dict, given: dict, keys, source: str) -> dict:
+    """The one merge of flags with a ds_config (see the module doc) over the table `keys`:
+    {field: value} of every key that the flags (`given`, by field) or the JSON (`ds`, named
+    `source` in errors) state. Given values are also written into `ds`."""
+    out = {}
+    for key in keys:
+        old = _lookup(ds, key.path, source)
+        if key.field not in given:
+            if not _unset(old):
+                out[key.field] = old
+            continue
+        value = given[key.field]
+        if not _unset(old) and old != value and not (_num(old) and _num(value)
+                                                     and float(old) == float(value)):
+            flag = f"the absence of {key.flag}" if key.switch and value is False else key.flag
+            raise ValueError(f"{source} sets {'.'.join(key.path)} = {old!r} but {flag} gives "
+                             f"{value!r}: make them agree (change the flag or the JSON, or put "
+                             f"\"auto\" in the JSON)")
+        node = ds
+        for k in key.path[:-1]:
+            if not isinstance(node.get(k), dict):
+                node[k] = {}  # absent or null
+            node = node[k]
+        node[key.path[-1]] = value
+        out[key.field] = value
+    return out
+
+
+def json_section(ds: dict, name: str, source: str) -> dict | None:
+    """The JSON object `ds[name]` (None when absent); a ValueError when it is not an object."""
+    section = ds.get(name)
+    if section is not None and not isinstance(section, dict):
+        raise _not_object(source, (name,), section)
+    return section
+
+
+def _lookup(ds: dict, path: tuple[str, ...], source: str):
+    """ds[k0][k1]..., or AUTO where a key is absent."""
     node = ds
-    for k in keys[:-1]:
-        node = node.setdefault(k, {})
+    for i, k in enumerate(path[:-1]):
+        node = node.get(k)
+        if node is None:
+            return AUTO
         if not isinstance(node, dict):
-            raise ValueError(f"{source}: {'.'.join(keys[:-1])} must be a JSON object")
-    old = node.get(keys[-1], AUTO)
-    same_number = _num(old) and _num(value) and float(old) == float(value)
-    if old != AUTO and old != value and not same_number:
-        raise ValueError(f"{source} sets {'.'.join(keys)} = {old!r} but {flag} gives {value!r}: "
-                         f"make them agree (change the flag or the JSON, or put \"auto\" in the JSON)")
-    node[keys[-1]] = value
+            raise _not_object(source, path[:i + 1], node)
+    return node.get(path[-1], AUTO)
+
+
+def _not_object(source: str, path: tuple[str, ...], value) -> ValueError:
+    return ValueError(f"{source}: \"{'.'.join(path)}\" must be a JSON object, got "
+                      f"{type(value).__name__}")
+
+
+def _unset(value) -> bool:
+    return value is None or (isinstance(value, str) and value == AUTO)
 
 
 def _num(x) -> bool:
@@ -79,16 +165,8 @@ def _num(x) -> bool:
 
 
 def _zero_flags(ds: dict, zero, source: str) -> None:
-    if zero.zero_stage is not None:
-        _merge(ds, ("zero_optimization", "stage"), zero.zero_stage, "--zero-stage", source)
-    for key in ("offload_optimizer", "offload_param"):
-        device = getattr(zero, key)
-        if device is not None:
-            _merge(ds, ("zero_optimization", key, "device"), device,
-                   f"--{key.replace('_', '-')}", source)
-    if zero.offload_optimizer_ratio is not None:
-        _merge(ds, ("zero_optimization", "offload_optimizer", "ratio"), zero.offload_optimizer_ratio,
-               "--offload-optimizer-ratio", source)
+    given = {k.field: getattr(zero, k.field) for k in ZERO_KEYS if getattr(zero, k.field) is not None}
+    merge_flags(ds, given, ZERO_KEYS, source)
     zo = ds.setdefault("zero_optimization", {})
     zo.setdefault("stage", 0)
     ratio = (zo.get("offload_optimizer") or {}).get("ratio", 1.0)
@@ -103,18 +181,25 @@ def _zero_flags(ds: dict, zero, source: str) -> None:
         section = zo.get(key)
         if isinstance(section, dict) and section.get("device") == "nvme":
             if zero.nvme_path is not None:
-                _merge(ds, ("zero_optimization", key, "nvme_path"), zero.nvme_path,
-                       "--nvme-path", source)
+                nvme = JsonKey("nvme_path", ("zero_optimization", key, "nvme_path"), "--nvme-path")
+                merge_flags(ds, {"nvme_path": zero.nvme_path}, [nvme], source)
             if not section.get("nvme_path"):
                 raise ValueError(f"{key} to nvme needs a folder: pass --nvme-path DIR or set "
                                  f"zero_optimization.{key}.nvme_path in the JSON")
 
 
-def _precision(ds: dict, training, source: str) -> None:
-    _merge(ds, ("bf16", "enabled"), bool(training.bf16), "--bf16" if training.bf16 else
-           "the absence of --bf16", source)
-    _merge(ds, ("fp16", "enabled"), bool(training.fp16), "--fp16" if training.fp16 else
-           "the absence of --fp16", source)
+def _training(ds: dict, training, dp: int, source: str) -> None:
+    """The run's batches, clipping and precision into `ds` (fp16: its loss scaling too)."""
+    micro, glob = training.micro_batch_size, training.global_batch_size
+    if glob % (micro * dp):
+        raise ValueError(f"--global-batch-size {glob} must divide by --micro-batch-size {micro} "
+                         f"x data-parallel size {dp}: change one of them")
+    accumulation = JsonKey("gradient_accumulation_steps", ("gradient_accumulation_steps",),
+                           f"--global-batch-size {glob} / (--micro-batch-size {micro} x dp {dp})")
+    values = {"micro_batch_size": micro, "global_batch_size": glob,
+              "clip_grad": float(training.clip_grad), "bf16": bool(training.bf16),
+              "fp16": bool(training.fp16), "gradient_accumulation_steps": glob // (micro * dp)}
+    merge_flags(ds, values, (*TRAINING_KEYS, accumulation), source)
     if training.fp16:
         fp16 = ds["fp16"]
         fp16.setdefault("loss_scale", 0)  # dynamic
@@ -123,51 +208,25 @@ def _precision(ds: dict, training, source: str) -> None:
         fp16.setdefault("min_loss_scale", training.min_loss_scale)
 
 
-def _batches(ds: dict, training, dp: int, source: str) -> None:
-    micro, glob = training.micro_batch_size, training.global_batch_size
-    if glob % (micro * dp):
-        raise ValueError(f"--global-batch-size {glob} must divide by --micro-batch-size {micro} "
-                         f"x data-parallel size {dp}: change one of them")
-    _merge(ds, ("train_micro_batch_size_per_gpu",), micro, f"--micro-batch-size {micro}", source)
-    _merge(ds, ("train_batch_size",), glob, f"--global-batch-size {glob}", source)
-    _merge(ds, ("gradient_accumulation_steps",), glob // (micro * dp),
-           f"--global-batch-size {glob} / (--micro-batch-size {micro} x dp {dp})", source)
-
-
-def _training_keys(ds: dict, training, dp: int, source: str) -> None:
-    """Merge precision, clipping and batch sizes into `ds`: a JSON value other than the
-    flags' is an error naming both (every engine's one check of these keys)."""
-    _precision(ds, training, source)
-    _merge(ds, ("gradient_clipping",), float(training.clip_grad), f"--clip-grad {training.clip_grad}",
-           source)
-    _batches(ds, training, dp, source)
-
-
 def check_json_training_keys(args, dp: int) -> None:
     """For the engines other than DeepSpeed (plain, fsdp2), which read --deepspeed_config's
     batch sizes, clipping and precision but never build a DeepSpeed config: the JSON's
-    values must agree with the flags exactly as `build_ds_config` requires for --deepspeed
-    (the same check, the same message)."""
-    path = args.zero.deepspeed_config
-    if path:
-        _training_keys(load_ds_json(path), args.training, dp, f"--deepspeed_config {path}")
+    values must agree with the run's exactly as `build_ds_config` requires for --deepspeed
+    (the same merge, the same message)."""
+    if args.zero.deepspeed_config:
+        ds, source = read_ds_config(args.zero.deepspeed_config)
+        _training(ds, args.training, dp, source)
 
 
 def build_ds_config(args, dp: int) -> dict:
     """The DeepSpeed config dict of `args` (`args.zero`, `args.training`) at data-parallel
     size `dp`. Pure: no file is written and no collective is issued."""
-    zero, training = args.zero, args.training
-    source = "DeepSpeed config"
-    ds: dict = {}
-    if zero.deepspeed_config:
-        ds = copy.deepcopy(load_ds_json(zero.deepspeed_config))
-        ds.pop(SPARSE_SECTION, None)  # the model's (see the module doc)
-        source = f"--deepspeed_config {zero.deepspeed_config}"
-    _zero_flags(ds, zero, source)
-    _training_keys(ds, training, dp, source)
+    ds, source = read_ds_config(args.zero.deepspeed_config)
+    ds.pop(SPARSE_SECTION, None)  # the model's (see the module doc)
+    _zero_flags(ds, args.zero, source)
+    _training(ds, args.training, dp, source)
     comm = getattr(getattr(args, "compression", None), "communication_data_type", None)
-    if comm is not None:
-        _merge(ds, ("communication_data_type",), comm, f"--communication-data-type {comm}", source)
+    merge_flags(ds, {} if comm is None else {COMM_KEY.field: comm}, [COMM_KEY], source)
     for key in ("optimizer", "scheduler"):
         if key == "optimizer" and onebit_optimizer(ds) is not None:
             continue
@@ -187,55 +246,33 @@ def onebit_optimizer(ds: dict) -> str | None:
     return kind if isinstance(kind, str) and kind.lower() in ONEBIT_OPTIMIZERS else None
 
 
-def _lookup(ds: dict, keys: tuple[str, ...]):
-    """ds[k0][k1]..., or AUTO where a key is absent."""
-    node = ds
-    for k in keys:
-        node = node.get(k, AUTO) if isinstance(node, dict) else AUTO
-    return node
-
-
-JSON_TRAINING_KEYS = {"micro_batch_size": ("train_micro_batch_size_per_gpu",),
-                      "global_batch_size": ("train_batch_size",),
-                      "clip_grad": ("gradient_clipping",),
-                      "bf16": ("bf16", "enabled"), "fp16": ("fp16", "enabled")}
-
-
-def training_values_from_json(path: str) -> dict:
-    """TrainingConfig fields a DeepSpeed JSON states ({"micro_batch_size": 4, ...}).
-
-    For the argument parser: fill the training flags the user did not give from the JSON, so
-    `--deepspeed_config ds.json` alone agrees with itself ("auto" and absent keys are left
-    out). A flag given explicitly still wins and then must agree (`build_ds_config`)."""
-    return _stated_training_values(load_ds_json(path))
-
-
-def _stated_training_values(ds: dict) -> dict:
-    return {field: value for field, keys in JSON_TRAINING_KEYS.items()
-            if (value := _lookup(ds, keys)) != AUTO}
-
-
-def training_defaults_from_json(path: str, given: dict, dp: int | None,
-                                default_micro: int) -> dict:
-    """The TrainingConfig fields missing from `given` (the flags on the command line) that the
-    JSON at `path` determines: its own values, then DeepSpeed's rule
-    train_batch_size = micro x gradient_accumulation_steps x dp for whichever of the micro
-    and global batch sizes neither the flags nor the JSON set (`default_micro` stands in for
-    a micro batch size nobody gave). `dp` None (the layout does not fit the world yet):
-    nothing is derived from gradient_accumulation_steps; `build_ds_config` checks later."""
-    ds = load_ds_json(path)
-    stated = _stated_training_values(ds)
-    out = {k: v for k, v in stated.items() if k not in given}
-    gas = _lookup(ds, ("gradient_accumulation_steps",))
+def training_fields(ds: dict, given: dict, dp: int | None, source: str,
+                    default_micro: int) -> dict:
+    """The TrainingConfig fields: the flags `given`, merged with the JSON `ds` over
+    TRAINING_KEYS (`merge_flags`), then DeepSpeed's rule train_batch_size = micro x
+    gradient_accumulation_steps x dp for whichever batch size neither states
+    (`default_micro` stands in for a micro batch size nobody gave). `dp` None (the layout
+    does not fit the world yet): nothing is derived; `build_ds_config` checks later."""
+    out = {**given, **merge_flags(ds, given, TRAINING_KEYS, source)}
+    gas = _lookup(ds, ("gradient_accumulation_steps",), source)
     if not _num(gas) or dp is None:
         return out
-    known = {**stated, **given}
-    if "global_batch_size" not in known:
-        micro = known.get("micro_batch_size", default_micro)
-        out["global_batch_size"] = int(micro) * int(gas) * dp
-    elif "micro_batch_size" not in known:
-        out["micro_batch_size"] = max(1, int(known["global_batch_size"]) // (int(gas) * dp))
+    if "global_batch_size" not in out:
+        out["global_batch_size"] = int(out.get("micro_batch_size", default_micro)) * int(gas) * dp
+    elif "micro_batch_size" not in out:
+        out["micro_batch_size"] = max(1, int(out["global_batch_size"]) // (int(gas) * dp))
     return out
+
+
+def warn_unused_sections(ds: dict, source: str, zero_impl: str) -> None:
+    """One stderr line naming the ds_config sections an engine other than DeepSpeed ignores."""
+    if not ds or zero_impl == "deepspeed" or os.environ.get("RANK", "0") != "0":
+        return
+    unused = sorted(set(ds) - READ_BY_ALL)
+    if unused:
+        engine = "the plain engine" if zero_impl == "none" else f"--zero-impl {zero_impl}"
+        print(f"warning: {source}: {engine} ignores {', '.join(unused)} (read only with "
+              f"--deepspeed)", file=sys.stderr, flush=True)
 
 
 def offload_device(ds: dict, key: str = "offload_optimizer") -> str:

@@ -5,9 +5,10 @@ help text, its annotation the type (bool: a switch; list: several values). `ALIA
 field to the Megatron-LM / Megatron-DeepSpeed spellings when those differ; the first name
 is the one shown. Only flags given on the command line reach the dataclasses, so their
 defaults (and a `--model` preset's shape) hold for everything else; with
-`--deepspeed_config ds.json`, the JSON's batch sizes, clipping and precision come before
-those defaults (a flag given explicitly must agree with the JSON). The result passes
-`megazoo.training.validate.check_args`, the checks `python -m megazoo.plan` applies too.
+`--deepspeed_config ds.json`, the JSON's batch sizes, clipping, precision, compression and
+sparse attention keys come before those defaults (a flag given explicitly must agree with the
+JSON: `ds_config.merge_flags`). The result passes `megazoo.config.validate.check_args`, the
+checks `python -m megazoo.plan` applies too.
 
     args = parse_args(["--model", "gpt-125m", "--num-layers", "4", "--bf16"])
     args.model.num_layers, args.training.bf16        # 4, True
@@ -26,15 +27,15 @@ import typing
 import torch.distributed as dist
 
 from ..cli_parser import HintingParser
-from ..layers.fp8 import FORMATS as FP8_FORMATS, RECIPES as FP8_RECIPES
+from .precision import FORMATS as FP8_FORMATS, RECIPES as FP8_RECIPES
 from ..parallel.config import ParallelConfig
 from .compression import ALGORITHMS, DTYPES as COMM_DTYPES, TOPK_SELECTIONS, \
     CompressionConfig, resolve_compression
-from .ds_config import training_defaults_from_json
+from .ds_config import read_ds_config, training_fields, warn_unused_sections
 from .model import ModelConfig, _default_ffn
 from .presets import PRESETS
 from .run import CheckpointConfig, DataConfig, LoggingConfig, PretrainArgs, TrainingConfig
-from .sparse import add_sparse_flags, sparse_section, warn_unused_sections
+from .sparse import add_sparse_flags, sparse_section
 from .validate import check_args
 from .zero import ZeroConfig
 
@@ -179,29 +180,20 @@ def _data_parallel_size(par: dict) -> int | None:
         return None  # setup raises the layout error, with the world at hand
 
 
-def _training_fields(ns: argparse.Namespace, zero: ZeroConfig, par: dict) -> dict:
-    """The training flags given, plus what --deepspeed_config states for those not given (a
-    given flag that disagrees with the JSON is `build_ds_config`'s error, naming both)."""
-    given = _given(ns, "training")
-    if not zero.deepspeed_config:
-        return given
-    default_micro = TrainingConfig.__dataclass_fields__["micro_batch_size"].default
-    json_values = training_defaults_from_json(zero.deepspeed_config, given,
-                                              _data_parallel_size(par), default_micro)
-    return {**json_values, **given}
-
-
 def args_from_namespace(ns: argparse.Namespace) -> PretrainArgs:
     """Dataclasses from parsed flags; raises ValueError saying which flag to change."""
     model = _model_config(ns)
     zero = ZeroConfig(**_given(ns, "zero"))
-    sparse = sparse_section(ns, zero.deepspeed_config)
+    ds, source = read_ds_config(zero.deepspeed_config)
+    warn_unused_sections(ds, source, zero.zero_impl)
+    sparse = sparse_section(ns, ds, source)
     if sparse is not None:
         model = dataclasses.replace(model, sparse_attention=sparse)
-    compression = resolve_compression(_given(ns, "compression"), zero.deepspeed_config)
-    warn_unused_sections(zero.deepspeed_config, zero.zero_impl)
+    compression = resolve_compression(_given(ns, "compression"), ds, source)
     par = _given(ns, "parallel")
-    training = TrainingConfig(**_training_fields(ns, zero, par))
+    default_micro = TrainingConfig.__dataclass_fields__["micro_batch_size"].default
+    training = TrainingConfig(**training_fields(ds, _given(ns, "training"), _data_parallel_size(par),
+                                                source, default_micro))
     if training.num_layers_per_virtual_pipeline_stage is not None:
         per, pp = training.num_layers_per_virtual_pipeline_stage, par.get("pp", 1)
         if per < 1 or model.num_layers % (pp * per):

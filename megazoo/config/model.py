@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ..layers.fp8 import FP8Recipe
+from .precision import FP8Recipe
 from .sparse_attention import SparseAttentionConfig
 
 # Per-family defaults of the fields that are None unless given.
@@ -89,7 +89,7 @@ class ModelConfig:
     """GELU MLPs on CUDA in bf16 / fp16: fc1's bias and GELU, and GELU's derivative, run
     inside the GEMMs (cuBLASLt epilogues); off: separate kernels."""
     sparse_attention: dict | None = None
-    """Block-sparse attention: a ds_config `sparse_attention` section (layers/sparse_config.py),
+    """Block-sparse attention: a ds_config `sparse_attention` section (`sparse_attention.py`),
     kept as a plain dict so the config stays JSON (checkpoints); None: dense attention."""
     fp8_format: str | None = None
     """FP8 GEMMs, compute only (weights stay in the model dtype): "e4m3", or "hybrid" (e5m2

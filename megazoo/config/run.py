@@ -1,6 +1,6 @@
 """Typed configuration of a training run: one dataclass per concern, validated on creation.
 
-`pretrain_gpt.py` builds its command line from these (`megazoo.training.arguments`): a field
+`pretrain_gpt.py` builds its command line from these (`flags.py`): a field
 `train_iters` is the flag `--train-iters`, its docstring the help; `ALIASES` gives the
 Megatron spellings where they differ. `PretrainArgs` bundles everything one run needs.
 """

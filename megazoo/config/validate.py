@@ -2,7 +2,7 @@
 
 `pretrain_gpt.py` applies it when it parses its flags and `python -m megazoo.plan` applies it
 to the same objects, so a layout the planner accepts is one the run accepts: the model
-against the parallel layout (`megazoo.models.check_layout`: heads over tp x sp, MLP width
+against the parallel layout (`megazoo.config.layout.check_layout`: heads over tp x sp, MLP width
 over tp, layers over pp x vpp, the sequence over its shards), the ZeRO engine against the
 flags it understands, and, where the data-parallel size is known (the planner's `--dp`; a
 launched run learns it from the world size), the global batch against it. Every failure is
@@ -10,9 +10,9 @@ a ValueError naming the flag to change.
 """
 from __future__ import annotations
 
-from ..models.build import check_layout
 from ..parallel.config import ParallelConfig
 from .compression import check_compression_layout, check_engine_compression
+from .layout import check_layout
 from .run import PretrainArgs
 from .zero import ZeroConfig
 from .offload import check_plain_only, plain_offload

@@ -1,7 +1,7 @@
 """A DeepSpeedEngine checkpoint (ZeRO-1/2/3 shards) -> an ordinary megazoo checkpoint.
 
-DS_DIR is a folder written by `megazoo.training.backends.deepspeed_zero.DeepSpeedEngine.save` (DeepSpeed's files
-under DS_DIR/<tag>/ plus DS_DIR/megazoo.json with the model config and layout). For each
+DS_DIR is a folder a `--deepspeed` run saved (DeepSpeed's files under DS_DIR/<tag>/ plus
+DS_DIR/megazoo.json with the model config and layout, `megazoo.checkpoint.deepspeed`). For each
 tensor-parallel rank t, DeepSpeed's own `zero_to_fp32` reassembles the fp32 master weights
 from the ZeRO partitions of that rank's files (`*mp_rank_{t:02d}_*`, linked into a scratch
 folder so it sees one tp rank at a time); the tp shards are then joined with megazoo's shard
@@ -49,9 +49,9 @@ def tp_rank_state_dict(load: str, tag: str, tp_rank: int) -> dict[str, torch.Ten
 def full_state_dict(load: str) -> tuple[object, dict[str, torch.Tensor], dict]:
     """(ModelConfig, {full name: full unpadded fp32 tensor}, DeepSpeed metadata)."""
     from ..checkpoint import config_from_dict, rank_model
+    from ..checkpoint.deepspeed import read_ds_metadata
     from ..layers.sharding import tp_unslice
     from ..models import full_name
-    from ..training.backends.deepspeed_zero import read_ds_metadata
 
     meta = read_ds_metadata(load)
     config = config_from_dict(meta["model"])

@@ -32,8 +32,9 @@ import importlib.util
 
 import torch
 
+from ..config.precision import CAST_IMPLS
+
 EPS = 1e-12
-CAST_IMPLS = ("auto", "triton", "compile", "eager")
 
 
 def fp8_max(dtype: torch.dtype) -> float:

@@ -3,6 +3,7 @@
 FP8 is a compute format here: weights, biases, activations and gradients stay in the run's
 dtype (bf16); each GEMM casts its two operands to FP8 with fresh scales (see `kernels/fp8_cast.py`
 for amax / scale / cast), multiplies with float32 accumulation and writes the run's dtype.
+How (format, scaling, cast kernel) is an `FP8Recipe` (`megazoo/config/precision.py`).
 
 | GEMM | product | a (row-major) | b (column-major) | reduction | out |
 |---|---|---|---|---|---|
@@ -37,55 +38,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import warnings
-from dataclasses import dataclass
 
 import torch
 
-from ..kernels.fp8_cast import CAST_IMPLS, quantize, quantize_both, transpose
+from ..config.precision import FP8Recipe
+from ..kernels.fp8_cast import quantize, quantize_both, transpose
 from ..parallel.device import compute_capability
 from . import wgrad
-
-FORMATS = ("e4m3", "hybrid")
-RECIPES = ("tensorwise", "rowwise")
-
-
-@dataclass(frozen=True)
-class FP8Recipe:
-    """How a linear layer's GEMMs run in FP8 (dynamic scaling: scales from this step's amax)."""
-
-    format: str = "hybrid"
-    """"e4m3": every operand e4m3; "hybrid": e4m3 forward, e5m2 output gradients."""
-    recipe: str = "tensorwise"
-    """"tensorwise": one scale per tensor; "rowwise": one per row (per column of `b`)."""
-    cast: str = "auto"
-    """amax + scale + cast implementation on CUDA: auto | triton | compile | eager."""
-    fast_accum: bool = True
-    """Forward GEMM with `_scaled_mm`'s faster, less exact accumulation (gradients never)."""
-    fallback: bool = True
-    """A GEMM with a dimension not a multiple of 16 runs in the run's dtype instead of raising."""
-    emulate: bool = False
-    """Compute the GEMMs with the float32 emulation even on a GPU (the kernels' reference)."""
-
-    def __post_init__(self):
-        if self.format not in FORMATS:
-            raise ValueError(f"FP8 format must be one of {FORMATS} (hybrid: e4m3 forward, "
-                             f"e5m2 gradients), got {self.format!r}")
-        if self.recipe not in RECIPES:
-            raise ValueError(f"FP8 recipe must be one of {RECIPES}, got {self.recipe!r}")
-        if self.cast not in CAST_IMPLS:
-            raise ValueError(f"FP8 cast must be one of {CAST_IMPLS}, got {self.cast!r}")
-
-    @property
-    def fwd_dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn
-
-    @property
-    def grad_dtype(self) -> torch.dtype:
-        return torch.float8_e5m2 if self.format == "hybrid" else torch.float8_e4m3fn
-
-    @property
-    def rowwise(self) -> bool:
-        return self.recipe == "rowwise"
 
 
 def _cuda_fp8_capable(index: int) -> tuple[bool, str]:

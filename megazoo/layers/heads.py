@@ -29,15 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def _split_groups(groups: int, per_group: int, n: int, what: str) -> tuple[int, int]:
-    """Split `groups` groups of `per_group` query heads over n ranks -> (groups, q per group)."""
-    if groups % n == 0:
-        return groups // n, per_group
-    if n % groups == 0 and per_group % (n // groups) == 0:
-        return 1, per_group // (n // groups)
-    raise ValueError(f"{what}: {groups} kv heads cannot be split over {n} ranks nor replicated "
-                     f"evenly; choose a number of kv heads that divides {n} or is a multiple of it")
+from ..config.layout import check_heads, split_groups
 
 
 @dataclass(frozen=True)
@@ -51,15 +43,7 @@ class HeadLayout:
     sp: int = 1
 
     def __post_init__(self) -> None:
-        h, k = self.num_heads, self.num_kv_heads
-        if min(h, k, self.head_dim, self.tp, self.sp) < 1 or h % k != 0:
-            raise ValueError(f"num_heads ({h}) must be a positive multiple of num_kv_heads ({k}), "
-                             f"head_dim, tp and sp positive")
-        if h % (self.tp * self.sp) != 0:
-            raise ValueError(f"num_heads ({h}) is not divisible by tp*sp = {self.tp}*{self.sp}: "
-                             f"choose tp and sp whose product divides the number of heads")
-        kl, gl = _split_groups(k, h // k, self.tp, "tensor parallelism")
-        _split_groups(kl, gl, self.sp, f"Ulysses over the kv heads of one tp rank ({kl})")
+        check_heads(self.num_heads, self.num_kv_heads, self.head_dim, self.tp, self.sp)
 
     @property
     def group_size(self) -> int:
@@ -69,13 +53,13 @@ class HeadLayout:
     @property
     def tp_groups(self) -> tuple[int, int]:
         """(kv groups, query heads per group) on one tp rank (KL, GL)."""
-        return _split_groups(self.num_kv_heads, self.group_size, self.tp, "")
+        return split_groups(self.num_kv_heads, self.group_size, self.tp, "")
 
     @property
     def sp_groups(self) -> tuple[int, int]:
         """(kv groups, query heads per group) after the Ulysses split (on one tp x sp rank)."""
         kl, gl = self.tp_groups
-        return _split_groups(kl, gl, self.sp, "")
+        return split_groups(kl, gl, self.sp, "")
 
     @property
     def qkv_rows_per_rank(self) -> int:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .fp8 import FP8Recipe, check_fp8_device, fp8_linear
+from ..config.precision import FP8Recipe
+from .fp8 import check_fp8_device, fp8_linear
 from .groups import Group, divide, group_rank, group_size
 from .init import default_init, init_shard_
 from .mappings import (all_reduce, copy_to_tensor_parallel_region,

@@ -27,7 +27,7 @@ ACTIVATIONS = ("gelu", "gelu_exact", "swiglu")
 class ParallelMLP(nn.Module):
     """Feed-forward block. `activation`: "gelu" (tanh approximation, as GPT-2 and BLOOM),
     "gelu_exact" (erf) or "swiglu" (gate and up fused in one column-parallel matmul).
-    `fp8`: an FP8Recipe for both linears' GEMMs (megazoo/layers/fp8.py), None: model dtype.
+    `fp8`: an FP8Recipe for both linears' GEMMs (megazoo/config/precision.py), None: model dtype.
     `bias_gelu_fusion`: the fused local part for "gelu" where it can run (module docstring)."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, *, group: Group,

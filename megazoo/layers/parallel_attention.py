@@ -45,11 +45,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..config.sparse_attention import SparseAttentionConfig
 from .groups import Group, group_rank, group_size, process_group
 from .init import NormalInit, default_init
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .sharding import set_tp_layout
-from ..config.sparse_attention import SparseAttentionConfig
 from .ulysses import UlyssesAttention, check_global_inputs
 
 

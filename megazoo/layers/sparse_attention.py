@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import torch
 
+from ..config.sparse_attention import SparseAttentionConfig
 from . import attention_kernels as kernels
 from .attention import AttentionRequest, math_attention, unsupported_reason
-from ..config.sparse_attention import SparseAttentionConfig
 from .sparse_gather import block_masks, gather_attention
 from .sparse_layouts import layout as make_layout
 from .sparse_plan import TILE as KERNEL_BLOCK

@@ -33,21 +33,18 @@ the attention is causal.
 `causal=True` (decoder models) intersects any layout with the block lower triangle; the
 token-level causality inside diagonal tiles is applied by the attention itself.
 
-    python -m megazoo.layers.sparse_layouts --mode bigbird --seq 4096 --block 64 --heads 4 \
-        --out layout.png
+`megazoo-sparse-layout --sparse-attention-mode bigbird --sparse-block 64 --seq 4096 --out
+layout.png` prints a layout's density per head and draws it (`megazoo.cli.sparse_layout`).
 """
 from __future__ import annotations
 
-import json
 import random
-import sys
 
 import torch
 
 from ..config.sparse_attention import SparseAttentionConfig
-from ..cli_parser import HintingParser
 
-__all__ = ["SparseAttentionConfig", "check_sequence", "layout", "rank_layout", "density", "show"]
+__all__ = ["SparseAttentionConfig", "check_sequence", "layout", "rank_layout", "density"]
 
 
 def check_sequence(config: SparseAttentionConfig, seq_len: int) -> int:
@@ -200,81 +197,3 @@ def _random_blocks(nb: int, n: int, seed: int, head: int, within_past: bool) -> 
         cols += picked
     lay[rows, cols] = True
     return lay
-
-
-def show(block_layout: torch.Tensor, block: int, causal: bool, out: str, title: str = "",
-         max_heads: int = 4) -> None:
-    """Draw the block pattern of the first few heads to an image file (matplotlib)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ImportError("the layout picture needs matplotlib: pip install matplotlib") from None
-    n = min(max_heads, block_layout.shape[0])
-    fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3.4), squeeze=False)
-    for h, ax in enumerate(axes[0]):
-        ax.imshow(block_layout[h].numpy(), cmap="Greys", interpolation="nearest")
-        d = density(block_layout[h:h + 1], block, causal)
-        ax.set_title(f"head {h}: {100 * d:.1f}%", fontsize=9)
-        ax.set_xlabel("key block")
-        ax.set_ylabel("query block")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-
-
-def _parse(argv):
-    p = HintingParser(prog="python -m megazoo.layers.sparse_layouts",
-                      description="Draw a block-sparse attention layout.")
-    p.add_argument("--ds-config", help="a DeepSpeed JSON; its sparse_attention section is used")
-    p.add_argument("--mode", help="dense, fixed, variable, bigbird or bslongformer")
-    p.add_argument("--block", type=int)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                   help="any other sparse_attention key, e.g. num_random_blocks=2")
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--causal", action="store_true", help="intersect with causality (decoders)")
-    p.add_argument("--out", help="image file to write (png, pdf, svg)")
-    return p.parse_args(argv)
-
-
-def _config_from_args(args) -> SparseAttentionConfig:
-    section = {}
-    if args.ds_config:
-        with open(args.ds_config) as f:
-            section = dict(json.load(f).get("sparse_attention", {}))
-    for name in ("mode", "block"):
-        if getattr(args, name) is not None:
-            section[name] = getattr(args, name)
-    for item in args.set:
-        key, _, value = item.partition("=")
-        try:
-            section[key] = json.loads(value)
-        except json.JSONDecodeError:
-            section[key] = value
-    return SparseAttentionConfig.from_ds_config(section)
-
-
-def main(argv=None) -> int:
-    args = _parse(argv)
-    try:
-        config = _config_from_args(args)
-        lay = layout(config, args.heads, args.seq, args.seed, causal=args.causal)
-        print(f"{config.to_ds_config()}  s={args.seq}  {lay.shape[-1]} blocks per side")
-        for h in range(lay.shape[0]):
-            print(f"head {h}: density {100 * density(lay[h:h + 1], config.block, args.causal):.2f}%")
-        if args.out:
-            show(lay, config.block, args.causal, args.out,
-                 title=f"{config.mode}, block {config.block}, s = {args.seq}")
-            print(f"wrote {args.out}")
-    except (ValueError, OSError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

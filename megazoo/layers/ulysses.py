@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..config.layout import check_sequence_split
 from .attention import BACKENDS, core_attention
 from .groups import Group, group_rank, group_size
 from .heads import HeadLayout
@@ -42,20 +43,6 @@ from .positions import alibi_slopes, rope_cos_sin, rope_cos_sin_first
 from .qkv_split import split_qkv
 
 POSITION_EMBEDDINGS = ("none", "alibi", "rope")
-
-
-def sequence_pieces(tp: int, sp: int, megatron_sp: bool) -> int:
-    """How many shards the sequence is cut into: sp, times tp under Megatron SP."""
-    return sp * (tp if megatron_sp else 1)
-
-
-def check_sequence_split(seq_len: int, tp: int, sp: int, megatron_sp: bool) -> None:
-    """ValueError unless `seq_len` splits into `sequence_pieces` equal shards."""
-    pieces = sequence_pieces(tp, sp, megatron_sp)
-    if seq_len % pieces:
-        raise ValueError(f"sequence length {seq_len} must divide by {pieces} (Ulysses sp={sp}"
-                         + (f" x Megatron SP tp={tp}" if megatron_sp else "")
-                         + "): pad the batch to a multiple of it or change the layout")
 
 
 def sequence_shard_range(seq_len: int, *, tp_group: Group = None, sp_group: Group = None,

@@ -9,15 +9,16 @@
     loss = model(input_ids, labels=input_ids)          # mean token loss (shifted inside)
     loss.backward()   # then megazoo.training.gradients completes the gradients
 """
+from ..config.layout import check_layout, layer_ranges
+from ..config.model import ModelConfig
+from ..config.presets import PRESETS
 from .block import TransformerBlock
 from .bloom import BloomModel
-from .build import MODEL_CLASSES, build_model, check_layout, layer_ranges, resolve_config
-from ..config.model import ModelConfig
+from .build import MODEL_CLASSES, build_model, resolve_config
 from .gpt import GPTModel
 from .llama import LlamaModel
 from .model import TransformerModel
 from .params import count_parameters, describe_parameters, full_name
-from ..config.presets import PRESETS
 
 __all__ = ["ModelConfig", "build_model", "PRESETS", "TransformerModel", "GPTModel",
            "BloomModel", "LlamaModel", "count_parameters",

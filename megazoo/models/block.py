@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..config.model import ModelConfig
 from ..layers import AttentionConfig, NormalInit, ParallelAttention, ParallelMLP
 from ..layers.norm import build_norm
 from ..parallel.state import ParallelState
-from ..config.model import ModelConfig
 
 
 class TransformerBlock(nn.Module):

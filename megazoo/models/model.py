@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..config.model import ModelConfig
 from ..layers import ColumnParallelLinear, NormalInit, set_tp_layout
 from ..layers.norm import build_norm
 from ..parallel.state import ParallelState
 from .block import TransformerBlock
-from ..config.model import ModelConfig
 from .parts import (WORD_EMBEDDINGS, Embedding, check_sequence_length, full_logits, lm_logits,
                     mean_token_loss, sequence_shard, ulysses_window)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers.sharding import full_shape, tp_dim_of
 from ..config.model import ModelConfig
+from ..layers.sharding import full_shape, tp_dim_of
 
 
 def parameter_parts(config: ModelConfig, tp: int = 1, *, padded: bool = True) -> dict[str, int]:

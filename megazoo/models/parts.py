@@ -15,10 +15,11 @@ from ..layers import (NormalInit, VocabParallelEmbedding, copy_to_tensor_paralle
                       gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
                       gather_sequence_replicated, reduce_from_tensor_parallel_region,
                       scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
-from ..layers.norm import build_norm
-from ..layers.ulysses import check_sequence_split, sequence_pieces, sequence_shard_range
-from ..parallel.state import ParallelState
+from ..config.layout import check_sequence_split, sequence_pieces
 from ..config.model import ModelConfig
+from ..layers.norm import build_norm
+from ..layers.ulysses import sequence_shard_range
+from ..parallel.state import ParallelState
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 

@@ -12,11 +12,12 @@ import dataclasses
 import difflib
 import json
 import re
+import sys
 import typing
 
 from ..errors import report_error
-from ..config.presets import PRESETS
 from ..config.flags import args_from_namespace, build_parser, field_docs
+from ..config.presets import PRESETS
 from ..config.run import PretrainArgs
 from .largest import (LARGEST_DEFAULTS, describe, family_shapes, run_command, search,
                       training_fits)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config.run import PretrainArgs
 from ..config.ds_config import build_ds_config, offload_device, zero_stage
+from ..config.run import PretrainArgs
 from ..config.validate import check_args
 from .offload import default_bucket_elements
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..config.model import ModelConfig
-from ..models.params import count_parameters, parameter_parts
 from ..config.run import PretrainArgs
+from ..models.params import count_parameters, parameter_parts
 from .activations import stage_activations
 from .engines import Parts, deepspeed_parts, fsdp2_parts, plain_parts
 from .layout import PlanOptions, Resolved, resolve

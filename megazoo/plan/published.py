@@ -20,9 +20,9 @@ import argparse
 import copy
 import dataclasses
 
+from ..config.flags import args_from_namespace
 from ..config.model import ModelConfig
 from ..config.presets import PRESETS
-from ..config.flags import args_from_namespace
 from ..config.run import PretrainArgs
 from .memory import FRAGMENTATION, GB, MemoryEstimate
 from .timing import stage_layers

@@ -19,8 +19,8 @@ term (one micro-batch) leaves out; this picture counts them.
 """
 from __future__ import annotations
 
-from ..matplotlib_figure import new_figure
 from ..config.model import ModelConfig
+from ..matplotlib_figure import new_figure
 from ..pipeline.schedules import build_schedule
 from ..pipeline.simulate import simulate
 from .activations import stage_activations

@@ -16,8 +16,8 @@ import argparse
 import dataclasses
 import json
 
-from ..matplotlib_figure import new_figure
 from ..config.flags import args_from_namespace
+from ..matplotlib_figure import new_figure
 from .clusters import load_cluster
 from .layout import PlanOptions, resolve
 from .memory import GB

@@ -33,10 +33,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..config.model import ModelConfig
+from ..config.run import PretrainArgs
+from ..models.flops import flops_per_iteration
 from ..pipeline.schedules import build_schedule
 from ..pipeline.simulate import simulate
-from ..config.run import PretrainArgs
-from ..training.metrics import flops_per_iteration
 from .calibration import kernel_rates
 from .clusters import Cluster
 from .layout import Resolved

@@ -19,10 +19,10 @@ import torch
 
 from ..data import (GPTDatasetConfig, IndexedDataset, Tokenizer, build_tokenizer,
                     build_train_valid_test_datasets, parse_data_prefix)
+from ..config.run import PretrainArgs
 from ..data.indexed import data_file_paths
 from ..errors import user_path
 from ..parallel.state import ParallelState
-from ..config.run import PretrainArgs
 from .default_corpus import prepare_default_corpus
 
 ENTROPY_MAX_TOKENS = 50_000_000

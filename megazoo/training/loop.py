@@ -14,8 +14,8 @@ import time
 import torch
 
 from ..generation.api import generate
+from ..models.flops import flops_per_iteration
 from .checkpoint import save_training_checkpoint
-from .metrics import flops_per_iteration
 from ..checkpoint.files import NonFiniteError
 from ..errors import user_path
 from .nonfinite import SkipWatch, refuse_nonfinite_loss, stopped_by_nonfinite_save

@@ -1,14 +1,9 @@
 """Training metrics: the log line, JSON lines, TensorBoard / Weights & Biases
-(`log_writers.py`), FLOPs and MFU, memory.
+(`log_writers.py`), TFLOP/s and MFU, memory.
 
-Model FLOPs per iteration (Megatron's formula, Narayanan et al. 2021, with the logit layer),
-for B sequences of s tokens, l layers, width h, vocabulary V:
-
-    F = 72 B s l h^2 (1 + s / (6 h)) + 6 B s h V
-
-TFLOP/s = F / seconds per iteration / 1e12, summed over all devices; MFU divides the
-per-device rate by `--peak-tflops`, or by a bf16 matmul ceiling measured once at start
-(GPU only; on CPU MFU is not reported).
+TFLOP/s = F / seconds per iteration / 1e12, summed over all devices (F: the model FLOPs of
+an iteration, `megazoo.models.flops`); MFU divides the per-device rate by `--peak-tflops`,
+or by a bf16 matmul ceiling measured once at start (GPU only; on CPU MFU is not reported).
 """
 from __future__ import annotations
 
@@ -23,12 +18,6 @@ import torch
 from ..errors import user_path
 from ..plot import METRICS_FILE  # the run's metrics in its --save folder, appended on resume
 from .log_writers import open_writers
-
-
-def flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """Model FLOPs of one training iteration (forward + backward), see the module docstring."""
-    return (72.0 * batch * seq * layers * hidden ** 2 * (1.0 + seq / (6.0 * hidden))
-            + 6.0 * batch * seq * hidden * vocab)
 
 
 def measure_peak_tflops(device: torch.device, n: int = 8192, repeats: int = 10) -> float | None:

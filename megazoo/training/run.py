@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..config.flags import parse_args
+from ..config.run import PretrainArgs
 from ..layers.fp8 import check_fp8_run
 from ..models import build_model
 from ..models.parts import check_sequence_length
@@ -26,9 +28,7 @@ from ..errors import report_error
 from ..parallel.device import local_device
 from ..parallel.state import ParallelState
 from ..plot import draw_run_curves
-from ..config.flags import parse_args
 from .checkpoint import load_training_checkpoint
-from ..config.run import PretrainArgs
 from .data import TrainData, build_data, resolve_data_source, unigram_entropy
 from .backends import Engine, TrainingStopped, build_engine
 from .metrics import MetricsLogger

@@ -12,9 +12,9 @@ import time
 import torch
 
 import megazoo
+from megazoo.config.run import PretrainArgs, TrainingConfig
 from megazoo.models import ModelConfig, build_model
 from megazoo.parallel import ParallelConfig, ParallelState
-from megazoo.config.run import PretrainArgs, TrainingConfig
 
 VOCAB, B, S, GLOBAL_MB = 128, 2, 16, 4
 

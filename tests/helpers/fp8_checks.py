@@ -17,8 +17,9 @@ computations on the full tensors:
 """
 import torch
 
+from megazoo.config.precision import FP8Recipe
 from megazoo.layers import ColumnParallelLinear, RowParallelLinear
-from megazoo.layers.fp8 import FP8Recipe, fp8_linear
+from megazoo.layers.fp8 import fp8_linear
 from megazoo.parallel import ParallelConfig, ParallelState
 
 S, B, IN, OUT = 16, 2, 64, 96

@@ -4,11 +4,11 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from megazoo.models import ModelConfig
-from megazoo.parallel import ParallelConfig
 from megazoo.config.flags import parse_args
 from megazoo.config.run import DataConfig, PretrainArgs, TrainingConfig
 from megazoo.config.zero import ZeroConfig
+from megazoo.models import ModelConfig
+from megazoo.parallel import ParallelConfig
 
 from .fixtures import tiny_config
 

@@ -12,10 +12,10 @@ import dataclasses
 import pytest
 import torch
 
-from megazoo.models import ModelConfig, build_model
-from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.config.run import PretrainArgs, TrainingConfig
 from megazoo.config.zero import ZeroConfig
+from megazoo.models import ModelConfig, build_model
+from megazoo.parallel import ParallelConfig, ParallelState
 
 VOCAB, B, S, M = 128, 2, 16, 2  # vocab, micro-batch, sequence, micro-batches per step
 LOSS_RTOL, NORM_RTOL = 1e-4, 1e-3  # fp32, the same math in another order: see test_zero.py

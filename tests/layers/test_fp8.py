@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from helpers import fp8_checks
+from megazoo.config.precision import FP8Recipe
 from megazoo.layers import ColumnParallelLinear, FusedColumnParallelLinear
 from megazoo.layers import fp8 as fp8_module
-from megazoo.layers.fp8 import FP8Recipe, fp8_linear, fp8_weight_cache
+from megazoo.layers.fp8 import fp8_linear, fp8_weight_cache
 from megazoo.kernels.fp8_cast import quantize, quantize_both, quantize_reference
 from megazoo.kernels.fp8_cast import transpose as fp8_transpose
 from megazoo.testing import run_distributed

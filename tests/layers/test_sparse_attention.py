@@ -6,11 +6,12 @@ import warnings
 import pytest
 import torch
 
+from megazoo.cli import sparse_layout as main
+from megazoo.config.sparse_attention import SparseAttentionConfig as Config
 from megazoo.layers.positions import alibi_slopes
 from megazoo.layers.sparse_attention import (SparseAttention, block_mask_from_layout,
                                              sparse_attention, tile_layout)
-from megazoo.config.sparse_attention import SparseAttentionConfig as Config
-from megazoo.layers.sparse_layouts import density, layout, main, rank_layout
+from megazoo.layers.sparse_layouts import density, layout, rank_layout
 
 # float32 math (and FlexAttention's eager float32 path) against a float64 reference over at
 # most 320 keys of unit-variance inputs: rounding stays near 1e-6; 2e-5 leaves margin and
@@ -331,8 +332,9 @@ def test_bad_attention_inputs():
 def test_cli_picture_and_errors(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "layout.png"
-    assert main(["--mode", "bigbird", "--seq", "1024", "--block", "64", "--heads", "2",
-                 "--causal", "--out", str(out)]) == 0
+    assert main(["--sparse-attention-mode", "bigbird", "--seq", "1024", "--sparse-block", "64",
+                 "--heads", "2", "--causal", "--out", str(out)]) == 0
     assert out.stat().st_size > 0 and "density" in capsys.readouterr().out
-    assert main(["--mode", "fixed", "--set", "num_random_blocks=2"]) == 2
+    assert main(["--sparse-attention-mode", "fixed",
+                 "--sparse-attention-config", '{"num_random_blocks": 2}']) == 2
     assert capsys.readouterr().err.count("\n") == 1

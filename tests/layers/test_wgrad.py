@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megazoo.config.precision import FP8Recipe
 from megazoo.layers import ColumnParallelLinear, RowParallelLinear
 from megazoo.kernels.cublaslt import fp8_gemm_accumulate
-from megazoo.layers.fp8 import FP8Recipe
 from megazoo.layers.linear import fusable_weights
 from megazoo.layers.wgrad import accumulate_wgrad
 

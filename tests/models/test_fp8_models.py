@@ -17,7 +17,8 @@ from helpers import fp8_model_checks
 from helpers.fixtures import tiny_config
 from megazoo.checkpoint import load_model_weights
 from megazoo import save_checkpoint
-from megazoo.layers.fp8 import FP8Recipe, fp8_linear
+from megazoo.config.precision import FP8Recipe
+from megazoo.layers.fp8 import fp8_linear
 from megazoo.models import build_model
 from megazoo.testing import run_distributed
 

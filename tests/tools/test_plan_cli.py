@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
+from megazoo.config.flags import build_parser, parse_args
 from megazoo.plan import main
 from megazoo.plan.cli import plan_parser
-from megazoo.config.flags import build_parser, parse_args
 
 BAD = [  # flags the run rejects at parsing, and so must the planner
     ["--model", "gpt-1.3b", "--tp", "3"],               # 16 heads over tp 3

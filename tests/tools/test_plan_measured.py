@@ -13,8 +13,8 @@ import dataclasses
 
 import pytest
 
-from megazoo.plan import GB, RUNTIME_BYTES, PlanOptions, estimate_memory
 from megazoo.config.flags import parse_args
+from megazoo.plan import GB, RUNTIME_BYTES, PlanOptions, estimate_memory
 
 KIB = 1.024  # the run logged host GB as ru_maxrss (KiB) / 1e6
 ISSUE = ["--family", "llama", "--num-layers", "24", "--hidden-size", "4096",

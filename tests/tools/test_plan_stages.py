@@ -3,12 +3,12 @@ import sys
 
 import pytest
 
+from megazoo.config.flags import args_from_namespace
 from megazoo.plan import main
 from megazoo.plan.cli import plan_parser
 from megazoo.plan.layout import resolve
 from megazoo.plan.memory import _estimate, stage_parameters
 from megazoo.plan.stages import stage_estimates
-from megazoo.config.flags import args_from_namespace
 
 LAYOUT = ["--model", "gpt-1.3b", "--tp", "2", "--dp", "2", "--micro-batch-size", "2",
           "--global-batch-size", "32", "--seq-length", "2048", "--bf16"]

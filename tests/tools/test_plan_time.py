@@ -7,6 +7,8 @@ import statistics
 
 import pytest
 
+from megazoo.config.flags import args_from_namespace
+from megazoo.config.validate import check_args
 from megazoo.plan import main
 from megazoo.plan.calibration import fit_gemm, kernel_rates, load_fixture
 from megazoo.plan.cli import plan_parser
@@ -15,8 +17,6 @@ from megazoo.plan.layout import resolve
 from megazoo.plan.published import plan_args
 from megazoo.plan.search import search
 from megazoo.plan.timing import step_time
-from megazoo.config.flags import args_from_namespace
-from megazoo.config.validate import check_args
 
 GPT_1_3B = ("--family gpt --num-layers 24 --hidden-size 2048 --num-attention-heads 16 "
             "--ffn-hidden-size 8192 --seq-length 2048 --max-position-embeddings 2048 "

@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-from megazoo.config.flags import parse_args
 from megazoo.config.compression import check_onebit_backend
 from megazoo.config.ds_config import build_ds_config
+from megazoo.config.flags import parse_args
 from helpers.runs import ROOT, make_data, tiny_argv
 
 SEEDS = {"gradient_compression": {"algorithm": "topk", "topk_ratio": 0.01},

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megazoo.layers import fp8
 from megazoo.config.flags import parse_args
+from megazoo.config.precision import FP8Recipe
+from megazoo.layers import fp8
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_ERROR = ("error: --fp8-format needs a GPU with FP8 tensor cores (compute capability 8.9+: "
@@ -20,7 +21,7 @@ def test_flags_set_the_model_fields():
     model = parse_args(["--fp8-format", "hybrid", "--fp8-recipe", "rowwise",
                         "--fp8-layers", "mlp"]).model
     assert (model.fp8_format, model.fp8_recipe, model.fp8_layers) == ("hybrid", "rowwise", "mlp")
-    assert model.fp8("mlp") == fp8.FP8Recipe("hybrid", "rowwise") and model.fp8("attention") is None
+    assert model.fp8("mlp") == FP8Recipe("hybrid", "rowwise") and model.fp8("attention") is None
     assert parse_args([]).model.fp8() is None
 
 
@@ -39,7 +40,7 @@ def test_pre_ada_gpu_is_refused(monkeypatch):
     monkeypatch.setattr(fp8, "_cuda_fp8_capable", lambda index: (False, "sm_80"))
     with pytest.raises(ValueError, match=r"^FP8 GEMMs need FP8 tensor cores .*cuda:0 is sm_80: "
                                          r"run without FP8 \(--fp8-format\)$"):
-        fp8.check_fp8_run(fp8.FP8Recipe(), torch.device("cuda", 0))
+        fp8.check_fp8_run(FP8Recipe(), torch.device("cuda", 0))
     fp8.check_fp8_run(None, torch.device("cpu"))  # FP8 off: nothing to check
 
 

@@ -15,12 +15,12 @@ import pytest
 
 from megazoo.checkpoint import save_checkpoint
 from megazoo.checkpoint.output import remove_leftovers
+from megazoo.config.flags import parse_args
 from megazoo.data import IndexedDatasetBuilder
 from megazoo.training import ds_ops
-from megazoo.config.flags import parse_args
 from megazoo.checkpoint.resolve import resolve_checkpoint
-from megazoo.training.default_corpus import LEFTOVERS
 from megazoo.config.ds_config import load_ds_json
+from megazoo.training.default_corpus import LEFTOVERS
 from megazoo.training.run_checks import prepare_save_dir, resume_warnings
 
 from helpers.checkpoints import tiny_model

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
+from megazoo.config.ds_config import build_ds_config
 from megazoo.models import resolve_config
 from megazoo.plan import estimate_memory
-from megazoo.config.ds_config import build_ds_config
 
 from helpers.run_args import ds_args as args
 from helpers.run_args import plan_args

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
+from megazoo.config.run import TrainingConfig
 from megazoo.models import ModelConfig, build_model
 from megazoo.training.gradients import allreduce_gradients
 from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.testing import run_distributed
-from megazoo.config.run import TrainingConfig
 from megazoo.training.gradients import clip_gradients, global_grad_norm
 from megazoo.training.optim import param_groups
 from megazoo.training.scaler import DynamicLossScaler

@@ -1,9 +1,9 @@
 """pretrain_gpt.py's parser: flags generated from the config dataclasses, aliases, presets."""
 import pytest
 
-from megazoo.models import PRESETS
 from megazoo.config.flags import DEFAULT_MODEL, build_parser, field_docs, parse_args
 from megazoo.config.run import TrainingConfig
+from megazoo.models import PRESETS
 
 
 def test_megatron_flags_reach_the_configs():

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from megazoo.parallel import ParallelConfig
-from megazoo.config.run import TrainingConfig
 from megazoo.config.ds_config import build_ds_config
+from megazoo.config.run import TrainingConfig
+from megazoo.parallel import ParallelConfig
 
 from helpers.run_args import ds_args as args
 
@@ -39,11 +39,11 @@ def test_json_and_agreeing_flags(tmp_path):
     ({"zero_optimization": {"stage": 1}}, {"zero_stage": 3}, ["stage = 1", "--zero-stage", "3"]),
     ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
      {"offload_optimizer": "cpu"}, ["'nvme'", "--offload-optimizer", "'cpu'"]),
-    ({"train_micro_batch_size_per_gpu": 2}, {}, ["= 2", "--micro-batch-size 4"]),
-    ({"train_batch_size": 64}, {}, ["= 64", "--global-batch-size 32"]),
+    ({"train_micro_batch_size_per_gpu": 2}, {}, ["= 2", "--micro-batch-size gives 4"]),
+    ({"train_batch_size": 64}, {}, ["= 64", "--global-batch-size gives 32"]),
     ({"gradient_accumulation_steps": 8}, {}, ["= 8", "dp 2"]),
-    ({"gradient_clipping": 0.5}, {}, ["= 0.5", "--clip-grad 1.0"]),
-    ({"bf16": {"enabled": True}}, {}, ["bf16.enabled = True", "--bf16"]),
+    ({"gradient_clipping": 0.5}, {}, ["= 0.5", "--clip-grad gives 1.0"]),
+    ({"bf16": {"enabled": True}}, {}, ["bf16.enabled = True", "the absence of --bf16 gives False"]),
     ({"optimizer": {"type": "Adam"}}, {}, ["optimizer", "remove"]),
     ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, {},
      ["--nvme-path"]),
@@ -82,14 +82,22 @@ def test_engines_refuse_bad_layouts_before_collectives():
                         deepspeed=False), state)
 
 
-def test_training_values_from_json(tmp_path):
-    from megazoo.config.ds_config import training_values_from_json
+def test_merge_reads_the_json_where_no_flag_is_given():
+    """The one merge rule: "auto" and absent keys are left out, stated ones read, a given
+    flag that agrees (numbers by value) is kept and written into the JSON dict."""
+    from megazoo.config.ds_config import TRAINING_KEYS, merge_flags
 
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "train_batch_size": "auto",
-                                "gradient_clipping": 0.5, "bf16": {"enabled": True}}))
-    assert training_values_from_json(str(path)) == {"micro_batch_size": 2, "clip_grad": 0.5,
-                                                    "bf16": True}
+    ds = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": "auto",
+          "gradient_clipping": 0.5, "bf16": {"enabled": True}}
+    assert merge_flags(ds, {}, TRAINING_KEYS, "ds.json") == {"micro_batch_size": 2,
+                                                             "clip_grad": 0.5, "bf16": True}
+    assert merge_flags(ds, {"micro_batch_size": 2.0, "global_batch_size": 8, "fp16": False},
+                       TRAINING_KEYS, "ds.json") == {"micro_batch_size": 2.0, "clip_grad": 0.5,
+                                                     "global_batch_size": 8, "bf16": True,
+                                                     "fp16": False}
+    assert ds["train_batch_size"] == 8 and ds["fp16"] == {"enabled": False}
+    with pytest.raises(ValueError, match=r'ds.json: "bf16" must be a JSON object'):
+        merge_flags({"bf16": True}, {"bf16": True}, TRAINING_KEYS, "ds.json")
 
 
 def _parse_with_json(tmp_path, ds: dict, *flags: str):
@@ -122,15 +130,15 @@ def test_json_fills_training_flags_not_given(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("flags, words", [
-    (("--micro-batch-size", "8"), ["= 4", "--micro-batch-size 8"]),
-    (("--global-batch-size", "64"), ["= 32", "--global-batch-size 64"]),
-    (("--clip-grad", "1.0"), ["= 0.5", "--clip-grad 1.0"]),
+    (("--micro-batch-size", "8"), ["= 4", "--micro-batch-size gives 8"]),
+    (("--global-batch-size", "64"), ["= 32", "--global-batch-size gives 64"]),
+    (("--clip-grad", "1.0"), ["= 0.5", "--clip-grad gives 1.0"]),
 ])
 def test_given_flag_disagreeing_with_json_names_both(tmp_path, monkeypatch, flags, words):
+    """Refused when the flags are parsed (for every engine), before any engine is built."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    a = _parse_with_json(tmp_path, USER_JSON, *flags)
     with pytest.raises(ValueError) as err:
-        build_ds_config(a, dp=2)
+        _parse_with_json(tmp_path, USER_JSON, *flags)
     for word in words + ["ds.json"]:
         assert word in str(err.value), (word, str(err.value))
 
@@ -193,7 +201,8 @@ def test_json_values_of_the_right_type_pass(tmp_path, monkeypatch):
 def test_every_engine_refuses_json_batch_conflicts_alike(tmp_path, monkeypatch, json_values,
                                                          flags, engine):
     """The plain and FSDP2 engines read the JSON's batch sizes too: a flag contradicting
-    them is the error --deepspeed gives, word for word (one check)."""
+    them is the error --deepspeed gives, word for word (one merge), whether the flags' parse
+    finds it or (a conflict that needs the data-parallel size) the engine's setup."""
     from megazoo.parallel import ParallelState
     from megazoo.config.flags import parse_args
     from megazoo.training.backends import build_engine
@@ -201,10 +210,14 @@ def test_every_engine_refuses_json_batch_conflicts_alike(tmp_path, monkeypatch, 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(json_values))
-    with pytest.raises(ValueError) as deepspeed:
-        build_ds_config(parse_args(["--deepspeed", "--deepspeed_config", str(path), *flags]), 1)
-    a = parse_args(["--deepspeed_config", str(path), *flags, *engine])
-    with pytest.raises(ValueError) as other:
-        build_engine(a, torch.nn.Linear(2, 2), ParallelState.single())
-    assert str(other.value) == str(deepspeed.value)
-    assert "make them agree" in str(other.value)
+
+    def refusal(argv, build) -> str:
+        with pytest.raises(ValueError) as exc:
+            build(parse_args(argv))
+        return str(exc.value)
+
+    deepspeed = refusal(["--deepspeed", "--deepspeed_config", str(path), *flags],
+                        lambda a: build_ds_config(a, 1))
+    other = refusal(["--deepspeed_config", str(path), *flags, *engine],
+                    lambda a: build_engine(a, torch.nn.Linear(2, 2), ParallelState.single()))
+    assert other == deepspeed and "make them agree" in other

@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...config.ds_config import offload_device
 from ...layers.sharding import tp_dim_of
 from ...parallel.mpu import _NAMES, DeepSpeedMPU
 from ...parallel.state import ParallelState
-from ...config.ds_config import offload_device
 from ..optim import build_optimizer as torch_adamw, param_groups
 from ..ds_ops import before_build
 

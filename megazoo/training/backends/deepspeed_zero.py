@@ -40,21 +40,20 @@ checkpoint loadable at any layout.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import torch
 import torch.distributed as dist
 
 from ...checkpoint.deepspeed_files import (FILES_KEY, check_finite_loaded, record_checksums,
                                            verify_checksums)
+from ...checkpoint.deepspeed import read_ds_metadata, write_ds_metadata
 from ...checkpoint.save import refuse_nonfinite
-from ...parallel.state import ParallelState
 from ...config.compression import check_onebit_backend
 from ...config.ds_config import build_ds_config, offload_device, onebit_optimizer, zero_stage
-from ..optim import param_groups
 from ...config.validate import check_deepspeed_pipeline
+from ...parallel.state import ParallelState
+from ..optim import param_groups
 from .base import Engine
 from ..gradients import hook_sequence_parallel_grads
 from .deepspeed_setup import (ZeroMPU, build_optimizer, check_nvme, ensure_process_group,
@@ -62,7 +61,6 @@ from .deepspeed_setup import (ZeroMPU, build_optimizer, check_nvme, ensure_proce
 from ..ds_ops import prepare_ops
 from ..run_checks import read_options
 
-DS_FORMAT = "megazoo-deepspeed-1"
 TAG = "zero"
 
 
@@ -173,17 +171,14 @@ class DeepSpeedEngine(Engine):
             dist.barrier()  # every rank's files are written before they are hashed
         algorithm, sums = record_checksums(path, TAG, self.state)
         if self.state.global_rank == 0:
-            meta = {"format": DS_FORMAT, "tag": TAG, "model": self.model.config.to_dict(),
+            meta = {"tag": TAG, "model": self.model.config.to_dict(),
                     "checksum": algorithm, FILES_KEY: sums,
                     "layout": {"tp": self.state.tp.size, "sp": self.state.sp.size,
                                "dp": self.state.dp.size, "pp": 1, "vpp": 1},
                     "zero_stage": zero_stage(self.ds_config),
                     "engine": {"steps": self.steps}, "extra": extra,
                     "hint": "convert with checkpoints_tools/zero_to_megazoo.py --load DIR --out O"}
-            tmp = os.path.join(path, f".megazoo.json.tmp{os.getpid()}")
-            with open(tmp, "w") as f:
-                json.dump(meta, f, indent=1)
-            os.replace(tmp, os.path.join(path, "megazoo.json"))
+            write_ds_metadata(path, meta)
         if self.state.world_size > 1:
             dist.barrier()
 
@@ -237,16 +232,3 @@ class _DeepSpeedStage:
 
     def eval(self):
         self._ds.eval()
-
-
-def read_ds_metadata(path: str) -> dict:
-    """`path/megazoo.json` of a DeepSpeedEngine checkpoint (clear errors otherwise)."""
-    file = os.path.join(path, "megazoo.json")
-    if not os.path.isfile(file):
-        raise ValueError(f"{path} is not a megazoo DeepSpeed checkpoint: megazoo.json is missing")
-    with open(file) as f:
-        meta = json.load(f)
-    if meta.get("format") != DS_FORMAT:
-        raise ValueError(f"{file}: format {meta.get('format')!r} is not {DS_FORMAT!r} "
-                         "(an ordinary megazoo checkpoint loads with load_model_weights)")
-    return meta

@@ -27,11 +27,11 @@ import math
 
 import torch
 
+from ...config.compression import CompressionConfig
+from ...config.run import PretrainArgs
 from ...layers.linear import fusable_weights
 from ...parallel.compress import build_reduction
 from ...parallel.state import ParallelState
-from ...config.compression import CompressionConfig
-from ...config.run import PretrainArgs
 from . import compression_state
 from .base import Engine
 from .grad_buffer import GradBuffer
