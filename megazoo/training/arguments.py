@@ -30,7 +30,7 @@ from ..layers.fp8 import FORMATS as FP8_FORMATS, RECIPES as FP8_RECIPES
 from ..models.config import ModelConfig, _default_ffn
 from ..models.presets import PRESETS
 from ..parallel.config import ParallelConfig
-from .compression_config import ALGORITHMS, DTYPES as COMM_DTYPES, TOPK_SELECTIONS, \
+from .compression_config import ALGORITHMS, DTYPES as COMM_DTYPES, RECIPES, \
     CompressionConfig, resolve_compression
 from .config import CheckpointConfig, DataConfig, LoggingConfig, PretrainArgs, TrainingConfig
 from .ds_config import training_defaults_from_json
@@ -53,7 +53,7 @@ ALIASES = {
 # Fields whose flag takes one of these values.
 CHOICES = {"fp8_format": FP8_FORMATS, "fp8_recipe": FP8_RECIPES, "fp8_layers": ("all", "mlp"),
            "gradient_compression": ALGORITHMS, "communication_data_type": tuple(COMM_DTYPES),
-           "topk_selection": TOPK_SELECTIONS}
+           "compression_recipe": tuple(RECIPES)}
 # The ModelConfig fields a user may override on top of a preset (vocab comes from the data).
 MODEL_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
                 "num_key_value_heads", "ffn_hidden_size", "max_position_embeddings",

@@ -1,4 +1,4 @@
-"""Compressed reductions (`megazoo.parallel.compress`) on gloo ranks, against exact sums.
+"""Compressed reductions (`megazoo.compress`) on gloo ranks, against exact sums.
 
 Tolerances. `lossless`: inputs each codec represents exactly (small integers), so the sum
 must match bit for bit. `conservation`: sum of outputs + sum of every rank's residuals =
@@ -10,7 +10,7 @@ compared with torch.equal.
 import pytest
 import torch
 
-from megazoo.parallel.compress.codecs import BlockCodec, TopKCodec, pack_bits, unpack_bits
+from megazoo.compress.codecs import BlockCodec, TopKCodec, pack_bits, unpack_bits
 from megazoo.testing import run_distributed
 
 from helpers import compression_checks as checks

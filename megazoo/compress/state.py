@@ -18,8 +18,8 @@ import os
 
 import torch
 
-from ...checkpoint.checksums import CRC32, Hasher, check_algorithm
-from ...checkpoint.files import SafetensorsWriter, read_header, read_tensor, write_json
+from ..checkpoint.checksums import CRC32, Hasher, check_algorithm
+from ..checkpoint.files import SafetensorsWriter, read_header, read_tensor, write_json
 
 FOLDER = "compression"
 
