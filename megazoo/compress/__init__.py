@@ -6,7 +6,7 @@ object the engine holds, `reducer.Reducer`, which its grad buffer calls per buck
 (`megazoo.kernels.triton_codec`, `triton_topk`)."""
 from .codecs import BlockCodec, TopKCodec
 from .reduce import BlockReduction, DenseReduction, TopKReduction, build_reduction
-from .reducer import Reducer, build_reducer
+from .reducer import Reducer
 
 __all__ = ["BlockCodec", "BlockReduction", "DenseReduction", "Reducer", "TopKCodec",
-           "TopKReduction", "build_reducer", "build_reduction"]
+           "TopKReduction", "build_reduction"]

@@ -1,7 +1,7 @@
 """`Reducer`: how a data-parallel engine sums its gradient buckets over dp x sp, dense or
 compressed, and what the compression needs around the optimizer step and in checkpoints.
 
-    reducer = build_reducer(state, compression, training)   # compression: CompressionConfig
+    reducer = Reducer(state, compression, training)         # compression: CompressionConfig
     buffers = GradBuffer(..., reducer=reducer)              # calls reducer.bind(buffers)
     reducer.start_step(step, optimizer, loss_scale)         # engine, before the backwards
     handle = reducer.reduce(bucket, data, shard)            # grad buffer, per bucket
@@ -60,22 +60,28 @@ def padding_ranges(params: list, offsets: dict, tp_rank: int) -> list[tuple[int,
 
 
 class Reducer:
-    """See the module docstring. `compressed`: a compressed reduction or None (dense only);
-    `adam`: (beta1, beta2, eps) of the optimizer, `clip_grad` the run's clipping norm."""
+    """See the module docstring. `compression`: the run's CompressionConfig (None: dense),
+    `training`: its TrainingConfig (AdamW's betas and eps, clip_grad)."""
 
-    def __init__(self, state, *, wire_dtype=None, compressed=None, start: int = 0,
-                 freeze_variance: bool = False, momentum_share: float = 1.0,
-                 select_by_update: bool = False, local_clipping: bool = False,
-                 adam=(0.9, 0.999, 1e-8), clip_grad: float = 0.0):
+    def __init__(self, state, compression=None, training=None):
         self.state, self.group = state, state.dp_sp
-        self.dense, self.compressed, self.start = DenseReduction(self.group, wire_dtype), compressed, start
-        self.freeze_at = start if freeze_variance and compressed is not None else None
-        self.momentum_share, self.select_by_update = momentum_share, select_by_update
+        comp, algorithm = compression, getattr(compression, "algorithm", None)
+        self.dense = DenseReduction(self.group, getattr(comp, "wire_dtype", None))
+        self.compressed = None if algorithm is None else build_reduction(
+            algorithm, self.group, topk_ratio=comp.value("topk_ratio"),
+            block=comp.value("compression_block_size"), wire_dtype=comp.wire_dtype)
+        self.start = 0 if algorithm is None else comp.value("compression_start_step")
+        self.freeze_at = self.start if algorithm and comp.freeze_variance else None
+        internals = comp.internals if algorithm else {}
+        self.momentum_share = internals.get("momentum_share", 1.0)
+        self.select_by_update = internals.get("topk_selection") == "update"
         # at dp x sp = 1 nothing is reduced: the usual clipping stays
-        self.local_clipping = local_clipping and self.group.size > 1
-        self.adam, self.clip_grad = adam, clip_grad
-        self.current = self.dense
-        self.buffers = None
+        self.local_clipping = bool(internals.get("local_clipping")) and self.group.size > 1
+        self.adam, self.clip_grad = (0.9, 0.999, 1e-8), 0.0
+        if training is not None:
+            self.adam = (training.adam_beta1, training.adam_beta2, training.adam_eps)
+            self.clip_grad = training.clip_grad
+        self.current, self.buffers = self.dense, None
         self._offset = self._select = self._clip = None
         self._frozen_selection = None  # the selection weight once v no longer changes
 
@@ -193,23 +199,3 @@ class Reducer:
         self.compressed.reset_errors()
         self.compressed.errors.update(errors)
         return [note] if note else []
-
-
-def build_reducer(state, compression=None, training=None) -> Reducer:
-    """The reducer of a run: `compression` a CompressionConfig (None: dense), `training` its
-    TrainingConfig (AdamW's betas and eps, clip_grad)."""
-    if compression is None:
-        return Reducer(state)
-    wire = compression.wire_dtype
-    compressed = None if compression.algorithm is None else build_reduction(
-        compression.algorithm, state.dp_sp, topk_ratio=compression.value("topk_ratio"),
-        block=compression.value("compression_block_size"), wire_dtype=wire)
-    internals = compression.internals
-    return Reducer(state, wire_dtype=wire, compressed=compressed,
-                   start=compression.value("compression_start_step"),
-                   freeze_variance=bool(compression.freeze_variance),
-                   momentum_share=internals["momentum_share"],
-                   select_by_update=internals["topk_selection"] == "update",
-                   local_clipping=internals["local_clipping"],
-                   adam=(training.adam_beta1, training.adam_beta2, training.adam_eps),
-                   clip_grad=training.clip_grad)

@@ -42,7 +42,7 @@ import time
 import torch
 from torch import nn
 
-from ...compress import build_reducer
+from ...compress import Reducer
 from ...parallel.state import ParallelState
 
 
@@ -125,7 +125,7 @@ class GradBuffer:
             p.fuse_wgrad, p.main_grad_fresh = id(p) in fused_ids, True
             p.grad_added_to_main_grad = False
         self._expected = 1
-        self.reducer = build_reducer(state) if reducer is None else reducer
+        self.reducer = Reducer(state) if reducer is None else reducer
         self.reducer.bind(self)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 

@@ -28,7 +28,7 @@ import math
 import torch
 
 from ...layers.linear import fusable_weights
-from ...compress import build_reducer
+from ...compress import Reducer
 from ...parallel.state import ParallelState
 from ..config import PretrainArgs
 from .base import Engine
@@ -77,7 +77,7 @@ class PlainEngine(Engine):
         tied = tied_embedding_weight(model, state)
         bucket = cfg.ddp_bucket_size or max(40_000_000, 1_000_000 * state.dp_sp.size)
         # the bucket reduction, dense or compressed (megazoo.compress)
-        self.reducer = build_reducer(state, getattr(config, "compression", None), cfg)
+        self.reducer = Reducer(state, getattr(config, "compression", None), cfg)
         self.offload = plain_offload(config)
         self.cpu_offload = self.offload is not None
         bf16_grads = cfg.accumulate_grads_in_bf16
