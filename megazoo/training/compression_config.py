@@ -13,10 +13,7 @@ compresses its data-parallel bucket reduction (`megazoo.compress`); DeepSpeed ge
 `communication_data_type` as its own key and FSDP2 as its reduce dtype; `gradient_compression`
 on those engines is refused (`check_engine_compression`).
 
-`huffman_coding` is refused: measured on the default model's gradients (bench/README.md,
-"Huffman coding"), a byte-wise Huffman code saves 3% of the 1bit bytes (the signs carry
-~1 bit of entropy each), 6% of topk's and 29% of 2bit's (which then still sends 1.4x what
-1bit sends), while decoding is a sequential bit walk that a GPU cannot vectorise.
+`huffman_coding` is refused (`HUFFMAN_REFUSAL`).
 """
 from __future__ import annotations
 
