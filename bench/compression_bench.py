@@ -1,4 +1,4 @@
-"""Cost of compressed gradient reduction (`megazoo.parallel.compress`) against NCCL all-reduce.
+"""Cost of compressed gradient reduction (`megazoo.compress`) against NCCL all-reduce.
 
     python -m bench.compression_bench --out comp1.json                     # 1 GPU: kernels
     torchrun --nproc-per-node 2 -m bench.compression_bench --out comp2.json  # dp >= 2
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import environment, print_table, time_ms, write_json
-from megazoo.parallel.compress import build_reduction
+from megazoo.compress import build_reduction
 from megazoo.parallel.state import GroupInfo
 
 # name -> (algorithm, wire dtype, codec implementation: None = automatic, Triton on GPUs)

@@ -12,7 +12,9 @@ Each variant is a `torchrun --nproc-per-node 2 pretrain_gpt.py` child (launched 
 the table gives the final validation loss (each row also its validation curve), its
 difference from the uncompressed run, and the mean bytes a rank sent per compressed step
 (and the fp32 all-reduce's bytes over them: the compression ratio). Results:
-bench/README.md.
+bench/results/compression_convergence_cpu_2026-11-23.md and the compression_* reports beside
+it. The 800-step comparison of the named recipes is this benchmark; CI runs a short one
+(tests/training/test_compression_convergence.py).
 """
 from __future__ import annotations
 
@@ -23,38 +25,27 @@ import sys
 import tempfile
 
 from .common import print_table, write_json
+from .experimental.compression_recipes import RESEARCH
 from .run_compare import run_variant as launch
 
+TOPK = ["--gradient-compression", "topk", "--topk-ratio", "0.01"]
 VARIANTS = {
     "none": [],
-    "topk": ["--gradient-compression", "topk", "--topk-ratio", "0.01"],
+    "topk": TOPK,
     "1bit": ["--gradient-compression", "1bit", "--compression-start-step", "100"],
     "2bit": ["--gradient-compression", "2bit", "--compression-start-step", "100"],
-    # 1-bit Adam's recipe: AdamW's variance frozen when compression starts, and each rank
+    # 1-bit Adam's rule: AdamW's variance frozen when compression starts, and each rank
     # compresses its local momentum instead of its gradient
-    "topk-fv": ["--gradient-compression", "topk", "--topk-ratio", "0.01",
-                "--compression-start-step", "100", "--freeze-variance"],
-    # topk-fv, its entries chosen by the size of their AdamW step, not of their momentum
-    "topk-fv-update": ["--gradient-compression", "topk", "--topk-ratio", "0.01",
-                       "--compression-start-step", "100", "--freeze-variance",
-                       "--topk-selection", "update"],
-    # topk-fv, each rank clipping its own gradient before compression (DGC's local clipping)
-    "topk-fv-lclip": ["--gradient-compression", "topk", "--topk-ratio", "0.01",
-                      "--compression-start-step", "100", "--freeze-variance",
-                      "--local-gradient-clipping"],
-    "topk-fv-update-lclip": ["--gradient-compression", "topk", "--topk-ratio", "0.01",
-                             "--compression-start-step", "100", "--freeze-variance",
-                             "--topk-selection", "update", "--local-gradient-clipping"],
-    # the recipe that meets the target for topk 0.01 on every seed tried: the above with 30%
-    # of the momentum carried through the compression and a 300-step warmup (bench/README.md)
-    "topk-tuned": ["--gradient-compression", "topk", "--topk-ratio", "0.01",
-                   "--compression-start-step", "300", "--freeze-variance",
-                   "--compressed-momentum-share", "0.3", "--topk-selection", "update",
-                   "--local-gradient-clipping"],
+    "topk-fv": [*TOPK, "--compression-start-step", "100", "--freeze-variance"],
     "1bit-fv": ["--gradient-compression", "1bit", "--compression-start-step", "100",
                 "--freeze-variance"],
     "2bit-fv": ["--gradient-compression", "2bit", "--compression-start-step", "100",
                 "--freeze-variance"],
+    # the named recipes (megazoo.training.compression_config.RECIPES)
+    "topk-tuned": ["--compression-recipe", "topk-tuned"],
+    "1bit-adam": ["--compression-recipe", "1bit-adam"],
+    # research recipes, run through bench/experimental/compression_recipes.py
+    **{name: ["--compression-recipe", name] for name in RESEARCH},
 }
 
 
@@ -64,7 +55,9 @@ def run_variant(name: str, iters: int, folder: str, extra: list[str],
     seconds when given); its log summarised."""
     flags = ["--train-iters", str(iters), "--cpu-threads", "1", "--log-interval", "1",
              "--eval-interval", str(max(iters // 4, 1))] + VARIANTS[name] + extra
-    row = launch(name, flags, folder, timeout, nproc=2)
+    script = ("bench/experimental/compression_recipes.py" if name in RESEARCH
+              else "pretrain_gpt.py")
+    row = launch(name, flags, folder, timeout, nproc=2, script=script)
     if "error" in row:
         raise SystemExit(f"{name} failed: {row['error']}")
     with open(os.path.join(folder, f"{name}.jsonl")) as f:
@@ -85,7 +78,7 @@ def run_variant(name: str, iters: int, folder: str, extra: list[str],
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=800)
-    parser.add_argument("--variants", nargs="+", default=["none", "topk-tuned", "1bit-fv"],
+    parser.add_argument("--variants", nargs="+", default=["none", "topk-tuned", "1bit-adam"],
                         choices=sorted(VARIANTS))
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--logs", default=None,

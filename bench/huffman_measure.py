@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from megazoo.parallel.compress.codecs import BlockCodec, TopKCodec
+from megazoo.compress.codecs import BlockCodec, TopKCodec
 
 
 def huffman_lengths(counts: np.ndarray) -> np.ndarray:

@@ -58,14 +58,16 @@ def summarize(log_path: str) -> dict:
 
 
 def run_variant(name: str, flags: list[str], logs: str, timeout: float | None,
-                nproc: int = 1, env: dict | None = None) -> dict:
+                nproc: int = 1, env: dict | None = None,
+                script: str = "pretrain_gpt.py") -> dict:
     """One pretrain_gpt.py run (through torchrun with `nproc` ranks when > 1), summarized;
-    `env`: variables set for it on top of this process's environment."""
+    `env`: variables set for it on top of this process's environment; `script` (relative to
+    the repository) may be another entry point taking its flags."""
     log = os.path.join(logs, f"{name}.jsonl")
     if os.path.exists(log):
         os.remove(log)
     launcher = torchrun(nproc) if nproc > 1 else [sys.executable]
-    cmd = [*launcher, os.path.join(REPO, "pretrain_gpt.py"), "--save", "",
+    cmd = [*launcher, os.path.join(REPO, script), "--save", "",
            "--generate-tokens", "0", "--no-progress", "--log-json", os.path.abspath(log),
            "--data-cache-path", os.path.join(REPO, "data_cache"), *flags]
     print(f"[{name}] {shlex.join(cmd[1:])}", flush=True)

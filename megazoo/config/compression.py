@@ -5,15 +5,15 @@
 
 of `--deepspeed_config` (read by the plain engine too) or the flags of the same names
 (`--gradient-compression topk --topk-ratio 0.01 --compression-start-step 100
---communication-data-type bf16`), merged by `ds_config.merge_flags`. The plain engine
-compresses its data-parallel bucket reduction (`megazoo.parallel.compress`); DeepSpeed gets
+--communication-data-type bf16`), merged by `ds_config.merge_flags`. A named recipe
+(`"recipe": "topk-tuned"`, `--compression-recipe topk-tuned`; `RECIPES`) fills in the keys
+not given and sets the internals that only recipes set (how much momentum is compressed,
+how topk picks its entries, local clipping: see `megazoo.compress.reducer`). The plain engine
+compresses its data-parallel bucket reduction (`megazoo.compress`); DeepSpeed gets
 `communication_data_type` as its own key and FSDP2 as its reduce dtype; `gradient_compression`
 on those engines is refused (`check_engine_compression`).
 
-`huffman_coding` is refused: measured on the default model's gradients (bench/README.md,
-"Huffman coding"), a byte-wise Huffman code saves 3% of the 1bit bytes (the signs carry
-~1 bit of entropy each), 6% of topk's and 29% of 2bit's (which then still sends 1.4x what
-1bit sends), while decoding is a sequential bit walk that a GPU cannot vectorise.
+`huffman_coding` is refused (`HUFFMAN_REFUSAL`).
 """
 from __future__ import annotations
 
@@ -21,25 +21,36 @@ from dataclasses import dataclass
 
 import torch
 
-from ..parallel.compress import ALGORITHMS as COMPRESSORS
 from .ds_config import COMM_KEY, COMPRESSION_SECTION as SECTION, JsonKey, json_section, merge_flags
 
-ALGORITHMS = ("none", *COMPRESSORS)
+ALGORITHMS = ("none", "topk", "1bit", "2bit")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-DEFAULTS = {"topk_ratio": 0.01, "compression_start_step": 0, "compression_block_size": 1024,
-            "compressed_momentum_share": 1.0}
+DEFAULTS = {"topk_ratio": 0.01, "compression_start_step": 0, "compression_block_size": 1024}
 # ds_config key (inside the section) -> field; the section's "algorithm" is the field below.
 SECTION_KEYS = {"algorithm": "gradient_compression", "topk_ratio": "topk_ratio",
                 "compression_start_step": "compression_start_step",
                 "compression_block_size": "compression_block_size",
-                "freeze_variance": "freeze_variance",
-                "compressed_momentum_share": "compressed_momentum_share",
-                "topk_selection": "topk_selection",
-                "local_gradient_clipping": "local_gradient_clipping",
+                "freeze_variance": "freeze_variance", "recipe": "compression_recipe",
                 "huffman_coding": "huffman_coding"}
 KEYS = (*(JsonKey(f, (SECTION, k), "--" + f.replace("_", "-")) for k, f in SECTION_KEYS.items()),
         COMM_KEY)
 TOPK_SELECTIONS = ("magnitude", "update")
+# The internals a recipe may set, and their values without one: the share of AdamW's momentum
+# carried through the compression with freeze_variance (1-bit Adam's rule: all of it), how
+# topk picks its entries ("update": by the size of their frozen-variance AdamW step), and Deep
+# Gradient Compression's local clipping.
+INTERNALS = {"momentum_share": 1.0, "topk_selection": "magnitude", "local_clipping": False}
+# Named recipes: the keys they fill in (a key given explicitly wins; the algorithm must agree)
+# plus internals. topk-tuned and 1bit-adam end the default run's 800 steps at dp = 2 within
+# 1.5% of the uncompressed validation loss (bench/results/compression_convergence_cpu_*.md,
+# compression_momentum_share_cpu_2026-11-24.md); bench/experimental adds research recipes.
+RECIPES = {
+    "topk-tuned": {"gradient_compression": "topk", "topk_ratio": 0.01,
+                   "compression_start_step": 300, "freeze_variance": True,
+                   "momentum_share": 0.3, "topk_selection": "update", "local_clipping": True},
+    "1bit-adam": {"gradient_compression": "1bit", "compression_start_step": 200,
+                  "freeze_variance": True},
+}
 HUFFMAN_REFUSAL = ("huffman_coding is not implemented: measured on megazoo's gradients it saves "
                    "3% of the 1bit bytes, 6% of topk's and 29% of 2bit's (still 1.4x 1bit's), "
                    "and decoding is a sequential bit walk (bench/README.md); set it to false "
@@ -65,30 +76,9 @@ class CompressionConfig:
     momentum instead of its gradient (not with the distributed optimizer, which holds one
     momentum shard per rank); needs --compression-start-step >= 1, the uncompressed warmup
     that estimates the second moment."""
-    compressed_momentum_share: float | None = None
-    """With --freeze-variance: the share of AdamW's momentum that each compressed step
-    carries through the compression (default 1.0, 1-bit Adam's rule: each rank compresses
-    its whole local momentum). Below 1 the rest stays in the optimizer's momentum, where it
-    keeps decaying on every entry (by beta1 x (1 - share) per step) whether or not the entry
-    was sent; 0 compresses plain gradients. The sum is exact for any share (the momentum
-    added to the buckets is taken off again); the share decides what waits in the residual.
-    Measured on the default run (bench/README.md): topk 0.01 converged best at 0.3."""
-    topk_selection: str | None = None
-    """topk: which entries each rank sends: "magnitude" (the largest |x|, default) or "update"
-    (the largest |x| / (sqrt(v) + eps) with v AdamW's frozen second moment: the entries whose
-    AdamW step is largest, rather than those with the largest gradient, which under Adam's
-    per-coordinate scaling are not the ones that move the parameters most). Only the choice
-    changes; the values sent and the error feedback stay the same. Needs --freeze-variance
-    and the full momentum on every rank (no distributed optimizer)."""
-    local_gradient_clipping: bool | None = None
-    """Deep Gradient Compression's local clipping (Lin et al. 2018): on compressed steps each
-    rank clips its own gradient, bucket by bucket, before compression (to clip_grad x
-    sqrt(dp) x sqrt(bucket share of the buffer): the mean over dp of independent gradients
-    has 1/sqrt(dp) of their norm), and the reduced gradient is not clipped again. The
-    reduced gradient's norm is not the gradient's: topk delivers held-back mass in bursts
-    (and with --freeze-variance the momentum offset), which inflates it, so clipping by it
-    shrinks the steps. Not with tp or pp > 1: ranks holding replicated or tied copies of
-    a parameter would clip them by different factors."""
+    compression_recipe: str | None = None
+    """A named recipe ("topk-tuned", "1bit-adam"): fills in the compression keys not given
+    and sets the internals that only recipes set (see the module doc)."""
     huffman_coding: bool | None = None
     """Entropy-code the compressed bytes: refused (measured to save too little, see README)."""
     communication_data_type: str | None = None
@@ -96,6 +86,7 @@ class CompressionConfig:
     main gradients'); DeepSpeed gets it as its own key, FSDP2 as its reduce dtype."""
 
     def __post_init__(self) -> None:
+        self._apply_recipe()
         alg = self.gradient_compression
         if alg is not None and alg not in ALGORITHMS:
             raise ValueError(f"--gradient-compression must be one of {ALGORITHMS}, got {alg!r}")
@@ -107,8 +98,7 @@ class CompressionConfig:
         on = self.algorithm is not None
         for name, need in (("topk_ratio", "topk"), ("compression_block_size", "1bit or 2bit"),
                            ("compression_start_step", "any algorithm"),
-                           ("freeze_variance", "any algorithm"), ("topk_selection", "topk"),
-                           ("local_gradient_clipping", "any algorithm")):
+                           ("freeze_variance", "any algorithm")):
             value = getattr(self, name)
             reads = on and (need == "any algorithm" or self.algorithm in need.split(" or "))
             if value is not None and not reads:
@@ -122,19 +112,46 @@ class CompressionConfig:
         if self.freeze_variance and not self.compression_start_step:
             raise ValueError("--freeze-variance freezes AdamW's variance as estimated by "
                              "uncompressed steps: set --compression-start-step (e.g. 100)")
-        share = self.compressed_momentum_share
-        if share is not None and not (self.freeze_variance and 0.0 <= share <= 1.0):
-            raise ValueError(f"--compressed-momentum-share {share}: needs --freeze-variance "
-                             f"(momentum is compressed only with it) and a value in [0, 1]")
-        if self.topk_selection is not None and self.topk_selection not in TOPK_SELECTIONS:
-            raise ValueError(f"--topk-selection must be one of {TOPK_SELECTIONS}, got "
-                             f"{self.topk_selection!r}")
-        if self.topk_selection == "update" and not self.freeze_variance:
-            raise ValueError("--topk-selection update weighs entries by AdamW's frozen "
-                             "variance: add --freeze-variance (and --compression-start-step)")
+        self._check_internals()
         block = self.compression_block_size
         if block is not None and (block < 8 or block % 8):
             raise ValueError(f"--compression-block-size must be a positive multiple of 8, got {block}")
+
+    def _apply_recipe(self) -> None:
+        """Fill in the recipe's keys that were not given (its algorithm must agree)."""
+        name = self.compression_recipe
+        if name is None:
+            return
+        if name not in RECIPES:
+            raise ValueError(f"--compression-recipe must be one of {sorted(RECIPES)}, got {name!r}")
+        recipe = RECIPES[name]
+        given, algorithm = self.gradient_compression, recipe.get("gradient_compression")
+        if None not in (given, algorithm) and given != algorithm:
+            raise ValueError(f"--compression-recipe {name} is {algorithm} "
+                             f"but --gradient-compression gives {given!r}: drop one")
+        for key, value in recipe.items():
+            if key not in INTERNALS and getattr(self, key) is None:
+                setattr(self, key, value)
+
+    def _check_internals(self) -> None:
+        """A recipe's internals against its keys (research recipes may set any of them)."""
+        share, selection = self.internals["momentum_share"], self.internals["topk_selection"]
+        name = self.compression_recipe
+        if not 0.0 <= share <= 1.0 or (share != 1.0 and not self.freeze_variance):
+            raise ValueError(f"recipe {name}: momentum_share {share} needs freeze_variance "
+                             f"(momentum is compressed only with it) and a value in [0, 1]")
+        if selection not in TOPK_SELECTIONS:
+            raise ValueError(f"recipe {name}: topk_selection must be one of {TOPK_SELECTIONS}, "
+                             f"got {selection!r}")
+        if selection == "update" and not (self.freeze_variance and self.algorithm == "topk"):
+            raise ValueError(f"recipe {name}: topk_selection update weighs topk's entries by "
+                             f"AdamW's frozen variance: it needs topk and freeze_variance")
+
+    @property
+    def internals(self) -> dict:
+        """The recipe internals of this run (`INTERNALS` without a recipe)."""
+        recipe = RECIPES.get(self.compression_recipe, {})
+        return {k: recipe.get(k, v) for k, v in INTERNALS.items()}
 
     @property
     def algorithm(self) -> str | None:
@@ -164,15 +181,17 @@ def resolve_compression(given: dict, ds: dict, source: str) -> CompressionConfig
 
 def check_compression_layout(cfg: CompressionConfig, parallel, sharded: bool) -> None:
     """The compression options that need a layout: one line for those that cannot run."""
-    if cfg.local_gradient_clipping and (parallel.tp > 1 or parallel.pp > 1):
-        raise ValueError(f"--local-gradient-clipping clips each rank's gradient by its own "
+    name = cfg.compression_recipe
+    if cfg.internals["local_clipping"] and (parallel.tp > 1 or parallel.pp > 1):
+        raise ValueError(f"--compression-recipe {name} clips each rank's gradient by its own "
                          f"norm, so the copies of a parameter that model-parallel ranks share "
                          f"(replicated over tp, tied embeddings over pp) would diverge: drop "
-                         f"it or run with tp = pp = 1 (here tp = {parallel.tp}, pp = "
+                         f"the recipe or run with tp = pp = 1 (here tp = {parallel.tp}, pp = "
                          f"{parallel.pp})")
-    if cfg.topk_selection == "update" and sharded:
-        raise ValueError("--topk-selection update needs the whole variance on every rank: "
-                         "drop --use-distributed-optimizer or the selection")
+    if cfg.internals["topk_selection"] == "update" and sharded:
+        raise ValueError(f"--compression-recipe {name} picks topk's entries by AdamW's "
+                         f"variance, which needs the whole variance on every rank: drop "
+                         f"--use-distributed-optimizer or the recipe")
 
 
 def check_engine_compression(cfg: CompressionConfig, zero_impl: str) -> None:

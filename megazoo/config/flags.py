@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ..cli_parser import HintingParser
 from .precision import FORMATS as FP8_FORMATS, RECIPES as FP8_RECIPES
 from ..parallel.config import ParallelConfig
-from .compression import ALGORITHMS, DTYPES as COMM_DTYPES, TOPK_SELECTIONS, \
+from .compression import ALGORITHMS, DTYPES as COMM_DTYPES, RECIPES, \
     CompressionConfig, resolve_compression
 from .ds_config import read_ds_config, training_fields, warn_unused_sections
 from .model import ModelConfig, _default_ffn
@@ -54,7 +54,7 @@ ALIASES = {
 # Fields whose flag takes one of these values.
 CHOICES = {"fp8_format": FP8_FORMATS, "fp8_recipe": FP8_RECIPES, "fp8_layers": ("all", "mlp"),
            "gradient_compression": ALGORITHMS, "communication_data_type": tuple(COMM_DTYPES),
-           "topk_selection": TOPK_SELECTIONS}
+           "compression_recipe": tuple(RECIPES)}
 # The ModelConfig fields a user may override on top of a preset (vocab comes from the data).
 MODEL_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
                 "num_key_value_heads", "ffn_hidden_size", "max_position_embeddings",

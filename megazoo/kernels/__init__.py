@@ -7,8 +7,8 @@ device and dtype):
 |---|---|---|
 | ``layer_norm(x, weight, bias, eps)`` | LayerNorm over the last dim | Triton |
 | ``rms_norm(x, weight, eps)`` | RMSNorm over the last dim | Triton |
-| ``BlockCodec.encode_with_error`` / ``decode_*`` (``megazoo.parallel.compress``) | 1bit / 2bit gradient codec with error feedback | Triton (``triton_codec``) |
-| ``TopKCodec.encode_with_error`` (``megazoo.parallel.compress``) | topk encoder with error feedback | Triton (``triton_topk``) |
+| ``BlockCodec.encode_with_error`` / ``decode_*`` (``megazoo.compress``) | 1bit / 2bit gradient codec with error feedback | Triton (``triton_codec``) |
+| ``TopKCodec.encode_with_error`` (``megazoo.compress``) | topk encoder with error feedback | Triton (``triton_topk``) |
 
 Softmax, bias + GeLU and RoPE kernels, which no model selects, live in
 ``bench/experimental/kernels`` on the same dispatcher.

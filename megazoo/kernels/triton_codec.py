@@ -1,4 +1,4 @@
-"""Triton kernels of the 1bit / 2bit block codec (`megazoo.parallel.compress.codecs.BlockCodec`).
+"""Triton kernels of the 1bit / 2bit block codec (`megazoo.compress.codecs.BlockCodec`).
 
 Imported only where triton works (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
 

@@ -1,4 +1,4 @@
-"""Triton kernel of the topk codec's encoder (`megazoo.parallel.compress.codecs.TopKCodec`).
+"""Triton kernel of the topk codec's encoder (`megazoo.compress.codecs.TopKCodec`).
 
 Imported only where triton works (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megazoo.parallel.compress import build_reduction
+from megazoo.compress import build_reduction
 from megazoo.parallel.state import GroupInfo
 
 
@@ -84,17 +84,23 @@ def lossless(algorithm: str, numel: int) -> dict:
 
 
 def compressed_engine(compression: dict, **training):
-    """ddp_checks' engine (tiny GPT, seed 7) at this world's dp, compressing its reduction."""
+    """ddp_checks' engine (tiny GPT, seed 7) at this world's dp, compressing its reduction
+    (`compression`: CompressionConfig fields and recipe internals, `INTERNALS`' names)."""
     import dataclasses
 
     from .ddp_checks import make_args
     from megazoo.models import build_model
     from megazoo.parallel import ParallelConfig, ParallelState
     from megazoo.training.backends.plain import PlainEngine
-    from megazoo.config.compression import CompressionConfig
+    from megazoo.config.compression import INTERNALS, RECIPES, CompressionConfig
 
     state = ParallelState.initialize(ParallelConfig()) if dist.is_initialized() \
         else ParallelState.single()
+    internals = {k: v for k, v in compression.items() if k in INTERNALS}
+    if internals:  # recipe internals: through a recipe of this rank's process, as bench's
+        RECIPES["test"] = internals
+        compression = {k: v for k, v in compression.items() if k not in INTERNALS}
+        compression["compression_recipe"] = "test"
     args = dataclasses.replace(make_args(ParallelConfig(), **training),
                                compression=CompressionConfig(**compression))
     model = build_model(args.model, state, device="cpu", seed=args.training.seed)
@@ -129,10 +135,21 @@ def with_and_without_momentum(compression: dict, training: dict, steps: int) -> 
     for carry in (True, False):
         engine, state = compressed_engine(compression, **training)
         if not carry:
-            engine._momentum_offset = lambda: None
+            engine.reducer.start_step = _without_offset(engine.reducer)
         losses = train(engine, state, range(steps))
         out.append({"losses": losses, "params": [p.detach().clone() for p in engine.model.parameters()]})
     return out
+
+
+def _without_offset(reducer):
+    """`reducer.start_step` that leaves the momentum out of the buckets."""
+    start = reducer.start_step
+
+    def start_step(*args, **kwargs):
+        start(*args, **kwargs)
+        reducer._offset = None
+
+    return start_step
 
 
 def save_then_continue(path: str, compression: dict, training: dict) -> dict:

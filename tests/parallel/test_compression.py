@@ -1,4 +1,4 @@
-"""Compressed reductions (`megazoo.parallel.compress`) on gloo ranks, against exact sums.
+"""Compressed reductions (`megazoo.compress`) on gloo ranks, against exact sums.
 
 Tolerances. `lossless`: inputs each codec represents exactly (small integers), so the sum
 must match bit for bit. `conservation`: sum of outputs + sum of every rank's residuals =
@@ -10,7 +10,7 @@ compared with torch.equal.
 import pytest
 import torch
 
-from megazoo.parallel.compress.codecs import BlockCodec, TopKCodec, pack_bits, unpack_bits
+from megazoo.compress.codecs import BlockCodec, TopKCodec, pack_bits, unpack_bits
 from megazoo.testing import run_distributed
 
 from helpers import compression_checks as checks
@@ -102,8 +102,9 @@ def test_error_feedback_conserves_mass_and_ranks_agree(algorithm):
 
 
 def test_weighted_topk_conserves_mass_and_ranks_agree():
-    """--topk-selection update: each rank picks by its own weights; what it did not send
-    stays in its residual, so the conservation bound and bit-equal outputs still hold."""
+    """topk chosen by a weight (the topk-tuned recipe's selection by AdamW step): each rank
+    picks by its own weights; what it did not send stays in its residual, so the conservation
+    bound and bit-equal outputs still hold."""
     out = run_distributed(checks.conservation_both, 2, "topk", 4, 4000, torch.float64, None,
                           True, timeout=TIMEOUT)
     for shard in (False, True):

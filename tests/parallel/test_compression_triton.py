@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from megazoo.parallel.compress.codecs import BlockCodec, TopKCodec
+from megazoo.compress.codecs import BlockCodec, TopKCodec
 from megazoo.testing import run_distributed
 
 from helpers import compression_checks as checks

@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from megazoo.config.compression import check_onebit_backend
+from megazoo.config.compression import (INTERNALS, RECIPES, CompressionConfig,
+                                        check_onebit_backend)
 from megazoo.config.ds_config import build_ds_config
 from megazoo.config.flags import parse_args
 from helpers.runs import ROOT, make_data, tiny_argv
@@ -40,17 +41,39 @@ def test_flags_alone_and_agreeing_with_the_json(tmp_path):
     assert b.compression.value("topk_ratio") == 0.01
 
 
-def test_topk_selection_and_local_clipping_from_the_json_section(tmp_path):
-    section = {"algorithm": "topk", "compression_start_step": 5, "freeze_variance": True,
-               "topk_selection": "update", "local_gradient_clipping": True}
-    c = parse_args(["--deepspeed_config", _json(tmp_path, {"gradient_compression": section}),
-                    "--topk-selection", "update"]).compression
-    assert (c.topk_selection, c.local_gradient_clipping) == ("update", True)
-    assert c.value("compressed_momentum_share") == 1.0  # 1-bit Adam's rule unless given
-    section["compressed_momentum_share"] = 0.5
-    c = parse_args(["--deepspeed_config", _json(tmp_path, {"gradient_compression": section}),
-                    "--compressed-momentum-share", "0.5"]).compression
-    assert c.value("compressed_momentum_share") == 0.5
+def test_a_recipe_from_the_json_section_or_the_flag_fills_keys_and_internals(tmp_path):
+    tuned = {"momentum_share": 0.3, "topk_selection": "update", "local_clipping": True}
+    section = {"recipe": "topk-tuned"}
+    for argv in (["--deepspeed_config", _json(tmp_path, {"gradient_compression": section})],
+                 ["--compression-recipe", "topk-tuned"]):
+        c = parse_args(argv).compression
+        assert (c.algorithm, c.value("topk_ratio"), c.value("compression_start_step"),
+                c.freeze_variance) == ("topk", 0.01, 300, True)
+        assert c.internals == tuned
+    section["compression_start_step"] = 5  # a key given explicitly wins over the recipe's
+    c = parse_args(["--deepspeed_config", _json(tmp_path, {"gradient_compression": section})])
+    assert c.compression.value("compression_start_step") == 5
+    plain = parse_args(["--gradient-compression", "topk", "--compression-start-step", "5",
+                        "--freeze-variance"]).compression
+    assert plain.internals == INTERNALS  # 1-bit Adam's rule (all the momentum) unless a recipe
+
+
+@pytest.mark.parametrize("recipe, message", [
+    ({"gradient_compression": "topk", "momentum_share": 0.5},
+     "momentum_share 0.5 needs freeze_variance"),
+    ({"gradient_compression": "topk", "compression_start_step": 5, "freeze_variance": True,
+      "momentum_share": 1.5}, "and a value in \\[0, 1\\]"),
+    ({"gradient_compression": "topk", "topk_selection": "update"},
+     "topk_selection update weighs topk's entries by AdamW's frozen variance"),
+    ({"gradient_compression": "1bit", "compression_start_step": 5, "freeze_variance": True,
+      "topk_selection": "update"}, "it needs topk and freeze_variance"),
+    ({"gradient_compression": "topk", "topk_selection": "size"}, "topk_selection must be one of"),
+])
+def test_bad_recipe_internals_are_one_line(monkeypatch, recipe, message):
+    """Research recipes (bench/experimental) set the internals; their checks still hold."""
+    monkeypatch.setitem(RECIPES, "research", recipe)
+    with pytest.raises(ValueError, match=message):
+        CompressionConfig(compression_recipe="research")
 
 
 @pytest.mark.parametrize("data, flags, message", [
@@ -65,23 +88,18 @@ def test_topk_selection_and_local_clipping_from_the_json_section(tmp_path):
     ({"gradient_compression": {"algorithm": "3bit"}}, [], "must be one of"),
     ({"communication_data_type": "int8"}, [], "--communication-data-type must be one of"),
     ({}, ["--topk-ratio", "0.1"], "--topk-ratio is read only with --gradient-compression topk"),
-    ({}, ["--gradient-compression", "topk", "--compressed-momentum-share", "0.5"],
-     "--compressed-momentum-share 0.5: needs --freeze-variance"),
-    ({}, ["--gradient-compression", "topk", "--compression-start-step", "5", "--freeze-variance",
-          "--compressed-momentum-share", "1.5"], "and a value in \\[0, 1\\]"),
     ({}, ["--gradient-compression", "topk", "--topk-ratio", "0"], "must be in \\(0, 1\\]"),
     ({}, ["--gradient-compression", "1bit", "--compression-block-size", "12"], "multiple of 8"),
-    ({}, ["--gradient-compression", "topk", "--topk-selection", "update"],
-     "--topk-selection update weighs entries by AdamW's frozen variance: add --freeze-variance"),
-    ({}, ["--gradient-compression", "1bit", "--topk-selection", "update"],
-     "--topk-selection is read only with --gradient-compression topk"),
-    ({"gradient_compression": {"algorithm": "topk", "topk_selection": "size"}}, [],
-     "--topk-selection must be one of"),
-    ({"gradient_compression": {"algorithm": "2bit", "local_gradient_clipping": True}},
-     ["--tp", "2"], "--local-gradient-clipping clips each rank's gradient by its own norm"),
-    ({}, ["--gradient-compression", "topk", "--compression-start-step", "10",
-          "--freeze-variance", "--topk-selection", "update", "--use-distributed-optimizer"],
-     "--topk-selection update needs the whole variance on every rank"),
+    ({"gradient_compression": {"recipe": "topk-best"}}, [],
+     "--compression-recipe must be one of \\['1bit-adam', 'topk-tuned'\\]"),
+    ({}, ["--compression-recipe", "topk-tuned", "--gradient-compression", "1bit"],
+     "--compression-recipe topk-tuned is topk but --gradient-compression gives '1bit'"),
+    ({"gradient_compression": {"algorithm": "topk", "topk_selection": "update"}}, [],
+     "unknown keys \\['topk_selection'\\]"),
+    ({}, ["--compression-recipe", "topk-tuned", "--tp", "2"],
+     "--compression-recipe topk-tuned clips each rank's gradient by its own norm"),
+    ({}, ["--compression-recipe", "topk-tuned", "--use-distributed-optimizer"],
+     "needs the whole variance on every rank"),
     ({}, ["--gradient-compression", "1bit", "--deepspeed"],
      "compresses the plain engine's gradient buckets; DeepSpeed reduces gradients itself"),
     ({}, ["--gradient-compression", "2bit", "--zero-impl", "fsdp2"],

@@ -47,17 +47,17 @@ def _stop_and_resume(argv, save, log):
     return full, first, rest, lines
 
 
-TOPK_DGC = ["--freeze-variance", "--gradient-compression", "topk", "--topk-selection", "update",
-            "--local-gradient-clipping", "--clip-grad", "0.05"]
+TOPK_TUNED = ["--compression-recipe", "topk-tuned", "--gradient-compression", "topk",
+              "--clip-grad", "0.05"]
 
 
-@pytest.mark.parametrize("frozen", [[], ["--freeze-variance"], TOPK_DGC],
-                         ids=["gradients", "1-bit-adam", "topk-update-local-clip"])
+@pytest.mark.parametrize("frozen", [[], ["--freeze-variance"], TOPK_TUNED],
+                         ids=["gradients", "1-bit-adam", "topk-tuned"])
 def test_resume_is_exact_with_residuals_and_dp_change_drops_them(data, tmp_path, frozen):
     """dp=2, 1bit from step 1 on (worker and server residuals; with --freeze-variance the
-    momentum compressed and v frozen and floored; the last case topk instead, its entries
-    chosen by the frozen variance and each rank's gradient clipped, a clip small enough to
-    act): stop at 2 and resume to 4 bit for bit; the text and JSON logs carry bytes and
+    momentum compressed and v frozen and floored; the last case the topk-tuned recipe from
+    step 1 instead: 30% of the momentum compressed, entries chosen by the frozen variance and
+    each rank's gradient clipped, a clip small enough to act): stop at 2 and resume to 4 bit for bit; the text and JSON logs carry bytes and
     ratio; resuming at dp=1 drops the residuals with a warning."""
     argv = tiny_argv(data, "--train-iters", "4", "--gradient-compression", "1bit",
                      "--compression-start-step", "1", *frozen)
@@ -81,14 +81,14 @@ def _norm_jobs(jobs):
 
 
 def test_local_clipping_bounds_each_ranks_gradient():
-    """--local-gradient-clipping, lossless topk (ratio 1, no momentum offset): the reduced
+    """Local clipping (a recipe internal), lossless topk (ratio 1, no momentum offset): the reduced
     gradient is the mean of the ranks' gradients, each clipped to clip_grad x sqrt(dp) first,
-    so its norm is at most that (the optimizer does not clip it again); without the flag the
+    so its norm is at most that (the optimizer does not clip it again); without it the
     reported norm is the unclipped one, far above. Compression from step 1: step 0 (dense)
     is the same in both."""
     comp = {"gradient_compression": "topk", "topk_ratio": 1.0, "compression_start_step": 1}
     training = {**BUCKETS, "clip_grad": 0.01}
-    jobs = [({**comp, "local_gradient_clipping": True}, training), (comp, training)]
+    jobs = [({**comp, "local_clipping": True}, training), (comp, training)]
     for clipped, plain in run_distributed(_norm_jobs, 2, jobs, timeout=TIMEOUT):
         assert clipped[0] == plain[0] > 0.1
         assert all(n <= 0.01 * 2 ** 0.5 * (1 + 1e-5) for n in clipped[1:]), clipped
@@ -110,11 +110,11 @@ def test_momentum_compression_cancels_and_changes_what_is_compressed():
     changes what the codec sees,
     so the parameters differ, and every rank still holds the same ones. With the distributed
     optimizer (one momentum shard per rank) it compresses gradients, as without the flag.
-    --compressed-momentum-share: half the momentum carried cancels the same way and gives a
+    The momentum share (a recipe internal): half the momentum carried cancels the same way and gives a
     third set of parameters under 1bit; a share of 0 adds 0 x m, the run without the offset
     bit for bit."""
     frozen = {"compression_start_step": 1, "freeze_variance": True}
-    half, none = ({**frozen, "compressed_momentum_share": c} for c in (0.5, 0.0))
+    half, none = ({**frozen, "momentum_share": c} for c in (0.5, 0.0))
     eps = {**BUCKETS, "adam_eps": 1e-3}
     jobs = [({"gradient_compression": "topk", "topk_ratio": 1.0, **frozen}, eps),
             ({"gradient_compression": "1bit", **frozen}, BUCKETS),
@@ -144,7 +144,7 @@ def test_frozen_variance_step_is_adamw_when_v_would_not_move():
     """With v = g^2 already, AdamW's own update leaves v unchanged, so the frozen step (v
     frozen at that step count) must give the same parameters as the fused kernel (rtol 1e-6:
     the same formula, other kernels)."""
-    from megazoo.training.backends.frozen_adam import frozen_variance_step
+    from megazoo.compress.frozen_adam import frozen_variance_step
 
     gen = torch.Generator().manual_seed(0)
     results = []
@@ -170,7 +170,7 @@ def test_frozen_variance_step_is_adamw_when_v_would_not_move():
 def test_residual_files_are_verified_on_read(tmp_path):
     """Residuals written with their checksums read back bit for bit; one flipped byte in the
     data region is a ValueError naming the tensor."""
-    from megazoo.training.backends import compression_state
+    from megazoo.compress import state as compression_state
 
     errors = {"bucket0.worker": torch.randn(1000), "bucket0.server": torch.randn(250)}
     compression_state.write_errors(errors, str(tmp_path), rank=0)
@@ -196,7 +196,7 @@ def test_residuals_are_checked_for_nan_and_missing_checksums(tmp_path):
 
     from megazoo.checkpoint.checksums import digest
     from megazoo.checkpoint.files import tensor_bytes
-    from megazoo.training.backends import compression_state
+    from megazoo.compress import state as compression_state
 
     errors = {"bucket0.worker": torch.randn(100)}
     errors["bucket0.worker"][7] = float("nan")

@@ -22,45 +22,18 @@ after its `num_microbatches`-th call, which under a pipeline schedule is the las
 of its chunk; a bucket is ready when all its parameters are final.
 
 Reduction (the dp x sp part of the gradient contract, `megazoo.training.gradients`): each
-bucket is divided by dp, then summed over `state.dp_sp` (sum over sp, mean over dp) by a
-`megazoo.parallel.compress` reduction: a dense all-reduce (in `communication_data_type` when
-given), or with `shard=True` a reduce-scatter that leaves each rank its own shard of the
-bucket in place; or, from optimizer step `compress_from` on, the `compressed` one (topk /
-1bit / 2bit with error feedback, its state keyed "bucket{index}"). With `overlap=True` the
-collective is launched (async_op) from the hook as soon as the bucket is ready, while
-backward continues; NCCL runs it on the process group's own stream, gloo on its own thread
-(a compressed reduction: its first collective; the decoding and its second phase run in
-`wait`). `finish` launches the rest and waits. Buckets holding a tied embedding copy
-(`deferred`) are launched only by `finish`, after the caller's sum over the embedding group
-(that sum needs both pipeline ends to be done with backward).
-
-Momentum compression (1-bit Adam, Tang et al. 2021). `start_step(..., offset=(m, alpha))`
-adds `alpha / n` times the flat tensor `m` (laid out like the buffer; the optimizer's
-momentum) to each bucket before a compressed reduction and takes `alpha * m` off the sum in
-`finish`. The sum is unchanged (the offset is the same on every rank and cancels), but what
-each rank compresses is its local momentum, up to a constant factor, instead of its noisy
-gradient: the codec and its error feedback then work on the smooth signal 1-bit Adam
-compresses (the plain engine's alpha can carry a share of the momentum only,
-`--compressed-momentum-share`; the sum is exact for any alpha). Only the full buffer (no
-`shard`) can carry it: the distributed optimizer holds one shard of the momentum per rank.
-
-Per-step options of a compressed reduction (`start_step(..., select=, local_clip=)`):
-`select` (flat, laid out like the buffer) is handed to a topk reduction as the weight its
-entries are chosen by (`TopKCodec.encode_with_error`); `local_clip` (a norm) clips this
-rank's gradient in each bucket, before the division by dp and the momentum offset, to
-local_clip x sqrt(bucket numel / buffer numel) (Deep Gradient Compression's local clipping:
-the caller then skips clipping the reduced gradient). The clip is a device-side factor, no
-host sync; a non-finite norm makes the bucket non-finite, which skips the step as before.
+bucket is divided by dp, then summed over `state.dp_sp` (sum over sp, mean over dp) by the
+`reducer` (`megazoo.compress.Reducer`; by default a dense all-reduce, or with `shard=True` a
+reduce-scatter that leaves each rank its own shard of the bucket in place). With
+`overlap=True` the reduction is launched from the hook as soon as the bucket is ready, while
+backward continues (NCCL runs it on the process group's own stream, gloo on its own thread).
+`finish` launches the rest, waits, and hands the buffer to `reducer.finish`. Buckets holding
+a tied embedding copy (`deferred`) are launched only by `finish`, after the caller's sum over
+the embedding group (that sum needs both pipeline ends to be done with backward).
 
 Offload (`on_final`, set by the optimizer): called with each bucket once its reduced
 gradient is complete, from the hook during backward with one rank, after the wait in
 `finish` with more; `grad_dtype` bf16 (--accumulate-grads-in-bf16) halves the buffer.
-
-Padding. The loss never reaches a padded vocabulary row (`tp_unpadded`), so a dense
-reduction leaves its gradient exactly zero; a compressed one would hand it codec noise (a
-1bit block's scale lands on every element of the block), the row would drift from zero, and
-checkpoints, which drop padding, could not resume it. `finish` zeroes those ranges after a
-compressed reduction.
 """
 from __future__ import annotations
 
@@ -69,7 +42,7 @@ import time
 import torch
 from torch import nn
 
-from ...parallel.compress import DenseReduction
+from ...compress import Reducer
 from ...parallel.state import ParallelState
 
 
@@ -118,33 +91,14 @@ def _layout(params: list, bucket_numel: int, pad_to: int, deferred_ids: set) -> 
     return offsets, buckets, pos
 
 
-def _padding_ranges(params: list, offsets: dict, tp_rank: int) -> list[tuple[int, int]]:
-    """Flat ranges of this tp rank's padded rows: parameters split along dim 0 with
-    `tp_unpadded` real rows in the full tensor (the vocabulary)."""
-    out = []
-    for p in params:
-        unpadded = getattr(p, "tp_unpadded", None)
-        if unpadded is None or getattr(p, "tp_dim", None) != 0:
-            continue
-        rows, width = p.shape[0], p[0].numel()
-        real = min(max(unpadded - tp_rank * rows, 0), rows)
-        if real < rows:
-            out.append((offsets[id(p)] + real * width, offsets[id(p)] + rows * width))
-    return out
-
-
 class GradBuffer:
     """Flat parameter and main-gradient buffers of a model; see the module docstring."""
 
     def __init__(self, model: nn.Module, state: ParallelState, *, bucket_numel: int,
-                 overlap: bool, shard: bool, deferred: tuple = (), wire_dtype=None,
-                 compressed=None, compress_from: int = 0, fused=(),
+                 overlap: bool, shard: bool, deferred: tuple = (), reducer=None, fused=(),
                  grad_dtype: torch.dtype = torch.float32):
         self.state, self.overlap, self.shard = state, overlap, shard
         self.group = state.dp_sp
-        self.dense = DenseReduction(self.group, wire_dtype)
-        self.compressed, self.compress_from = compressed, compress_from
-        self.reduction = self.dense
         params = [p for p in model.parameters() if p.requires_grad][::-1]
         self.params = params
         self.offsets, self.buckets, self.numel = _layout(
@@ -162,7 +116,6 @@ class GradBuffer:
                     view.copy_(p.detach())
                     p.data = view
                     p.main_grad = self.view(self.main_grad, p)
-        self.padding = _padding_ranges(params, self.offsets, state.tp.rank)
         self._calls = {id(p): 0 for p in params}
         self.fused = list(fused)
         if any(id(p) not in self.offsets for p in self.fused):
@@ -171,7 +124,9 @@ class GradBuffer:
         for p in params:  # (a model wrapped before keeps no stale flag)
             p.fuse_wgrad, p.main_grad_fresh = id(p) in fused_ids, True
             p.grad_added_to_main_grad = False
-        self._expected, self._offset, self._select, self._local_clip = 1, None, None, None
+        self._expected = 1
+        self.reducer = Reducer(state) if reducer is None else reducer
+        self.reducer.bind(self)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def cast_params(self, dtype: torch.dtype) -> None:
@@ -195,30 +150,13 @@ class GradBuffer:
         return [b.shard_range(self.group.rank, self.group.size) for b in self.buckets]
 
     # -- one step -------------------------------------------------------------------------
-    def compresses_at(self, step: int) -> bool:
-        """Whether the step after `step` optimizer steps takes the compressed reduction."""
-        return self.compressed is not None and step >= self.compress_from
-
-    def start_step(self, num_microbatches: int, step: int = 0, offset=None, select=None,
-                   local_clip: float | None = None) -> None:
+    def start_step(self, num_microbatches: int) -> None:
         """Start counting; each parameter's gradient is final after this many backward calls.
-        `step` (optimizer steps so far) picks the dense or the compressed reduction;
-        `offset` (flat tensor, alpha): momentum compression; `select`, `local_clip`: see the
-        module doc; all three apply to compressed steps only.
 
         The main gradients are not zeroed here: a parameter's first gradient of the step is
         copied into its range and later ones added (one pass less over the fp32 buffer than
         zero + add); `finish` zeroes the ranges of parameters that got no gradient."""
         self.wait()
-        use = self.compresses_at(step)
-        self.reduction = self.compressed if use else self.dense
-        if offset is not None and self.shard:
-            raise ValueError("momentum compression needs the whole momentum on every rank: "
-                             "drop --use-distributed-optimizer or --freeze-variance")
-        self._offset = offset if use and self.group.size > 1 else None
-        self._select = select if use else None
-        self._local_clip = local_clip if use else None
-        self.reduction.reset_bytes()
         self._expected = num_microbatches
         for p in self.fused:
             p.main_grad_fresh = True
@@ -258,20 +196,13 @@ class GradBuffer:
                 self.on_final(bucket)
             return
         data = self.main_grad[bucket.start:bucket.end]
-        if self._local_clip is not None:
-            limit = self._local_clip * (bucket.numel / self.numel) ** 0.5
-            data.mul_(limit / torch.linalg.vector_norm(data).clamp(min=limit))
         if self.state.dp.size > 1:
             data.div_(self.state.dp.size)
-        if self._offset is not None:
-            flat, alpha = self._offset
-            data.add_(flat[bucket.start:bucket.end], alpha=alpha / self.group.size)
         shard = None
         if self.shard:
             lo, hi = bucket.shard_range(self.group.rank, self.group.size)
             shard = self.main_grad[lo:hi]
-        extra = {} if self._select is None else {"weight": self._select[bucket.start:bucket.end]}
-        bucket.handle = self.reduction.launch(f"bucket{bucket.index}", data, shard, **extra)
+        bucket.handle = self.reducer.reduce(bucket, data, shard)
 
     def finish(self, before_deferred=None) -> None:
         """Launch every bucket not launched yet (deferred ones after `before_deferred()`,
@@ -289,12 +220,7 @@ class GradBuffer:
             if bucket.deferred:
                 self._launch(bucket)
         self.wait()
-        if self._offset is not None:
-            flat, alpha = self._offset
-            self.main_grad.sub_(flat, alpha=alpha)
-        if self.reduction.compressed:
-            for lo, hi in self.padding:
-                self.main_grad[lo:hi].zero_()
+        self.reducer.finish(self.main_grad)
         if self.on_final is not None and self.group.size > 1:
             for bucket in self.buckets:
                 self.on_final(bucket)

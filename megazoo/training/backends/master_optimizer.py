@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ...parallel.collectives import all_gather_flat
-from .frozen_adam import frozen_variance_step
 from .grad_buffer import GradBuffer
 from ..optim import build_optimizer
 
@@ -124,11 +123,11 @@ class MasterAdamW:
 
     # -- the step ---------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, lr: float, grad_divisor: float = 1.0, frozen_at: int | None = None) -> None:
-        """AdamW at `lr`; `frozen_at` (a step count): v stays as it was at that step
-        (`frozen_adam`, for compressed gradients)."""
-        if frozen_at is not None:
-            frozen_variance_step(self.optimizer, lr, grad_divisor, frozen_at)
+    def step(self, lr: float, grad_divisor: float = 1.0, update=None) -> None:
+        """AdamW at `lr`; `update(optimizer, lr, grad_divisor)`, when given, replaces the fused
+        step (a rule of its own over the same torch optimizer and per-piece state)."""
+        if update is not None:
+            update(self.optimizer, lr, grad_divisor)
             self._publish()
             return
         for group in self.optimizer.param_groups:
@@ -195,16 +194,6 @@ class MasterAdamW:
             self.wait_params()
             self._publish()
             self.wait_params()
-
-    @torch.no_grad()
-    def floor_variance(self, fraction: float) -> None:
-        """Raise each parameter's v to at least fraction^2 times its mean (once, when v
-        freezes): a coordinate whose v froze near zero (an embedding row of a token not yet
-        seen) would otherwise divide its first gradient by ~eps. One host sync per piece."""
-        for state in self._states.values():
-            v = state["exp_avg_sq"]
-            if v.numel():
-                v.clamp_(min=float(v.mean()) * fraction * fraction)
 
     @property
     def adam_step(self) -> int:

@@ -27,12 +27,10 @@ import math
 
 import torch
 
-from ...config.compression import CompressionConfig
 from ...config.run import PretrainArgs
 from ...layers.linear import fusable_weights
-from ...parallel.compress import build_reduction
+from ...compress import Reducer
 from ...parallel.state import ParallelState
-from . import compression_state
 from .base import Engine
 from .grad_buffer import GradBuffer
 from ..gradients import (clip_divisor, counted_flat_ranges, flat_grad_norm,
@@ -44,9 +42,6 @@ from ...config.offload import plain_offload
 from ..scaler import DynamicLossScaler
 
 AUX_PREFIXES = MOMENTS
-# --freeze-variance: when v freezes, each parameter's v is raised to at least this fraction
-# (on the root scale) of its RMS, so no frozen coordinate divides by ~eps
-VARIANCE_FLOOR = 0.1
 
 
 class _ScaledLossStage:
@@ -81,10 +76,8 @@ class PlainEngine(Engine):
         self._sp_hooks = hook_sequence_parallel_grads(model, state)
         tied = tied_embedding_weight(model, state)
         bucket = cfg.ddp_bucket_size or max(40_000_000, 1_000_000 * state.dp_sp.size)
-        comp = getattr(config, "compression", None) or CompressionConfig()
-        self.compressed = None if comp.algorithm is None else build_reduction(
-            comp.algorithm, state.dp_sp, topk_ratio=comp.value("topk_ratio"),
-            block=comp.value("compression_block_size"), wire_dtype=comp.wire_dtype)
+        # the bucket reduction, dense or compressed (megazoo.compress)
+        self.reducer = Reducer(state, getattr(config, "compression", None), cfg)
         self.offload = plain_offload(config)
         self.cpu_offload = self.offload is not None
         bf16_grads = cfg.accumulate_grads_in_bf16
@@ -94,17 +87,10 @@ class PlainEngine(Engine):
         self.buffers = GradBuffer(model, state, bucket_numel=bucket, overlap=overlap,
                                   shard=cfg.use_distributed_optimizer,
                                   deferred=() if tied is None else (tied,),
-                                  wire_dtype=comp.wire_dtype, compressed=self.compressed,
-                                  compress_from=comp.value("compression_start_step"),
+                                  reducer=self.reducer,
                                   fused=fusable_weights(model) if fuse else (),
                                   grad_dtype=torch.bfloat16 if bf16_grads else torch.float32)
-        self.freeze_at = comp.value("compression_start_step") if comp.freeze_variance else None
-        self.momentum_share = comp.value("compressed_momentum_share")
-        self.select_by_update = comp.topk_selection == "update"
-        # at dp x sp = 1 nothing is reduced: the usual clipping stays
-        self.local_clip = bool(comp.local_gradient_clipping) and state.dp_sp.size > 1
         self.resume_notes: list[str] = []
-        self._frozen_selection = None  # _selection_weight once v no longer changes
         self.optimizer = build_master_optimizer(model, self.buffers, cfg, self.offload)
         self.buffers.cast_params(model_dtype(cfg))
         counted = counted_flat_ranges([(p, self.buffers.offsets[id(p)]) for p in self.buffers.params],
@@ -125,40 +111,8 @@ class PlainEngine(Engine):
         self._scale = self.loss_scale()
         if isinstance(self.optimizer, OffloadAdamW):
             self.optimizer.start_step()
-        compressing = self.buffers.compresses_at(self.steps)
-        clip = self.cfg.clip_grad * self._scale * math.sqrt(self.state.dp.size)
-        self.buffers.start_step(num_microbatches, self.steps, self._momentum_offset(),
-                                select=self._selection_weight() if compressing else None,
-                                local_clip=clip if self.local_clip and clip > 0 else None)
-
-    def _momentum_offset(self):
-        """1-bit Adam: with the variance frozen, the buckets carry the momentum through the
-        compressed reduction (`grad_buffer`'s momentum compression). alpha makes each rank's
-        bucket proportional to its local momentum beta1 m + (1 - beta1) g_local, g in the
-        buffer's units (loss-scaled, before clipping), or with a share c < 1 to
-        c beta1 m + (1 - beta1) g_local: AdamW's step then leaves (1 - c) beta1 m in the
-        momentum of every entry, sent or not (--compressed-momentum-share)."""
-        if self.freeze_at is None or self.buffers.shard:
-            return None
-        beta1 = self.cfg.adam_beta1
-        alpha = self.momentum_share * beta1 / (1.0 - beta1)
-        return self.optimizer.moments["exp_avg"], alpha * self._scale
-
-    def _selection_weight(self) -> torch.Tensor | None:
-        """--topk-selection update: 1 / (the frozen AdamW denominator), so that topk picks
-        the entries whose step is largest. (On the first compressed step v is not floored
-        yet: an entry whose v is ~0 and whose momentum is not is then picked first.) After
-        that step v is floored and frozen, so the weight is kept instead of recomputed."""
-        if not self.select_by_update or self.freeze_at is None:
-            return None
-        if self._frozen_selection is not None:
-            return self._frozen_selection
-        v = self.optimizer.moments["exp_avg_sq"]
-        correction = math.sqrt(1.0 - self.cfg.adam_beta2 ** self.freeze_at)
-        weight = (v.sqrt() / correction).add_(self.cfg.adam_eps).reciprocal_()
-        if self.steps > self.freeze_at:
-            self._frozen_selection = weight
-        return weight
+        self.buffers.start_step(num_microbatches)
+        self.reducer.start_step(self.steps, self.optimizer, self._scale)
 
     def finish_gradients(self) -> float:
         """Tied-embedding sum, the buckets still to reduce, then the norm from the flat buffer
@@ -174,25 +128,14 @@ class PlainEngine(Engine):
         if self.scaler is not None:
             self.scaler.update(not ok)
         if ok:
-            compressed = self.buffers.reduction.compressed
-            frozen = self.freeze_at if compressed else None
-            if frozen is not None and self.steps == frozen:
-                self.optimizer.floor_variance(VARIANCE_FLOOR)
-            # --local-gradient-clipping clipped each rank's gradient before the reduction
-            clip = 1.0 if compressed and self.local_clip else clip_divisor(norm, self.cfg.clip_grad)
-            self.optimizer.step(lr, self._scale * clip, frozen)
-        elif self.compressed is not None:  # the residuals took this step's inf / nan in
-            self.compressed.reset_errors()
+            self.reducer.optimizer_step(self.optimizer, lr, self._scale,
+                                        clip_divisor(norm, self.cfg.clip_grad), self.steps)
+        else:
+            self.reducer.skip_step()
         return ok
 
     def comm_stats(self) -> dict:
-        """Bytes this rank sent for the last step's gradient reduction, and the ratio of an
-        fp32 all-reduce's bytes (reduce-scatter's, with the distributed optimizer) to them."""
-        red = self.buffers.reduction
-        if self.state.dp_sp.size == 1 or not red.sent_bytes:
-            return {}
-        return {"comm_bytes": red.sent_bytes,
-                "compression_ratio": red.dense_bytes / red.sent_bytes}
+        return self.reducer.comm_stats()
 
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler else 1.0
@@ -223,10 +166,9 @@ class PlainEngine(Engine):
         aux = {k: self._as_params(full[k]) for k in MOMENTS}
         engine = {"steps": self.steps, "adam_step": self.optimizer.adam_step,
                   "scaler": self.scaler.state_dict() if self.scaler else None}
-        errors, rank_files = self._residuals()
-        if errors:
-            engine["compression"] = compression_state.describe(self.compressed, self.buffers,
-                                                               self.state)
+        compression, rank_files = self.reducer.checkpoint(self.state.global_rank)
+        if compression is not None:
+            engine["compression"] = compression
         old = self._swap_params(full["master"])
         try:
             save_checkpoint(self.model, path, state=self.state, rank_files=rank_files,
@@ -235,7 +177,6 @@ class PlainEngine(Engine):
             self._swap_params(None, old)
 
     def load(self, path: str) -> dict:
-        self._frozen_selection = None  # v is replaced by the checkpoint's
         from ...checkpoint import load_model_weights
         from ...checkpoint.load import CheckpointReader
         from ..run_checks import read_options
@@ -267,32 +208,7 @@ class PlainEngine(Engine):
         self.optimizer.load_full_state(full, step if len(full) > 1 else 0)
         if self.scaler is not None and engine.get("scaler"):
             self.scaler.load_state_dict(engine["scaler"])
-        self._load_residuals(path, engine.get("compression"))
+        self.resume_notes = self.reducer.load(path, engine.get("compression"),
+                                              self.state.global_rank, self.device,
+                                              **read_options(self.config))
         return extra
-
-    # -- gradient-compression residuals (per rank; see compression_state) -------------------
-    def _residuals(self) -> tuple[dict, object]:
-        """(this rank's residuals, the save hook writing them), ({}, None) without any.
-        Every rank of dp x sp holds residuals once compression has started."""
-        errors = {} if self.compressed is None else self.compressed.errors
-        if not errors:
-            return {}, None
-        rank = self.state.global_rank
-        return errors, lambda tmp: compression_state.write_errors(errors, tmp, rank)
-
-    def _load_residuals(self, path: str, saved: dict | None) -> None:
-        from ..run_checks import read_options
-
-        self.resume_notes = []
-        if self.compressed is None:
-            if saved is not None:
-                self.resume_notes.append("the checkpoint holds gradient-compression residuals; "
-                                         "this run does not compress, so they are not used")
-            return
-        here = compression_state.describe(self.compressed, self.buffers, self.state)
-        errors, note = compression_state.read_errors(path, saved, here, self.state.global_rank,
-                                                     self.device, **read_options(self.config))
-        self.compressed.reset_errors()
-        self.compressed.errors.update(errors)
-        if note:
-            self.resume_notes.append(note)

@@ -98,7 +98,7 @@ class BlockCodec:
     def _kernels(self, t: torch.Tensor, k: int, dtype: torch.dtype):
         """The Triton module when it runs this call (on `t`'s device, values in `dtype`),
         else None (the PyTorch path)."""
-        from ...kernels._dispatch import pick, triton_module
+        from ..kernels._dispatch import pick, triton_module
 
         kb, item = self.padded(k), self.wire_dtype.itemsize
         unsupported = None
@@ -205,7 +205,7 @@ class TopKCodec:
         k positions only (what stays is the wire dtype's rounding of them), so besides the
         selection a call makes one pass over the bucket for the sum and one for the scores;
         only the last, partial chunk is padded (a copy of under one chunk)."""
-        from ...kernels._dispatch import pick, triton_module
+        from ..kernels._dispatch import pick, triton_module
 
         numel = x.numel()
         chunks, chunk, k = self.shape(numel)

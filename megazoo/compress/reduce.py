@@ -37,10 +37,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..collectives import all_gather_flat, reduce_scatter_flat
+from ..parallel.collectives import all_gather_flat, reduce_scatter_flat
 from .codecs import BlockCodec, TopKCodec
-
-ALGORITHMS = ("topk", "1bit", "2bit")
 
 
 class _Done:
@@ -179,4 +177,4 @@ def build_reduction(algorithm: str | None, group, *, topk_ratio: float = 0.01,
         return TopKReduction(group, topk_ratio, wire_dtype, impl)
     if algorithm in ("1bit", "2bit"):
         return BlockReduction(group, int(algorithm[0]), block, wire_dtype, impl)
-    raise ValueError(f"gradient compression algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    raise ValueError(f"gradient compression algorithm must be topk, 1bit or 2bit, got {algorithm!r}")

@@ -1,5 +1,6 @@
 """AdamW with its second moment frozen: 1-bit Adam's rule for compressed gradients.
 
+    floor_variance(optimizer, fraction)          # once, when v freezes
     frozen_variance_step(optimizer, lr, grad_divisor, frozen_at)
 
 Adam divides each coordinate by the root of its running mean of squared gradients, v. Fed
@@ -12,9 +13,9 @@ gradient (momentum SGD with a per-coordinate step size), so error feedback's pro
 what was not sent arrives later, holds for the update too.
 
 1-bit Adam also changes what is compressed: each rank's local momentum, not its gradient
-(`grad_buffer`'s momentum compression, switched on by the plain engine with the freeze), and
-v is floored when it freezes (`MasterAdamW.floor_variance`) so that no coordinate whose v
-froze near zero divides its first gradient by ~eps.
+(the momentum offset of `reducer.Reducer`, switched on with the freeze), and v is floored
+when it freezes (`floor_variance`) so that no coordinate whose v froze near zero (an
+embedding row of a token not yet seen) divides its first gradient by ~eps.
 
 The step here is torch AdamW's (decoupled weight decay, bias-corrected momentum) with v
 read, never written, and its bias correction 1 - beta2^frozen_at fixed at the step count
@@ -26,6 +27,16 @@ from __future__ import annotations
 import math
 
 import torch
+
+
+@torch.no_grad()
+def floor_variance(optimizer: torch.optim.AdamW, fraction: float) -> None:
+    """Raise each parameter's v to at least fraction^2 times its mean. One host sync each."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            v = optimizer.state[p]["exp_avg_sq"]
+            if v.numel():
+                v.clamp_(min=float(v.mean()) * fraction * fraction)
 
 
 @torch.no_grad()

@@ -18,9 +18,9 @@ import os
 
 import torch
 
-from ...checkpoint.checksums import CRC32, Hasher, check_algorithm
-from ...checkpoint.files import (NonFiniteError, SafetensorsWriter, check_finite, read_header,
-                                 read_tensor, write_json)
+from ..checkpoint.checksums import CRC32, Hasher, check_algorithm
+from ..checkpoint.files import (NonFiniteError, SafetensorsWriter, check_finite, read_header,
+                                read_tensor, write_json)
 
 FOLDER = "compression"
 
