@@ -1,17 +1,42 @@
-"""The `megazoo.json` beside a DeepSpeedEngine checkpoint: its format, writer and reader.
+"""The checkpoints megazoo writes in DeepSpeed's format (`DeepSpeedEngine.save`: DeepSpeed's
+pickled shards under `DIR/<tag>/`, our `DIR/megazoo.json` beside them): that file's format,
+writer and reader, and the files' integrity.
 
-A `--deepspeed` run saves DeepSpeed's own files under `DIR/<tag>/` and this file at `DIR/`
-(the model config, the layout and the ZeRO stage the files were written at), so that
-resuming can refuse another layout and `checkpoints_tools/zero_to_megazoo.py` can rebuild
-an ordinary megazoo checkpoint without the engine.
+megazoo.json holds the model config, the layout and the ZeRO stage the files were written at,
+so that resuming can refuse another layout and `checkpoints_tools/zero_to_megazoo.py` can
+rebuild an ordinary megazoo checkpoint without the engine.
+
+DeepSpeed's files carry no checksums of their own, and a flipped exponent bit in a ZeRO
+optimizer shard loads as a finite, wrong value. So megazoo records one checksum per file
+(the hash of `checksums.py`, whole file, streamed) in megazoo.json under `FILES_KEY`, and
+everything that reads such a checkpoint (resuming, `zero_to_megazoo`) verifies them first,
+then checks the values it loaded for inf / nan: a matching checksum says the bytes are the
+ones written, not that the values are usable.
+
+    algorithm, sums = record_checksums(folder, tag, state)   # collective, after the save
+    verify_checksums(folder, meta, state, device)            # collective, before the load
+    check_finite_loaded(tensors, folder, state, device)      # collective, after the load
+
+Collective functions split the files over the ranks (each hashes its share) and agree on
+the outcome: a failure on any rank is a ValueError on every rank (`agree`). `state` None:
+one process.
 """
 from __future__ import annotations
 
 import json
 import os
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from .checksums import Hasher, check_algorithm, default_algorithm
+from .files import READ_CHUNK, nonfinite_count
+from .layout import METADATA_FILE
 
 DS_FORMAT = "megazoo-deepspeed-1"
-METADATA_FILE = "megazoo.json"
+FILES_KEY = "file_checksums"
+UNCHECKED = "restore it, or read it unchecked with --no-verify-checksums"
 
 
 def write_ds_metadata(path: str, meta: dict) -> None:
@@ -33,3 +58,102 @@ def read_ds_metadata(path: str) -> dict:
         raise ValueError(f"{file}: format {meta.get('format')!r} is not {DS_FORMAT!r} "
                          "(an ordinary megazoo checkpoint loads with load_model_weights)")
     return meta
+
+
+def hash_file(path: str, algorithm: str) -> str:
+    """Hex checksum of a whole file, read piece by piece."""
+    hasher = Hasher(algorithm)
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(READ_CHUNK):
+            hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def list_files(folder: str, tag: str) -> list[str]:
+    """Every file under `folder/tag`, as sorted paths relative to `folder`."""
+    out = []
+    for root, _, names in os.walk(os.path.join(folder, tag)):
+        out += [os.path.relpath(os.path.join(root, n), folder) for n in names]
+    return sorted(out)
+
+
+def _rank_world(state) -> tuple[int, int]:
+    return (0, 1) if state is None else (state.global_rank, state.world_size)
+
+
+def agree(step: Callable[[], None], state, device, what: str) -> None:
+    """Run `step()` on every rank; if it raised a ValueError on any, raise on every rank
+    (its own error where it failed, else one naming `what`). Collective."""
+    error = None
+    try:
+        step()
+    except ValueError as exc:
+        error = exc
+    if state is not None and state.world_size > 1:
+        flag = torch.tensor([int(error is not None)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and error is None:
+            error = ValueError(f"{what} failed on another rank (its error names the file)")
+    if error is not None:
+        raise error
+
+
+def record_checksums(folder: str, tag: str, state) -> tuple[str, dict[str, str]]:
+    """(hash name, {file relative to folder: hex}) of every file under `folder/tag`, each
+    rank hashing its share. Collective; call after every rank's files are written."""
+    rank, world = _rank_world(state)
+    algorithm, files = default_algorithm(), list_files(folder, tag)
+    sums = {f: hash_file(os.path.join(folder, f), algorithm) for f in files[rank::world]}
+    if world > 1:
+        shares = [None] * world
+        dist.all_gather_object(shares, sums)
+        sums = {f: h for share in shares for f, h in share.items()}
+    return algorithm, sums
+
+
+def verify_checksums(folder: str, meta: dict, state=None, device=None) -> None:
+    """ValueError (on every rank) unless every file under `folder/<tag>` matches the checksum
+    megazoo.json records for it and every recorded file is there. Collective."""
+    where = os.path.join(folder, METADATA_FILE)
+    rank, world = _rank_world(state)
+
+    def check() -> None:
+        algorithm, sums = meta.get("checksum"), meta.get(FILES_KEY)
+        if not algorithm or not isinstance(sums, dict):
+            raise ValueError(f"{where} records no checksums of DeepSpeed's files (no "
+                             f"\"checksum\" / \"{FILES_KEY}\"): the file was edited or the "
+                             f"checkpoint predates checksums; {UNCHECKED}")
+        check_algorithm(algorithm, f"checkpoint {folder}")
+        files = list_files(folder, meta.get("tag", ""))
+        missing = sorted(set(sums) - set(files))
+        if missing:
+            raise ValueError(f"checkpoint file {os.path.join(folder, missing[0])} is missing: "
+                             f"the checkpoint is incomplete")
+        unrecorded = sorted(set(files) - set(sums))
+        if unrecorded:
+            raise ValueError(f"{where} records no checksum for {unrecorded[0]}: the file was "
+                             f"edited or damaged; {UNCHECKED}")
+        for name in files[rank::world]:
+            got = hash_file(os.path.join(folder, name), algorithm)
+            if got != sums[name]:
+                raise ValueError(f"checkpoint file {os.path.join(folder, name)} is corrupted: "
+                                 f"checksum {got}, megazoo.json recorded {sums[name]}; restore "
+                                 f"the file or use another checkpoint (--no-verify-checksums "
+                                 f"skips this check)")
+
+    agree(check, state, device, f"verifying {folder}")
+
+
+def check_finite_loaded(tensors: Iterable[tuple[str, torch.Tensor]], folder: str, state=None,
+                        device=None, allow: str = "--allow-nonfinite-load loads it anyway") -> None:
+    """ValueError (on every rank) naming the first tensor of any rank's `tensors` ((name,
+    tensor) pairs read from the checkpoint `folder`) that holds inf or nan. Collective."""
+    def check() -> None:
+        for name, tensor in tensors:
+            bad = nonfinite_count(tensor.detach())
+            if bad:
+                raise ValueError(f"checkpoint {folder}: {name} holds {bad} non-finite value"
+                                 f"{'s' if bad > 1 else ''} (inf or nan); use an earlier "
+                                 f"checkpoint{f' ({allow})' if allow else ''}")
+
+    agree(check, state, device, f"checking {folder} for inf / nan")

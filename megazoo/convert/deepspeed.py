@@ -10,7 +10,7 @@ checkpoint by `megazoo.checkpoint.write_checkpoint` at the layout asked for (def
 pp=1), loadable at any layout. The fp32 masters are used, so a bf16 run converts without loss.
 
 Nothing is written before the input is verified: every DeepSpeed file against the checksum
-its megazoo.json records (`megazoo.checkpoint.deepspeed_files`; `verify_checksums=False`,
+its megazoo.json records (`megazoo.checkpoint.deepspeed`; `verify_checksums=False`,
 --no-verify-checksums, skips it), and every reassembled tensor for inf / nan. A corrupted
 shard is an error naming the file, never a converted checkpoint with fresh, valid checksums.
 """
@@ -77,10 +77,10 @@ def zero_to_megazoo(load, out, *, tp: int = 1, pp: int = 1, vpp: int = 1,
     (`overwrite` as in `hf_to_megazoo`; `out` is never `load` nor a folder containing it),
     after verifying it (see the module doc)."""
     from ..checkpoint import write_checkpoint
-    from ..checkpoint.deepspeed_files import check_finite_loaded, verify_checksums as verify
+    from ..checkpoint.deepspeed import check_finite_loaded, verify_checksums as verify
     from ..checkpoint.output import check_output_dir
     from ..checkpoint.resolve import resolve_checkpoint
-    from ..training.backends.deepspeed_zero import read_ds_metadata
+    from ..checkpoint.deepspeed import read_ds_metadata
 
     load, out = os.fspath(load), os.fspath(out)
     check_output_dir(out, kind="megazoo", overwrite=overwrite, inputs=[load])

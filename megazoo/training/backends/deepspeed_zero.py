@@ -32,7 +32,7 @@ groups before the step; the gradient norm is DeepSpeed's (before clipping, each 
 Checkpoints: `save(path, extra)` writes DeepSpeed's own files under `path/zero/` (its format,
 including the partitioned optimizer state) and `path/megazoo.json` with format
 "megazoo-deepspeed-1" (model config, layout, engine counters and `extra`, JSON, and a
-checksum of every DeepSpeed file: `megazoo.checkpoint.deepspeed_files`). `load` verifies the
+checksum of every DeepSpeed file: `megazoo.checkpoint.deepspeed`). `load` verifies the
 checksums before DeepSpeed reads a byte, and the loaded weights and optimizer state for
 inf / nan after (--no-verify-checksums, --allow-nonfinite-load as for every checkpoint).
 `checkpoints_tools/zero_to_megazoo.py` turns such a folder into an ordinary megazoo
@@ -45,7 +45,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ...checkpoint.deepspeed_files import (FILES_KEY, check_finite_loaded, record_checksums,
+from ...checkpoint.deepspeed import (FILES_KEY, check_finite_loaded, record_checksums,
                                            verify_checksums)
 from ...checkpoint.deepspeed import read_ds_metadata, write_ds_metadata
 from ...checkpoint.save import refuse_nonfinite
