@@ -37,21 +37,25 @@ from .cpu_offload import (NAMES, ResidentStore, Transfers, adamw_, available_hos
 from ...plan.offload import check_nvme_path
 from ..offload_config import OffloadPlan
 from .grad_buffer import GradBuffer
+from .lean_build import drop_values, fill_flat_
 from .master_optimizer import MasterAdamW, hook_bucket_waits
 
 UP_BUFFERS = 4  # pinned staging buffers for parameters going up (a ring)
 
 
-def build_master_optimizer(model: nn.Module, buffers: GradBuffer, cfg, plan: OffloadPlan | None):
+def build_master_optimizer(model: nn.Module, buffers: GradBuffer, cfg, plan: OffloadPlan | None,
+                           initial: dict | None = None):
     """`MasterAdamW`, or `OffloadAdamW` for an offload plan or bf16 main gradients (all on the
-    GPU then: it upcasts each bucket's gradient to fp32 before the step)."""
+    GPU then: it upcasts each bucket's gradient to fp32 before the step). `initial`: the fp32
+    values the masters start from (`lean_build.initial_values`; None: the flat buffer)."""
     if plan is None and cfg.accumulate_grads_in_bf16:
         plan = OffloadPlan(fraction=0.0, overlap=False)
     if plan is None:
         return MasterAdamW(model, buffers, cfg, overlap_param_gather=cfg.overlap_param_gather)
     if plan.nvme_path is not None:
         check_nvme_path(plan.nvme_path)
-    return OffloadAdamW(model, buffers, cfg, plan, overlap_param_gather=cfg.overlap_param_gather)
+    return OffloadAdamW(model, buffers, cfg, plan, overlap_param_gather=cfg.overlap_param_gather,
+                        initial=initial)
 
 
 def _host_store(plan, numels: list[int], pin: bool, rank: int):
@@ -70,7 +74,7 @@ class OffloadAdamW:
     state_device = torch.device("cpu")  # where full_state's tensors live
 
     def __init__(self, model: nn.Module, buffers: GradBuffer, cfg, plan, *,
-                 overlap_param_gather: bool = False):
+                 overlap_param_gather: bool = False, initial: dict | None = None):
         self.buffers, self.cfg, self.plan = buffers, cfg, plan
         data = buffers.param_data
         self.device = data.device
@@ -89,17 +93,11 @@ class OffloadAdamW:
                                             self.device, pin=False)}
         self._initial = {}  # GPU slots: fp32 initial masters until their state exists
         with torch.no_grad():
-            for slot in self.slots:  # fp32 initial values (the buffer is not cast yet)
+            for slot in self.slots:
                 init_steps(slot, torch.device("cpu") if slot.host else self.device)
-                if not slot.host:
-                    self._initial[slot.index] = data[slot.lo:slot.hi].clone()
-                    continue
-                state = self._acquire(slot)
-                state["master"].copy_(data[slot.lo:slot.hi])
-                for k in NAMES[1:]:  # (a disk store may hold an older run's files)
-                    state[k].zero_()
-                self._release(slot)
-                slot.grad = self.copies.host_empty(slot.numel, buffers.main_grad.dtype)
+                self._init_master(slot, data, initial)
+                if slot.host:
+                    slot.grad = self.copies.host_empty(slot.numel, buffers.main_grad.dtype)
         self.stores[True].flush()
         # parameters go up through a small ring of staging buffers (an upload takes ~ms)
         largest = max((s.numel for s in host), default=0)
@@ -116,6 +114,24 @@ class OffloadAdamW:
         buffers.on_final = self._send
         if plan.overlap or self.overlap_param_gather:
             hook_bucket_waits(model, buffers, self.wait_params)
+
+    def _init_master(self, slot, data: torch.Tensor, initial: dict | None) -> None:
+        """The slot's fp32 initial master: from the flat buffer (still fp32 then), or from
+        `initial` (host tensors: a host slot takes them without a GPU round trip)."""
+        if initial is None:
+            values = data[slot.lo:slot.hi]
+        else:
+            values = torch.empty(slot.numel, dtype=torch.float32)
+            fill_flat_(values, slot.lo, slot.hi, slot.bucket, self.buffers.offsets, initial)
+            drop_values(slot.bucket, initial)  # (a bucket's parameters are in no other)
+        if not slot.host:
+            self._initial[slot.index] = values.to(self.device, copy=True)
+            return
+        state = self._acquire(slot)
+        state["master"].copy_(values)
+        for k in NAMES[1:]:  # (a disk store may hold an older run's files)
+            state[k].zero_()
+        self._release(slot)
 
     # -- state access -----------------------------------------------------------------------
     def _acquire(self, slot) -> dict:

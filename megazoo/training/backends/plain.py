@@ -35,6 +35,8 @@ from ..config import PretrainArgs
 from . import compression_state
 from .base import Engine
 from .grad_buffer import GradBuffer
+from .lean_build import initial_values
+from ...parallel.device import local_device
 from ..gradients import (clip_divisor, counted_flat_ranges, flat_grad_norm,
                         hook_sequence_parallel_grads, intersect, sum_tied_embedding,
                         tied_embedding_weight)
@@ -91,13 +93,16 @@ class PlainEngine(Engine):
         fuse = cfg.gradient_accumulation_fusion and not (bf16_grads and config.model.fp8_format)
         # offload overlap: each bucket's gradient leaves as soon as it is final
         overlap = cfg.overlap_grad_reduce or bool(self.offload and self.offload.overlap)
+        initial = initial_values(model, cfg, self.offload)  # the masters come from these
+        lean = dict(device=local_device(), dtype=model_dtype(cfg)) if initial else {}
         self.buffers = GradBuffer(model, state, bucket_numel=bucket, overlap=overlap,
                                   shard=cfg.use_distributed_optimizer,
                                   deferred=() if tied is None else (tied,),
                                   wire_dtype=comp.wire_dtype, compressed=self.compressed,
                                   compress_from=comp.value("compression_start_step"),
                                   fused=fusable_weights(model) if fuse else (),
-                                  grad_dtype=torch.bfloat16 if bf16_grads else torch.float32)
+                                  grad_dtype=torch.bfloat16 if bf16_grads else torch.float32,
+                                  **lean)
         self.freeze_at = comp.value("compression_start_step") if comp.freeze_variance else None
         self.momentum_share = comp.value("compressed_momentum_share")
         self.select_by_update = comp.topk_selection == "update"
@@ -105,7 +110,7 @@ class PlainEngine(Engine):
         self.local_clip = bool(comp.local_gradient_clipping) and state.dp_sp.size > 1
         self.resume_notes: list[str] = []
         self._frozen_selection = None  # _selection_weight once v no longer changes
-        self.optimizer = build_master_optimizer(model, self.buffers, cfg, self.offload)
+        self.optimizer = build_master_optimizer(model, self.buffers, cfg, self.offload, initial)
         self.buffers.cast_params(model_dtype(cfg))
         counted = counted_flat_ranges([(p, self.buffers.offsets[id(p)]) for p in self.buffers.params],
                                       state)
