@@ -34,28 +34,11 @@ from torch import nn
 from ...parallel.collectives import all_gather_flat
 from .cpu_offload import (NAMES, ResidentStore, Transfers, adamw_, available_host_bytes,
                           bucket_slots, check_host_memory, init_steps, set_steps)
-from ...plan.offload import check_nvme_path
-from ..offload_config import OffloadPlan
 from .grad_buffer import GradBuffer
 from .lean_build import drop_values, fill_flat_
-from .master_optimizer import MasterAdamW, hook_bucket_waits
+from .master_optimizer import hook_bucket_waits
 
 UP_BUFFERS = 4  # pinned staging buffers for parameters going up (a ring)
-
-
-def build_master_optimizer(model: nn.Module, buffers: GradBuffer, cfg, plan: OffloadPlan | None,
-                           initial: dict | None = None):
-    """`MasterAdamW`, or `OffloadAdamW` for an offload plan or bf16 main gradients (all on the
-    GPU then: it upcasts each bucket's gradient to fp32 before the step). `initial`: the fp32
-    values the masters start from (`lean_build.initial_values`; None: the flat buffer)."""
-    if plan is None and cfg.accumulate_grads_in_bf16:
-        plan = OffloadPlan(fraction=0.0, overlap=False)
-    if plan is None:
-        return MasterAdamW(model, buffers, cfg, overlap_param_gather=cfg.overlap_param_gather)
-    if plan.nvme_path is not None:
-        check_nvme_path(plan.nvme_path)
-    return OffloadAdamW(model, buffers, cfg, plan, overlap_param_gather=cfg.overlap_param_gather,
-                        initial=initial)
 
 
 def _host_store(plan, numels: list[int], pin: bool, rank: int):
@@ -214,12 +197,18 @@ class OffloadAdamW:
             store.prefetch(nxt.index)
         self.copies.host_waits(slot.d2h)
         adamw_(state, self._fp32(slot, slot.grad), slot, lr, self.cfg, self._divisor[True])
+        if after is not False:  # (False: the delayed update sends them a step later)
+            self._stage_up(slot, state, after)
+        store.release(slot.index)
+
+    def _stage_up(self, slot, state: dict, after) -> None:
+        """The slot's new parameters through the next ring buffer up to the device, once the
+        compute stream has passed `after`."""
         r = self._up_next
         self._up_next = (r + 1) % len(self._up)
         self.copies.host_waits(self._up_events[r])  # that buffer's last upload has left
         up = self._up[r][:slot.numel]
         up.copy_(state["master"])
-        store.release(slot.index)
         slot.h2d = self._up_events[r] = self.copies.to_device(
             self.buffers.param_data[slot.lo:slot.hi], up, after)
 
@@ -234,10 +223,14 @@ class OffloadAdamW:
                                  async_op=async_op)
         slot.gather = handle if async_op else None
 
-    def _wait_slot(self, slot) -> None:
-        if slot.future is not None:
-            slot.future.result()
-            slot.future = None
+    def _wait_slot(self, slot, host_step: bool = True) -> None:
+        """Wait for the slot's upload job (delayed update), its host step unless not
+        `host_step`, then its parameters' copy up and all-gather."""
+        for name in ("upload", "future") if host_step else ("upload",):
+            job = getattr(slot, name)
+            if job is not None:
+                job.result()
+                setattr(slot, name, None)
         if slot.pending:
             slot.pending = False
             self.copies.device_waits(slot.h2d)

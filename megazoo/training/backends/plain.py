@@ -41,7 +41,8 @@ from ..gradients import (clip_divisor, counted_flat_ranges, flat_grad_norm,
                         hook_sequence_parallel_grads, intersect, sum_tied_embedding,
                         tied_embedding_weight)
 from .master_optimizer import MOMENTS
-from .offload_optimizer import OffloadAdamW, build_master_optimizer
+from .offload_optimizer import OffloadAdamW
+from .optimizer_choice import build_master_optimizer
 from ..offload_config import plain_offload
 from ..scaler import DynamicLossScaler
 
