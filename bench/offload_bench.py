@@ -164,7 +164,7 @@ def pretrain_row(name: str, shape: dict, gb: int, iters: int, extra: list[str], 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fraction", type=float, default=0.5)
-    ap.add_argument("--rows", nargs="+", default=["fwd", "offload16", "offload64", "adamw",
+    ap.add_argument("--rows", nargs="*", default=["fwd", "offload16", "offload64", "adamw",
                                                     "deepspeed"])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--budget", type=float, default=540.0, help="seconds for everything")
@@ -174,6 +174,7 @@ def main(argv=None) -> None:
     ap.add_argument("--largest", action="store_true", help="also the largest-model rows")
     ap.add_argument("--peer-largest", action="store_true", help="also DeepSpeed's largest")
     ap.add_argument("--largest-iters", type=int, default=10)
+    ap.add_argument("--largest-gbs", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--nvme-path", help="disk for the largest plain run's optimizer state")
     a = ap.parse_args(argv)
     dry, start = a.dry_run, time.perf_counter()
@@ -215,14 +216,14 @@ def main(argv=None) -> None:
                                                            "--offload-optimizer", "cpu"],
                                      dry, left()))
         print(json.dumps(rows[-1]), flush=True)
-    for on, name, flags in ((a.largest, "largest", largest.PLAIN), (a.peer_largest,
-                                                                      "peer-largest", largest.PEER)):
+    for on, name, flags in ((a.largest, "largest", largest.PLAIN),
+                            (a.peer_largest, "peer-largest", largest.PEER)):
         if not on:
             continue
         nvme = largest.nvme_dir(a.nvme_path) if name == "largest" else None
         budgets = largest.machine_budgets(nvme, dry)
         planned = largest.plan_largest(budgets, flags + (["--nvme-path", nvme] if nvme else []))
-        rows += largest.largest_rows(name, planned, [4, 16], a.largest_iters, dry, left,
+        rows += largest.largest_rows(name, planned, a.largest_gbs, a.largest_iters, dry, left,
                                      pretrain_row, shape)
         print(json.dumps(rows[-1]), flush=True)
     write_json(a.out, {"shape": shape, "fraction": a.fraction, "rows": rows})

@@ -32,7 +32,10 @@ def machine_budgets(nvme_path: str | None, dry: bool) -> list[str]:
         return ["--gpu-memory", "80", "--host-memory", "125", "--disk-memory", "64"]
     import torch
 
-    from megazoo.training.backends.cpu_offload import available_host_bytes
+    try:  # (main reads MemAvailable in the planner now)
+        from megazoo.plan.offload import host_memory_bytes as available_host_bytes
+    except ImportError:
+        from megazoo.training.backends.cpu_offload import available_host_bytes
 
     free, _ = torch.cuda.mem_get_info()
     out = ["--gpu-memory", f"{free / 1e9:.1f}",
@@ -96,12 +99,16 @@ def largest_rows(name: str, planned: dict, gbs: list[int], iters: int, dry: bool
                             "--deepspeed") if f in flags]
         flags = keep + (["--zero-stage", "3"] if "--deepspeed" in keep else [])
         flags = [f for f in flags if f != "--bf16"]
+    # a gentler lr than the default's 3e-3 without warmup (a spike at step 2 on large
+    # models), and the overlapped offload for the plain engine
+    extra = ["--lr", "3e-4", "--lr-warmup-iters", "2"]
+    extra += ["--overlap-cpu-optimizer-d2h-h2d"] if "--optimizer-cpu-offload" in flags else []
     rows = []
     for gb in gbs:
         shape = {**tiny, "micro": 1, "flags": None if dry else flags, "seq": tiny["seq"] if dry
                  else 2048}
-        row = pretrain_row(f"{name} gb {gb}", shape, gb, iters, flags if dry else [], dry,
-                           left() / max(len(gbs) - len(rows), 1))
+        row = pretrain_row(f"{name} gb {gb}", shape, gb, iters, (flags if dry else []) + extra,
+                           dry, left() / max(len(gbs) - len(rows), 1))
         row["num_parameters"] = planned.get("num_parameters")
         row["planned_command"] = planned["command"]
         losses = [x for x in row.get("losses", []) if x == x]

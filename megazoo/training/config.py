@@ -99,6 +99,9 @@ class TrainingConfig:
     """With --overlap-cpu-optimizer-d2h-h2d: ZeRO-Offload's one-step delayed update; the host
     share's step t is computed while step t+1 runs and reaches the GPU before step t+2's
     forward (the GPU share steps at once). See docs/offload.md for its convergence."""
+    offload_delayed_update_start: int = 0
+    """With --offload-delayed-update: the first this many optimizer steps update at once,
+    the delay starts after them (ZeRO-Offload's warm-up before its delayed update)."""
     seed: int = 1234
     """Seed of the weights, the data order and dropout."""
     num_layers_per_virtual_pipeline_stage: int | None = None

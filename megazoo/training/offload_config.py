@@ -37,7 +37,9 @@ class OffloadPlan:
     """Page-locked host buffers (the DMA engines copy them without a bounce through pageable
     memory); False only when a JSON says so."""
     delayed: bool = False
-    """The host share's update lands one step late (`OffloadAdamW`'s delayed update)."""
+    """The host share's update lands one step late (`DelayedOffloadAdamW`)."""
+    delay_start: int = 0
+    """Optimizer steps updated at once before the delay starts."""
 
 
 def _json_zero(args) -> dict:
@@ -85,6 +87,9 @@ def plain_offload(args) -> OffloadPlan | None:
         if t.offload_delayed_update:
             raise ValueError("--offload-delayed-update needs --optimizer-cpu-offload")
         return None
+    if t.offload_delayed_update_start < 0:
+        raise ValueError(f"--offload-delayed-update-start must be >= 0, got "
+                         f"{t.offload_delayed_update_start}")
     if t.offload_delayed_update and not t.overlap_cpu_optimizer_d2h_h2d:
         raise ValueError("--offload-delayed-update needs --overlap-cpu-optimizer-d2h-h2d (the "
                          "host step runs beside the next step)")
@@ -96,4 +101,5 @@ def plain_offload(args) -> OffloadPlan | None:
     return OffloadPlan(fraction=t.optimizer_offload_fraction,
                        overlap=t.overlap_cpu_optimizer_d2h_h2d,
                        nvme_path=nvme if on_disk else None, pin_memory=pin,
-                       delayed=t.offload_delayed_update)
+                       delayed=t.offload_delayed_update,
+                       delay_start=t.offload_delayed_update_start)

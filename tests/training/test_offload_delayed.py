@@ -19,10 +19,10 @@ from helpers import ddp_checks as checks
 ONE = ParallelState.single()
 
 
-def delayed(fraction: float, on: bool = True) -> dict:
+def delayed(fraction: float, on: bool = True, start: int = 0) -> dict:
     return dict(ddp_bucket_size=3000, optimizer_cpu_offload=True,
                 optimizer_offload_fraction=fraction, overlap_cpu_optimizer_d2h_h2d=True,
-                offload_delayed_update=on)
+                offload_delayed_update=on, offload_delayed_update_start=start)
 
 
 def _host_masters(opt) -> dict:
@@ -32,8 +32,10 @@ def _host_masters(opt) -> dict:
             for s in opt.slots if s.host}
 
 
-def test_host_share_runs_one_update_behind_and_the_gpu_share_does_not():
-    engine, state = checks.engine_for(ParallelConfig(), **delayed(0.5))
+@pytest.mark.parametrize("start", [0, 2])
+def test_host_share_runs_one_update_behind_and_the_gpu_share_does_not(start):
+    """P_t = cast(M_{t-1}) after the first `start` steps (cast(M_t) during them)."""
+    engine, state = checks.engine_for(ParallelConfig(), **delayed(0.5, start=start))
     opt = engine.optimizer
     assert isinstance(opt, DelayedOffloadAdamW)
     assert {s.host for s in opt.slots} == {True, False}
@@ -43,12 +45,13 @@ def test_host_share_runs_one_update_behind_and_the_gpu_share_does_not():
         checks.train(engine, state, [t - 1])
         masters.append(_host_masters(opt))
         engine.wait_params()  # what the next forward computes with
-        behind = masters[max(t - 1, 0)]
+        late = t > start
+        behind = masters[t - 1 if late else t]
         for s in opt.slots:
             have = data[s.lo:s.hi]
             if s.host:
                 assert torch.equal(have, behind[s.index]), (t, s.index)
-                assert t == 1 or not torch.equal(have, masters[t][s.index])
+                assert not late or not torch.equal(have, masters[t][s.index])
             else:
                 assert torch.equal(have, opt.stores[False].acquire(s.index)["master"]), t
 

@@ -11,9 +11,11 @@ before step t+2's forward. The GPU share steps at once, as always.
 The semantics, precisely. Write M_t for the host share's fp32 masters after t optimizer
 steps (M_0 the initial values), P_t for the host share's parameters the forward of step t+1
 computes with, and g_t for step t's reduced gradient. Then M_t = AdamW(M_{t-1}, g_t) as
-without the delay, P_0 = P_1 = cast(M_0) and P_t = cast(M_{t-1}) for t >= 1: the gradient
+without the delay, P_0 = cast(M_0) and P_t = cast(M_{t-1}) for t >= 1: the gradient
 of step t is taken at the host-share parameters of one update earlier. The GPU share's
-parameters after t steps are its masters after t steps. (Checked in
+parameters after t steps are its masters after t steps. With
+--offload-delayed-update-start N the first N steps update at once (P_t = cast(M_t) for
+t <= N; ZeRO-Offload's warm-up) and the delay starts with step N+1. (Checked in
 tests/training/test_offload_delayed.py; convergence beside the undelayed update in
 docs/offload.md.)
 
@@ -34,6 +36,8 @@ class DelayedOffloadAdamW(OffloadAdamW):
 
     @torch.no_grad()
     def step(self, lr: float, grad_divisor: float = 1.0, frozen_at: int | None = None) -> None:
+        if self.step_count < self.plan.delay_start:  # the warm-up: at once
+            return super().step(lr, grad_divisor, frozen_at)
         if frozen_at is not None:
             raise ValueError("the offloaded optimizer has no frozen-variance step")
         host = [s for s in self.order if s.host]
@@ -74,10 +78,10 @@ class DelayedOffloadAdamW(OffloadAdamW):
 
     def wait_params(self, indices=None) -> None:
         """The parameters the next forward uses (the update of one step earlier): the
-        uploads only, never the host step in flight."""
+        uploads only, never the host step in flight (all of it during the warm-up)."""
         slots = self.order if indices is None else [self.slots[i] for i in indices]
         for slot in slots:
-            self._wait_slot(slot, host_step=False)
+            self._wait_slot(slot, host_step=self.step_count <= self.plan.delay_start)
 
     def flush(self) -> None:
         """Finish the host step in flight and send its parameters up now."""
