@@ -101,6 +101,13 @@ def fill_flat_(dst: torch.Tensor, lo: int, hi: int, bucket, offsets: dict, value
             dst[a - lo:b - lo].copy_(values[id(p)].reshape(-1)[a - start:b - start])
 
 
+def held_bytes(values: dict | None) -> int:
+    """Host bytes of `values` (the masters' fill frees them bucket by bucket, so the host
+    needs the larger of them and the state, not the sum)."""
+    return sum(v.numel() * v.element_size() for v in (values or {}).values()
+               if v.device == HOST)
+
+
 def drop_values(bucket, values: dict) -> None:
     """Forget the fp32 values of `bucket`'s parameters (they live in the masters now)."""
     for p in bucket.params:

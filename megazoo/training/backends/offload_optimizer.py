@@ -35,10 +35,14 @@ from ...parallel.collectives import all_gather_flat
 from .cpu_offload import (NAMES, ResidentStore, Transfers, adamw_, available_host_bytes,
                           bucket_slots, check_host_memory, init_steps, set_steps)
 from .grad_buffer import GradBuffer
-from .lean_build import drop_values, fill_flat_
+from .lean_build import drop_values, fill_flat_, held_bytes
 from .master_optimizer import hook_bucket_waits
 
 UP_BUFFERS = 4  # pinned staging buffers for parameters going up (a ring)
+
+
+def _plus(available: int | None, freed: int) -> int | None:
+    return None if available is None else available + freed
 
 
 def _host_store(plan, numels: list[int], pin: bool, rank: int):
@@ -69,7 +73,7 @@ class OffloadAdamW:
         staging = buffers.main_grad.element_size()  # every host bucket's gradient waits
         resident = 0 if plan.nvme_path else 12  # fp32 master + 2 moments per element
         check_host_memory(self.host_numel * (resident + staging), plan.nvme_path is not None,
-                          available_host_bytes())
+                          _plus(available_host_bytes(), held_bytes(initial)))
         self.stores = {True: _host_store(plan, [s.numel for s in host], self.copies.pin,
                                          buffers.state.global_rank),
                        False: ResidentStore([s.numel for s in self.slots if not s.host],
