@@ -12,7 +12,13 @@ Rows (each `pretrain_gpt.py` row in its own process, so peaks are its own):
   optimizer step: the rate the offloaded run is measured against (gb micro-batches);
 - `offload`: `pretrain_gpt.py --optimizer-cpu-offload --optimizer-offload-fraction F
   --overlap-cpu-optimizer-d2h-h2d` (plain engine), at gb 16 and gb 64;
-- `deepspeed`: `pretrain_gpt.py --deepspeed --zero-stage 3 --offload-optimizer cpu`.
+- `deepspeed`: `pretrain_gpt.py --deepspeed --zero-stage 3 --offload-optimizer cpu`;
+- `bf16grads16` / `bf16grads64`: the offload row with --accumulate-grads-in-bf16 at the lowest
+  fraction the planner fits on this GPU (`offload_largest.planned_fraction`);
+- `delayed16`: that row with --offload-delayed-update;
+- `--largest` / `--peer-largest`: the largest LLaMA `python -m megazoo.plan --largest` finds
+  for this GPU, host and --nvme-path disk, trained --largest-iters steps at global batches
+  4 and 16 (bench/offload_largest.py); the peer is DeepSpeed ZeRO-3 with cpu offload.
 tokens/s, MFU, GPU peak and host RSS peak as the runs log them (median of the logged
 intervals after the first).
 """
@@ -29,6 +35,7 @@ import time
 
 import torch
 
+from bench import offload_largest as largest
 from bench.common import REPO, child_env, write_json
 
 SHAPE = dict(family="llama", layers=24, hidden=4096, heads=32, kv_heads=8, ffn=14336, seq=2048,
@@ -121,7 +128,9 @@ def pretrain_row(name: str, shape: dict, gb: int, iters: int, extra: list[str], 
     """pretrain_gpt.py's logged rates (median of the intervals after the first)."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
-        cmd = [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *model_flags(shape),
+        model = (shape["flags"] + ["--micro-batch-size", str(shape["micro"])]
+                 if shape.get("flags") else model_flags(shape))
+        cmd = [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *model,
                "--global-batch-size", str(gb), "--train-iters", str(iters), "--log-interval", "1",
                "--save", "", "--eval-iters", "0", "--generate-tokens", "0", "--no-progress",
                "--no-plot-curves", "--lr-warmup-iters", "0",
@@ -155,13 +164,18 @@ def pretrain_row(name: str, shape: dict, gb: int, iters: int, extra: list[str], 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--fraction", type=float, default=0.5)
-    ap.add_argument("--rows", nargs="+", default=["fwd", "offload16", "offload64", "adamw",
+    ap.add_argument("--rows", nargs="*", default=["fwd", "offload16", "offload64", "adamw",
                                                     "deepspeed"])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--budget", type=float, default=540.0, help="seconds for everything")
     ap.add_argument("--extra", nargs="*", default=[], help="more flags for the offload rows")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--out")
+    ap.add_argument("--largest", action="store_true", help="also the largest-model rows")
+    ap.add_argument("--peer-largest", action="store_true", help="also DeepSpeed's largest")
+    ap.add_argument("--largest-iters", type=int, default=10)
+    ap.add_argument("--largest-gbs", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--nvme-path", help="disk for the largest plain run's optimizer state")
     a = ap.parse_args(argv)
     dry, start = a.dry_run, time.perf_counter()
     shape = TINY if dry else SHAPE
@@ -187,11 +201,30 @@ def main(argv=None) -> None:
             gb = int(row[len("offload"):])
             rows.append(pretrain_row(f"offload f={a.fraction} gb {gb}", shape, gb, a.iters,
                                      offload, dry, left()))
+        elif row.startswith(("bf16grads", "delayed")):
+            gb = int(row.removeprefix("bf16grads").removeprefix("delayed"))
+            budgets = largest.machine_budgets(None, dry)
+            f = largest.planned_fraction(budgets, model_flags(shape), gb)
+            flags = ["--optimizer-cpu-offload", "--accumulate-grads-in-bf16",
+                     "--optimizer-offload-fraction", str(f if f is not None else 1.0),
+                     "--overlap-cpu-optimizer-d2h-h2d", *a.extra]
+            flags += ["--offload-delayed-update"] if row.startswith("delayed") else []
+            rows.append(pretrain_row(f"{row} f={f}", shape, gb, a.iters, flags, dry, left()))
         elif row == "deepspeed":
             rows.append(pretrain_row("deepspeed zero3 cpu-offload gb 16", shape, 16,
                                      max(3, a.iters - 2), ["--deepspeed", "--zero-stage", "3",
                                                            "--offload-optimizer", "cpu"],
                                      dry, left()))
+        print(json.dumps(rows[-1]), flush=True)
+    for on, name, flags in ((a.largest, "largest", largest.PLAIN),
+                            (a.peer_largest, "peer-largest", largest.PEER)):
+        if not on:
+            continue
+        nvme = largest.nvme_dir(a.nvme_path) if name == "largest" else None
+        budgets = largest.machine_budgets(nvme, dry)
+        planned = largest.plan_largest(budgets, flags + (["--nvme-path", nvme] if nvme else []))
+        rows += largest.largest_rows(name, planned, a.largest_gbs, a.largest_iters, dry, left,
+                                     pretrain_row, shape)
         print(json.dumps(rows[-1]), flush=True)
     write_json(a.out, {"shape": shape, "fraction": a.fraction, "rows": rows})
     for r in rows:

@@ -19,7 +19,8 @@ from .ds_config import load_ds_json
 
 PLAIN_ONLY = (("optimizer_cpu_offload", "--optimizer-cpu-offload"),
               ("overlap_cpu_optimizer_d2h_h2d", "--overlap-cpu-optimizer-d2h-h2d"),
-              ("accumulate_grads_in_bf16", "--accumulate-grads-in-bf16"))
+              ("accumulate_grads_in_bf16", "--accumulate-grads-in-bf16"),
+              ("offload_delayed_update", "--offload-delayed-update"))
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class OffloadPlan:
     pin_memory: bool = True
     """Page-locked host buffers (the DMA engines copy them without a bounce through pageable
     memory); False only when a JSON says so."""
+    delayed: bool = False
+    """The host share's update lands one step late (`DelayedOffloadAdamW`)."""
+    delay_start: int = 0
+    """Optimizer steps updated at once before the delay starts."""
 
 
 def _json_zero(args) -> dict:
@@ -79,7 +84,15 @@ def plain_offload(args) -> OffloadPlan | None:
             flag = ("--optimizer-offload-fraction" if t.optimizer_offload_fraction != 1.0
                     else "--overlap-cpu-optimizer-d2h-h2d")
             raise ValueError(f"{flag} needs --optimizer-cpu-offload")
+        if t.offload_delayed_update:
+            raise ValueError("--offload-delayed-update needs --optimizer-cpu-offload")
         return None
+    if t.offload_delayed_update_start < 0:
+        raise ValueError(f"--offload-delayed-update-start must be >= 0, got "
+                         f"{t.offload_delayed_update_start}")
+    if t.offload_delayed_update and not t.overlap_cpu_optimizer_d2h_h2d:
+        raise ValueError("--offload-delayed-update needs --overlap-cpu-optimizer-d2h-h2d (the "
+                         "host step runs beside the next step)")
     nvme = zero.nvme_path or opt.get("nvme_path") or par.get("nvme_path")
     on_disk = "nvme" in devices or (t.optimizer_cpu_offload and zero.nvme_path)
     if "nvme" in devices and not nvme:
@@ -87,4 +100,6 @@ def plain_offload(args) -> OffloadPlan | None:
     pin = bool(opt.get("pin_memory", True)) and bool(par.get("pin_memory", True))
     return OffloadPlan(fraction=t.optimizer_offload_fraction,
                        overlap=t.overlap_cpu_optimizer_d2h_h2d,
-                       nvme_path=nvme if on_disk else None, pin_memory=pin)
+                       nvme_path=nvme if on_disk else None, pin_memory=pin,
+                       delayed=t.offload_delayed_update,
+                       delay_start=t.offload_delayed_update_start)

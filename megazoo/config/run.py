@@ -95,6 +95,13 @@ class TrainingConfig:
     """With --optimizer-cpu-offload: copy each bucket's gradient to the host as soon as it is
     final, step the host buckets on a worker thread, and let the next forward wait for each
     bucket's updated parameters only when it reaches them."""
+    offload_delayed_update: bool = False
+    """With --overlap-cpu-optimizer-d2h-h2d: ZeRO-Offload's one-step delayed update; the host
+    share's step t is computed while step t+1 runs and reaches the GPU before step t+2's
+    forward (the GPU share steps at once). See docs/offload.md for its convergence."""
+    offload_delayed_update_start: int = 0
+    """With --offload-delayed-update: the first this many optimizer steps update at once,
+    the delay starts after them (ZeRO-Offload's warm-up before its delayed update)."""
     seed: int = 1234
     """Seed of the weights, the data order and dropout."""
     num_layers_per_virtual_pipeline_stage: int | None = None

@@ -46,7 +46,10 @@ by part; bench/README.md and bench/results/plan_memory_* hold the comparisons):
   gradients.
 - the model's build: `run.py` builds every model in fp32 on the GPU before the engine casts,
   shards or offloads it: 4 B per parameter (plain engine: plus its main gradients, the moments
-  it keeps on the GPU and the bf16 copy the cast makes). `peak_allocated` is the larger of that
+  it keeps on the GPU and the bf16 copy the cast makes), except the offloaded plain engine in
+  bf16 / fp16 (`lean_build`): one sub-module in fp32 at a time, then the bf16 buffer, the main
+  gradients and the GPU share's fp32 masters; its fp32 model waits on the host (4 B per
+  parameter, counted in the host verdict). `peak_allocated` is the larger of that
   and training, what `pretrain_gpt.py` logs; the verdict takes the larger too.
 - activations: what megazoo's block saves for the backward, tensor by tensor
   (`megazoo/plan/activations.py`; GPT at tp = 1: 32 s b h bytes per block, no s x s term:

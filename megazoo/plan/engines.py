@@ -30,12 +30,13 @@ class Parts:
     disk: float = 0.0
     build: float = 0.0
     """GPU bytes allocated while the run builds its model and the engine takes it over:
-    `run.py` builds every model in fp32 on the device (4 B per parameter) before the engine
-    casts, shards or offloads it."""
+    `run.py` builds the model in fp32 on the device (4 B per parameter) before the engine
+    casts, shards or offloads it; the offloaded plain engine in bf16 / fp16 instead moves
+    each sub-module to the host as it is built (`training/backends/lean_build.py`)."""
     notes: list[str] = field(default_factory=list)
 
 
-def plain_parts(layout: Resolved, n: int) -> Parts:
+def plain_parts(layout: Resolved, n: int, unit: float = 0.0) -> Parts:
     """megazoo's own engine: bf16 / fp16 parameters (2 B), one contiguous main-gradient buffer
     (fp32, 4 B; bf16 with --accumulate-grads-in-bf16; its buckets are views), fp32 masters and
     AdamW moments (12 B), the latter over dp x sp with the distributed optimizer. In fp32 the
@@ -45,7 +46,11 @@ def plain_parts(layout: Resolved, n: int) -> Parts:
     (counted with the optimizer state): a gradient-sized worker residual, and for 1bit / 2bit
     without the distributed optimizer a 1/(dp x sp) server residual. Build: the fp32 model
     (it doubles as the masters until the cast), the main gradients, the moments kept on the
-    GPU, and the bf16 copy made by the cast."""
+    GPU, and the bf16 copy made by the cast. The lean build (bf16 / fp16 with `OffloadAdamW`:
+    offload or bf16 main gradients) instead holds one sub-module's fp32 parameters at a time
+    (at most `unit` elements: a block, the embedding or the head), then the bf16 buffer, the
+    main gradients and the GPU share's fp32 initial masters; the host holds the fp32 model
+    (4 B per parameter) while the engine starts, its peak if that exceeds training's."""
     z = layout.dp * layout.sp
     shard = z if layout.distributed_optimizer else 1
     grad_b = 2 if layout.grads_bf16 else 4
@@ -68,6 +73,13 @@ def plain_parts(layout: Resolved, n: int) -> Parts:
         server = layout.gradient_compression != "topk" and not layout.distributed_optimizer
         parts.optim += 4 * n * (1 + (1 / z if server else 0))
         parts.notes.append(f"gradient compression {layout.gradient_compression}: fp32 residuals")
+    if layout.low_precision and (layout.optimizer_cpu_offload or layout.grads_bf16):
+        masters = parts.optim * (4 / state_b)  # the GPU share's initial fp32 masters
+        parts.build = max(4 * unit, parts.params + parts.grads + masters)
+        parts.host = max(parts.host, 4 * n + TORCH_HOST_RUNTIME_BYTES)
+        parts.notes.append("lean build: one sub-module in fp32 on the GPU at a time, the fp32 "
+                           "model on the host while the engine starts")
+        return parts
     moments_on_gpu = parts.optim * (8 / state_b) if state_b == 12 else parts.optim
     cast = 2 * n if layout.low_precision else 0.0
     parts.build = 4 * n + grad_b * n + moments_on_gpu + cast

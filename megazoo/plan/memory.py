@@ -103,7 +103,8 @@ def _estimate(config: ModelConfig, layout: Resolved, n_gpu: int | None = None,
     n_gpu = counts["stage"] if n_gpu is None else n_gpu
     grad_b = 4 if (layout.options.fp32_grad_accumulation or not layout.low_precision) else 2
     if layout.plain_engine:
-        parts = plain_parts(layout, n_gpu)
+        parts = plain_parts(layout, n_gpu, max(counts["block"], counts["embedding"],
+                                               counts["head"]))
     elif layout.zero_impl == "fsdp2":
         parts = fsdp2_parts(config, layout, n_gpu)
     else:

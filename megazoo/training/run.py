@@ -22,7 +22,6 @@ import torch.distributed as dist
 from ..config.flags import parse_args
 from ..config.run import PretrainArgs
 from ..layers.fp8 import check_fp8_run
-from ..models import build_model
 from ..models.parts import check_sequence_length
 from ..errors import report_error
 from ..parallel.device import local_device
@@ -31,6 +30,7 @@ from ..plot import draw_run_curves
 from .checkpoint import load_training_checkpoint
 from .data import TrainData, build_data, resolve_data_source, unigram_entropy
 from .backends import Engine, TrainingStopped, build_engine
+from .backends.lean_build import build_run_model
 from .metrics import MetricsLogger
 from .run_checks import check_save_targets, prepare_save_dir, resume_warnings
 from .loop import evaluate, train
@@ -90,7 +90,7 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     prepare_save_dir(args, rank0, log)
     entropy = unigram_entropy(data.prefixes, data.tokenizer.vocab_size)
     device = data.device = local_device()
-    model = build_model(args.model, state, device=device, seed=args.training.seed)
+    model = build_run_model(args, state, device)  # lean: fp32 on the host, one unit at a time
     model.check_inputs = False  # build_data's check_vocabulary checked every id already
     engine = build_engine(args, model, state)
     advice = host_thread_advice(engine.cpu_offload, torch.get_num_threads(), os.cpu_count() or 1,

@@ -161,8 +161,23 @@ def test_largest_prints_a_command_the_run_accepts(capsys):
     est = estimate_memory(args, PlanOptions(gpu_memory=80, host_memory=125, disk_memory=500))
     assert est.fits  # ... and plans as the search said
     assert out.startswith(f"largest that trains here: llama {est.num_parameters / 1e9:.2f}B")
-    # today's run builds the model in fp32 on the GPU first: that, not training, is the limit
-    assert est.build_peak > est.allocated and "training alone would fit llama" in out
+    # the lean build holds one sub-module in fp32 on the GPU: training, not the build, limits
+    assert est.build_peak <= est.allocated and "training alone would fit" not in out
+
+
+def test_lean_build_term_holds_one_unit_in_fp32_and_the_model_on_the_host():
+    base = ["--family", "llama", "--num-layers", "8", "--hidden-size", "4096",
+            "--num-attention-heads", "32", "--num-key-value-heads", "8", "--ffn-hidden-size",
+            "14336", "--seq-length", "2048", "--micro-batch-size", "1", "--global-batch-size",
+            "1", "--bf16"]
+    lean = estimate_memory(parse_args(base + ["--optimizer-cpu-offload"]), PlanOptions())
+    today = estimate_memory(parse_args(base), PlanOptions())  # no offload: the fp32 build
+    n = lean.parameters_per_gpu
+    # bf16 parameters + fp32 main gradients + no GPU masters (all offloaded): 6 B/param,
+    # against today's build of the un-offloaded engine: fp32 model + grads + moments + cast
+    assert lean.build_peak == pytest.approx(6 * n, rel=1e-6)
+    assert today.build_peak == pytest.approx((4 + 4 + 8 + 2) * n, rel=1e-6)
+    assert lean.host_per_gpu >= 4 * n  # the fp32 model waits on the host
 
 
 def test_largest_without_a_fit_is_one_line(capsys):

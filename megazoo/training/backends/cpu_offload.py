@@ -52,6 +52,10 @@ class Slot:
     future: object = None
     gather: object = None
     pending: bool = False
+    stale: bool = False
+    """Delayed update: the host has (or is computing) an update not sent up yet."""
+    upload: object = None
+    """Delayed update: the worker's job sending the last update's parameters up."""
 
     @property
     def numel(self) -> int:

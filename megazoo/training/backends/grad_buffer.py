@@ -96,14 +96,14 @@ class GradBuffer:
 
     def __init__(self, model: nn.Module, state: ParallelState, *, bucket_numel: int,
                  overlap: bool, shard: bool, deferred: tuple = (), reducer=None, fused=(),
-                 grad_dtype: torch.dtype = torch.float32):
+                 grad_dtype: torch.dtype = torch.float32, device=None, dtype=None):
         self.state, self.overlap, self.shard = state, overlap, shard
         self.group = state.dp_sp
         params = [p for p in model.parameters() if p.requires_grad][::-1]
         self.params = params
         self.offsets, self.buckets, self.numel = _layout(
             params, max(int(bucket_numel), 1), self.group.size, {id(p) for p in deferred})
-        device, dtype = params[0].device, params[0].dtype
+        device, dtype = device or params[0].device, dtype or params[0].dtype  # (lean_build)
         self.param_data = torch.zeros(self.numel, dtype=dtype, device=device)
         self.main_grad = torch.zeros(self.numel, dtype=grad_dtype, device=device)
         self.on_final = None  # callable(bucket): its reduced gradient is complete

@@ -26,7 +26,6 @@ files are the same with or without sharding and load at any dp.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ...parallel.collectives import all_gather_flat

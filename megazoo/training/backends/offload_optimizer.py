@@ -34,24 +34,16 @@ from torch import nn
 from ...parallel.collectives import all_gather_flat
 from .cpu_offload import (NAMES, ResidentStore, Transfers, adamw_,
                           bucket_slots, check_host_memory, init_steps, set_steps)
-from ...plan.offload import check_nvme_path, host_memory_bytes
-from ...config.offload import OffloadPlan
+from ...plan.offload import host_memory_bytes
 from .grad_buffer import GradBuffer
-from .master_optimizer import MasterAdamW, hook_bucket_waits
+from .lean_build import drop_values, fill_flat_, held_bytes
+from .master_optimizer import hook_bucket_waits
 
 UP_BUFFERS = 4  # pinned staging buffers for parameters going up (a ring)
 
 
-def build_master_optimizer(model: nn.Module, buffers: GradBuffer, cfg, plan: OffloadPlan | None):
-    """`MasterAdamW`, or `OffloadAdamW` for an offload plan or bf16 main gradients (all on the
-    GPU then: it upcasts each bucket's gradient to fp32 before the step)."""
-    if plan is None and cfg.accumulate_grads_in_bf16:
-        plan = OffloadPlan(fraction=0.0, overlap=False)
-    if plan is None:
-        return MasterAdamW(model, buffers, cfg, overlap_param_gather=cfg.overlap_param_gather)
-    if plan.nvme_path is not None:
-        check_nvme_path(plan.nvme_path)
-    return OffloadAdamW(model, buffers, cfg, plan, overlap_param_gather=cfg.overlap_param_gather)
+def _plus(available: int | None, freed: int) -> int | None:
+    return None if available is None else available + freed
 
 
 def _host_store(plan, numels: list[int], pin: bool, rank: int):
@@ -70,7 +62,7 @@ class OffloadAdamW:
     state_device = torch.device("cpu")  # where full_state's tensors live
 
     def __init__(self, model: nn.Module, buffers: GradBuffer, cfg, plan, *,
-                 overlap_param_gather: bool = False):
+                 overlap_param_gather: bool = False, initial: dict | None = None):
         self.buffers, self.cfg, self.plan = buffers, cfg, plan
         data = buffers.param_data
         self.device = data.device
@@ -82,24 +74,18 @@ class OffloadAdamW:
         staging = buffers.main_grad.element_size()  # every host bucket's gradient waits
         resident = 0 if plan.nvme_path else 12  # fp32 master + 2 moments per element
         check_host_memory(self.host_numel * (resident + staging), plan.nvme_path is not None,
-                          host_memory_bytes())
+                          _plus(host_memory_bytes(), held_bytes(initial)))
         self.stores = {True: _host_store(plan, [s.numel for s in host], self.copies.pin,
                                          buffers.state.global_rank),
                        False: ResidentStore([s.numel for s in self.slots if not s.host],
                                             self.device, pin=False)}
         self._initial = {}  # GPU slots: fp32 initial masters until their state exists
         with torch.no_grad():
-            for slot in self.slots:  # fp32 initial values (the buffer is not cast yet)
+            for slot in self.slots:
                 init_steps(slot, torch.device("cpu") if slot.host else self.device)
-                if not slot.host:
-                    self._initial[slot.index] = data[slot.lo:slot.hi].clone()
-                    continue
-                state = self._acquire(slot)
-                state["master"].copy_(data[slot.lo:slot.hi])
-                for k in NAMES[1:]:  # (a disk store may hold an older run's files)
-                    state[k].zero_()
-                self._release(slot)
-                slot.grad = self.copies.host_empty(slot.numel, buffers.main_grad.dtype)
+                self._init_master(slot, data, initial)
+                if slot.host:
+                    slot.grad = self.copies.host_empty(slot.numel, buffers.main_grad.dtype)
         self.stores[True].flush()
         # parameters go up through a small ring of staging buffers (an upload takes ~ms)
         largest = max((s.numel for s in host), default=0)
@@ -116,6 +102,24 @@ class OffloadAdamW:
         buffers.on_final = self._send
         if plan.overlap or self.overlap_param_gather:
             hook_bucket_waits(model, buffers, self.wait_params)
+
+    def _init_master(self, slot, data: torch.Tensor, initial: dict | None) -> None:
+        """The slot's fp32 initial master: from the flat buffer (still fp32 then), or from
+        `initial` (host tensors: a host slot takes them without a GPU round trip)."""
+        if initial is None:
+            values = data[slot.lo:slot.hi]
+        else:
+            values = torch.empty(slot.numel, dtype=torch.float32)
+            fill_flat_(values, slot.lo, slot.hi, slot.bucket, self.buffers.offsets, initial)
+            drop_values(slot.bucket, initial)  # (a bucket's parameters are in no other)
+        if not slot.host:
+            self._initial[slot.index] = values.to(self.device, copy=True)
+            return
+        state = self._acquire(slot)
+        state["master"].copy_(values)
+        for k in NAMES[1:]:  # (a disk store may hold an older run's files)
+            state[k].zero_()
+        self._release(slot)
 
     # -- state access -----------------------------------------------------------------------
     def _acquire(self, slot) -> dict:
@@ -198,12 +202,18 @@ class OffloadAdamW:
             store.prefetch(nxt.index)
         self.copies.host_waits(slot.d2h)
         adamw_(state, self._fp32(slot, slot.grad), slot, lr, self.cfg, self._divisor[True])
+        if after is not False:  # (False: the delayed update sends them a step later)
+            self._stage_up(slot, state, after)
+        store.release(slot.index)
+
+    def _stage_up(self, slot, state: dict, after) -> None:
+        """The slot's new parameters through the next ring buffer up to the device, once the
+        compute stream has passed `after`."""
         r = self._up_next
         self._up_next = (r + 1) % len(self._up)
         self.copies.host_waits(self._up_events[r])  # that buffer's last upload has left
         up = self._up[r][:slot.numel]
         up.copy_(state["master"])
-        store.release(slot.index)
         slot.h2d = self._up_events[r] = self.copies.to_device(
             self.buffers.param_data[slot.lo:slot.hi], up, after)
 
@@ -218,10 +228,14 @@ class OffloadAdamW:
                                  async_op=async_op)
         slot.gather = handle if async_op else None
 
-    def _wait_slot(self, slot) -> None:
-        if slot.future is not None:
-            slot.future.result()
-            slot.future = None
+    def _wait_slot(self, slot, host_step: bool = True) -> None:
+        """Wait for the slot's upload job (delayed update), its host step unless not
+        `host_step`, then its parameters' copy up and all-gather."""
+        for name in ("upload", "future") if host_step else ("upload",):
+            job = getattr(slot, name)
+            if job is not None:
+                job.result()
+                setattr(slot, name, None)
         if slot.pending:
             slot.pending = False
             self.copies.device_waits(slot.h2d)

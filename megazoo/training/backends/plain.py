@@ -33,11 +33,14 @@ from ...compress import Reducer
 from ...parallel.state import ParallelState
 from .base import Engine
 from .grad_buffer import GradBuffer
+from .lean_build import initial_values
+from ...parallel.device import local_device
 from ..gradients import (clip_divisor, counted_flat_ranges, flat_grad_norm,
                         hook_sequence_parallel_grads, intersect, sum_tied_embedding,
                         tied_embedding_weight)
 from .master_optimizer import MOMENTS
-from .offload_optimizer import OffloadAdamW, build_master_optimizer
+from .offload_optimizer import OffloadAdamW
+from .optimizer_choice import build_master_optimizer
 from ...config.offload import plain_offload
 from ..scaler import DynamicLossScaler
 
@@ -84,14 +87,17 @@ class PlainEngine(Engine):
         fuse = cfg.gradient_accumulation_fusion and not (bf16_grads and config.model.fp8_format)
         # offload overlap: each bucket's gradient leaves as soon as it is final
         overlap = cfg.overlap_grad_reduce or bool(self.offload and self.offload.overlap)
+        initial = initial_values(model, cfg, self.offload)  # the masters come from these
+        lean = dict(device=local_device(), dtype=model_dtype(cfg)) if initial else {}
         self.buffers = GradBuffer(model, state, bucket_numel=bucket, overlap=overlap,
                                   shard=cfg.use_distributed_optimizer,
                                   deferred=() if tied is None else (tied,),
                                   reducer=self.reducer,
                                   fused=fusable_weights(model) if fuse else (),
-                                  grad_dtype=torch.bfloat16 if bf16_grads else torch.float32)
+                                  grad_dtype=torch.bfloat16 if bf16_grads else torch.float32,
+                                  **lean)
         self.resume_notes: list[str] = []
-        self.optimizer = build_master_optimizer(model, self.buffers, cfg, self.offload)
+        self.optimizer = build_master_optimizer(model, self.buffers, cfg, self.offload, initial)
         self.buffers.cast_params(model_dtype(cfg))
         counted = counted_flat_ranges([(p, self.buffers.offsets[id(p)]) for p in self.buffers.params],
                                       state)

@@ -1,0 +1,103 @@
+"""ZeRO-Offload's one-step delayed parameter update (Ren et al. 2021, "DPU") for the plain
+engine's offloaded optimizer (--offload-delayed-update, with --optimizer-cpu-offload and
+--overlap-cpu-optimizer-d2h-h2d).
+
+Without it the host share's step needs the global gradient norm, so it starts after the last
+backward and the next forward waits for it: the host step is exposed. With it the host step
+of step t's gradient runs on the worker thread while step t+1 computes, and its parameters
+go up at step t+1's optimizer step (after that step's backward has read the old ones),
+before step t+2's forward. The GPU share steps at once, as always.
+
+The semantics, precisely. Write M_t for the host share's fp32 masters after t optimizer
+steps (M_0 the initial values), P_t for the host share's parameters the forward of step t+1
+computes with, and g_t for step t's reduced gradient. Then M_t = AdamW(M_{t-1}, g_t) as
+without the delay, P_0 = cast(M_0) and P_t = cast(M_{t-1}) for t >= 1: the gradient
+of step t is taken at the host-share parameters of one update earlier. The GPU share's
+parameters after t steps are its masters after t steps. With
+--offload-delayed-update-start N the first N steps update at once (P_t = cast(M_t) for
+t <= N; ZeRO-Offload's warm-up) and the delay starts with step N+1. (Checked in
+tests/training/test_offload_delayed.py; convergence beside the undelayed update in
+docs/offload.md.)
+
+Checkpoints. A save (and a load) first flushes the delay: the in-flight update is sent up, so
+the run that saved continues from P_t = cast(M_t), exactly where a run resumed from the
+checkpoint starts; the delay goes on from the next step. A save therefore moves that run's
+host share one update ahead once, and resuming is exact.
+"""
+from __future__ import annotations
+
+import torch
+
+from .offload_optimizer import OffloadAdamW
+
+
+class DelayedOffloadAdamW(OffloadAdamW):
+    """`OffloadAdamW` whose host share lands one step late; see the module docstring."""
+
+    @torch.no_grad()
+    def step(self, lr: float, grad_divisor: float = 1.0, frozen_at: int | None = None) -> None:
+        if self.step_count < self.plan.delay_start:  # the warm-up: at once
+            return super().step(lr, grad_divisor, frozen_at)
+        if frozen_at is not None:
+            raise ValueError("the offloaded optimizer has no frozen-variance step")
+        host = [s for s in self.order if s.host]
+        for slot in host:
+            if not slot.sent:
+                self._send(slot.bucket)  # (waits for that slot's last host step)
+        self._wait_host_steps()
+        self.step_count += 1
+        for divisor in self._divisor.values():
+            divisor.fill_(grad_divisor)
+        after = self.copies.mark()  # backward is done reading the parameters
+        for slot in host:  # the last update goes up first (the worker runs jobs in order)
+            self._send_up(slot, after)
+        for k, slot in enumerate(host):
+            nxt = host[k + 1] if k + 1 < len(host) else None
+            slot.sent, slot.stale = False, True
+            slot.future = self._worker.submit(self._host_step, slot, nxt, lr, False)
+        for slot in self.order:
+            if not slot.host:
+                self._device_step(slot, lr)
+
+    def _send_up(self, slot, after) -> None:
+        """Queue the upload of the slot's last update (if one waits)."""
+        if slot.stale:
+            slot.stale, slot.pending = False, True
+            slot.upload = self._worker.submit(self._upload, slot, after)
+
+    def _upload(self, slot, after) -> None:
+        store = self.stores[True]
+        self._stage_up(slot, store.acquire(slot.index), after)
+        store.release(slot.index, write=False)
+
+    def _wait_host_steps(self) -> None:
+        for slot in self.slots:
+            if slot.future is not None:
+                slot.future.result()
+                slot.future = None
+
+    def wait_params(self, indices=None) -> None:
+        """The parameters the next forward uses (the update of one step earlier): the
+        uploads only, never the host step in flight (all of it during the warm-up)."""
+        slots = self.order if indices is None else [self.slots[i] for i in indices]
+        for slot in slots:
+            self._wait_slot(slot, host_step=self.step_count <= self.plan.delay_start)
+
+    def flush(self) -> None:
+        """Finish the host step in flight and send its parameters up now."""
+        self._wait_host_steps()
+        after = self.copies.mark()
+        for slot in self.order:
+            if slot.host:
+                self._send_up(slot, after)
+        for slot in self.order:
+            self._wait_slot(slot)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        self.flush()
+        return super().full_state()
+
+    @torch.no_grad()
+    def load_full_state(self, full: dict[str, torch.Tensor], step: int) -> None:
+        self.flush()
+        super().load_full_state(full, step)
