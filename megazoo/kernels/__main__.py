@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> None:
     from ..data.helpers import backend  # csrc/data_helpers.cpp: built, or why NumPy runs
 
     info = backend()
-    state = "C++ (built)" if info.name == "cpp" else "NumPy fallback"
+    state = "C++ (built)" if info.impl == "cpp" else "NumPy fallback"
     print(f"\ndataset index helpers (csrc/data_helpers.cpp): {state}: {info.reason}")
 
 
