@@ -92,16 +92,6 @@ def bucket_slots(buffers, fraction: float) -> list[Slot]:
     return slots
 
 
-def check_host_memory(needed: int, on_disk: bool, available: int | None) -> None:
-    """One line naming the numbers when the host share cannot fit in host memory."""
-    if available is None or needed <= available:
-        return
-    fix = ("lower --optimizer-offload-fraction" if on_disk else
-           "pass --nvme-path DIR (the state on disk) or lower --optimizer-offload-fraction")
-    raise ValueError(f"the offloaded optimizer needs {needed / 2**30:.1f} GiB of host memory "
-                     f"and {available / 2**30:.1f} GiB are available: {fix}")
-
-
 def fused_available(device: torch.device) -> bool:
     return device.type in _get_fused_kernels_supported_devices()
 

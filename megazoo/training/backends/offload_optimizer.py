@@ -33,8 +33,8 @@ from torch import nn
 
 from ...parallel.collectives import all_gather_flat
 from .cpu_offload import (NAMES, ResidentStore, Transfers, adamw_,
-                          bucket_slots, check_host_memory, init_steps, set_steps)
-from ...plan.offload import host_memory_bytes
+                          bucket_slots, init_steps, set_steps)
+from ...plan.offload import check_offload_plan, host_memory_bytes
 from .grad_buffer import GradBuffer
 from .lean_build import drop_values, fill_flat_, held_bytes
 from .master_optimizer import hook_bucket_waits
@@ -73,8 +73,9 @@ class OffloadAdamW:
         self.host_numel = sum(s.numel for s in host)
         staging = buffers.main_grad.element_size()  # every host bucket's gradient waits
         resident = 0 if plan.nvme_path else 12  # fp32 master + 2 moments per element
-        check_host_memory(self.host_numel * (resident + staging), plan.nvme_path is not None,
-                          _plus(host_memory_bytes(), held_bytes(initial)))
+        check_offload_plan(self.host_numel * (resident + staging), 0, nvme_path=plan.nvme_path,
+                           host_memory=_plus(host_memory_bytes(), held_bytes(initial)),
+                           disk_memory=None)
         self.stores = {True: _host_store(plan, [s.numel for s in host], self.copies.pin,
                                          buffers.state.global_rank),
                        False: ResidentStore([s.numel for s in self.slots if not s.host],
