@@ -23,6 +23,13 @@ PLAIN_ONLY = (("optimizer_cpu_offload", "--optimizer-cpu-offload"),
               ("offload_delayed_update", "--offload-delayed-update"))
 
 
+def check_offload_fraction(fraction: float) -> None:
+    """ValueError unless 0 <= --optimizer-offload-fraction <= 1 (the run's and the planner's
+    one check)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
+
+
 @dataclass(frozen=True)
 class OffloadPlan:
     """The plain engine's optimizer offload."""

@@ -13,6 +13,7 @@ from ..data.splits import parse_data_prefix
 from ..parallel.config import ParallelConfig
 from .compression import CompressionConfig
 from .model import ModelConfig
+from .offload import check_offload_fraction
 from .zero import ZeroConfig
 
 DECAY_STYLES = ("cosine", "linear", "constant")
@@ -133,9 +134,7 @@ class TrainingConfig:
         if not self.accumulate_allreduce_grads_in_fp32:
             raise ValueError("main gradients are always fp32 unless --accumulate-grads-in-bf16: "
                              "pass that instead of --no-accumulate-allreduce-grads-in-fp32")
-        fraction = self.optimizer_offload_fraction
-        if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
+        check_offload_fraction(self.optimizer_offload_fraction)
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
         if not 1.0 <= self.min_loss_scale <= self.initial_loss_scale or self.loss_scale_window < 1:

@@ -30,6 +30,8 @@ import os
 import tempfile
 from dataclasses import dataclass
 
+from ..config.offload import check_offload_fraction
+
 GB = 1e9
 STATE_BYTES = 12  # fp32 master + AdamW m, v per parameter
 TRANSFER_BUCKETS = 2  # gradient / parameter buckets in flight each way
@@ -71,7 +73,7 @@ class OffloadPlan:
 def offload_bytes(state_params: float, *, fraction: float, bucket_elements: int,
                   grad_bytes: int, nvme: bool, state_bytes: int = STATE_BYTES) -> OffloadPlan:
     """The offload's bytes for `state_params` parameters of optimizer state on this rank."""
-    check_fraction(fraction)
+    check_offload_fraction(fraction)
     state = state_bytes * state_params
     bucket = min(bucket_elements, state_params)
     staging = 2 * TRANSFER_BUCKETS * pinned(bucket * WIRE_BYTES)  # gradients down, params up
@@ -82,12 +84,6 @@ def offload_bytes(state_params: float, *, fraction: float, bucket_elements: int,
     return OffloadPlan(gpu_state=state - host_share, gpu_buffers=gpu_buffers,
                        host_state=0.0 if nvme else host_share, host_staging=staging,
                        disk=host_share if nvme else 0.0)
-
-
-def check_fraction(fraction: float) -> None:
-    """ValueError unless 0 <= fraction <= 1."""
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
 
 
 def check_nvme_path(path: str) -> float:
@@ -150,7 +146,7 @@ def check_offload_run(state_params: float, *, fraction: float, bucket_elements: 
     --nvme-path folder (created if needed, written to once), and whether the host's available
     memory (`host_memory`, default MemAvailable now) and the disk's free space hold this
     plan for `ranks_per_host` ranks. Returns the plan; ValueError (one line) otherwise."""
-    check_fraction(fraction)
+    check_offload_fraction(fraction)
     disk_free = check_nvme_path(nvme_path) if nvme_path else None
     plan = offload_bytes(state_params, fraction=fraction, bucket_elements=bucket_elements,
                          grad_bytes=grad_bytes, nvme=bool(nvme_path), state_bytes=state_bytes)
