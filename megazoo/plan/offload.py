@@ -142,10 +142,12 @@ def check_offload_run(state_params: float, *, fraction: float, bucket_elements: 
                       grad_bytes: int, nvme_path: str | None, ranks_per_host: int = 1,
                       state_bytes: int = STATE_BYTES,
                       host_memory: float | None = None) -> OffloadPlan:
-    """What the engine runs before training with --optimizer-cpu-offload: the fraction, the
-    --nvme-path folder (created if needed, written to once), and whether the host's available
+    """The whole pre-training check of a planned offload, from parameter counts: the fraction,
+    the --nvme-path folder (created if needed, written to once), and whether the host's available
     memory (`host_memory`, default MemAvailable now) and the disk's free space hold this
-    plan for `ranks_per_host` ranks. Returns the plan; ValueError (one line) otherwise."""
+    plan for `ranks_per_host` ranks. Returns the plan; ValueError (one line) otherwise. (The
+    engine makes the same checks from its actual buckets: `check_nvme_path` and
+    `check_offload_plan`.)"""
     check_offload_fraction(fraction)
     disk_free = check_nvme_path(nvme_path) if nvme_path else None
     plan = offload_bytes(state_params, fraction=fraction, bucket_elements=bucket_elements,
