@@ -51,7 +51,7 @@ def default_bucket_elements(dp_sp: int) -> int:
 
 
 @dataclass(frozen=True)
-class OffloadPlan:
+class OffloadBytes:
     """Bytes of the optimizer offload by place (one rank)."""
 
     gpu_state: float
@@ -71,7 +71,7 @@ class OffloadPlan:
 
 
 def offload_bytes(state_params: float, *, fraction: float, bucket_elements: int,
-                  grad_bytes: int, nvme: bool, state_bytes: int = STATE_BYTES) -> OffloadPlan:
+                  grad_bytes: int, nvme: bool, state_bytes: int = STATE_BYTES) -> OffloadBytes:
     """The offload's bytes for `state_params` parameters of optimizer state on this rank."""
     check_offload_fraction(fraction)
     state = state_bytes * state_params
@@ -81,7 +81,7 @@ def offload_bytes(state_params: float, *, fraction: float, bucket_elements: int,
         staging += NVME_STAGING_BUCKETS * pinned(bucket * state_bytes)
     gpu_buffers = TRANSFER_BUCKETS * bucket * WIRE_BYTES if grad_bytes > WIRE_BYTES else 0.0
     host_share = fraction * state
-    return OffloadPlan(gpu_state=state - host_share, gpu_buffers=gpu_buffers,
+    return OffloadBytes(gpu_state=state - host_share, gpu_buffers=gpu_buffers,
                        host_state=0.0 if nvme else host_share, host_staging=staging,
                        disk=host_share if nvme else 0.0)
 
@@ -141,7 +141,7 @@ def check_offload_plan(host_needed: float, disk_needed: float, *, host_memory: f
 def check_offload_run(state_params: float, *, fraction: float, bucket_elements: int,
                       grad_bytes: int, nvme_path: str | None, ranks_per_host: int = 1,
                       state_bytes: int = STATE_BYTES,
-                      host_memory: float | None = None) -> OffloadPlan:
+                      host_memory: float | None = None) -> OffloadBytes:
     """The whole pre-training check of a planned offload, from parameter counts: the fraction,
     the --nvme-path folder (created if needed, written to once), and whether the host's available
     memory (`host_memory`, default MemAvailable now) and the disk's free space hold this
