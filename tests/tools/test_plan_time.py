@@ -21,6 +21,7 @@ from megazoo.plan.timing import step_time
 GPT_1_3B = ("--family gpt --num-layers 24 --hidden-size 2048 --num-attention-heads 16 "
             "--ffn-hidden-size 8192 --seq-length 2048 --max-position-embeddings 2048 "
             "--micro-batch-size 4 --bf16")
+DP2 = " --dp 2 --overlap-grad-reduce --use-distributed-optimizer"
 LLAMA_8B_4L = ("--family llama --num-layers 4 --hidden-size 4096 --num-attention-heads 32 "
                "--num-key-value-heads 8 --ffn-hidden-size 14336 --seq-length 4096 "
                "--max-position-embeddings 4096 --micro-batch-size 1 --bf16 --global-batch-size 8")
@@ -63,6 +64,9 @@ def test_the_stored_fit_is_what_fitting_gives():
     (LLAMA_8B_4L, "h100-sxm", 2048, 97.6e3),
     # BENCHMARKS.md, 1x H100, 2026-11-25: --fp8-format hybrid 129.2k
     (LLAMA_8B_4L + " --fp8-format hybrid", "h100-sxm", 2048, 129.2e3),
+    # bench/results/two_gpu_dp_h100x2_2026-11-25.md, 2x H100, data parallel
+    (GPT_1_3B + DP2 + " --global-batch-size 16", "h100-sxm", 2048, 120.7e3),
+    (GPT_1_3B + DP2 + " --global-batch-size 64", "h100-sxm", 2048, 130.4e3),
 ])
 def test_our_measured_runs_within_ten_percent(flags, cluster, vocab, measured):
     assert _predict(flags, cluster, vocab).tokens_per_s == pytest.approx(measured, rel=0.10)
