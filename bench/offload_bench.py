@@ -87,7 +87,7 @@ def adamw_rows(n: int) -> list[dict]:
 def fwd_bwd_row(shape: dict, gb: int, dry: bool) -> dict:
     """The model's forward + backward over one global batch of micro-batches, no step."""
     from megazoo.models import ModelConfig, build_model
-    from megazoo.training.logging import flops_per_iteration
+    from megazoo.models.flops import flops_per_iteration
 
     device = torch.device("cpu" if dry else "cuda")
     cfg = ModelConfig(family="llama", num_layers=shape["layers"], hidden_size=shape["hidden"],

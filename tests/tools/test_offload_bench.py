@@ -19,13 +19,13 @@ def test_run_flags_drop_the_batch_sizes_the_rows_set():
 @pytest.mark.slow
 def test_dry_run_of_the_new_rows(tmp_path):
     out = tmp_path / "rows.json"
-    offload_bench.main(["--dry-run", "--rows", "delayed16", "--iters", "3", "--largest",
+    offload_bench.main(["--dry-run", "--rows", "fwd", "delayed16", "--iters", "3", "--largest",
                         "--largest-iters", "3", "--nvme-path", str(tmp_path / "nvme"),
                         "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert [r["row"].split(" f=")[0] for r in rows] == ["delayed16", "largest gb 4",
-                                                        "largest gb 16"], rows
+    assert [r["row"].split(" f=")[0] for r in rows] == ["fwd+bwd gb 16", "delayed16",
+                                                        "largest gb 4", "largest gb 16"], rows
     for r in rows:
         assert "error" not in r and r["tokens_per_s"] > 0, r
-    assert "--offload-delayed-update" in rows[0]["command"]
-    assert rows[1]["num_parameters"] > 1e9 and "pretrain_gpt.py" in rows[1]["planned_command"]
+    assert "--offload-delayed-update" in rows[1]["command"]
+    assert rows[2]["num_parameters"] > 1e9 and "pretrain_gpt.py" in rows[2]["planned_command"]
