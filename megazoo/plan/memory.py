@@ -10,8 +10,8 @@ from ..models.params import count_parameters, parameter_parts
 from .activations import stage_activations
 from .engines import Parts, deepspeed_parts, fsdp2_parts, plain_parts
 from .layout import PlanOptions, Resolved, resolve
+from .offload import GB
 
-GB = 1e9
 BUCKET_ELEMENTS = 5e8  # DeepSpeed reduce_bucket_size / allgather_bucket_size defaults
 RUNTIME_BYTES = 2**30  # CUDA context, cuBLAS / NCCL workspaces
 LIVE_ELEMENTS = 5e8  # DeepSpeed ZeRO-3 keeps gathered what is reused within 1e9 elements
