@@ -3,18 +3,17 @@
 The parser is `pretrain_gpt.py`'s own (`megazoo.config.flags.build_parser`), extended
 with the planner's few flags; the parsed flags become the run's `PretrainArgs` through the
 run's own `args_from_namespace` (and its checks). Every error is one line and exit status 2,
-with a "did you mean" for a misspelt flag or preset.
+with a "did you mean" for a misspelt flag or preset (`HintingParser`).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import json
-import re
 import sys
 import typing
 
+from ..cli_parser import HintingParser
 from ..errors import report_error
 from ..config.flags import args_from_namespace, build_parser, field_docs
 from ..config.presets import PRESETS
@@ -27,33 +26,9 @@ from . import timecli
 from .stages import draw_plan, stage_estimates
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but an error is one line ("error: ...", a suggestion) and exit status 2."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
-
-    def error(self, message: str) -> typing.NoReturn:
-        raise SystemExit(report_error(f"{message}{_suggestion(self, message)}"))
-
-
-def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
-    """"; did you mean X?" for an unknown flag or an invalid choice (difflib), else ""."""
-    choice = re.search(r"invalid choice: '([^']*)'", message)
-    if choice:
-        words, candidates = [choice.group(1)], sorted(PRESETS)
-    elif message.startswith("unrecognized arguments:"):
-        words = [w for w in message.split(":", 1)[1].split() if w.startswith("-")]
-        candidates = list(parser._option_string_actions)
-    else:
-        return ""
-    close = [m for w in words for m in difflib.get_close_matches(w, candidates, n=1)]
-    return f"; did you mean {', '.join(close)}?" if close else ""
-
-
 def plan_parser() -> argparse.ArgumentParser:
     """pretrain_gpt.py's flags plus the planner's (`--dp`, PlanOptions' fields, `--json`)."""
-    parser = build_parser(_OneLineParser(
+    parser = build_parser(HintingParser(
         prog="python -m megazoo.plan",
         description="Predict the GPU and host memory of a pretrain_gpt.py run: pass the run's "
                     "flags, plus the data-parallel size to plan for."))
@@ -130,20 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     """Plan the run the flags describe; 0, or one "error: ..." line and 2."""
     parser = plan_parser()
     ns = parser.parse_args(argv)
-    if ns.cluster or ns.search:
-        try:
-            if not ns.cluster:
-                raise ValueError("--search needs --cluster NAME (the GPUs and links to rank on)")
-            return timecli.run(ns, parser, sys.argv[1:] if argv is None else list(argv))
-        except (ValueError, OSError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+    argv = sys.argv[1:] if argv is None else list(argv)
     given = {k[len("plan__"):]: v for k, v in vars(ns).items() if k.startswith("plan__")}
-    _default_sequence(ns)
     try:
+        if ns.search and not ns.cluster:
+            raise ValueError("--search needs --cluster NAME (the GPUs and links to rank on)")
+        if ns.cluster:
+            return timecli.run(ns, parser, argv)
+        _default_sequence(ns)
         options = PlanOptions(**given)
         if ns.largest:
-            return _largest(ns, options, sys.argv[1:] if argv is None else argv)
+            return _largest(ns, options, argv)
         args = args_from_namespace(ns)  # the run's own configs and checks
         layout = resolve(args, options)
         est = _estimate(args.model, layout)
