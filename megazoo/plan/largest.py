@@ -25,6 +25,7 @@ from ..config.model import ModelConfig
 from ..models.params import count_parameters
 from .layout import resolve
 from .memory import GB, RUNTIME_BYTES, MemoryEstimate, _estimate
+from .search import drop_flags
 
 LLAMA_WIDTHS = (2048, 3072, 4096, 5120, 6144, 7168, 8192)
 GPT_WIDTHS = ((768, 12), (1024, 16), (1536, 16), (2048, 16), (2560, 32), (4096, 32),
@@ -33,12 +34,14 @@ FRACTIONS = tuple(i / 20 for i in range(21))
 # What --largest sets when the flag is not given: (namespace dest, value).
 LARGEST_DEFAULTS = (("data__seq_length", 2048), ("training__micro_batch_size", 1),
                     ("model__recompute", "full"), ("training__bf16", True))
-# Flags that only the planner reads (with a value: True), dropped from the printed command.
-PLAN_ONLY = {"--largest": False, "--json": False, "--fp32-grad-accumulation": False,
-             "--model-family": True, "--gpu-memory": True, "--host-memory": True,
-             "--disk-memory": True, "--gpus-per-node": True, "--dp": True, "--out": True}
-MODEL_FLAGS = ("--model", "--family", "--num-layers", "--hidden-size", "--num-attention-heads",
-               "--num-key-value-heads", "--ffn-hidden-size", "--max-position-embeddings")
+# Left out of the printed command: the planner's own flags, and the shape and batch flags
+# the command states itself.
+DROPPED = {"--largest", "--json", "--fp32-grad-accumulation", "--model-family", "--gpu-memory",
+           "--host-memory", "--disk-memory", "--gpus-per-node", "--dp", "--out",
+           "--model", "--family", "--num-layers", "--hidden-size", "--num-attention-heads",
+           "--num-key-value-heads", "--ffn-hidden-size", "--max-position-embeddings",
+           "--optimizer-offload-fraction", "--seq-length", "--micro-batch-size",
+           "--global-batch-size", "--recompute", "--recompute-granularity"}
 
 
 def family_shapes(family: str, seq_length: int) -> list[ModelConfig]:
@@ -94,20 +97,7 @@ def search(args, options, family: str, pick_fraction: bool, fits=lambda est: est
 def run_command(argv: list[str], args, config: ModelConfig) -> str:
     """pretrain_gpt.py's command line for the chosen shape: the user's run flags (planner
     flags and model flags dropped), the shape, the defaults --largest filled in, the fraction."""
-    kept, skip = [], False
-    for token in argv:
-        if skip:
-            skip = False
-            continue
-        name = token.split("=", 1)[0]
-        if name in PLAN_ONLY or name in MODEL_FLAGS:
-            skip = "=" not in token and (PLAN_ONLY.get(name, True))
-            continue
-        if name in ("--optimizer-offload-fraction", "--seq-length", "--micro-batch-size",
-                    "--global-batch-size", "--recompute", "--recompute-granularity"):
-            skip = "=" not in token
-            continue
-        kept.append(token)
+    kept = drop_flags(argv, DROPPED)
     t = args.training
     flags = ["--family", config.family, "--num-layers", config.num_layers,
              "--hidden-size", config.hidden_size,

@@ -29,6 +29,7 @@ LAYOUT_FLAGS = {"--tensor-model-parallel-size", "--tp", "--pipeline-model-parall
                 "--sequence-parallel", "--num-layers-per-virtual-pipeline-stage",
                 "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
                 "--virtual-pipeline-model-parallel-size", "--sequence-parallel-size"}
+SEARCH_FLAGS = {"--search", "--json", "--top", "--cluster", "--out", "--gpus"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,18 +54,16 @@ class Candidate:
                 + " ".join(base + flags))
 
 
-def strip_layout(argv: list[str]) -> list[str]:
-    """The user's flags without the layout ones (and their values) and the planner's."""
-    planner = {"--search", "--json", "--top", "--cluster", "--out", "--gpus"}
+def drop_flags(argv: list[str], names: set[str]) -> list[str]:
+    """`argv` without the flags `names` and their values (the next word, unless it is a flag
+    or the flag is written --flag=value)."""
     kept, skip = [], False
     for i, arg in enumerate(argv):
         if skip:
             skip = False
             continue
-        name = arg.split("=", 1)[0]
-        if name in LAYOUT_FLAGS or name in planner:
-            takes_value = "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--")
-            skip = takes_value
+        if arg.split("=", 1)[0] in names:
+            skip = "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--")
             continue
         kept.append(arg)
     return kept

@@ -22,7 +22,7 @@ from .clusters import load_cluster
 from .layout import PlanOptions, resolve
 from .memory import GB
 from .published import megatron_deepspeed_gb, plan_args
-from .search import search, strip_layout
+from .search import LAYOUT_FLAGS, SEARCH_FLAGS, drop_flags, search
 from .stages import stage_estimates
 from .timing import stage_layers, step_time
 
@@ -41,14 +41,6 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top", type=int, default=5, help="--search: how many to show")
     group.add_argument("--gpus", type=int, default=None,
                        help="--search: GPUs available (default: those of the given layout)")
-
-
-def _parse(parser):
-    """flags -> the run's checked PretrainArgs (for the search's candidates: strictly what the
-    run accepts, no uneven pipeline split)."""
-    def parse(argv):
-        return args_from_namespace(parser.parse_args(argv))
-    return parse
 
 
 def predict(ns) -> dict:
@@ -113,8 +105,11 @@ def run_search(ns, parser, argv: list[str]) -> dict:
     args = dataclasses.replace(args, model=config)
     gpus = ns.gpus or (args.parallel.tp * args.parallel.sp * args.parallel.pp
                        * (args.parallel.dp or 1))
-    base = strip_layout(argv)
-    found, refused, too_big = search(_parse(parser), base, args.model.num_layers, gpus,
+    base = drop_flags(argv, LAYOUT_FLAGS | SEARCH_FLAGS)  # the user's other flags
+
+    def parse(flags: list[str]):  # strictly what the run accepts: no uneven pipeline split
+        return args_from_namespace(parser.parse_args(flags))
+    found, refused, too_big = search(parse, base, args.model.num_layers, gpus,
                                      args.training.global_batch_size, cluster)
     rows = [{"flags": " ".join(c.flags), "gpus": c.gpus, "step_s": c.time.step_s,
              "tokens_per_s": c.time.tokens_per_s, "tflops_per_gpu": c.time.tflops_per_gpu,
