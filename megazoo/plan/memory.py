@@ -77,8 +77,18 @@ def stage_parameters(config: ModelConfig, tp: int, pp: int) -> dict[str, int]:
     layers = config.num_layers // pp * block  # check_layout: num_layers divides by pp
     first = layers + embedding + (head + norm if pp == 1 else 0)
     last = layers + head + norm
-    return dict(block=block, embedding=embedding, head=head, first=first, last=last,
+    return dict(block=block, embedding=embedding, head=head, norm=norm, first=first, last=last,
                 stage=max(first, last))
+
+
+def rank_parameters(config: ModelConfig, tp: int, layers: list[int]) -> list[int]:
+    """Parameters per tp rank of each pipeline rank, rank r holding `layers[r]` blocks: plus
+    the embedding on the first, the head and the final norm on the last."""
+    counts = stage_parameters(config, tp, len(layers))
+    held = [counts["block"] * n for n in layers]
+    held[0] += counts["embedding"]
+    held[-1] += counts["head"] + counts["norm"]
+    return held
 
 
 def estimate_memory(args: PretrainArgs, options: PlanOptions | None = None) -> MemoryEstimate:

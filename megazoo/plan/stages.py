@@ -5,7 +5,7 @@ and the most micro-batches in flight, the last the head, the final norm and the 
 the middle ones only their blocks. Per stage r:
 
 - parameters: its blocks (num_layers / pp of them), plus the embedding on the first stage and
-  the head and final norm on the last (`stage_parameters`); gradients, optimizer states and
+  the head and final norm on the last (`rank_parameters`); gradients, optimizer states and
   buffers follow from them as in the report (`_estimate`);
 - activations: one block's bytes x the blocks of one chunk (num_layers / (pp vpp)) x the
   peak number of (chunk, micro-batch) activations the stage holds, read from the schedule the
@@ -25,7 +25,7 @@ from ..pipeline.schedules import build_schedule
 from ..pipeline.simulate import simulate
 from .activations import stage_activations
 from .layout import Resolved
-from .memory import GB, MemoryEstimate, _estimate, stage_parameters
+from .memory import GB, MemoryEstimate, _estimate, rank_parameters
 
 # (legend label, MemoryEstimate field), stacked bottom to top.
 PARTS = (("weights", "parameters"), ("gradients", "gradients"),
@@ -39,24 +39,21 @@ def stage_inputs(config: ModelConfig, layout: Resolved,
     """(parameters per tp rank before ZeRO, activation bytes) of each pipeline stage;
     `layers`: blocks per stage when they are not num_layers / pp each (vpp = 1)."""
     p, v = layout.pp, layout.vpp
-    counts = stage_parameters(config, layout.tp, p)
+    layers = layers or [config.num_layers // p] * p
+    params = rank_parameters(config, layout.tp, layers)
     act = stage_activations(config, layout)
     if p == 1:
-        return [(counts["stage"], act["total"])]
+        return [(params[0], act["total"])]
     in_flight = simulate(build_schedule(p, v, layout.num_micro_batches)).peak_inflight
     chunk = config.num_layers // (p * v) * act["block"]
     stages = []
-    layers = layers or [config.num_layers // p] * p
     for r in range(p):
-        params = layers[r] * counts["block"]
         held = (chunk if v > 1 else layers[r] * act["block"]) * in_flight[r] + act["working"]
         if r == 0:
-            params += counts["embedding"]
             held += act["embed_side"] * in_flight[r] / v
         if r == p - 1:
-            params += counts["last"] - config.num_layers // p * counts["block"]  # head + norm
             held += act["head_side"] + act["logits"]
-        stages.append((params, held))
+        stages.append((params[r], held))
     return stages
 
 

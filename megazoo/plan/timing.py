@@ -40,7 +40,7 @@ from ..pipeline.simulate import simulate
 from .calibration import kernel_rates
 from .clusters import Cluster
 from .layout import Resolved
-from .memory import stage_parameters
+from .memory import rank_parameters
 from .work import Work, block_work, embedding_work, head_work
 
 
@@ -111,7 +111,7 @@ def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
     works = [block * n for n in layers]
     works[0] = works[0] + embedding_work(config, layout, rates, cluster)
     works[-1] = works[-1] + head_work(config, layout, rates, cluster)
-    params = _rank_parameters(config, layout, layers)
+    params = rank_parameters(config, layout.tp, [sum(layers[r::p]) for r in range(p)])
     zero3 = [_zero3_exposed(w, params[i % p] / v, layout, cluster) for i, w in enumerate(works)]
     ends = _pipeline([w + z for w, z in zip(works, zero3)], layout, config, cluster, exact)
     tail = [_dp_exposed(args, layout, cluster, params[r], works[r::p])
@@ -133,16 +133,6 @@ def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
                            config.padded_vocab(1))
     return StepTime(step, tokens / step, model / step / gpus / 1e12, paper / step / gpus / 1e12,
                     gpus, stages, rates.gpu)
-
-
-def _rank_parameters(config: ModelConfig, layout: Resolved, layers: list[int]) -> list[float]:
-    """Parameters per tp rank held by each pipeline rank."""
-    p = layout.pp
-    counts = stage_parameters(config, layout.tp, p)
-    held = [counts["block"] * sum(layers[r::p]) for r in range(p)]
-    held[0] += counts["embedding"]
-    held[-1] += counts["head"] + config.hidden_size * 2
-    return held
 
 
 def _pipeline(works: list[Work], layout: Resolved, config: ModelConfig, cluster: Cluster,
