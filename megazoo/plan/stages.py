@@ -65,23 +65,32 @@ def stage_estimates(config: ModelConfig, layout: Resolved,
 
 
 def draw_plan(estimates: list[MemoryEstimate], gpu_memory: float, title: str, out: str) -> None:
-    """A stacked bar per stage (GB by part) against the GPU's memory; ValueError without
-    matplotlib."""
-    figure = new_figure("the memory plan picture",
-                        figsize=(max(5.0, 1.1 * len(estimates) + 3.5), 4.2), layout="constrained")
+    """A stacked bar per stage (GB by part) against the GPU's memory."""
+    series = {label: [getattr(e, field) / GB for e in estimates] for label, field in PARTS}
+    stacked_bars("the memory plan picture", series, "GB per GPU", title, out,
+                 limit=(gpu_memory, f"GPU {gpu_memory:g} GB"))
+
+
+def stacked_bars(picture: str, series: dict[str, list[float]], ylabel: str, title: str,
+                 out: str, limit: tuple[float, str] | None = None) -> None:
+    """Write to `out` one stacked bar per pipeline stage, a segment per entry of `series`
+    (label -> value of each stage), and `limit` (value, label) as a dashed line; ValueError
+    naming the `picture` without matplotlib."""
+    n = len(next(iter(series.values())))
+    figure = new_figure(picture, figsize=(max(5.0, 1.1 * n + 3.5), 4.2), layout="constrained")
     axes = figure.add_subplot()
-    x = list(range(len(estimates)))
-    bottom = [0.0] * len(estimates)
-    for i, (label, field) in enumerate(PARTS):
-        values = [getattr(e, field) / GB for e in estimates]
-        axes.bar(x, values, bottom=bottom, width=0.6, label=label, color=f"C{i}")
+    bottom = [0.0] * n
+    for i, (label, values) in enumerate(series.items()):
+        axes.bar(range(n), values, bottom=bottom, width=0.6, label=label, color=f"C{i}")
         bottom = [b + v for b, v in zip(bottom, values)]
-    axes.axhline(gpu_memory, color="black", linestyle="--", linewidth=1)
-    axes.text(len(estimates) - 0.5, gpu_memory, f" GPU {gpu_memory:g} GB", va="bottom",
-              ha="right", fontsize=8)
-    axes.set_xticks(x, [f"stage {r}" for r in x])
-    axes.set_ylabel("GB per GPU")
-    axes.set_ylim(0, 1.15 * max(max(bottom), gpu_memory))
+    top = max(bottom)
+    if limit is not None:
+        axes.axhline(limit[0], color="black", linestyle="--", linewidth=1)
+        axes.text(n - 0.5, limit[0], f" {limit[1]}", va="bottom", ha="right", fontsize=8)
+        top = max(top, limit[0])
+    axes.set_xticks(range(n), [f"stage {r}" for r in range(n)])
+    axes.set_ylabel(ylabel)
+    axes.set_ylim(0, 1.15 * top)
     axes.set_title(title, fontsize=9)
     axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     figure.savefig(out, dpi=110)

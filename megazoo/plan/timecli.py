@@ -17,13 +17,12 @@ import dataclasses
 import json
 
 from ..config.flags import args_from_namespace
-from ..matplotlib_figure import new_figure
 from .clusters import load_cluster
 from .layout import PlanOptions, resolve
 from .memory import GB
 from .published import megatron_deepspeed_gb, plan_args
 from .search import LAYOUT_FLAGS, SEARCH_FLAGS, drop_flags, search
-from .stages import stage_estimates
+from .stages import stacked_bars, stage_estimates
 from .timing import stage_layers, step_time
 
 PARTS = ("compute", "tp_comm", "bubble", "dp_comm", "optimizer")
@@ -81,21 +80,10 @@ def format_prediction(p: dict) -> str:
 
 def draw(p: dict, out: str) -> str:
     """A stacked bar per stage of the step's parts; returns the line that says so."""
-    stages = p["stages"]
-    figure = new_figure("the step-time picture", figsize=(max(5.0, 0.5 * len(stages) + 4), 4.2),
-                        layout="constrained")
-    axes = figure.add_subplot()
-    bottom = [0.0] * len(stages)
-    for i, part in enumerate(PARTS):
-        values = [s[part] for s in stages]
-        axes.bar(range(len(stages)), values, bottom=bottom, width=0.7, label=part, color=f"C{i}")
-        bottom = [b + x for b, x in zip(bottom, values)]
-    axes.set_xlabel("pipeline stage")
-    axes.set_ylabel("seconds per step")
-    axes.set_title(f"{p['model']} {p['layout']} on {p['cluster']}: {p['step_s']:.2f} s/step, "
-                   f"{p['tflops_per_gpu']:.0f} TFLOP/s per GPU", fontsize=9)
-    axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    figure.savefig(out, dpi=110)
+    title = (f"{p['model']} {p['layout']} on {p['cluster']}: {p['step_s']:.2f} s/step, "
+             f"{p['tflops_per_gpu']:.0f} TFLOP/s per GPU")
+    stacked_bars("the step-time picture", {k: [s[k] for s in p["stages"]] for k in PARTS},
+                 "seconds per step", title, out)
     return f"wrote {out}: the step's parts per pipeline stage"
 
 
