@@ -73,7 +73,8 @@ def stage_activations(config: ModelConfig, layout: Resolved) -> dict[str, float]
     Returns block (as kept under the layout's recompute),
     full_block (no recompute), first / last (stage totals), logits (the loss's peak), post
     (outside the blocks: head_side on the last stage + embed_side on the first), working
-    (full recompute's one recomputed block) and total (the rank the planner reports).
+    (full recompute's one recomputed block) and total (the rank the planner reports: the
+    first stage holds min(pp, m) micro-batches, x (1 + (pp - 1) / (pp vpp)) interleaved).
     """
     s, b, h = layout.seq_length, layout.micro_batch_size, config.hidden_size
     t, sp = layout.tp, layout.sp

@@ -1,5 +1,5 @@
 """The planner's arithmetic: parameters, gradients, optimizer states, buffers, the verdict
-(the model is stated in the package docstring)."""
+(per engine: `engines.py`; activations: `activations.py`)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -16,7 +16,7 @@ BUCKET_ELEMENTS = 5e8  # DeepSpeed reduce_bucket_size / allgather_bucket_size de
 RUNTIME_BYTES = 2**30  # CUDA context, cuBLAS / NCCL workspaces
 LIVE_ELEMENTS = 5e8  # DeepSpeed ZeRO-3 keeps gathered what is reused within 1e9 elements
 # (stage3_max_reuse_distance): under recompute, the last 1e9 / 2 of the forward
-FRAGMENTATION = 0.10
+FRAGMENTATION = 0.10  # allowance for the allocator's caching and splitting
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def rank_parameters(config: ModelConfig, tp: int, layers: list[int]) -> list[int
 
 
 def estimate_memory(args: PretrainArgs, options: PlanOptions | None = None) -> MemoryEstimate:
-    """Per-GPU and host memory of the run `args` describes (see the package docstring).
+    """Per-GPU, host and disk memory of the run `args` describes.
 
     `args` is the run's own configuration (what `pretrain_gpt.py` parses), checked as the run
     checks it; `args.parallel.dp` is the data-parallel size to plan for (None: 1).
