@@ -80,13 +80,9 @@ class Cluster:
         return min(self.intra_node_gb_s, self.inter_per_gpu) * self.inter_node_efficiency * 1e9
 
 
-def presets() -> dict[str, dict]:
-    return json.loads(PRESETS_FILE.read_text())
-
-
 def load_cluster(spec: str) -> Cluster:
     """A preset name or a path to a JSON object (ValueError: one line naming the fix)."""
-    known = presets()
+    known = json.loads(PRESETS_FILE.read_text())
     if spec in known:
         fields, name = known[spec], spec
     elif spec.endswith(".json"):

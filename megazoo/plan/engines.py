@@ -88,11 +88,12 @@ def plain_parts(layout: Resolved, n: int, unit: float = 0.0) -> Parts:
 def deepspeed_parts(layout: Resolved, n: int, grad_b: int) -> Parts:
     """DeepSpeed ZeRO-1/2/3 (0.19.8's stage3.py for ZeRO-3): parameters in the compute dtype
     (/ Z at ZeRO-3), gradient partitions in the accumulation dtype (`grad_b`, / Z from
-    ZeRO-2; micro-batches accumulate into them, so their count changes nothing), fp32 masters + Adam m, v (12 B; fp32 runs: the parameters are the masters, 8 B)
-    / Z. ZeRO-3 adds the fp32 gradient buffer of the largest sub-group (<= 1e9 elements) on
-    the GPU, or, with optimizer offload, keeps fp32 masters (a copy, also in fp32 runs),
-    moments and gradients (16 B x the offloaded ratio), the flat buffer of gradient partitions (grad_b) and its runtime on the
-    host, with that sub-group buffer there as a peak while the states initialise."""
+    ZeRO-2; micro-batches accumulate into them), fp32 masters + Adam m, v (12 B; fp32 runs:
+    the parameters are the masters, 8 B) / Z. ZeRO-3 adds the fp32 gradient buffer of the
+    largest sub-group (<= 1e9 elements) on the GPU, or, with optimizer offload, keeps fp32
+    masters (a copy, also in fp32 runs), moments and gradients (16 B x the offloaded ratio),
+    the flat buffer of gradient partitions (grad_b) and its runtime on the host, with that
+    sub-group buffer there as a peak while the states initialise."""
     z = layout.dp * layout.sp
     stage, ratio = layout.zero_stage, layout.offload_optimizer_ratio
     per = n / z

@@ -43,11 +43,6 @@ def pinned(nbytes: float) -> float:
     return 0.0 if nbytes <= 0 else float(2 ** math.ceil(math.log2(nbytes)))
 
 
-def default_bucket_elements(dp_sp: int) -> int:
-    """The plain engine's default gradient bucket (Megatron's): max(40M, 1M x dp x sp)."""
-    return max(40_000_000, 1_000_000 * dp_sp)
-
-
 @dataclass(frozen=True)
 class OffloadBytes:
     """Bytes of the optimizer offload by place (one rank)."""

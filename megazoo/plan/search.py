@@ -8,7 +8,7 @@ given and the global batch divisible by micro-batch x d, each micro-batch size, 
 user's flags with the layout replaced, and go through the run's own parsing and checks
 (`args_from_namespace` -> `check_args`): a layout the run refuses is never returned. The
 plain engine's distributed optimizer and both overlaps are on where dp x sp > 1. The memory
-planner's most loaded rank must fit the cluster's GPU (less `headroom` GB); the rest are
+planner's most loaded rank must fit the cluster's GPU; the rest are
 timed (`timing.step_time`) and ranked. Each result carries its pretrain_gpt.py command.
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _flags(t, u, p, v, d, b, recompute, megatron_sp, num_layers) -> list[str]:
 
 
 def search(parse, base: list[str], num_layers: int, gpus: int, global_batch: int,
-           cluster: Cluster, headroom: float = 0.0, rescore: int = 20
+           cluster: Cluster, rescore: int = 20
            ) -> tuple[list[Candidate], int, int]:
     """(fitting candidates, fastest first; layouts the run refused; layouts too big).
 
@@ -120,7 +120,7 @@ def search(parse, base: list[str], num_layers: int, gpus: int, global_batch: int
                 refused += 1
                 continue
             memory = _estimate(args.model, layout).gpu_total
-            if memory > (cluster.hbm_gb - headroom) * GB:
+            if memory > cluster.hbm_gb * GB:
                 too_big += 1
                 continue
             found.append(Candidate(flags, step_time(args, layout, cluster, exact=False),

@@ -34,16 +34,16 @@ PARTS = (("weights", "parameters"), ("gradients", "gradients"),
          ("allocator allowance (10%)", "fragmentation"))
 
 
-def stage_inputs(config: ModelConfig, layout: Resolved,
-                 layers: list[int] | None = None) -> list[tuple[int, float]]:
-    """(parameters per tp rank before ZeRO, activation bytes) of each pipeline stage;
-    `layers`: blocks per stage when they are not num_layers / pp each (vpp = 1)."""
+def stage_estimates(config: ModelConfig, layout: Resolved,
+                    layers: list[int] | None = None) -> list[MemoryEstimate]:
+    """The planner's estimate for each pipeline stage (first to last); `layers`: blocks per
+    stage when they are not num_layers / pp each (vpp = 1)."""
     p, v = layout.pp, layout.vpp
     layers = layers or [config.num_layers // p] * p
     params = rank_parameters(config, layout.tp, layers)
     act = stage_activations(config, layout)
     if p == 1:
-        return [(params[0], act["total"])]
+        return [_estimate(config, layout, n_gpu=params[0], act=act["total"])]
     in_flight = simulate(build_schedule(p, v, layout.num_micro_batches)).peak_inflight
     chunk = config.num_layers // (p * v) * act["block"]
     stages = []
@@ -53,15 +53,8 @@ def stage_inputs(config: ModelConfig, layout: Resolved,
             held += act["embed_side"] * in_flight[r] / v
         if r == p - 1:
             held += act["head_side"] + act["logits"]
-        stages.append((params[r], held))
+        stages.append(_estimate(config, layout, n_gpu=params[r], act=held))
     return stages
-
-
-def stage_estimates(config: ModelConfig, layout: Resolved,
-                    layers: list[int] | None = None) -> list[MemoryEstimate]:
-    """The planner's estimate for each pipeline stage (first to last)."""
-    return [_estimate(config, layout, n_gpu=n, act=a)
-            for n, a in stage_inputs(config, layout, layers)]
 
 
 def draw_plan(estimates: list[MemoryEstimate], gpu_memory: float, title: str, out: str) -> None:

@@ -60,7 +60,7 @@ def predict(ns) -> dict:
                      " GB per GPU")
     return {"model": args.model_name or "the default model", "cluster": cluster.name,
             "layout": f"TP{layout.tp}-SP{layout.sp}-PP{layout.pp}-VPP{layout.vpp}-DP{layout.dp}",
-            **time.to_dict(), "gpu_memory_gb": memory[top].gpu_total / GB,
+            **dataclasses.asdict(time), "gpu_memory_gb": memory[top].gpu_total / GB,
             "gpu_memory_stage": top, "memory": memory[top].to_dict(), **extra,
             "fits": memory[top].gpu_total <= cluster.hbm_gb * GB,
             "notes": notes + time.notes + memory[top].notes}

@@ -30,7 +30,7 @@ forward rerun by full recompute included).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from ..config.model import ModelConfig
 from ..config.run import PretrainArgs
@@ -71,9 +71,6 @@ class StepTime:
     kernels: str
     """Where the kernel rates come from."""
     notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def stage_layers(num_layers: int, pp: int, vpp: int) -> list[int]:
@@ -187,7 +184,7 @@ def _dp_exposed(args: PretrainArgs, layout: Resolved, cluster: Cluster, params: 
         reduce = share * 2.0 * params / link * (1 if layout.zero_stage else 2)
         gather = share * 2.0 * params / link if layout.zero_stage else 0.0
         overlap, overlap_gather = True, False
-    bucket = min(1.0, max(40e6, 1e6 * z) / max(params, 1.0))
+    bucket = min(1.0, layout.bucket_elements / max(params, 1.0))
     if overlap:
         window = sum(w.bwd + w.bwd_comm for w in works)
         reduce = max(reduce - window, reduce * bucket)
