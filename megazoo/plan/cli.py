@@ -23,7 +23,7 @@ from .largest import (LARGEST_DEFAULTS, describe, family_shapes, run_command, se
 from .layout import PlanOptions, resolve
 from .memory import GB, RUNTIME_BYTES, MemoryEstimate, _estimate
 from . import timecli
-from .stages import draw_plan, stage_estimates
+from .stages import PARTS, stacked_bars, stage_estimates
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -38,7 +38,8 @@ def plan_parser() -> argparse.ArgumentParser:
                        "a launched run takes it from its world size. Default 1.")
     docs, hints = field_docs(PlanOptions), typing.get_type_hints(PlanOptions)
     for f in dataclasses.fields(PlanOptions):
-        flag, kwargs = "--" + f.name.replace("_", "-"), dict(dest="plan__" + f.name, help=docs[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        kwargs = dict(dest="plan__" + f.name, help=docs[f.name])
         if hints[f.name] is bool:
             group.add_argument(flag, action="store_true", **kwargs)
         else:
@@ -142,7 +143,10 @@ def _draw(name: str, args: PretrainArgs, layout, out: str) -> str:
              f"{'megazoo engine' if layout.plain_engine else layout.zero_impl} ZeRO-"
              f"{layout.zero_stage}, micro-batch "
              f"{layout.micro_batch_size} x {layout.seq_length}, recompute {layout.recompute}")
-    draw_plan(stages, layout.options.gpu_memory, title, out)
+    gpu = layout.options.gpu_memory
+    series = {label: [getattr(e, field) / GB for e in stages] for label, field in PARTS}
+    stacked_bars("the memory plan picture", series, "GB per GPU", title, out,
+                 limit=(gpu, f"GPU {gpu:g} GB"))
     return (f"wrote {out}: one bar per pipeline stage; stage {top} is the most loaded at "
             f"{stages[top].gpu_total / GB:.2f} GB")
 
@@ -174,9 +178,8 @@ def _largest(ns, options: PlanOptions, argv: list[str]) -> int:
         not hasattr(ns, "training__optimizer_offload_fraction")
     best, following = search(args, options, ns.model_family, pick)
     if best is None:
-        print(f"error: no {ns.model_family} shape fits; the smallest: "
-              f"{describe(following[0], following[1], options)}", file=sys.stderr)
-        return 2
+        return report_error(f"no {ns.model_family} shape fits; the smallest: "
+                            f"{describe(following[0], following[1], options)}")
     config, est, run_args = best
     command = run_command(argv, run_args, config)
     if ns.json:

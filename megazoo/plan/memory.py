@@ -172,19 +172,12 @@ def _working_set(parts: Parts, layout: Resolved, counts: dict, n_gpu: int) -> No
 
 def _comm_buffers(config: ModelConfig, layout: Resolved, n_gpu: int, grad_b: int) -> float:
     """ZeRO / DDP buckets and pipeline send/receive buffers, in bytes."""
-    z = layout.dp * layout.sp
-    bucket = min(BUCKET_ELEMENTS, n_gpu)
-    if layout.zero_impl == "fsdp2":
-        zero = 0.0  # no buckets: each unit reduce-scatters its own gradient (working set)
-    elif layout.zero_stage in (1, 2):
-        zero = bucket * grad_b + bucket * 2  # reduce bucket + all-gather bucket
-    elif layout.zero_stage == 3:  # the reduce bucket, allocated whole (gathers: working set)
-        zero = BUCKET_ELEMENTS * layout.param_bytes
-    else:  # megazoo's engine reduces views of its main-gradient buffer in place
-        zero = 0.0
-    seq_par = layout.megatron_sp_on
-    p2p = 0.0
-    if layout.pp > 1:
-        p2p = 2 * 2 * layout.seq_length * layout.micro_batch_size * config.hidden_size / (
-            layout.sp * (layout.tp if seq_par else 1))
-    return zero + p2p
+    if layout.zero_stage in (1, 2):  # DeepSpeed's reduce bucket + all-gather bucket
+        zero = min(BUCKET_ELEMENTS, n_gpu) * (grad_b + 2)
+    elif layout.zero_impl == "deepspeed" and layout.zero_stage == 3:
+        zero = BUCKET_ELEMENTS * layout.param_bytes  # the reduce bucket, allocated whole
+    else:  # FSDP2 reduce-scatters each unit's gradient (working set); megazoo's engine reduces
+        zero = 0.0  # views of its main-gradient buffer in place
+    shard = layout.sp * (layout.tp if layout.megatron_sp_on else 1)
+    activation = 2 * layout.seq_length * layout.micro_batch_size * config.hidden_size / shard
+    return zero + (2 * activation if layout.pp > 1 else 0.0)  # pipeline send + receive

@@ -25,7 +25,7 @@ from ..pipeline.schedules import build_schedule
 from ..pipeline.simulate import simulate
 from .activations import stage_activations
 from .layout import Resolved
-from .memory import GB, MemoryEstimate, _estimate, rank_parameters
+from .memory import MemoryEstimate, _estimate, rank_parameters
 
 # (legend label, MemoryEstimate field), stacked bottom to top.
 PARTS = (("weights", "parameters"), ("gradients", "gradients"),
@@ -55,13 +55,6 @@ def stage_estimates(config: ModelConfig, layout: Resolved,
             held += act["head_side"] + act["logits"]
         stages.append(_estimate(config, layout, n_gpu=params[r], act=held))
     return stages
-
-
-def draw_plan(estimates: list[MemoryEstimate], gpu_memory: float, title: str, out: str) -> None:
-    """A stacked bar per stage (GB by part) against the GPU's memory."""
-    series = {label: [getattr(e, field) / GB for e in estimates] for label, field in PARTS}
-    stacked_bars("the memory plan picture", series, "GB per GPU", title, out,
-                 limit=(gpu_memory, f"GPU {gpu_memory:g} GB"))
 
 
 def stacked_bars(picture: str, series: dict[str, list[float]], ylabel: str, title: str,

@@ -87,12 +87,6 @@ def stage_layers(num_layers: int, pp: int, vpp: int) -> list[int]:
                      f"num_layers + 2 by pp): change the layout or the model")
 
 
-def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """96 B s l h^2 (1 + s / 6h + V / 16 l h): Narayanan et al. 2021, recompute counted."""
-    return 96.0 * batch * seq * layers * hidden ** 2 * (
-        1 + seq / (6.0 * hidden) + vocab / (16.0 * layers * hidden))
-
-
 def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
               config: ModelConfig | None = None, exact: bool = True) -> StepTime:
     """Predict one step of the run `args` (resolved as `layout`) on `cluster`; `config`
@@ -121,14 +115,13 @@ def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
         comm = m * sum(w.fwd_comm + w.bwd_comm for w in works[r::p])
         stages.append(StageTime(sum(layers[r::p]), compute, comm,
                                 step - compute - comm - tail[r] - optim[r], tail[r], optim[r]))
-    gpus = layout.world_size
-    batch = layout.micro_batch_size * m * layout.dp
-    tokens = batch * layout.seq_length
-    model = flops_per_iteration(batch, layout.seq_length, config.num_layers, config.hidden_size,
+    gpus, batch, s = layout.world_size, layout.micro_batch_size * m * layout.dp, layout.seq_length
+    model = flops_per_iteration(batch, s, config.num_layers, config.hidden_size,
                                 config.padded_vocab(1))
-    paper = megatron_flops(batch, layout.seq_length, config.num_layers, config.hidden_size,
-                           config.padded_vocab(1))
-    return StepTime(step, tokens / step, model / step / gpus / 1e12, paper / step / gpus / 1e12,
+    # Megatron-LM's 96 B s l h^2 (1 + s / 6h + V / 16 l h) adds full recompute's forward
+    paper = model + 24.0 * batch * s * config.num_layers * config.hidden_size ** 2 * (
+        1 + s / (6.0 * config.hidden_size))
+    return StepTime(step, batch * s / step, model / step / gpus / 1e12, paper / step / gpus / 1e12,
                     gpus, stages, rates.gpu)
 
 
