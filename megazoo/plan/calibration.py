@@ -125,10 +125,8 @@ def _fit_attention(rows: list[dict]) -> tuple[float, float, float]:
     backward times (ordinary least squares), the median forward share."""
     work = [6.0 * r["batch"] * r["heads"] * r["seq"] ** 2 * r["head_dim"] for r in rows]
     secs = [r["fwd_bwd_ms"] * 1e-3 for r in rows]
-    mw, ms = statistics.fmean(work), statistics.fmean(secs)
-    slope = (sum((w - mw) * (s - ms) for w, s in zip(work, secs))
-             / sum((w - mw) ** 2 for w in work))
-    t0 = max(0.0, ms - slope * mw)
+    slope, intercept = statistics.linear_regression(work, secs)
+    t0 = max(0.0, intercept)
     # a forward timed slower than its forward + backward was a first call: not a share
     shares = [r["fwd_ms"] / r["fwd_bwd_ms"] for r in rows if r["fwd_ms"] < r["fwd_bwd_ms"]]
     return 1.0 / slope, t0, statistics.median(shares)

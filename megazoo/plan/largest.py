@@ -71,11 +71,9 @@ def plan_shape(args, config: ModelConfig, options, pick_fraction: bool):
     `pick_fraction`, the smallest offload fraction whose GPU share fits."""
     model = dataclasses.replace(config, recompute=args.model.recompute)
     args = dataclasses.replace(args, model=model, model_name=None)
-    fractions = FRACTIONS if pick_fraction else (None,)
-    for fraction in fractions:
-        if fraction is not None:
-            args = dataclasses.replace(args, training=dataclasses.replace(
-                args.training, optimizer_offload_fraction=fraction))
+    for fraction in FRACTIONS if pick_fraction else (args.training.optimizer_offload_fraction,):
+        args = dataclasses.replace(args, training=dataclasses.replace(
+            args.training, optimizer_offload_fraction=fraction))
         est = _estimate(model, resolve(args, options))
         if est.verdicts["gpu"]:
             break

@@ -26,6 +26,7 @@ from ..pipeline.simulate import simulate
 from .activations import stage_activations
 from .layout import Resolved
 from .memory import MemoryEstimate, _estimate, rank_parameters
+from .timing import stage_layers
 
 # (legend label, MemoryEstimate field), stacked bottom to top.
 PARTS = (("weights", "parameters"), ("gradients", "gradients"),
@@ -34,12 +35,11 @@ PARTS = (("weights", "parameters"), ("gradients", "gradients"),
          ("allocator allowance (10%)", "fragmentation"))
 
 
-def stage_estimates(config: ModelConfig, layout: Resolved,
-                    layers: list[int] | None = None) -> list[MemoryEstimate]:
-    """The planner's estimate for each pipeline stage (first to last); `layers`: blocks per
-    stage when they are not num_layers / pp each (vpp = 1)."""
+def stage_estimates(config: ModelConfig, layout: Resolved) -> list[MemoryEstimate]:
+    """The planner's estimate for each pipeline stage (first to last), blocks split over the
+    stages as `stage_layers` splits them."""
     p, v = layout.pp, layout.vpp
-    layers = layers or [config.num_layers // p] * p
+    layers = stage_layers(config.num_layers, p, 1)
     params = rank_parameters(config, layout.tp, layers)
     act = stage_activations(config, layout)
     if p == 1:

@@ -23,7 +23,7 @@ from .memory import GB
 from .published import megatron_deepspeed_gb, plan_args
 from .search import LAYOUT_FLAGS, SEARCH_FLAGS, drop_flags, search
 from .stages import stacked_bars, stage_estimates
-from .timing import stage_layers, step_time
+from .timing import step_time
 
 PARTS = ("compute", "tp_comm", "bubble", "dp_comm", "optimizer")
 
@@ -48,8 +48,7 @@ def predict(ns) -> dict:
     args, config, notes = plan_args(ns)
     layout = resolve(args, PlanOptions(gpu_memory=cluster.hbm_gb,
                                        gpus_per_node=cluster.gpus_per_node))
-    layers = stage_layers(config.num_layers, layout.pp, layout.vpp)
-    memory = stage_estimates(config, layout, layers if layout.vpp == 1 else None)
+    memory = stage_estimates(config, layout)
     top = max(range(len(memory)), key=lambda r: memory[r].gpu_total)
     time = step_time(args, layout, cluster, config)
     extra = {}
