@@ -18,9 +18,8 @@ from ..errors import report_error
 from ..config.flags import args_from_namespace, build_parser, field_docs
 from ..config.presets import PRESETS
 from ..config.run import PretrainArgs
-from .largest import (LARGEST_DEFAULTS, describe, family_shapes, run_command, search,
-                      training_fits)
-from .layout import PlanOptions, resolve
+from .largest import LARGEST_DEFAULTS, describe, family_shapes, run_command, search
+from .layout import PlanOptions, Resolved, resolve
 from .memory import GB, RUNTIME_BYTES, MemoryEstimate, _estimate
 from . import timecli
 from .stages import PARTS, stacked_bars, stage_estimates
@@ -61,19 +60,17 @@ def plan_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def format_table(name: str, args: PretrainArgs, est: MemoryEstimate,
-                 options: PlanOptions | None = None) -> str:
+def format_table(name: str, layout: Resolved, est: MemoryEstimate) -> str:
     """A human-readable report."""
-    layout = resolve(args, options)
     rows = [("parameters", est.parameters), ("gradients", est.gradients),
             ("optimizer states", est.optimizer_states), ("activations", est.activations),
             ("communication buffers + runtime", est.communication_buffers),
             ("fragmentation allowance (10%)", est.fragmentation), ("GPU total", est.gpu_total)]
     lines = [f"{name}: {est.num_parameters:,} parameters; layout TP{layout.tp}-SP{layout.sp}-"
              f"PP{layout.pp}-VPP{layout.vpp}-DP{layout.dp} ({layout.world_size} GPUs), "
-             f"{_engine(layout)}, recompute="
-             f"{layout.recompute}, micro-batch {layout.micro_batch_size} x "
-             f"{layout.seq_length} tokens, {layout.num_micro_batches} per step",
+             f"{_engine(layout)}, recompute={layout.recompute}, micro-batch "
+             f"{layout.micro_batch_size} x {layout.seq_length} tokens, "
+             f"{layout.num_micro_batches} per step",
              f"  parameters per GPU before ZeRO: {est.parameters_per_gpu:,}"]
     lines += [f"  {label:<34}{value / GB:10.2f} GB" for label, value in rows]
     lines.append(f"  {'peak allocated, model build':<34}{est.build_peak / GB:10.2f} GB"
@@ -129,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"model": name, "layout": dataclasses.asdict(layout),
                           "args": args.to_dict(), **est.to_dict()}, indent=2))
     else:
-        print(format_table(name, args, est, options))
+        print(format_table(name, layout, est))
         if ns.out:
             print(picture)
     return 0
@@ -191,11 +188,11 @@ def _largest(ns, options: PlanOptions, argv: list[str]) -> int:
     if following:
         print(f"next larger: {describe(following[0], following[1], options)}")
     if est.build_peak + RUNTIME_BYTES > est.gpu_total:  # the fp32 build sets the limit
-        alone, _ = search(args, options, ns.model_family, pick, training_fits(options))
+        alone, _ = search(args, options, ns.model_family, pick, with_build=False)
         if alone is not None and alone[1].num_parameters > est.num_parameters:
             print(f"the model's fp32 build on the GPU sets this limit; training alone would "
                   f"fit {describe(alone[0], alone[1], options).split(':')[0]}")
-    print(format_table(f"{config.family} L{config.num_layers} h{config.hidden_size}", run_args,
-                       est, options))
+    print(format_table(f"{config.family} L{config.num_layers} h{config.hidden_size}",
+                       resolve(run_args, options), est))
     print(f"command:\n  {command}")
     return 0

@@ -80,12 +80,13 @@ def plan_shape(args, config: ModelConfig, options, pick_fraction: bool):
     return est, args
 
 
-def search(args, options, family: str, pick_fraction: bool, fits=lambda est: est.fits):
-    """(best, next larger): each (config, estimate, args); best None if nothing fits.
-    `fits(estimate)` is the verdict (default: every budget, the model's build included)."""
+def search(args, options, family: str, pick_fraction: bool, with_build: bool = True):
+    """(best, next larger): each (config, estimate, args); best None if nothing fits every
+    budget, the model's build included (with_build=False: training alone, `training_fits`)."""
     shapes = family_shapes(family, args.data.seq_length)
     planned = [(c, *plan_shape(args, c, options, pick_fraction)) for c in shapes]
-    fitting = [i for i, (_, est, _) in enumerate(planned) if fits(est)]
+    fitting = [i for i, (_, est, _) in enumerate(planned)
+               if (est.fits if with_build else training_fits(est, options))]
     if not fitting:
         return None, planned[0]
     best = fitting[-1]
@@ -133,9 +134,7 @@ def describe(config: ModelConfig, est: MemoryEstimate, options) -> str:
     return f"{shape}: {', '.join(parts)} -> {verdict}"
 
 
-def training_fits(options):
+def training_fits(est: MemoryEstimate, options) -> bool:
     """The verdict without the model's fp32 build on the GPU: what training alone allows."""
-    def fits(est: MemoryEstimate) -> bool:
-        others = all(ok for key, ok in est.verdicts.items() if key != "gpu")
-        return others and est.gpu_total <= options.gpu_memory * GB
-    return fits
+    others = all(ok for key, ok in est.verdicts.items() if key != "gpu")
+    return others and est.gpu_total <= options.gpu_memory * GB
