@@ -133,7 +133,8 @@ def fsdp2_parts(config: ModelConfig, layout: Resolved, n: int) -> Parts:
         parts.params = parts.grads = parts.optim = 0.0
         parts.notes.append("FSDP2 CPU offload: fp32 parameters and gradients (pinned, rounded "
                            "to powers of two) and Adam m, v on the host")
-    if layout.fsdp_accumulates_unsharded:
+    last_only = layout.pp == 1 or not layout.fsdp_reduce_every_microbatch
+    if layout.num_micro_batches > 1 and last_only:
         parts.grads += layout.reduce_bytes * n
         parts.notes.append(f"FSDP2 accumulates unsharded gradients over "
                            f"{layout.num_micro_batches} micro-batches: {layout.reduce_bytes} B "

@@ -90,13 +90,6 @@ class Resolved:
         return 2 if self.low_precision else 4
 
     @property
-    def fsdp_accumulates_unsharded(self) -> bool:
-        """FSDP2 keeps unsharded gradients across micro-batches: several per step and
-        reduce-scatter only in the last (always without a pipeline)."""
-        last_only = self.pp == 1 or not self.fsdp_reduce_every_microbatch
-        return self.num_micro_batches > 1 and last_only
-
-    @property
     def plain_engine(self) -> bool:
         """megazoo's own engine (no DeepSpeed, no FSDP2)."""
         return self.zero_impl == "none"
