@@ -73,7 +73,8 @@ def stage_activations(config: ModelConfig, layout: Resolved) -> dict[str, float]
     Returns block (as kept under the layout's recompute),
     full_block (no recompute), first / last (stage totals), logits (the loss's peak), post
     (outside the blocks: head_side on the last stage + embed_side on the first), working
-    (full recompute's one recomputed block) and total (the rank the planner reports).
+    (full recompute's one recomputed block) and total (the rank the planner reports: the
+    first stage holds min(pp, m) micro-batches, x (1 + (pp - 1) / (pp vpp)) interleaved).
     """
     s, b, h = layout.seq_length, layout.micro_batch_size, config.hidden_size
     t, sp = layout.tp, layout.sp
@@ -93,10 +94,7 @@ def stage_activations(config: ModelConfig, layout: Resolved) -> dict[str, float]
     embed_side = sbh * 2 / (t if seq_par else 1) if config.embedding_layernorm else 0.0
     first = (per_stage * block + embed_side) * in_flight * factor + working
     last = per_stage * block + working + head_side + logits
-    if p == 1:
-        total = per_stage * block + working + embed_side + head_side + logits
-    else:
-        total = max(first, last)
+    total = first + head_side + logits if p == 1 else max(first, last)  # one stage: both ends
     return dict(block=block, full_block=full_block, first=first, last=last, logits=logits,
                 post=head_side + embed_side, head_side=head_side, embed_side=embed_side,
                 working=working, total=total)

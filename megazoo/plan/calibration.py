@@ -55,10 +55,6 @@ class GemmCurve:
         tc = 2.0 * m * n * k / (self.rate * u)
         return (self.t0 ** self.q + tc ** self.q) ** (1.0 / self.q)
 
-    def scaled(self, factor: float) -> GemmCurve:
-        """The same shape losses at `factor` times the rate."""
-        return GemmCurve(self.rate * factor, self.cm, self.cn, self.ck, self.t0, self.q)
-
 
 def fit_gemm(points: list[dict]) -> GemmCurve:
     """Least squares of log t over the measured (m, n, k, ms) points."""
@@ -117,10 +113,11 @@ class KernelRates:
         """These rates moved to another GPU by its datasheet (module docstring)."""
         flops = peak_tflops / H100_PEAK_TFLOPS
         memory = hbm_gb_s / H100_HBM_GB_S
-        return KernelRates(f"{gpu} (scaled from {self.gpu})", self.gemm.scaled(flops),
-                           self.fp8_speedup, self.attention_rate * flops, self.attention_t0,
-                           self.attention_fwd_share, self.copy_bytes_s * memory,
-                           self.adamw_s_per_param / memory)
+        return dataclasses.replace(
+            self, gpu=f"{gpu} (scaled from {self.gpu})",
+            gemm=dataclasses.replace(self.gemm, rate=self.gemm.rate * flops),
+            attention_rate=self.attention_rate * flops, copy_bytes_s=self.copy_bytes_s * memory,
+            adamw_s_per_param=self.adamw_s_per_param / memory)
 
 
 def _fit_attention(rows: list[dict]) -> tuple[float, float, float]:
@@ -128,10 +125,8 @@ def _fit_attention(rows: list[dict]) -> tuple[float, float, float]:
     backward times (ordinary least squares), the median forward share."""
     work = [6.0 * r["batch"] * r["heads"] * r["seq"] ** 2 * r["head_dim"] for r in rows]
     secs = [r["fwd_bwd_ms"] * 1e-3 for r in rows]
-    mw, ms = statistics.fmean(work), statistics.fmean(secs)
-    slope = (sum((w - mw) * (s - ms) for w, s in zip(work, secs))
-             / sum((w - mw) ** 2 for w in work))
-    t0 = max(0.0, ms - slope * mw)
+    slope, intercept = statistics.linear_regression(work, secs)
+    t0 = max(0.0, intercept)
     # a forward timed slower than its forward + backward was a first call: not a share
     shares = [r["fwd_ms"] / r["fwd_bwd_ms"] for r in rows if r["fwd_ms"] < r["fwd_bwd_ms"]]
     return 1.0 / slope, t0, statistics.median(shares)

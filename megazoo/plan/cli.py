@@ -3,57 +3,31 @@
 The parser is `pretrain_gpt.py`'s own (`megazoo.config.flags.build_parser`), extended
 with the planner's few flags; the parsed flags become the run's `PretrainArgs` through the
 run's own `args_from_namespace` (and its checks). Every error is one line and exit status 2,
-with a "did you mean" for a misspelt flag or preset.
+with a "did you mean" for a misspelt flag or preset (`HintingParser`).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import json
-import re
 import sys
 import typing
 
+from ..cli_parser import HintingParser
 from ..errors import report_error
 from ..config.flags import args_from_namespace, build_parser, field_docs
 from ..config.presets import PRESETS
 from ..config.run import PretrainArgs
-from .largest import (LARGEST_DEFAULTS, describe, family_shapes, run_command, search,
-                      training_fits)
-from .layout import PlanOptions, resolve
+from .largest import LARGEST_DEFAULTS, describe, family_shapes, run_command, search
+from .layout import PlanOptions, Resolved, resolve
 from .memory import GB, RUNTIME_BYTES, MemoryEstimate, _estimate
 from . import timecli
-from .stages import draw_plan, stage_estimates
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but an error is one line ("error: ...", a suggestion) and exit status 2."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
-
-    def error(self, message: str) -> typing.NoReturn:
-        raise SystemExit(report_error(f"{message}{_suggestion(self, message)}"))
-
-
-def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
-    """"; did you mean X?" for an unknown flag or an invalid choice (difflib), else ""."""
-    choice = re.search(r"invalid choice: '([^']*)'", message)
-    if choice:
-        words, candidates = [choice.group(1)], sorted(PRESETS)
-    elif message.startswith("unrecognized arguments:"):
-        words = [w for w in message.split(":", 1)[1].split() if w.startswith("-")]
-        candidates = list(parser._option_string_actions)
-    else:
-        return ""
-    close = [m for w in words for m in difflib.get_close_matches(w, candidates, n=1)]
-    return f"; did you mean {', '.join(close)}?" if close else ""
+from .stages import PARTS, stacked_bars, stage_estimates
 
 
 def plan_parser() -> argparse.ArgumentParser:
     """pretrain_gpt.py's flags plus the planner's (`--dp`, PlanOptions' fields, `--json`)."""
-    parser = build_parser(_OneLineParser(
+    parser = build_parser(HintingParser(
         prog="python -m megazoo.plan",
         description="Predict the GPU and host memory of a pretrain_gpt.py run: pass the run's "
                     "flags, plus the data-parallel size to plan for."))
@@ -63,7 +37,8 @@ def plan_parser() -> argparse.ArgumentParser:
                        "a launched run takes it from its world size. Default 1.")
     docs, hints = field_docs(PlanOptions), typing.get_type_hints(PlanOptions)
     for f in dataclasses.fields(PlanOptions):
-        flag, kwargs = "--" + f.name.replace("_", "-"), dict(dest="plan__" + f.name, help=docs[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        kwargs = dict(dest="plan__" + f.name, help=docs[f.name])
         if hints[f.name] is bool:
             group.add_argument(flag, action="store_true", **kwargs)
         else:
@@ -85,19 +60,17 @@ def plan_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def format_table(name: str, args: PretrainArgs, est: MemoryEstimate,
-                 options: PlanOptions | None = None) -> str:
+def format_table(name: str, layout: Resolved, est: MemoryEstimate) -> str:
     """A human-readable report."""
-    layout = resolve(args, options)
     rows = [("parameters", est.parameters), ("gradients", est.gradients),
             ("optimizer states", est.optimizer_states), ("activations", est.activations),
             ("communication buffers + runtime", est.communication_buffers),
             ("fragmentation allowance (10%)", est.fragmentation), ("GPU total", est.gpu_total)]
     lines = [f"{name}: {est.num_parameters:,} parameters; layout TP{layout.tp}-SP{layout.sp}-"
              f"PP{layout.pp}-VPP{layout.vpp}-DP{layout.dp} ({layout.world_size} GPUs), "
-             f"{_engine(layout)}, recompute="
-             f"{layout.recompute}, micro-batch {layout.micro_batch_size} x "
-             f"{layout.seq_length} tokens, {layout.num_micro_batches} per step",
+             f"{_engine(layout)}, recompute={layout.recompute}, micro-batch "
+             f"{layout.micro_batch_size} x {layout.seq_length} tokens, "
+             f"{layout.num_micro_batches} per step",
              f"  parameters per GPU before ZeRO: {est.parameters_per_gpu:,}"]
     lines += [f"  {label:<34}{value / GB:10.2f} GB" for label, value in rows]
     lines.append(f"  {'peak allocated, model build':<34}{est.build_peak / GB:10.2f} GB"
@@ -130,20 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     """Plan the run the flags describe; 0, or one "error: ..." line and 2."""
     parser = plan_parser()
     ns = parser.parse_args(argv)
-    if ns.cluster or ns.search:
-        try:
-            if not ns.cluster:
-                raise ValueError("--search needs --cluster NAME (the GPUs and links to rank on)")
-            return timecli.run(ns, parser, sys.argv[1:] if argv is None else list(argv))
-        except (ValueError, OSError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+    argv = sys.argv[1:] if argv is None else list(argv)
     given = {k[len("plan__"):]: v for k, v in vars(ns).items() if k.startswith("plan__")}
-    _default_sequence(ns)
     try:
+        if ns.search and not ns.cluster:
+            raise ValueError("--search needs --cluster NAME (the GPUs and links to rank on)")
+        if ns.cluster:
+            return timecli.run(ns, parser, argv)
+        _default_sequence(ns)
         options = PlanOptions(**given)
         if ns.largest:
-            return _largest(ns, options, sys.argv[1:] if argv is None else argv)
+            return _largest(ns, options, argv)
         args = args_from_namespace(ns)  # the run's own configs and checks
         layout = resolve(args, options)
         est = _estimate(args.model, layout)
@@ -156,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"model": name, "layout": dataclasses.asdict(layout),
                           "args": args.to_dict(), **est.to_dict()}, indent=2))
     else:
-        print(format_table(name, args, est, options))
+        print(format_table(name, layout, est))
         if ns.out:
             print(picture)
     return 0
@@ -170,7 +140,10 @@ def _draw(name: str, args: PretrainArgs, layout, out: str) -> str:
              f"{'megazoo engine' if layout.plain_engine else layout.zero_impl} ZeRO-"
              f"{layout.zero_stage}, micro-batch "
              f"{layout.micro_batch_size} x {layout.seq_length}, recompute {layout.recompute}")
-    draw_plan(stages, layout.options.gpu_memory, title, out)
+    gpu = layout.options.gpu_memory
+    series = {label: [getattr(e, field) / GB for e in stages] for label, field in PARTS}
+    stacked_bars("the memory plan picture", series, "GB per GPU", title, out,
+                 limit=(gpu, f"GPU {gpu:g} GB"))
     return (f"wrote {out}: one bar per pipeline stage; stage {top} is the most loaded at "
             f"{stages[top].gpu_total / GB:.2f} GB")
 
@@ -202,9 +175,8 @@ def _largest(ns, options: PlanOptions, argv: list[str]) -> int:
         not hasattr(ns, "training__optimizer_offload_fraction")
     best, following = search(args, options, ns.model_family, pick)
     if best is None:
-        print(f"error: no {ns.model_family} shape fits; the smallest: "
-              f"{describe(following[0], following[1], options)}", file=sys.stderr)
-        return 2
+        return report_error(f"no {ns.model_family} shape fits; the smallest: "
+                            f"{describe(following[0], following[1], options)}")
     config, est, run_args = best
     command = run_command(argv, run_args, config)
     if ns.json:
@@ -216,11 +188,11 @@ def _largest(ns, options: PlanOptions, argv: list[str]) -> int:
     if following:
         print(f"next larger: {describe(following[0], following[1], options)}")
     if est.build_peak + RUNTIME_BYTES > est.gpu_total:  # the fp32 build sets the limit
-        alone, _ = search(args, options, ns.model_family, pick, training_fits(options))
+        alone, _ = search(args, options, ns.model_family, pick, with_build=False)
         if alone is not None and alone[1].num_parameters > est.num_parameters:
             print(f"the model's fp32 build on the GPU sets this limit; training alone would "
                   f"fit {describe(alone[0], alone[1], options).split(':')[0]}")
-    print(format_table(f"{config.family} L{config.num_layers} h{config.hidden_size}", run_args,
-                       est, options))
+    print(format_table(f"{config.family} L{config.num_layers} h{config.hidden_size}",
+                       resolve(run_args, options), est))
     print(f"command:\n  {command}")
     return 0

@@ -65,28 +65,20 @@ class Cluster:
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"cluster {self.name}: {name} must be in (0, 1]")
 
-    @property
-    def inter_per_gpu(self) -> float:
-        """Network GB/s one GPU gets when every GPU of its node sends at once."""
-        if self.inter_node_gb_s_per_gpu is not None:
-            return self.inter_node_gb_s_per_gpu
-        return self.inter_node_gb_s_per_node / self.gpus_per_node
-
     def link_bytes_s(self, group_span: int) -> float:
         """Bytes/s one GPU reaches in a collective over a group spanning `group_span`
         consecutive ranks: NVLink if they share a node, else the network (its per-GPU share)."""
         if group_span <= self.gpus_per_node:
             return self.intra_node_gb_s * self.intra_node_efficiency * 1e9
-        return min(self.intra_node_gb_s, self.inter_per_gpu) * self.inter_node_efficiency * 1e9
-
-
-def presets() -> dict[str, dict]:
-    return json.loads(PRESETS_FILE.read_text())
+        per_gpu = self.inter_node_gb_s_per_gpu
+        if per_gpu is None:  # the node's share when every GPU of it sends at once
+            per_gpu = self.inter_node_gb_s_per_node / self.gpus_per_node
+        return min(self.intra_node_gb_s, per_gpu) * self.inter_node_efficiency * 1e9
 
 
 def load_cluster(spec: str) -> Cluster:
     """A preset name or a path to a JSON object (ValueError: one line naming the fix)."""
-    known = presets()
+    known = json.loads(PRESETS_FILE.read_text())
     if spec in known:
         fields, name = known[spec], spec
     elif spec.endswith(".json"):

@@ -1,7 +1,6 @@
 """Parameter, gradient and optimizer bytes of each engine, on the GPU, the host and the disk
-(the model is stated in the package docstring; `memory._estimate` adds activations, buffers
-and the verdict). Every function returns a `Parts` for the most loaded rank, given the
-parameters of its stage per tp rank (`n`).
+(`memory._estimate` adds activations, buffers and the verdict). Every function returns a
+`Parts` for the most loaded rank, given the parameters of its stage per tp rank (`n`).
 """
 from __future__ import annotations
 
@@ -89,11 +88,12 @@ def plain_parts(layout: Resolved, n: int, unit: float = 0.0) -> Parts:
 def deepspeed_parts(layout: Resolved, n: int, grad_b: int) -> Parts:
     """DeepSpeed ZeRO-1/2/3 (0.19.8's stage3.py for ZeRO-3): parameters in the compute dtype
     (/ Z at ZeRO-3), gradient partitions in the accumulation dtype (`grad_b`, / Z from
-    ZeRO-2), fp32 masters + Adam m, v (12 B; fp32 runs: the parameters are the masters, 8 B)
-    / Z. ZeRO-3 adds the fp32 gradient buffer of the largest sub-group (<= 1e9 elements) on
-    the GPU, or, with optimizer offload, keeps fp32 masters (a copy, also in fp32 runs),
-    moments and gradients (16 B x the offloaded ratio), the flat buffer of gradient partitions (grad_b) and its runtime on the
-    host, with that sub-group buffer there as a peak while the states initialise."""
+    ZeRO-2; micro-batches accumulate into them), fp32 masters + Adam m, v (12 B; fp32 runs:
+    the parameters are the masters, 8 B) / Z. ZeRO-3 adds the fp32 gradient buffer of the
+    largest sub-group (<= 1e9 elements) on the GPU, or, with optimizer offload, keeps fp32
+    masters (a copy, also in fp32 runs), moments and gradients (16 B x the offloaded ratio),
+    the flat buffer of gradient partitions (grad_b) and its runtime on the host, with that
+    sub-group buffer there as a peak while the states initialise."""
     z = layout.dp * layout.sp
     stage, ratio = layout.zero_stage, layout.offload_optimizer_ratio
     per = n / z
@@ -133,7 +133,8 @@ def fsdp2_parts(config: ModelConfig, layout: Resolved, n: int) -> Parts:
         parts.params = parts.grads = parts.optim = 0.0
         parts.notes.append("FSDP2 CPU offload: fp32 parameters and gradients (pinned, rounded "
                            "to powers of two) and Adam m, v on the host")
-    if layout.fsdp_accumulates_unsharded:
+    last_only = layout.pp == 1 or not layout.fsdp_reduce_every_microbatch
+    if layout.num_micro_batches > 1 and last_only:
         parts.grads += layout.reduce_bytes * n
         parts.notes.append(f"FSDP2 accumulates unsharded gradients over "
                            f"{layout.num_micro_batches} micro-batches: {layout.reduce_bytes} B "

@@ -25,6 +25,7 @@ from ..config.model import ModelConfig
 from ..models.params import count_parameters
 from .layout import resolve
 from .memory import GB, RUNTIME_BYTES, MemoryEstimate, _estimate
+from .search import drop_flags
 
 LLAMA_WIDTHS = (2048, 3072, 4096, 5120, 6144, 7168, 8192)
 GPT_WIDTHS = ((768, 12), (1024, 16), (1536, 16), (2048, 16), (2560, 32), (4096, 32),
@@ -33,12 +34,14 @@ FRACTIONS = tuple(i / 20 for i in range(21))
 # What --largest sets when the flag is not given: (namespace dest, value).
 LARGEST_DEFAULTS = (("data__seq_length", 2048), ("training__micro_batch_size", 1),
                     ("model__recompute", "full"), ("training__bf16", True))
-# Flags that only the planner reads (with a value: True), dropped from the printed command.
-PLAN_ONLY = {"--largest": False, "--json": False, "--fp32-grad-accumulation": False,
-             "--model-family": True, "--gpu-memory": True, "--host-memory": True,
-             "--disk-memory": True, "--gpus-per-node": True, "--dp": True, "--out": True}
-MODEL_FLAGS = ("--model", "--family", "--num-layers", "--hidden-size", "--num-attention-heads",
-               "--num-key-value-heads", "--ffn-hidden-size", "--max-position-embeddings")
+# Left out of the printed command: the planner's own flags, and the shape and batch flags
+# the command states itself.
+DROPPED = {"--largest", "--json", "--fp32-grad-accumulation", "--model-family", "--gpu-memory",
+           "--host-memory", "--disk-memory", "--gpus-per-node", "--dp", "--out",
+           "--model", "--family", "--num-layers", "--hidden-size", "--num-attention-heads",
+           "--num-key-value-heads", "--ffn-hidden-size", "--max-position-embeddings",
+           "--optimizer-offload-fraction", "--seq-length", "--micro-batch-size",
+           "--global-batch-size", "--recompute", "--recompute-granularity"}
 
 
 def family_shapes(family: str, seq_length: int) -> list[ModelConfig]:
@@ -68,23 +71,22 @@ def plan_shape(args, config: ModelConfig, options, pick_fraction: bool):
     `pick_fraction`, the smallest offload fraction whose GPU share fits."""
     model = dataclasses.replace(config, recompute=args.model.recompute)
     args = dataclasses.replace(args, model=model, model_name=None)
-    fractions = FRACTIONS if pick_fraction else (None,)
-    for fraction in fractions:
-        if fraction is not None:
-            args = dataclasses.replace(args, training=dataclasses.replace(
-                args.training, optimizer_offload_fraction=fraction))
+    for fraction in FRACTIONS if pick_fraction else (args.training.optimizer_offload_fraction,):
+        args = dataclasses.replace(args, training=dataclasses.replace(
+            args.training, optimizer_offload_fraction=fraction))
         est = _estimate(model, resolve(args, options))
         if est.verdicts["gpu"]:
             break
     return est, args
 
 
-def search(args, options, family: str, pick_fraction: bool, fits=lambda est: est.fits):
-    """(best, next larger): each (config, estimate, args); best None if nothing fits.
-    `fits(estimate)` is the verdict (default: every budget, the model's build included)."""
+def search(args, options, family: str, pick_fraction: bool, with_build: bool = True):
+    """(best, next larger): each (config, estimate, args); best None if nothing fits every
+    budget, the model's build included (with_build=False: training alone, `training_fits`)."""
     shapes = family_shapes(family, args.data.seq_length)
     planned = [(c, *plan_shape(args, c, options, pick_fraction)) for c in shapes]
-    fitting = [i for i, (_, est, _) in enumerate(planned) if fits(est)]
+    fitting = [i for i, (_, est, _) in enumerate(planned)
+               if (est.fits if with_build else training_fits(est, options))]
     if not fitting:
         return None, planned[0]
     best = fitting[-1]
@@ -94,20 +96,7 @@ def search(args, options, family: str, pick_fraction: bool, fits=lambda est: est
 def run_command(argv: list[str], args, config: ModelConfig) -> str:
     """pretrain_gpt.py's command line for the chosen shape: the user's run flags (planner
     flags and model flags dropped), the shape, the defaults --largest filled in, the fraction."""
-    kept, skip = [], False
-    for token in argv:
-        if skip:
-            skip = False
-            continue
-        name = token.split("=", 1)[0]
-        if name in PLAN_ONLY or name in MODEL_FLAGS:
-            skip = "=" not in token and (PLAN_ONLY.get(name, True))
-            continue
-        if name in ("--optimizer-offload-fraction", "--seq-length", "--micro-batch-size",
-                    "--global-batch-size", "--recompute", "--recompute-granularity"):
-            skip = "=" not in token
-            continue
-        kept.append(token)
+    kept = drop_flags(argv, DROPPED)
     t = args.training
     flags = ["--family", config.family, "--num-layers", config.num_layers,
              "--hidden-size", config.hidden_size,
@@ -145,9 +134,7 @@ def describe(config: ModelConfig, est: MemoryEstimate, options) -> str:
     return f"{shape}: {', '.join(parts)} -> {verdict}"
 
 
-def training_fits(options):
+def training_fits(est: MemoryEstimate, options) -> bool:
     """The verdict without the model's fp32 build on the GPU: what training alone allows."""
-    def fits(est: MemoryEstimate) -> bool:
-        others = all(ok for key, ok in est.verdicts.items() if key != "gpu")
-        return others and est.gpu_total <= options.gpu_memory * GB
-    return fits
+    others = all(ok for key, ok in est.verdicts.items() if key != "gpu")
+    return others and est.gpu_total <= options.gpu_memory * GB

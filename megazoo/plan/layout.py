@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from ..config.ds_config import build_ds_config, offload_device, zero_stage
 from ..config.run import PretrainArgs
 from ..config.validate import check_args
-from .offload import default_bucket_elements
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ class Resolved:
     grads_bf16: bool = False
     """Plain engine: bf16 main gradients (--accumulate-grads-in-bf16)."""
     bucket_elements: int = 40_000_000
-    """Plain engine: elements per gradient bucket."""
+    """Plain engine: elements per gradient bucket (default Megatron's max(40M, 1M x dp x sp))."""
     reduce_bytes: int = 4
     """fsdp2: bytes per element of the gradient reduction (fp32 unless
     communication_data_type says otherwise), in which unsharded gradients accumulate."""
@@ -89,13 +88,6 @@ class Resolved:
     def param_bytes(self) -> int:
         """Bytes per element of parameters and activations in compute: 2 (bf16 / fp16) or 4."""
         return 2 if self.low_precision else 4
-
-    @property
-    def fsdp_accumulates_unsharded(self) -> bool:
-        """FSDP2 keeps unsharded gradients across micro-batches: several per step and
-        reduce-scatter only in the last (always without a pipeline)."""
-        last_only = self.pp == 1 or not self.fsdp_reduce_every_microbatch
-        return self.num_micro_batches > 1 and last_only
 
     @property
     def plain_engine(self) -> bool:
@@ -152,13 +144,6 @@ def resolve(args: PretrainArgs, options: PlanOptions | None = None) -> Resolved:
         optimizer_offload_fraction=t.optimizer_offload_fraction,
         nvme=bool(t.optimizer_cpu_offload and args.zero.nvme_path),
         grads_bf16=t.accumulate_grads_in_bf16,
-        bucket_elements=t.ddp_bucket_size or default_bucket_elements(dp * par.sp),
-        reduce_bytes=_reduce_bytes(args),
+        bucket_elements=t.ddp_bucket_size or max(40_000_000, 1_000_000 * dp * par.sp),
+        reduce_bytes=2 if args.compression.communication_data_type in ("bf16", "fp16") else 4,
         fsdp_reduce_every_microbatch=args.zero.fsdp_reduce_every_microbatch)
-
-
-def _reduce_bytes(args: PretrainArgs) -> int:
-    """fsdp2's gradient reduction dtype, in bytes: communication_data_type if given, else fp32
-    (bf16 runs reduce in fp32; fp32 runs in their own dtype)."""
-    wire = args.compression.communication_data_type
-    return {"bf16": 2, "fp16": 2, "fp32": 4}.get(wire, 4) if wire else 4

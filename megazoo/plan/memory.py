@@ -1,5 +1,5 @@
 """The planner's arithmetic: parameters, gradients, optimizer states, buffers, the verdict
-(the model is stated in the package docstring)."""
+(per engine: `engines.py`; activations: `activations.py`)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -10,13 +10,13 @@ from ..models.params import count_parameters, parameter_parts
 from .activations import stage_activations
 from .engines import Parts, deepspeed_parts, fsdp2_parts, plain_parts
 from .layout import PlanOptions, Resolved, resolve
+from .offload import GB
 
-GB = 1e9
 BUCKET_ELEMENTS = 5e8  # DeepSpeed reduce_bucket_size / allgather_bucket_size defaults
 RUNTIME_BYTES = 2**30  # CUDA context, cuBLAS / NCCL workspaces
 LIVE_ELEMENTS = 5e8  # DeepSpeed ZeRO-3 keeps gathered what is reused within 1e9 elements
 # (stage3_max_reuse_distance): under recompute, the last 1e9 / 2 of the forward
-FRAGMENTATION = 0.10
+FRAGMENTATION = 0.10  # allowance for the allocator's caching and splitting
 
 
 @dataclass(frozen=True)
@@ -77,12 +77,22 @@ def stage_parameters(config: ModelConfig, tp: int, pp: int) -> dict[str, int]:
     layers = config.num_layers // pp * block  # check_layout: num_layers divides by pp
     first = layers + embedding + (head + norm if pp == 1 else 0)
     last = layers + head + norm
-    return dict(block=block, embedding=embedding, head=head, first=first, last=last,
+    return dict(block=block, embedding=embedding, head=head, norm=norm, first=first, last=last,
                 stage=max(first, last))
 
 
+def rank_parameters(config: ModelConfig, tp: int, layers: list[int]) -> list[int]:
+    """Parameters per tp rank of each pipeline rank, rank r holding `layers[r]` blocks: plus
+    the embedding on the first, the head and the final norm on the last."""
+    counts = stage_parameters(config, tp, len(layers))
+    held = [counts["block"] * n for n in layers]
+    held[0] += counts["embedding"]
+    held[-1] += counts["head"] + counts["norm"]
+    return held
+
+
 def estimate_memory(args: PretrainArgs, options: PlanOptions | None = None) -> MemoryEstimate:
-    """Per-GPU and host memory of the run `args` describes (see the package docstring).
+    """Per-GPU, host and disk memory of the run `args` describes.
 
     `args` is the run's own configuration (what `pretrain_gpt.py` parses), checked as the run
     checks it; `args.parallel.dp` is the data-parallel size to plan for (None: 1).
@@ -162,19 +172,12 @@ def _working_set(parts: Parts, layout: Resolved, counts: dict, n_gpu: int) -> No
 
 def _comm_buffers(config: ModelConfig, layout: Resolved, n_gpu: int, grad_b: int) -> float:
     """ZeRO / DDP buckets and pipeline send/receive buffers, in bytes."""
-    z = layout.dp * layout.sp
-    bucket = min(BUCKET_ELEMENTS, n_gpu)
-    if layout.zero_impl == "fsdp2":
-        zero = 0.0  # no buckets: each unit reduce-scatters its own gradient (working set)
-    elif layout.zero_stage in (1, 2):
-        zero = bucket * grad_b + bucket * 2  # reduce bucket + all-gather bucket
-    elif layout.zero_stage == 3:  # the reduce bucket, allocated whole (gathers: working set)
-        zero = BUCKET_ELEMENTS * layout.param_bytes
-    else:  # megazoo's engine reduces views of its main-gradient buffer in place
-        zero = 0.0
-    seq_par = layout.megatron_sp_on
-    p2p = 0.0
-    if layout.pp > 1:
-        p2p = 2 * 2 * layout.seq_length * layout.micro_batch_size * config.hidden_size / (
-            layout.sp * (layout.tp if seq_par else 1))
-    return zero + p2p
+    if layout.zero_stage in (1, 2):  # DeepSpeed's reduce bucket + all-gather bucket
+        zero = min(BUCKET_ELEMENTS, n_gpu) * (grad_b + 2)
+    elif layout.zero_impl == "deepspeed" and layout.zero_stage == 3:
+        zero = BUCKET_ELEMENTS * layout.param_bytes  # the reduce bucket, allocated whole
+    else:  # FSDP2 reduce-scatters each unit's gradient (working set); megazoo's engine reduces
+        zero = 0.0  # views of its main-gradient buffer in place
+    shard = layout.sp * (layout.tp if layout.megatron_sp_on else 1)
+    activation = 2 * layout.seq_length * layout.micro_batch_size * config.hidden_size / shard
+    return zero + (2 * activation if layout.pp > 1 else 0.0)  # pipeline send + receive

@@ -1,9 +1,6 @@
 """Optimizer offload in the plain engine: where its bytes go (GPU, host, disk), and the checks
-a run makes before training (an unwritable `--nvme-path`, a host or disk too small, a fraction
-outside [0, 1]: one line each, naming the numbers).
-
-This module imports nothing from `megazoo.training`: the engine imports it (lazily, in its
-setup) and `megazoo.plan.memory` builds the planner's estimate on it, so both use one model.
+a run makes before training (an unwritable `--nvme-path`, a host or disk too small: one line
+each, naming the numbers). The engine and the planner's estimate both use this one model.
 
 The model (`--optimizer-cpu-offload`, Megatron-core's flags; S = the parameters whose
 optimizer state this rank holds: all of its stage, / (dp x sp) with --use-distributed-optimizer):
@@ -27,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 
@@ -43,11 +41,6 @@ def pinned(nbytes: float) -> float:
     """Bytes that torch's caching host allocator takes for a pinned buffer of `nbytes` (it
     rounds each allocation up to the next power of two)."""
     return 0.0 if nbytes <= 0 else float(2 ** math.ceil(math.log2(nbytes)))
-
-
-def default_bucket_elements(dp_sp: int) -> int:
-    """The plain engine's default gradient bucket (Megatron's): max(40M, 1M x dp x sp)."""
-    return max(40_000_000, 1_000_000 * dp_sp)
 
 
 @dataclass(frozen=True)
@@ -93,16 +86,11 @@ def check_nvme_path(path: str) -> float:
         os.makedirs(path, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".megazoo-write-test"):
             pass
-        return float(_disk_free(path))
+        return float(shutil.disk_usage(path).free)
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
         raise ValueError(f"--nvme-path {path} is not a writable folder ({reason}): pass a "
                          "folder on a local disk you can write to") from None
-
-
-def _disk_free(path: str) -> int:
-    stat = os.statvfs(path)
-    return stat.f_bavail * stat.f_frsize
 
 
 def host_memory_bytes() -> float | None:
@@ -137,22 +125,3 @@ def check_offload_plan(host_needed: float, disk_needed: float, *, host_memory: f
                          f"{disk_memory / GB:.1f} GB is free: free space there, point "
                          "--nvme-path at a larger disk, or lower --optimizer-offload-fraction")
 
-
-def check_offload_run(state_params: float, *, fraction: float, bucket_elements: int,
-                      grad_bytes: int, nvme_path: str | None, ranks_per_host: int = 1,
-                      state_bytes: int = STATE_BYTES,
-                      host_memory: float | None = None) -> OffloadBytes:
-    """The whole pre-training check of a planned offload, from parameter counts: the fraction,
-    the --nvme-path folder (created if needed, written to once), and whether the host's available
-    memory (`host_memory`, default MemAvailable now) and the disk's free space hold this
-    plan for `ranks_per_host` ranks. Returns the plan; ValueError (one line) otherwise. (The
-    engine makes the same checks from its actual buckets: `check_nvme_path` and
-    `check_offload_plan`.)"""
-    check_offload_fraction(fraction)
-    disk_free = check_nvme_path(nvme_path) if nvme_path else None
-    plan = offload_bytes(state_params, fraction=fraction, bucket_elements=bucket_elements,
-                         grad_bytes=grad_bytes, nvme=bool(nvme_path), state_bytes=state_bytes)
-    check_offload_plan(plan.host, plan.disk, nvme_path=nvme_path, ranks_per_host=ranks_per_host,
-                       host_memory=host_memory_bytes() if host_memory is None else host_memory,
-                       disk_memory=disk_free)
-    return plan

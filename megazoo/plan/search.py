@@ -8,7 +8,7 @@ given and the global batch divisible by micro-batch x d, each micro-batch size, 
 user's flags with the layout replaced, and go through the run's own parsing and checks
 (`args_from_namespace` -> `check_args`): a layout the run refuses is never returned. The
 plain engine's distributed optimizer and both overlaps are on where dp x sp > 1. The memory
-planner's most loaded rank must fit the cluster's GPU (less `headroom` GB); the rest are
+planner's most loaded rank must fit the cluster's GPU; the rest are
 timed (`timing.step_time`) and ranked. Each result carries its pretrain_gpt.py command.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ LAYOUT_FLAGS = {"--tensor-model-parallel-size", "--tp", "--pipeline-model-parall
                 "--sequence-parallel", "--num-layers-per-virtual-pipeline-stage",
                 "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
                 "--virtual-pipeline-model-parallel-size", "--sequence-parallel-size"}
+SEARCH_FLAGS = {"--search", "--json", "--top", "--cluster", "--out", "--gpus"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,18 +54,16 @@ class Candidate:
                 + " ".join(base + flags))
 
 
-def strip_layout(argv: list[str]) -> list[str]:
-    """The user's flags without the layout ones (and their values) and the planner's."""
-    planner = {"--search", "--json", "--top", "--cluster", "--out", "--gpus"}
+def drop_flags(argv: list[str], names: set[str]) -> list[str]:
+    """`argv` without the flags `names` and their values (the next word, unless it is a flag
+    or the flag is written --flag=value)."""
     kept, skip = [], False
     for i, arg in enumerate(argv):
         if skip:
             skip = False
             continue
-        name = arg.split("=", 1)[0]
-        if name in LAYOUT_FLAGS or name in planner:
-            takes_value = "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--")
-            skip = takes_value
+        if arg.split("=", 1)[0] in names:
+            skip = "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--")
             continue
         kept.append(arg)
     return kept
@@ -102,7 +101,7 @@ def _flags(t, u, p, v, d, b, recompute, megatron_sp, num_layers) -> list[str]:
 
 
 def search(parse, base: list[str], num_layers: int, gpus: int, global_batch: int,
-           cluster: Cluster, headroom: float = 0.0, rescore: int = 20
+           cluster: Cluster, rescore: int = 20
            ) -> tuple[list[Candidate], int, int]:
     """(fitting candidates, fastest first; layouts the run refused; layouts too big).
 
@@ -121,7 +120,7 @@ def search(parse, base: list[str], num_layers: int, gpus: int, global_batch: int
                 refused += 1
                 continue
             memory = _estimate(args.model, layout).gpu_total
-            if memory > (cluster.hbm_gb - headroom) * GB:
+            if memory > cluster.hbm_gb * GB:
                 too_big += 1
                 continue
             found.append(Candidate(flags, step_time(args, layout, cluster, exact=False),

@@ -5,7 +5,7 @@ and the most micro-batches in flight, the last the head, the final norm and the 
 the middle ones only their blocks. Per stage r:
 
 - parameters: its blocks (num_layers / pp of them), plus the embedding on the first stage and
-  the head and final norm on the last (`stage_parameters`); gradients, optimizer states and
+  the head and final norm on the last (`rank_parameters`); gradients, optimizer states and
   buffers follow from them as in the report (`_estimate`);
 - activations: one block's bytes x the blocks of one chunk (num_layers / (pp vpp)) x the
   peak number of (chunk, micro-batch) activations the stage holds, read from the schedule the
@@ -25,7 +25,8 @@ from ..pipeline.schedules import build_schedule
 from ..pipeline.simulate import simulate
 from .activations import stage_activations
 from .layout import Resolved
-from .memory import GB, MemoryEstimate, _estimate, stage_parameters
+from .memory import MemoryEstimate, _estimate, rank_parameters
+from .timing import stage_layers
 
 # (legend label, MemoryEstimate field), stacked bottom to top.
 PARTS = (("weights", "parameters"), ("gradients", "gradients"),
@@ -34,57 +35,48 @@ PARTS = (("weights", "parameters"), ("gradients", "gradients"),
          ("allocator allowance (10%)", "fragmentation"))
 
 
-def stage_inputs(config: ModelConfig, layout: Resolved,
-                 layers: list[int] | None = None) -> list[tuple[int, float]]:
-    """(parameters per tp rank before ZeRO, activation bytes) of each pipeline stage;
-    `layers`: blocks per stage when they are not num_layers / pp each (vpp = 1)."""
+def stage_estimates(config: ModelConfig, layout: Resolved) -> list[MemoryEstimate]:
+    """The planner's estimate for each pipeline stage (first to last), blocks split over the
+    stages as `stage_layers` splits them."""
     p, v = layout.pp, layout.vpp
-    counts = stage_parameters(config, layout.tp, p)
+    layers = stage_layers(config.num_layers, p, 1)
+    params = rank_parameters(config, layout.tp, layers)
     act = stage_activations(config, layout)
     if p == 1:
-        return [(counts["stage"], act["total"])]
+        return [_estimate(config, layout, n_gpu=params[0], act=act["total"])]
     in_flight = simulate(build_schedule(p, v, layout.num_micro_batches)).peak_inflight
     chunk = config.num_layers // (p * v) * act["block"]
     stages = []
-    layers = layers or [config.num_layers // p] * p
     for r in range(p):
-        params = layers[r] * counts["block"]
         held = (chunk if v > 1 else layers[r] * act["block"]) * in_flight[r] + act["working"]
         if r == 0:
-            params += counts["embedding"]
             held += act["embed_side"] * in_flight[r] / v
         if r == p - 1:
-            params += counts["last"] - config.num_layers // p * counts["block"]  # head + norm
             held += act["head_side"] + act["logits"]
-        stages.append((params, held))
+        stages.append(_estimate(config, layout, n_gpu=params[r], act=held))
     return stages
 
 
-def stage_estimates(config: ModelConfig, layout: Resolved,
-                    layers: list[int] | None = None) -> list[MemoryEstimate]:
-    """The planner's estimate for each pipeline stage (first to last)."""
-    return [_estimate(config, layout, n_gpu=n, act=a)
-            for n, a in stage_inputs(config, layout, layers)]
-
-
-def draw_plan(estimates: list[MemoryEstimate], gpu_memory: float, title: str, out: str) -> None:
-    """A stacked bar per stage (GB by part) against the GPU's memory; ValueError without
-    matplotlib."""
-    figure = new_figure("the memory plan picture",
-                        figsize=(max(5.0, 1.1 * len(estimates) + 3.5), 4.2), layout="constrained")
+def stacked_bars(picture: str, series: dict[str, list[float]], ylabel: str, title: str,
+                 out: str, limit: tuple[float, str] | None = None) -> None:
+    """Write to `out` one stacked bar per pipeline stage, a segment per entry of `series`
+    (label -> value of each stage), and `limit` (value, label) as a dashed line; ValueError
+    naming the `picture` without matplotlib."""
+    n = len(next(iter(series.values())))
+    figure = new_figure(picture, figsize=(max(5.0, 1.1 * n + 3.5), 4.2), layout="constrained")
     axes = figure.add_subplot()
-    x = list(range(len(estimates)))
-    bottom = [0.0] * len(estimates)
-    for i, (label, field) in enumerate(PARTS):
-        values = [getattr(e, field) / GB for e in estimates]
-        axes.bar(x, values, bottom=bottom, width=0.6, label=label, color=f"C{i}")
+    bottom = [0.0] * n
+    for i, (label, values) in enumerate(series.items()):
+        axes.bar(range(n), values, bottom=bottom, width=0.6, label=label, color=f"C{i}")
         bottom = [b + v for b, v in zip(bottom, values)]
-    axes.axhline(gpu_memory, color="black", linestyle="--", linewidth=1)
-    axes.text(len(estimates) - 0.5, gpu_memory, f" GPU {gpu_memory:g} GB", va="bottom",
-              ha="right", fontsize=8)
-    axes.set_xticks(x, [f"stage {r}" for r in x])
-    axes.set_ylabel("GB per GPU")
-    axes.set_ylim(0, 1.15 * max(max(bottom), gpu_memory))
+    top = max(bottom)
+    if limit is not None:
+        axes.axhline(limit[0], color="black", linestyle="--", linewidth=1)
+        axes.text(n - 0.5, limit[0], f" {limit[1]}", va="bottom", ha="right", fontsize=8)
+        top = max(top, limit[0])
+    axes.set_xticks(range(n), [f"stage {r}" for r in range(n)])
+    axes.set_ylabel(ylabel)
+    axes.set_ylim(0, 1.15 * top)
     axes.set_title(title, fontsize=9)
     axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     figure.savefig(out, dpi=110)

@@ -17,14 +17,13 @@ import dataclasses
 import json
 
 from ..config.flags import args_from_namespace
-from ..matplotlib_figure import new_figure
 from .clusters import load_cluster
 from .layout import PlanOptions, resolve
 from .memory import GB
 from .published import megatron_deepspeed_gb, plan_args
-from .search import search, strip_layout
-from .stages import stage_estimates
-from .timing import stage_layers, step_time
+from .search import LAYOUT_FLAGS, SEARCH_FLAGS, drop_flags, search
+from .stages import stacked_bars, stage_estimates
+from .timing import step_time
 
 PARTS = ("compute", "tp_comm", "bubble", "dp_comm", "optimizer")
 
@@ -43,22 +42,13 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                        help="--search: GPUs available (default: those of the given layout)")
 
 
-def _parse(parser):
-    """flags -> the run's checked PretrainArgs (for the search's candidates: strictly what the
-    run accepts, no uneven pipeline split)."""
-    def parse(argv):
-        return args_from_namespace(parser.parse_args(argv))
-    return parse
-
-
 def predict(ns) -> dict:
     """Everything about one layout on one cluster, as a JSON-ready dict."""
     cluster = load_cluster(ns.cluster)
     args, config, notes = plan_args(ns)
     layout = resolve(args, PlanOptions(gpu_memory=cluster.hbm_gb,
                                        gpus_per_node=cluster.gpus_per_node))
-    layers = stage_layers(config.num_layers, layout.pp, layout.vpp)
-    memory = stage_estimates(config, layout, layers if layout.vpp == 1 else None)
+    memory = stage_estimates(config, layout)
     top = max(range(len(memory)), key=lambda r: memory[r].gpu_total)
     time = step_time(args, layout, cluster, config)
     extra = {}
@@ -69,7 +59,7 @@ def predict(ns) -> dict:
                      " GB per GPU")
     return {"model": args.model_name or "the default model", "cluster": cluster.name,
             "layout": f"TP{layout.tp}-SP{layout.sp}-PP{layout.pp}-VPP{layout.vpp}-DP{layout.dp}",
-            **time.to_dict(), "gpu_memory_gb": memory[top].gpu_total / GB,
+            **dataclasses.asdict(time), "gpu_memory_gb": memory[top].gpu_total / GB,
             "gpu_memory_stage": top, "memory": memory[top].to_dict(), **extra,
             "fits": memory[top].gpu_total <= cluster.hbm_gb * GB,
             "notes": notes + time.notes + memory[top].notes}
@@ -89,21 +79,10 @@ def format_prediction(p: dict) -> str:
 
 def draw(p: dict, out: str) -> str:
     """A stacked bar per stage of the step's parts; returns the line that says so."""
-    stages = p["stages"]
-    figure = new_figure("the step-time picture", figsize=(max(5.0, 0.5 * len(stages) + 4), 4.2),
-                        layout="constrained")
-    axes = figure.add_subplot()
-    bottom = [0.0] * len(stages)
-    for i, part in enumerate(PARTS):
-        values = [s[part] for s in stages]
-        axes.bar(range(len(stages)), values, bottom=bottom, width=0.7, label=part, color=f"C{i}")
-        bottom = [b + x for b, x in zip(bottom, values)]
-    axes.set_xlabel("pipeline stage")
-    axes.set_ylabel("seconds per step")
-    axes.set_title(f"{p['model']} {p['layout']} on {p['cluster']}: {p['step_s']:.2f} s/step, "
-                   f"{p['tflops_per_gpu']:.0f} TFLOP/s per GPU", fontsize=9)
-    axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    figure.savefig(out, dpi=110)
+    title = (f"{p['model']} {p['layout']} on {p['cluster']}: {p['step_s']:.2f} s/step, "
+             f"{p['tflops_per_gpu']:.0f} TFLOP/s per GPU")
+    stacked_bars("the step-time picture", {k: [s[k] for s in p["stages"]] for k in PARTS},
+                 "seconds per step", title, out)
     return f"wrote {out}: the step's parts per pipeline stage"
 
 
@@ -113,8 +92,11 @@ def run_search(ns, parser, argv: list[str]) -> dict:
     args = dataclasses.replace(args, model=config)
     gpus = ns.gpus or (args.parallel.tp * args.parallel.sp * args.parallel.pp
                        * (args.parallel.dp or 1))
-    base = strip_layout(argv)
-    found, refused, too_big = search(_parse(parser), base, args.model.num_layers, gpus,
+    base = drop_flags(argv, LAYOUT_FLAGS | SEARCH_FLAGS)  # the user's other flags
+
+    def parse(flags: list[str]):  # strictly what the run accepts: no uneven pipeline split
+        return args_from_namespace(parser.parse_args(flags))
+    found, refused, too_big = search(parse, base, args.model.num_layers, gpus,
                                      args.training.global_batch_size, cluster)
     rows = [{"flags": " ".join(c.flags), "gpus": c.gpus, "step_s": c.time.step_s,
              "tokens_per_s": c.time.tokens_per_s, "tflops_per_gpu": c.time.tflops_per_gpu,

@@ -30,7 +30,7 @@ forward rerun by full recompute included).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from ..config.model import ModelConfig
 from ..config.run import PretrainArgs
@@ -40,7 +40,7 @@ from ..pipeline.simulate import simulate
 from .calibration import kernel_rates
 from .clusters import Cluster
 from .layout import Resolved
-from .memory import stage_parameters
+from .memory import rank_parameters
 from .work import Work, block_work, embedding_work, head_work
 
 
@@ -72,9 +72,6 @@ class StepTime:
     """Where the kernel rates come from."""
     notes: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 def stage_layers(num_layers: int, pp: int, vpp: int) -> list[int]:
     """Blocks per virtual stage (pp x vpp of them): even where they divide, else (vpp = 1)
@@ -88,12 +85,6 @@ def stage_layers(num_layers: int, pp: int, vpp: int) -> list[int]:
         return [per - 1] + [per] * (pp - 2) + [per - 1]
     raise ValueError(f"num_layers {num_layers} must divide by pp*vpp = {n} (or, with vpp 1, "
                      f"num_layers + 2 by pp): change the layout or the model")
-
-
-def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """96 B s l h^2 (1 + s / 6h + V / 16 l h): Narayanan et al. 2021, recompute counted."""
-    return 96.0 * batch * seq * layers * hidden ** 2 * (
-        1 + seq / (6.0 * hidden) + vocab / (16.0 * layers * hidden))
 
 
 def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
@@ -111,7 +102,7 @@ def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
     works = [block * n for n in layers]
     works[0] = works[0] + embedding_work(config, layout, rates, cluster)
     works[-1] = works[-1] + head_work(config, layout, rates, cluster)
-    params = _rank_parameters(config, layout, layers)
+    params = rank_parameters(config, layout.tp, [sum(layers[r::p]) for r in range(p)])
     zero3 = [_zero3_exposed(w, params[i % p] / v, layout, cluster) for i, w in enumerate(works)]
     ends = _pipeline([w + z for w, z in zip(works, zero3)], layout, config, cluster, exact)
     tail = [_dp_exposed(args, layout, cluster, params[r], works[r::p])
@@ -124,25 +115,14 @@ def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
         comm = m * sum(w.fwd_comm + w.bwd_comm for w in works[r::p])
         stages.append(StageTime(sum(layers[r::p]), compute, comm,
                                 step - compute - comm - tail[r] - optim[r], tail[r], optim[r]))
-    gpus = layout.world_size
-    batch = layout.micro_batch_size * m * layout.dp
-    tokens = batch * layout.seq_length
-    model = flops_per_iteration(batch, layout.seq_length, config.num_layers, config.hidden_size,
+    gpus, batch, s = layout.world_size, layout.micro_batch_size * m * layout.dp, layout.seq_length
+    model = flops_per_iteration(batch, s, config.num_layers, config.hidden_size,
                                 config.padded_vocab(1))
-    paper = megatron_flops(batch, layout.seq_length, config.num_layers, config.hidden_size,
-                           config.padded_vocab(1))
-    return StepTime(step, tokens / step, model / step / gpus / 1e12, paper / step / gpus / 1e12,
+    # Megatron-LM's 96 B s l h^2 (1 + s / 6h + V / 16 l h) adds full recompute's forward
+    paper = model + 24.0 * batch * s * config.num_layers * config.hidden_size ** 2 * (
+        1 + s / (6.0 * config.hidden_size))
+    return StepTime(step, batch * s / step, model / step / gpus / 1e12, paper / step / gpus / 1e12,
                     gpus, stages, rates.gpu)
-
-
-def _rank_parameters(config: ModelConfig, layout: Resolved, layers: list[int]) -> list[float]:
-    """Parameters per tp rank held by each pipeline rank."""
-    p = layout.pp
-    counts = stage_parameters(config, layout.tp, p)
-    held = [counts["block"] * sum(layers[r::p]) for r in range(p)]
-    held[0] += counts["embedding"]
-    held[-1] += counts["head"] + config.hidden_size * 2
-    return held
 
 
 def _pipeline(works: list[Work], layout: Resolved, config: ModelConfig, cluster: Cluster,
@@ -197,7 +177,7 @@ def _dp_exposed(args: PretrainArgs, layout: Resolved, cluster: Cluster, params: 
         reduce = share * 2.0 * params / link * (1 if layout.zero_stage else 2)
         gather = share * 2.0 * params / link if layout.zero_stage else 0.0
         overlap, overlap_gather = True, False
-    bucket = min(1.0, max(40e6, 1e6 * z) / max(params, 1.0))
+    bucket = min(1.0, layout.bucket_elements / max(params, 1.0))
     if overlap:
         window = sum(w.bwd + w.bwd_comm for w in works)
         reduce = max(reduce - window, reduce * bucket)

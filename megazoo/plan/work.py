@@ -118,10 +118,7 @@ def _tp_comm(config: ModelConfig, layout: Resolved, cluster: Cluster, tokens: in
     """Seconds of one direction's (forward's or backward's) tp / sp collectives."""
     t, u = layout.tp, layout.sp
     h, kv = config.hidden_size, _kv_width(config)
-    seconds = 0.0
-    if t > 1:
-        link = cluster.link_bytes_s(t)
-        seconds += 2 * 2 * (t - 1) / t * (2.0 * tokens * h) / link  # two all-reduces
+    seconds = 2 * _all_reduce(cluster, t, 2.0 * tokens * h)  # two all-reduces
     if u > 1:
         link = cluster.link_bytes_s(t * u)
         moved = 2.0 * tokens * ((h + 2 * kv) + h) / t  # q/k/v in, attention output back
@@ -136,9 +133,8 @@ def head_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluster
     vocab = config.padded_vocab(t) / t
     fwd, bwd = _linear(rates, tokens, config.hidden_size, vocab, False)
     loss = LOSS_BYTES * tokens * vocab / rates.copy_bytes_s
-    comm = 0.0
-    if t > 1:  # the head's input all-reduce (backward) and the loss's max / sum all-reduces
-        comm = 2 * (t - 1) / t * 2.0 * tokens * config.hidden_size / cluster.link_bytes_s(t)
+    # the head's input all-reduce (backward) and the loss's max / sum all-reduces
+    comm = _all_reduce(cluster, t, 2.0 * tokens * config.hidden_size)
     return Work(fwd + loss / 2, bwd + loss / 2, 0.0, comm)
 
 
@@ -149,7 +145,10 @@ def embedding_work(config: ModelConfig, layout: Resolved, rates: KernelRates,
     t, u = layout.tp, layout.sp
     tokens = layout.seq_length * layout.micro_batch_size // u
     moved = 2.0 * 2 * tokens * config.hidden_size / rates.copy_bytes_s
-    comm = 0.0
-    if t > 1:
-        comm = 2 * (t - 1) / t * 2.0 * tokens * config.hidden_size / cluster.link_bytes_s(t)
+    comm = _all_reduce(cluster, t, 2.0 * tokens * config.hidden_size)
     return Work(moved, 2 * moved, comm, 0.0)
+
+
+def _all_reduce(cluster: Cluster, t: int, nbytes: float) -> float:
+    """Seconds of a ring all-reduce of `nbytes` over `t` ranks: 2 (t - 1) / t x nbytes."""
+    return 2 * (t - 1) / t * nbytes / cluster.link_bytes_s(t)
