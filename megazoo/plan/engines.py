@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 
 from ..config.model import ModelConfig
 from .layout import Resolved
+from .deepspeed_host import SUB_GROUP_ELEMENTS, sub_groups, zero3_cpu_offload_host
 from .offload import offload_bytes, pinned
 
-SUB_GROUP_ELEMENTS = 1e9  # DeepSpeed ZeRO-3 sub_group_size default
-HOST_RUNTIME_BYTES = 3.2e9  # host side of a DeepSpeed offloading process (fitted, bench/README)
 TORCH_HOST_RUNTIME_BYTES = 1.39e9  # the same without DeepSpeed (FSDP2 gpt-1.3b: 23.5 GB RSS)
 
 
@@ -86,14 +85,14 @@ def plain_parts(layout: Resolved, n: int, unit: float = 0.0) -> Parts:
     return parts
 
 
-def deepspeed_parts(layout: Resolved, n: int, grad_b: int) -> Parts:
+def deepspeed_parts(config: ModelConfig, layout: Resolved, n: int, grad_b: int) -> Parts:
     """DeepSpeed ZeRO-1/2/3 (0.19.8's stage3.py for ZeRO-3): parameters in the compute dtype
     (/ Z at ZeRO-3), gradient partitions in the accumulation dtype (`grad_b`, / Z from
     ZeRO-2), fp32 masters + Adam m, v (12 B; fp32 runs: the parameters are the masters, 8 B)
     / Z. ZeRO-3 adds the fp32 gradient buffer of the largest sub-group (<= 1e9 elements) on
-    the GPU, or, with optimizer offload, keeps fp32 masters (a copy, also in fp32 runs),
-    moments and gradients (16 B x the offloaded ratio), the flat buffer of gradient partitions (grad_b) and its runtime on the
-    host, with that sub-group buffer there as a peak while the states initialise."""
+    the GPU, or, with optimizer offload to cpu, keeps fp32 masters, moments and gradients on
+    the host (also in fp32 runs), with pinned buffers rounded to powers of two
+    (`deepspeed_host`); offloaded ZeRO-3 parameters are one pinned buffer per group."""
     z = layout.dp * layout.sp
     stage, ratio = layout.zero_stage, layout.offload_optimizer_ratio
     per = n / z
@@ -101,16 +100,20 @@ def deepspeed_parts(layout: Resolved, n: int, grad_b: int) -> Parts:
     parts = Parts(params=layout.param_bytes * n / (z if stage == 3 else 1),
                   grads=grad_b * n / (z if stage >= 2 else 1),
                   optim=state_b * n / (z if stage >= 1 else 1), build=4 * n)
+    groups = sub_groups(config, layout.tp, z) if stage == 3 else []
     if layout.offload_param == "cpu":
-        parts.params, parts.host = 0.0, layout.param_bytes * per
+        parts.params = 0.0
+        parts.host = sum(pinned(layout.param_bytes * g) for g in sub_groups(config, layout.tp, z,
+                                                                          size=math.inf))
     if layout.offload_optimizer == "cpu":  # the host keeps an fp32 master copy in fp32 runs too
-        moved = (12 + 4) * per
-        parts.host += moved * ratio
-        parts.optim, parts.grads = moved * (1.0 - ratio), 0.0
-        parts.notes.append(f"optimizer offload: fp32 masters + Adam m, v + fp32 grads, "
-                           f"{ratio:.0%} of them on the host")
-        if stage == 3:  # DeepSpeed's host-side buffers and runtime
-            parts.host += grad_b * per + 4 * min(per, SUB_GROUP_ELEMENTS) + HOST_RUNTIME_BYTES
+        # ZeRO-3 steps its first int((1 - ratio) x count) sub-groups on the GPU (the ratio is
+        # 1 below ZeRO-3: the config refuses others)
+        kept = sum(groups[:int((1 - ratio) * len(groups))])
+        parts.host += zero3_cpu_offload_host(groups, ratio, grad_b) if stage == 3 else 16 * per
+        parts.optim, parts.grads = 16 * kept, 0.0
+        parts.notes.append(f"optimizer offload: fp32 masters + Adam m, v + fp32 grads on the "
+                           f"host" + (f", {len(groups) - int((1 - ratio) * len(groups))} of "
+                                      f"{len(groups)} sub-groups" if ratio < 1 else ""))
     elif stage == 3:
         parts.grads += 4 * min(per, SUB_GROUP_ELEMENTS)
         parts.notes.append("DeepSpeed ZeRO-3: fp32 gradient buffer of the largest sub-group")

@@ -108,7 +108,7 @@ def _estimate(config: ModelConfig, layout: Resolved, n_gpu: int | None = None,
     elif layout.zero_impl == "fsdp2":
         parts = fsdp2_parts(config, layout, n_gpu)
     else:
-        parts = deepspeed_parts(layout, n_gpu, grad_b)
+        parts = deepspeed_parts(config, layout, n_gpu, grad_b)
     if layout.zero_stage == 3:
         _working_set(parts, layout, counts, n_gpu)
     comm = RUNTIME_BYTES + parts.buffers + _comm_buffers(config, layout, n_gpu, grad_b)
