@@ -5,6 +5,7 @@ ZeRO-3 with 1 and 8 micro-batches per step, optimizer offload on and off, the pl
     python -m bench.plan_check --only ds-offload-m8         # some rows, by name
     python -m bench.plan_check --with-plain-offload         # also --optimizer-cpu-offload rows
     python -m bench.plan_check --dry-run                    # CPU, a tiny model: the path only
+    python -m bench.plan_check --replan a.json b.json       # CPU: plan measured rows again
     python -m bench.plan_check --only ds-offload-2b-m2      # DeepSpeed at 2.2B parameters
 
 Each row runs `pretrain_gpt.py`'s own setup and training (`megazoo.training.run.setup`,
@@ -119,6 +120,27 @@ def _error(plan, measured) -> float | None:
     return None if plan is None or not measured else plan / measured - 1
 
 
+def _errors(row: dict) -> None:
+    row["err_peak"] = _error(row["plan_peak_gb"], row["peak_alloc_gb"])
+    row["err_build"] = _error(row["plan_build_gb"], row["setup_alloc_gb"])
+    row["err_reserved"] = _error(row["plan_reserved_gb"], row.get("peak_reserved_gb"))
+    row["err_host"] = _error(row["plan_host_gb"], row["host_rss_gb"])
+
+
+def replan(paths: list[str]) -> list[dict]:
+    """The measured rows of earlier sweeps (JSON files; a later file's row replaces an
+    earlier one of the same name), planned again by today's planner."""
+    rows = {}
+    for path in paths:
+        with open(path) as f:
+            for row in json.load(f)["rows"]:
+                if row.get("status") == "ok":
+                    row.update(planned(flags_of(row["name"], False)))
+                    _errors(row)
+                    rows[row["name"]] = row
+    return list(rows.values())
+
+
 def sweep(names: list[str], dry_run: bool, timeout: float, budget: float) -> list[dict]:
     """Each row in its own child process, until `budget` seconds have passed."""
     rows, start = [], time.monotonic()
@@ -135,10 +157,7 @@ def sweep(names: list[str], dry_run: bool, timeout: float, budget: float) -> lis
             row["status"] = "timed out" if code is None else f"failed: {failure_line(err)}"
         else:
             row.update(got[-1], status="ok")
-            row["err_peak"] = _error(row["plan_peak_gb"], row["peak_alloc_gb"])
-            row["err_build"] = _error(row["plan_build_gb"], row["setup_alloc_gb"])
-            row["err_reserved"] = _error(row["plan_reserved_gb"], row.get("peak_reserved_gb"))
-            row["err_host"] = _error(row["plan_host_gb"], row["host_rss_gb"])
+            _errors(row)
         rows.append(row)
         print(f"{name}: {row['status']} ({time.monotonic() - start:.0f} s)", flush=True)
     return rows
@@ -153,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU")
     parser.add_argument("--timeout", type=float, default=90, help="seconds per row")
     parser.add_argument("--budget", type=float, default=220, help="seconds for the sweep")
+    parser.add_argument("--replan", nargs="+", default=None, metavar="JSON",
+                        help="plan the measured rows of these --out files again (CPU)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
     if ns.child:
@@ -164,7 +185,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown row {unknown[0]}; rows: {', '.join({**ROWS, **PLAIN_OFFLOAD})}",
               file=sys.stderr)
         return 2
-    rows = sweep(names, ns.dry_run, ns.timeout, ns.budget)
+    if not ns.replan:
+        rows = sweep(names, ns.dry_run, ns.timeout, ns.budget)
+    else:
+        try:
+            rows = replan(ns.replan)
+        except (OSError, ValueError, KeyError) as exc:  # not a file this benchmark wrote
+            print(f"error: --replan {' '.join(ns.replan)}: {exc}: pass --out files of "
+                  "bench/plan_check.py", file=sys.stderr)
+            return 2
     print_table(rows, ["name", "peak_alloc_gb", "plan_peak_gb", "err_peak", "setup_alloc_gb",
                        "plan_build_gb", "peak_reserved_gb", "plan_reserved_gb", "err_reserved",
                        "setup_rss_gb", "host_rss_gb", "plan_host_gb", "err_host", "status"])

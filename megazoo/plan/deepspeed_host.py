@@ -24,11 +24,11 @@ pinning of the flat gradient buffer, and a training step; plus the process's run
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from ..config.model import ModelConfig
 from .offload import pinned
+from .tensors import model_tensors
 
 SUB_GROUP_ELEMENTS = 1e9  # DeepSpeed ZeRO-3 sub_group_size default
 DS_HOST_RUNTIME_BYTES = 2.05e9  # fitted: 2.03-2.20 GB over the four runs of the report above
@@ -38,12 +38,7 @@ def sub_groups(config: ModelConfig, tp: int, z: int,
                size: float = SUB_GROUP_ELEMENTS) -> list[int]:
     """Partition elements of each ZeRO-3 sub-group on one rank (tp shards, / z, rounded up),
     in DeepSpeed's order: the matrices' group, then the 1-D tensors' group."""
-    key = (repr(dataclasses.replace(config, num_layers=1)), tp)
-    if key not in _TENSORS:
-        _TENSORS[key] = _tensors(config, tp)
-    embed, block, head = _TENSORS[key]
-    tensors = embed + block * config.num_layers + head
-    groups = []
+    groups, tensors = [], model_tensors(config, tp)
     for matrices in (True, False):
         elements = [math.ceil(numel / z) for numel, matrix in tensors if matrix == matrices]
         current = 0
@@ -79,20 +74,3 @@ def zero3_cpu_offload_host(groups: list[int], ratio: float, grad_bytes: int) -> 
     step = 12 * host_elements + grads + flat + 2 * max(
         (g for g, h in zip(groups, on_host) if h), default=0)
     return max(init, flatten, step) + DS_HOST_RUNTIME_BYTES
-
-
-_TENSORS: dict[tuple, tuple] = {}  # (repr(one-block config), tp) -> _tensors
-
-
-def _tensors(config: ModelConfig, tp: int) -> tuple[list, list, list]:
-    """(elements per tp rank, is a matrix) of each parameter of the embedding, one block and
-    the rest (final norm, head), in the model's order, from a one-block model on meta."""
-    from ..models.build import build_model
-
-    model = build_model(dataclasses.replace(config, num_layers=1), device="meta")
-    embed, block, head = [], [], []
-    for name, p in model.named_parameters():
-        numel = p.numel() // tp if getattr(p, "tp_dim", None) is not None else p.numel()
-        part = block if name.startswith("layers.") else embed if not block else head
-        part.append((numel, p.ndim >= 2))
-    return embed, block, head

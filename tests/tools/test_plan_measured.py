@@ -7,8 +7,9 @@ s 2048, micro-batch 2, global batch 16 = 8 micro-batches, bf16, full recompute, 
 offload to cpu, the default corpus's 2,048-token vocabulary): FSDP2 23.3 GB allocated and
 90 GB host RSS, DeepSpeed 21.1 GB and 116 GB, as the run logged them (host in ru_maxrss KiB
 / 1e6, so x 1.024 for bytes); (2) `bench/plan_check.py` on one H100
-(bench/results/plan_memory_h100_2026-11-25.md): a 0.41B LLaMA, s 1024, micro-batch 2.
-Tolerance 5% (the issue's target)."""
+(bench/results/plan_memory_h100_2026-11-25.md and -25b.md): a 0.41B LLaMA (one row 2.2B),
+s 1024, micro-batch 2; (3) DeepSpeed ZeRO-3 + CPU offload host RSS of bench/zero_bench.py
+(bench/results/zero_h100_2026-11-23.md). Tolerance 5% (the issue's target)."""
 import dataclasses
 
 import pytest
@@ -28,9 +29,10 @@ SMALL = ["--family", "llama", "--num-layers", "16", "--hidden-size", "1536",
          "--bf16", "--recompute", "full", "--zero-stage", "3"]
 
 
-def plan(flags, vocab=2048, **options):
+def plan(flags, vocab=2048, dp=None, **options):
     args = parse_args(flags)
     args.model = dataclasses.replace(args.model, vocab_size=vocab)
+    args.parallel = dataclasses.replace(args.parallel, dp=dp or args.parallel.dp)
     return estimate_memory(args, PlanOptions(**options))
 
 
@@ -77,27 +79,35 @@ def test_deepspeed_offload_host_from_its_allocations(name, flags, vocab, host_gb
     assert est.host_per_gpu / GB == pytest.approx(host_gb, rel=0.05), name
 
 
-@pytest.mark.parametrize("name, flags, alloc, reserved, host", [
-    ("fsdp2-offload-m8", ["--zero-impl", "fsdp2", "--offload-optimizer", "cpu",
-                          "--global-batch-size", "16"], 2.051, 2.389, 9.287),
-    ("ds-offload-m8", ["--deepspeed", "--offload-optimizer", "cpu",
-                       "--global-batch-size", "16"], 2.830, 3.406, 10.98),
-    ("ds-offload-m1", ["--deepspeed", "--offload-optimizer", "cpu",
-                       "--global-batch-size", "2"], 2.830, 3.406, 10.93),
+@pytest.mark.parametrize("name, alloc, reserved, host", [
+    ("fsdp2-offload-m8", 2.051, 2.389, 9.287), ("fsdp2-offload-m1", 1.740, None, 9.162),
+    ("ds-offload-m8", 2.830, 3.406, 11.08), ("ds-offload-m1", 2.830, 3.406, 10.93),
+    ("ds-offload-2b-m2", 8.926, None, 52.33), ("ds-m8", 12.519, None, None),
+    ("fsdp2-m8", 7.105, None, None), ("plain-m8", 7.824, None, None),
+    ("plain-offload-m8", 2.916, 3.202, 11.04),
+    ("plain-offload-half-bf16grads-m8", 4.670, 5.029, 6.088),
 ])
-def test_plan_check_h100_rows(name, flags, alloc, reserved, host):
+def test_plan_check_h100_rows(name, alloc, reserved, host):
     """Peak allocated (whole run), peak reserved (against the plan without the CUDA context)
-    and host RSS in bytes / 1e9, from bench/plan_check.py's GPU sweep."""
-    est = plan(SMALL + flags)
+    and host RSS in bytes / 1e9, from bench/plan_check.py's GPU sweeps
+    (bench/results/plan_memory_h100_2026-11-25b.md). Reserved only where training sets it:
+    where the model's build or the optimizer step's allocations do, the cache they leave is
+    not modelled (11-77% under; the report lists them)."""
+    from bench.plan_check import flags_of
+
+    est = plan(flags_of(name, False))
     assert est.peak_allocated / GB == pytest.approx(alloc, rel=0.05), name
-    assert (est.gpu_total - RUNTIME_BYTES) / GB == pytest.approx(reserved, rel=0.05), name
+    if reserved is not None:
+        assert (est.gpu_total - RUNTIME_BYTES) / GB == pytest.approx(reserved, rel=0.05), name
     if host is not None:
         assert est.host_per_gpu / GB == pytest.approx(host, rel=0.05), name
 
 
 def test_fsdp2_accumulation_depends_on_when_it_reduces():
     """Unsharded gradients in the reduction dtype (fp32, or communication_data_type) for
-    every parameter, only when the reduce-scatter waits for a step's last micro-batch."""
+    every parameter, only when the reduce-scatter waits for a step's last micro-batch; they
+    replace the fp32 sharded gradients rather than add to them (measured without offload:
+    7.105 GB against 6.95 planned, 8.59 with both)."""
     base = ["--zero-impl", "fsdp2", "--offload-optimizer", "cpu"]
     one, eight = (plan(SMALL + base + ["--global-batch-size", str(g)]) for g in (2, 16))
     n = one.parameters_per_gpu
@@ -106,8 +116,10 @@ def test_fsdp2_accumulation_depends_on_when_it_reduces():
                                      "--communication-data-type", "bf16"])
     assert bf16_wire.gradients - one.gradients == 2 * n
     pipe = SMALL + ["--zero-impl", "fsdp2", "--pp", "2", "--global-batch-size", "16"]
-    every, last = plan(pipe), plan(pipe + ["--no-fsdp-reduce-every-microbatch"])
-    assert last.gradients - every.gradients == 4 * every.parameters_per_gpu
+    every, last = (plan(flags, dp=2) for flags in
+                   (pipe, pipe + ["--no-fsdp-reduce-every-microbatch"]))
+    n = every.parameters_per_gpu  # sharded 4 n / 2, unsharded 4 n
+    assert last.gradients - every.gradients == pytest.approx(4 * n - 4 * n / 2)
 
 
 def test_deepspeed_and_plain_do_not_change_with_the_micro_batch_count():
