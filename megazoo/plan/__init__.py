@@ -31,17 +31,21 @@ by part; bench/README.md and bench/results/plan_memory_* hold the comparisons):
   under recompute the last 5e8 of the forward, `LIVE_ELEMENTS`).
 - engines (`engines.py`): the plain engine (2 + 4 + 12 B, main gradients bf16 with
   --accumulate-grads-in-bf16, masters and moments / (dp x sp) with the distributed optimizer,
-  a fraction of them on the host or the disk with --optimizer-cpu-offload: `offload.py`);
+  a fraction of them on the host or the disk with --optimizer-cpu-offload: `offload.py`, per
+  gradient bucket as the engine lays them out, its host buffers pinned);
   DeepSpeed (compute-dtype parameters, gradient partitions in the accumulation dtype, fp32
-  masters + moments / Z, the fp32 gradient buffer of its largest sub-group, and with
-  optimizer offload 16 B x the offloaded ratio, its flat gradient buffer and 3.2 GB of
-  runtime on the host); FSDP2 (fp32 shards of parameters, gradients, m and v, 16 B / Z; with
-  CPU offload all on the host, parameters and gradients pinned, so each tensor's shard is
-  rounded up to a power of two by torch's caching host allocator).
+  masters + moments / Z, the fp32 gradient buffer of its largest sub-group, and torch
+  AdamW's temporaries at the step, 8 B x its largest flat group; with ZeRO-3 optimizer
+  offload the host's bytes follow stage3.py's allocations, `deepspeed_host.py`: pageable
+  masters and moments, each sub-group's fp32 gradient and the flat gradient partitions
+  pinned, transients while initialising and stepping, whole sub-groups kept on the GPU
+  under a partial offload); FSDP2 (fp32 shards of parameters, gradients, m and v, 16 B / Z;
+  with CPU offload all on the host, parameters and gradients pinned). Pinned buffers come
+  from torch's caching host allocator, which rounds each up to a power of two.
 - gradient accumulation: FSDP2 reduce-scatters only in a step's last micro-batch (always at
   pp = 1; under pipelines with --no-fsdp-reduce-every-microbatch) and keeps every parameter's
   unsharded gradient in the reduction dtype (fp32 for bf16 runs) on the GPU until then: 4 B
-  per parameter of the stage, not divided by Z. DeepSpeed accumulates into its partitions
+  per parameter of the stage, not divided by Z, in place of (not beside) the sharded ones. DeepSpeed accumulates into its partitions
   (no change with the micro-batch count, as measured); the plain engine into its main
   gradients.
 - the model's build: `run.py` builds every model in fp32 on the GPU before the engine casts,
@@ -65,7 +69,7 @@ by part; bench/README.md and bench/results/plan_memory_* hold the comparisons):
   bf16 copies of offloaded gradient buckets, pipeline send/receive buffers; plus 1 GiB of
   CUDA context and library workspaces.
 - fragmentation allowance: 10 % of everything above (allocator caching and splitting).
-- host: the offloaded bytes above plus the process's runtime (3.2 GB with DeepSpeed, 1.39 GB
+- host: the offloaded bytes above plus the process's runtime (2.05 GB with DeepSpeed, 1.39 GB
   without, fitted to measured peaks), per GPU and per node (`--gpus-per-node` ranks).
 
 The claim "BLOOM-176B trains on 8x A100-80GB with ZeRO-3 + CPU optimizer offload in under
@@ -75,11 +79,11 @@ and 2048 tokens the planner puts the layout at about 83.5 GB per GPU (44 GB of p
 shards, 12 GB of gathered parameters, 7 GB of a gathered gradient unit, 10.4 GB of
 activations, buffers and a 10% allowance), so it does not fit even the 80 GB, and the
 offloaded fp32 master weights, Adam moments and gradients (16 B per parameter) need 2.8 TB
-of host memory on the node, 3.2 TB with DeepSpeed's buffers and runtime. Offloading the
+of host memory on the node, 3.4 TB with DeepSpeed's pinned buffers and runtime. Offloading the
 parameters too (ZeRO-Infinity, `--offload-param cpu`) brings the GPU to about 35 GB,
 bounded below by the gathered
 250,880 x 14,336 embedding (3.6e9 parameters: 7.2 GB in bf16, as much again for its
-gradient) and the 2.5e9-parameter blocks, and raises host memory to 3.6 TB.
+gradient) and the 2.5e9-parameter blocks, and raises host memory to 4.0 TB.
 
 The package imports its parts on first use, so `megazoo.plan.offload` (which the training
 engine imports) loads without the planner's command line.

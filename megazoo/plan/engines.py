@@ -15,7 +15,7 @@ from .offload import (bucket_elements_of, host_slots, offload_bytes, pinned,
                       pinned_host_bytes)
 from .tensors import model_tensors
 
-TORCH_HOST_RUNTIME_BYTES = 1.39e9  # the same without DeepSpeed (FSDP2 gpt-1.3b: 23.5 GB RSS)
+TORCH_HOST_RUNTIME_BYTES = 1.39e9  # host side of a process without DeepSpeed (FSDP2 gpt-1.3b: 23.5 GB)
 
 
 @dataclass

@@ -156,3 +156,21 @@ def test_plan_check_rows_are_runs_the_run_accepts():
             args = parse_args(flags_of(name, dry_run))
             assert args.training.train_iters == 3 and not args.checkpoint.save, name
             assert planned(flags_of(name, dry_run))["plan_peak_gb"] > 0, name
+
+
+def test_replan_plans_recorded_rows_again(tmp_path, capsys):
+    """`bench/plan_check.py --replan`: the measured rows of a sweep's JSON, planned by
+    today's planner (rows that did not run are left out); a file it cannot read is one line."""
+    import json
+
+    from bench.plan_check import main, planned, flags_of, replan
+
+    measured = {"name": "ds-offload-m8", "status": "ok", "peak_alloc_gb": 2.83,
+                "setup_alloc_gb": 1.843, "peak_reserved_gb": 3.406, "host_rss_gb": 11.08}
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"rows": [measured, {"name": "ds-m8", "status": "timed out"}]}))
+    (row,) = replan([str(path)])
+    plan_host = planned(flags_of("ds-offload-m8", False))["plan_host_gb"]
+    assert row["err_host"] == pytest.approx(plan_host / 11.08 - 1)
+    assert main(["--replan", str(tmp_path / "missing.json")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
