@@ -31,7 +31,7 @@ from .offload import pinned
 from .tensors import model_tensors
 
 SUB_GROUP_ELEMENTS = 1e9  # DeepSpeed ZeRO-3 sub_group_size default
-DS_HOST_RUNTIME_BYTES = 2.05e9  # fitted: 2.03-2.20 GB over the four runs of the report above
+DS_HOST_RUNTIME_BYTES = 2.05e9  # fitted: 2.03-2.20 GB over four runs (the report named above)
 
 
 def sub_groups(config: ModelConfig, tp: int, z: int,
