@@ -4,17 +4,17 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from ..config.model import ModelConfig
 from .layout import Resolved
-from .offload import offload_bytes, pinned
+from .deepspeed_host import SUB_GROUP_ELEMENTS, sub_groups, zero3_cpu_offload_host
+from .offload import (bucket_elements_of, host_slots, offload_bytes, pinned,
+                      pinned_host_bytes)
+from .tensors import model_tensors
 
-SUB_GROUP_ELEMENTS = 1e9  # DeepSpeed ZeRO-3 sub_group_size default
-HOST_RUNTIME_BYTES = 3.2e9  # host side of a DeepSpeed offloading process (fitted, bench/README)
-TORCH_HOST_RUNTIME_BYTES = 1.39e9  # the same without DeepSpeed (FSDP2 gpt-1.3b: 23.5 GB RSS)
+TORCH_HOST_RUNTIME_BYTES = 1.39e9  # host side of a process without DeepSpeed (FSDP2 gpt-1.3b: 23.5 GB)
 
 
 @dataclass
@@ -32,10 +32,13 @@ class Parts:
     `run.py` builds the model in fp32 on the device (4 B per parameter) before the engine
     casts, shards or offloads it; the offloaded plain engine in bf16 / fp16 instead moves
     each sub-module to the host as it is built (`training/backends/lean_build.py`)."""
+    step: float = 0.0
+    """GPU bytes the optimizer step adds for a moment (torch AdamW's temporaries), while the
+    gathered parameters and the activations are gone (`memory._estimate`)."""
     notes: list[str] = field(default_factory=list)
 
 
-def plain_parts(layout: Resolved, n: int, unit: float = 0.0) -> Parts:
+def plain_parts(config: ModelConfig, layout: Resolved, n: int, unit: float = 0.0) -> Parts:
     """megazoo's own engine: bf16 / fp16 parameters (2 B), one contiguous main-gradient buffer
     (fp32, 4 B; bf16 with --accumulate-grads-in-bf16; its buckets are views), fp32 masters and
     AdamW moments (12 B), the latter over dp x sp with the distributed optimizer. In fp32 the
@@ -65,6 +68,16 @@ def plain_parts(layout: Resolved, n: int, unit: float = 0.0) -> Parts:
                             nvme=layout.nvme, state_bytes=state_b)
         parts.optim, parts.buffers = off.gpu_state, off.gpu_buffers
         parts.host, parts.disk = off.host + TORCH_HOST_RUNTIME_BYTES, off.disk
+        tensors = [t for t, _ in model_tensors(config, layout.tp, config.num_layers // layout.pp,
+                                               last=layout.pp == 1)]
+        buckets = bucket_elements_of(tensors, layout.bucket_elements, z)
+        slots = host_slots(buckets, layout.optimizer_offload_fraction, shard)
+        on_gpu = [b / shard for b in buckets[len(slots):]]
+        if grad_b < 4 and on_gpu:  # the GPU slots' bf16 gradients upcast into fp32 scratch
+            parts.buffers += 4 * max(on_gpu)
+        if not layout.nvme:  # in memory: per bucket, pinned buffers rounded to powers of two
+            parts.host = pinned_host_bytes(slots, grad_b, layout.param_bytes) \
+                + TORCH_HOST_RUNTIME_BYTES
         place = "the disk (--nvme-path)" if layout.nvme else "the host"
         parts.notes.append(f"optimizer offload: {layout.optimizer_offload_fraction:.0%} of the "
                            f"masters and moments ({state_b} B/param) on {place}")
@@ -85,15 +98,14 @@ def plain_parts(layout: Resolved, n: int, unit: float = 0.0) -> Parts:
     return parts
 
 
-def deepspeed_parts(layout: Resolved, n: int, grad_b: int) -> Parts:
+def deepspeed_parts(config: ModelConfig, layout: Resolved, n: int, grad_b: int) -> Parts:
     """DeepSpeed ZeRO-1/2/3 (0.19.8's stage3.py for ZeRO-3): parameters in the compute dtype
     (/ Z at ZeRO-3), gradient partitions in the accumulation dtype (`grad_b`, / Z from
-    ZeRO-2; micro-batches accumulate into them), fp32 masters + Adam m, v (12 B; fp32 runs:
-    the parameters are the masters, 8 B) / Z. ZeRO-3 adds the fp32 gradient buffer of the
-    largest sub-group (<= 1e9 elements) on the GPU, or, with optimizer offload, keeps fp32
-    masters (a copy, also in fp32 runs), moments and gradients (16 B x the offloaded ratio),
-    the flat buffer of gradient partitions (grad_b) and its runtime on the host, with that
-    sub-group buffer there as a peak while the states initialise."""
+    ZeRO-2), fp32 masters + Adam m, v (12 B; fp32 runs: the parameters are the masters, 8 B)
+    / Z. ZeRO-3 adds the fp32 gradient buffer of the largest sub-group (<= 1e9 elements) on
+    the GPU, or, with optimizer offload to cpu, keeps fp32 masters, moments and gradients on
+    the host (also in fp32 runs), with pinned buffers rounded to powers of two
+    (`deepspeed_host`); offloaded ZeRO-3 parameters are one pinned buffer per group."""
     z = layout.dp * layout.sp
     stage, ratio = layout.zero_stage, layout.offload_optimizer_ratio
     per = n / z
@@ -101,32 +113,45 @@ def deepspeed_parts(layout: Resolved, n: int, grad_b: int) -> Parts:
     parts = Parts(params=layout.param_bytes * n / (z if stage == 3 else 1),
                   grads=grad_b * n / (z if stage >= 2 else 1),
                   optim=state_b * n / (z if stage >= 1 else 1), build=4 * n)
+    groups = sub_groups(config, layout.tp, z) if stage == 3 else []
     if layout.offload_param == "cpu":
-        parts.params, parts.host = 0.0, layout.param_bytes * per
+        parts.params = 0.0
+        parts.host = sum(pinned(layout.param_bytes * g) for g in sub_groups(config, layout.tp, z,
+                                                                          size=math.inf))
     if layout.offload_optimizer == "cpu":  # the host keeps an fp32 master copy in fp32 runs too
-        moved = (12 + 4) * per
-        parts.host += moved * ratio
-        parts.optim, parts.grads = moved * (1.0 - ratio), 0.0
-        parts.notes.append(f"optimizer offload: fp32 masters + Adam m, v + fp32 grads, "
-                           f"{ratio:.0%} of them on the host")
-        if stage == 3:  # DeepSpeed's host-side buffers and runtime
-            parts.host += grad_b * per + 4 * min(per, SUB_GROUP_ELEMENTS) + HOST_RUNTIME_BYTES
-    elif stage == 3:
+        # ZeRO-3 steps its first int((1 - ratio) x count) sub-groups on the GPU (the ratio is
+        # 1 below ZeRO-3: the config refuses others)
+        kept = sum(groups[:int((1 - ratio) * len(groups))])
+        parts.host += zero3_cpu_offload_host(groups, ratio, grad_b) if stage == 3 else 16 * per
+        parts.optim, parts.grads = 16 * kept, 0.0
+        parts.notes.append(f"optimizer offload: fp32 masters + Adam m, v + fp32 grads on the "
+                           f"host" + (f", {len(groups) - int((1 - ratio) * len(groups))} of "
+                                      f"{len(groups)} sub-groups" if ratio < 1 else ""))
+    elif stage >= 1 and layout.offload_optimizer != "nvme":  # torch AdamW (single-tensor) on
+        # a flat fp32 group: sqrt(v), then that / its bias correction, both alive at once
+        largest = max(groups) if groups else per
+        parts.step = 8 * largest
+        parts.notes.append(f"DeepSpeed optimizer step: AdamW temporaries {parts.step / 1e9:.2f} "
+                           "GB (8 B x the largest flat group)")
+    if stage == 3 and layout.offload_optimizer != "cpu":
         parts.grads += 4 * min(per, SUB_GROUP_ELEMENTS)
         parts.notes.append("DeepSpeed ZeRO-3: fp32 gradient buffer of the largest sub-group")
     return parts
 
 
-def fsdp2_parts(config: ModelConfig, layout: Resolved, n: int) -> Parts:
+def fsdp2_parts(config: ModelConfig, layout: Resolved, n: int, unit: float = 0.0) -> Parts:
     """FSDP2 (`fully_shard` per block, MixedPrecisionPolicy): fp32 sharded parameters and
     gradients and AdamW m, v (16 B / Z); with CPUOffloadPolicy all of them on the host, the
     parameters and gradients pinned (each tensor's shard rounded up to a power of two,
     `pinned`). Several micro-batches per step with the reduce-scatter only in the last one
     (always at pp = 1; `--no-fsdp-reduce-every-microbatch` under pipelines) keep every
     parameter's unsharded gradient in the reduction dtype (fp32 for bf16 runs) on the GPU
-    across the step: FSDP2's `unsharded_accumulated_grad`, not divided by Z."""
+    across the step: FSDP2's `unsharded_accumulated_grad`, not divided by Z; the last
+    micro-batch's reduce-scatter frees it unit by unit as the sharded gradients appear, so
+    the gradients take the larger of the two, not their sum. Build: the fp32 model, and the
+    sharded copy of the unit (`unit` elements) `fully_shard` is making."""
     z = layout.dp * layout.sp
-    parts = Parts(params=4 * n / z, grads=4 * n / z, optim=8 * n / z, build=4 * n)
+    parts = Parts(params=4 * n / z, grads=4 * n / z, optim=8 * n / z, build=4 * (n + unit / z))
     if layout.offload_optimizer == "cpu":
         shards = _pinned_shards(config, layout.tp, layout.pp, z)
         parts.host = 2 * shards + 8 * n / z + TORCH_HOST_RUNTIME_BYTES
@@ -134,8 +159,8 @@ def fsdp2_parts(config: ModelConfig, layout: Resolved, n: int) -> Parts:
         parts.notes.append("FSDP2 CPU offload: fp32 parameters and gradients (pinned, rounded "
                            "to powers of two) and Adam m, v on the host")
     last_only = layout.pp == 1 or not layout.fsdp_reduce_every_microbatch
-    if layout.num_micro_batches > 1 and last_only:
-        parts.grads += layout.reduce_bytes * n
+    if layout.num_micro_batches > 1 and last_only:  # a unit's sharded gradient replaces its
+        parts.grads = max(parts.grads, layout.reduce_bytes * n)  # unsharded one at the reduce
         parts.notes.append(f"FSDP2 accumulates unsharded gradients over "
                            f"{layout.num_micro_batches} micro-batches: {layout.reduce_bytes} B "
                            f"for every parameter of the stage on the GPU")
@@ -144,32 +169,10 @@ def fsdp2_parts(config: ModelConfig, layout: Resolved, n: int) -> Parts:
 
 def _pinned_shards(config: ModelConfig, tp: int, pp: int, z: int) -> float:
     """Pinned bytes of one fp32 copy of the most loaded stage's FSDP2 shards."""
-    key = (repr(dataclasses.replace(config, num_layers=1)), tp)
-    if key not in _SIZES:
-        _SIZES[key] = _tensor_sizes(config, tp)
-    block, embed, head = _SIZES[key]
-    blocks = config.num_layers // pp * sum(pinned(4 * math.ceil(e / z)) for e in block)
-    first = sum(pinned(4 * math.ceil(e / z)) for e in embed)
-    last = sum(pinned(4 * math.ceil(e / z)) for e in head)
+    def shards(tensors):
+        return sum(pinned(4 * math.ceil(numel / z)) for numel, _ in tensors)
+
+    blocks = config.num_layers // pp * shards(model_tensors(config, tp, 1, False, False))
+    first = shards(model_tensors(config, tp, 0, True, False))
+    last = shards(model_tensors(config, tp, 0, False, True))
     return blocks + first + last if pp == 1 else blocks + max(first, last)
-
-
-_SIZES: dict[tuple, tuple] = {}  # (repr(config), tp) -> _tensor_sizes
-
-
-def _tensor_sizes(config: ModelConfig, tp: int) -> tuple[list, list, list]:
-    """Elements per parameter tensor per tp rank: (one block's, the embedding's, the head's
-    and final norm's), read from a one-block model built on the meta device."""
-    from ..models.build import build_model
-
-    model = build_model(dataclasses.replace(config, num_layers=1), device="meta")
-    block, embed, head = [], [], []
-    for name, p in model.named_parameters():
-        numel = p.numel() // tp if getattr(p, "tp_dim", None) is not None else p.numel()
-        if name.startswith("layers."):
-            block.append(numel)
-        elif name.startswith("embedding"):
-            embed.append(numel)
-        else:
-            head.append(numel)
-    return block, embed, head

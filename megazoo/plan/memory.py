@@ -40,6 +40,9 @@ class MemoryEstimate:
     notes: list[str] = field(default_factory=list)
     build_peak: float = 0.0
     """GPU bytes allocated while the model is built and handed to the engine (fp32 first)."""
+    step_peak: float = 0.0
+    """GPU bytes (with the CUDA context) during the optimizer step, where its temporaries
+    outweigh the gathered parameters and activations it does not hold (0: not modelled)."""
     disk_per_gpu: float = 0.0
     """Bytes under --nvme-path per GPU (plain engine's disk tier)."""
     disk_per_node: float = 0.0
@@ -52,8 +55,8 @@ class MemoryEstimate:
         """What `torch.cuda.max_memory_allocated` should show over training steps: gpu_total
         without the fragmentation allowance (the allocator's cache, seen in memory_reserved)
         and without the CUDA context and library workspaces (outside the caching allocator)."""
-        return (self.parameters + self.gradients + self.optimizer_states + self.activations
-                + self.communication_buffers - RUNTIME_BYTES)
+        return max(self.parameters + self.gradients + self.optimizer_states + self.activations
+                   + self.communication_buffers, self.step_peak) - RUNTIME_BYTES
 
     @property
     def peak_allocated(self) -> float:
@@ -112,18 +115,22 @@ def _estimate(config: ModelConfig, layout: Resolved, n_gpu: int | None = None,
     counts = stage_parameters(config, layout.tp, layout.pp)
     n_gpu = counts["stage"] if n_gpu is None else n_gpu
     grad_b = 4 if (layout.options.fp32_grad_accumulation or not layout.low_precision) else 2
+    unit = max(counts["block"], counts["embedding"], counts["head"])  # the largest unit
     if layout.plain_engine:
-        parts = plain_parts(layout, n_gpu, max(counts["block"], counts["embedding"],
-                                               counts["head"]))
+        parts = plain_parts(config, layout, n_gpu, unit)
     elif layout.zero_impl == "fsdp2":
-        parts = fsdp2_parts(config, layout, n_gpu)
+        parts = fsdp2_parts(config, layout, n_gpu, unit)
     else:
-        parts = deepspeed_parts(layout, n_gpu, grad_b)
+        parts = deepspeed_parts(config, layout, n_gpu, grad_b)
+    persistent = parts.params + parts.grads
     if layout.zero_stage == 3:
         _working_set(parts, layout, counts, n_gpu)
     comm = RUNTIME_BYTES + parts.buffers + _comm_buffers(config, layout, n_gpu, grad_b)
     act = stage_activations(config, layout)["total"] if act is None else act
     subtotal = parts.params + parts.grads + parts.optim + act + comm
+    # the optimizer step: its temporaries, without the gathered parameters and activations
+    step = persistent + parts.optim + comm + parts.step if parts.step else 0.0
+    subtotal = max(subtotal, step)
     frag = FRAGMENTATION * subtotal
     gpu_total = subtotal + frag
     ranks = min(layout.options.gpus_per_node, layout.world_size)
@@ -142,7 +149,7 @@ def _estimate(config: ModelConfig, layout: Resolved, n_gpu: int | None = None,
         parameters=parts.params, gradients=parts.grads, optimizer_states=parts.optim,
         activations=act, communication_buffers=comm, fragmentation=frag, gpu_total=gpu_total,
         host_per_gpu=parts.host, host_per_node=parts.host * ranks, fits=all(verdicts.values()),
-        notes=notes, build_peak=parts.build, disk_per_gpu=parts.disk,
+        notes=notes, build_peak=parts.build, step_peak=step, disk_per_gpu=parts.disk,
         disk_per_node=parts.disk * ranks, verdicts=verdicts)
 
 

@@ -35,6 +35,7 @@ STATE_BYTES = 12  # fp32 master + AdamW m, v per parameter
 TRANSFER_BUCKETS = 2  # gradient / parameter buckets in flight each way
 NVME_STAGING_BUCKETS = 4  # disk tier: buckets of state staged on the host
 WIRE_BYTES = 2  # bf16 gradients down, bf16 parameters up
+UP_BUFFERS = 4  # the engine's ring of pinned parameter uploads (offload_optimizer.UP_BUFFERS)
 
 
 def pinned(nbytes: float) -> float:
@@ -77,6 +78,40 @@ def offload_bytes(state_params: float, *, fraction: float, bucket_elements: int,
     return OffloadBytes(gpu_state=state - host_share, gpu_buffers=gpu_buffers,
                        host_state=0.0 if nvme else host_share, host_staging=staging,
                        disk=host_share if nvme else 0.0)
+
+
+def bucket_elements_of(tensors: list[int], bucket_elements: int, pad_to: int) -> list[int]:
+    """The engine's gradient buckets (`grad_buffer._layout`): the parameters in reverse, each
+    bucket closed once it holds `bucket_elements`, padded to a multiple of `pad_to` (dp x sp)."""
+    out, current = [], 0
+    for numel in reversed(tensors):
+        current += numel
+        if current >= bucket_elements:
+            out.append(-(-current // pad_to) * pad_to)
+            current = 0
+    return out + ([-(-current // pad_to) * pad_to] if current else [])
+
+
+def host_slots(buckets: list[int], fraction: float, shard: int) -> list[float]:
+    """Elements of each bucket whose state goes to the host (`cpu_offload.host_share`: the
+    first buckets while that brings the share nearer `fraction`), / `shard` per rank."""
+    target, taken, out = fraction * sum(buckets), 0, []
+    for numel in buckets:
+        if taken + numel / 2 > target:
+            break
+        out.append(numel / shard)
+        taken += numel
+    return out
+
+
+def pinned_host_bytes(slots: list[float], grad_bytes: int, param_bytes: int) -> float:
+    """Host bytes of the engine's offload in memory: per host slot its fp32 master, m and v
+    and its gradient's landing buffer, each pinned; a ring of UP_BUFFERS pinned uploads of
+    the largest slot's parameters; bf16 gradients' fp32 upcast scratch (pageable)."""
+    largest = max(slots, default=0.0)
+    state = sum(3 * pinned(4 * s) + pinned(grad_bytes * s) for s in slots)
+    scratch = 4 * largest if grad_bytes < 4 else 0.0
+    return state + UP_BUFFERS * pinned(param_bytes * largest) + scratch
 
 
 def check_nvme_path(path: str) -> float:

@@ -136,9 +136,11 @@ def test_bloom_176b_claim_is_false():
     assert est.num_parameters == 176_247_271_424
     assert est.parameters >= 176_247_271_424 * 2 / 8  # bf16 shards stay on the GPU: 44 GB
     assert est.gpu_total > 24 * GB and not est.fits
-    per_gpu = 176_247_271_424 / 8  # 2.8 TB of optimizer state on the node, 3.2 TB in all:
-    deepspeed = 2 * per_gpu + 4 * 1e9 + 3.2e9  # + DeepSpeed's ZeRO-3 host buffers and runtime
-    assert est.host_per_node == pytest.approx(8 * (16 * per_gpu + deepspeed))
+    # 2.1 TB of masters, m and v on the node, 3.4 TB in all: DeepSpeed's fp32 gradients (4 B)
+    # and flat bf16 gradient partitions (2 B) are pinned, so rounded up to powers of two,
+    # at most doubled (megazoo/plan/deepspeed_host.py)
+    per_gpu = 176_247_271_424 / 8
+    assert 8 * 18 * per_gpu < est.host_per_node < 8 * 24 * per_gpu
 
 
 def test_fsdp2_offload_moves_parameters_and_has_no_buckets():

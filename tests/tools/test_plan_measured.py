@@ -7,8 +7,9 @@ s 2048, micro-batch 2, global batch 16 = 8 micro-batches, bf16, full recompute, 
 offload to cpu, the default corpus's 2,048-token vocabulary): FSDP2 23.3 GB allocated and
 90 GB host RSS, DeepSpeed 21.1 GB and 116 GB, as the run logged them (host in ru_maxrss KiB
 / 1e6, so x 1.024 for bytes); (2) `bench/plan_check.py` on one H100
-(bench/results/plan_memory_h100_2026-11-25.md): a 0.41B LLaMA, s 1024, micro-batch 2.
-Tolerance 5% (the issue's target)."""
+(bench/results/plan_memory_h100_2026-11-25.md and -25b.md): a 0.41B LLaMA (one row 2.2B),
+s 1024, micro-batch 2; (3) DeepSpeed ZeRO-3 + CPU offload host RSS of bench/zero_bench.py
+(bench/results/zero_h100_2026-11-23.md). Tolerance 5% (the issue's target)."""
 import dataclasses
 
 import pytest
@@ -28,9 +29,10 @@ SMALL = ["--family", "llama", "--num-layers", "16", "--hidden-size", "1536",
          "--bf16", "--recompute", "full", "--zero-stage", "3"]
 
 
-def plan(flags, vocab=2048, **options):
+def plan(flags, vocab=2048, dp=None, **options):
     args = parse_args(flags)
     args.model = dataclasses.replace(args.model, vocab_size=vocab)
+    args.parallel = dataclasses.replace(args.parallel, dp=dp or args.parallel.dp)
     return estimate_memory(args, PlanOptions(**options))
 
 
@@ -49,35 +51,63 @@ def test_the_issue_runs(impl, gpu_gb, host_gb):
     assert not plan(ISSUE + ["--zero-impl", impl], gpu_memory=20).fits
 
 
-@pytest.mark.xfail(strict=True, reason="DeepSpeed ZeRO-3 offload host memory: the model fits "
-                   "the gpt-1.3b and 7.46B runs (bench/README.md) but not this one (-14%) nor the "
-                   "0.41B plan_check run (+11%); cause not found")
-def test_the_issue_deepspeed_host():
-    est = plan(ISSUE + ["--zero-impl", "deepspeed"])
-    assert est.host_per_gpu / GB == pytest.approx(116 * KIB, rel=0.05)
+GPT = ["--family", "gpt", "--num-attention-heads", "16", "--seq-length", "2048",
+       "--max-position-embeddings", "2048", "--bf16", "--deepspeed", "--zero-stage", "3",
+       "--offload-optimizer", "cpu"]
+GPT_1B3 = GPT + ["--num-layers", "24", "--hidden-size", "2048", "--micro-batch-size", "4",
+                 "--global-batch-size", "4"]
+GPT_7B5 = [f if f != "16" else "32" for f in GPT] + [
+    "--num-layers", "36", "--hidden-size", "4096", "--micro-batch-size", "1",
+    "--global-batch-size", "1", "--recompute", "full", "--offload-optimizer-ratio", "0.6"]
 
 
-@pytest.mark.parametrize("name, flags, alloc, reserved, host", [
-    ("fsdp2-offload-m8", ["--zero-impl", "fsdp2", "--offload-optimizer", "cpu",
-                          "--global-batch-size", "16"], 2.051, 2.389, 9.287),
-    ("ds-offload-m8", ["--deepspeed", "--offload-optimizer", "cpu",
-                       "--global-batch-size", "16"], 2.830, 3.406, None),
-    ("ds-offload-m1", ["--deepspeed", "--offload-optimizer", "cpu",
-                       "--global-batch-size", "2"], 2.830, 3.406, None),
+@pytest.mark.parametrize("name, flags, vocab, host_gb", [
+    ("issue 5.2B LLaMA, 5 sub-groups", ISSUE + ["--zero-impl", "deepspeed"], 2048, 116 * KIB),
+    ("gpt-1.3b, 2 sub-groups", GPT_1B3, 50304, 30.6),
+    ("gpt-1.3b at tp = 2 (two H200s), per rank", GPT_1B3 + ["--tp", "2"], 50304, 17.8),
+    ("gpt-7.5b, 60% of 9 sub-groups on the host", GPT_7B5, 50304, 93.9),
 ])
-def test_plan_check_h100_rows(name, flags, alloc, reserved, host):
+def test_deepspeed_offload_host_from_its_allocations(name, flags, vocab, host_gb):
+    """DeepSpeed ZeRO-3 + CPU optimizer offload, peak host RSS: 12 B per host-stepped element
+    (pageable masters, m, v), each sub-group's fp32 gradient and the flat bf16 gradient
+    partitions pinned and so rounded up to powers of two, one sub-group's bf16 copy during
+    the step, and a 2.05 GB runtime (megazoo/plan/deepspeed_host.py). The runs:
+    the issue's (above); bench/results/zero_h100_2026-11-23.md (gpt-1.3b, micro-batch 4, one
+    H100 and tp = 2 on two H200s; gpt-7.5b at offload ratio 0.6). The old model (18 B per
+    parameter + 3.2 GB) was 14% low on the first."""
+    est = plan(flags, vocab=vocab)
+    assert est.host_per_gpu / GB == pytest.approx(host_gb, rel=0.05), name
+
+
+@pytest.mark.parametrize("name, alloc, reserved, host", [
+    ("fsdp2-offload-m8", 2.051, 2.389, 9.287), ("fsdp2-offload-m1", 1.740, None, 9.162),
+    ("ds-offload-m8", 2.830, 3.406, 11.08), ("ds-offload-m1", 2.830, 3.406, 10.93),
+    ("ds-offload-2b-m2", 8.926, None, 52.33), ("ds-m8", 12.519, None, None),
+    ("fsdp2-m8", 7.105, None, None), ("plain-m8", 7.824, None, None),
+    ("plain-offload-m8", 2.916, 3.202, 11.04),
+    ("plain-offload-half-bf16grads-m8", 4.670, 5.029, 6.088),
+])
+def test_plan_check_h100_rows(name, alloc, reserved, host):
     """Peak allocated (whole run), peak reserved (against the plan without the CUDA context)
-    and host RSS in bytes / 1e9, from bench/plan_check.py's GPU sweep."""
-    est = plan(SMALL + flags)
+    and host RSS in bytes / 1e9, from bench/plan_check.py's GPU sweeps
+    (bench/results/plan_memory_h100_2026-11-25b.md). Reserved only where training sets it:
+    where the model's build or the optimizer step's allocations do, the cache they leave is
+    not modelled (11-77% under; the report lists them)."""
+    from bench.plan_check import flags_of
+
+    est = plan(flags_of(name, False))
     assert est.peak_allocated / GB == pytest.approx(alloc, rel=0.05), name
-    assert (est.gpu_total - RUNTIME_BYTES) / GB == pytest.approx(reserved, rel=0.05), name
+    if reserved is not None:
+        assert (est.gpu_total - RUNTIME_BYTES) / GB == pytest.approx(reserved, rel=0.05), name
     if host is not None:
         assert est.host_per_gpu / GB == pytest.approx(host, rel=0.05), name
 
 
 def test_fsdp2_accumulation_depends_on_when_it_reduces():
     """Unsharded gradients in the reduction dtype (fp32, or communication_data_type) for
-    every parameter, only when the reduce-scatter waits for a step's last micro-batch."""
+    every parameter, only when the reduce-scatter waits for a step's last micro-batch; they
+    replace the fp32 sharded gradients rather than add to them (measured without offload:
+    7.105 GB against 6.95 planned, 8.59 with both)."""
     base = ["--zero-impl", "fsdp2", "--offload-optimizer", "cpu"]
     one, eight = (plan(SMALL + base + ["--global-batch-size", str(g)]) for g in (2, 16))
     n = one.parameters_per_gpu
@@ -86,8 +116,10 @@ def test_fsdp2_accumulation_depends_on_when_it_reduces():
                                      "--communication-data-type", "bf16"])
     assert bf16_wire.gradients - one.gradients == 2 * n
     pipe = SMALL + ["--zero-impl", "fsdp2", "--pp", "2", "--global-batch-size", "16"]
-    every, last = plan(pipe), plan(pipe + ["--no-fsdp-reduce-every-microbatch"])
-    assert last.gradients - every.gradients == 4 * every.parameters_per_gpu
+    every, last = (plan(flags, dp=2) for flags in
+                   (pipe, pipe + ["--no-fsdp-reduce-every-microbatch"]))
+    n = every.parameters_per_gpu  # sharded 4 n / 2, unsharded 4 n
+    assert last.gradients - every.gradients == pytest.approx(4 * n - 4 * n / 2)
 
 
 def test_deepspeed_and_plain_do_not_change_with_the_micro_batch_count():
@@ -124,3 +156,21 @@ def test_plan_check_rows_are_runs_the_run_accepts():
             args = parse_args(flags_of(name, dry_run))
             assert args.training.train_iters == 3 and not args.checkpoint.save, name
             assert planned(flags_of(name, dry_run))["plan_peak_gb"] > 0, name
+
+
+def test_replan_plans_recorded_rows_again(tmp_path, capsys):
+    """`bench/plan_check.py --replan`: the measured rows of a sweep's JSON, planned by
+    today's planner (rows that did not run are left out); a file it cannot read is one line."""
+    import json
+
+    from bench.plan_check import main, planned, flags_of, replan
+
+    measured = {"name": "ds-offload-m8", "status": "ok", "peak_alloc_gb": 2.83,
+                "setup_alloc_gb": 1.843, "peak_reserved_gb": 3.406, "host_rss_gb": 11.08}
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"rows": [measured, {"name": "ds-m8", "status": "timed out"}]}))
+    (row,) = replan([str(path)])
+    plan_host = planned(flags_of("ds-offload-m8", False))["plan_host_gb"]
+    assert row["err_host"] == pytest.approx(plan_host / 11.08 - 1)
+    assert main(["--replan", str(tmp_path / "missing.json")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

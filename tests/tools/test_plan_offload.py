@@ -10,8 +10,10 @@ from megazoo.plan.engines import TORCH_HOST_RUNTIME_BYTES
 from megazoo.plan.largest import family_shapes, search
 from megazoo.plan.layout import PlanOptions
 from megazoo.plan.memory import estimate_memory
-from megazoo.plan.offload import (check_nvme_path, check_offload_plan, offload_bytes,
-                                  pinned)
+from megazoo.models.build import build_model
+from megazoo.plan.offload import (bucket_elements_of, check_nvme_path, check_offload_plan,
+                                  host_slots, offload_bytes, pinned)
+from megazoo.plan.tensors import model_tensors
 from megazoo.config.flags import parse_args
 from megazoo.config.run import TrainingConfig
 
@@ -39,6 +41,33 @@ def test_offload_moves_a_fraction_of_12_bytes(fraction):
     assert disk.host_staging == staging + 4 * pinned(bucket * 12) and disk.gpu_buffers == 0
 
 
+def engine_buckets(bucket=40_000_000):
+    """The plain engine's bucket sizes for SHAPE, from its own layout function."""
+    from megazoo.models.build import build_model
+    from megazoo.training.backends.grad_buffer import _layout
+
+    model = build_model(parse_args(SHAPE).model, device="meta")
+    return [b.numel for b in _layout(list(model.parameters())[::-1], bucket, 1, set())[1]]
+
+
+def test_planner_buckets_are_the_engines():
+    """The planner's buckets (from its tensor list) and its host share, against the engine's
+    `grad_buffer._layout` and `cpu_offload.host_share` on the same model."""
+    from megazoo.training.backends.cpu_offload import host_share
+    from megazoo.training.backends.grad_buffer import _layout
+
+    config = parse_args(SHAPE).model
+    tensors = [numel for numel, _ in model_tensors(config, 1)]
+    for bucket in (40_000_000, 7_000_000):
+        ours = bucket_elements_of(tensors, bucket, 1)
+        assert ours == engine_buckets(bucket) and len(ours) > 1
+        model = build_model(config, device="meta")
+        layout = _layout(list(model.parameters())[::-1], bucket, 1, set())[1]
+        for fraction in (0.0, 0.3, 0.5, 1.0):
+            shared = sorted(host_share(layout, fraction))
+            assert host_slots(ours, fraction, 1) == [ours[i] for i in shared]
+
+
 def plain(*extra, **options):
     return estimate_memory(parse_args(SHAPE + list(extra)), PlanOptions(**options))
 
@@ -50,8 +79,14 @@ def test_plain_engine_plan_with_offload():
     half = plain("--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5",
                  "--accumulate-grads-in-bf16")
     assert (half.gradients, half.optimizer_states) == (2 * n, 6 * n)
-    assert half.host_per_gpu == pytest.approx(6 * n + 4 * pinned(min(40e6, n) * 2)
-                                              + TORCH_HOST_RUNTIME_BYTES)
+    # per host bucket its pinned fp32 master, m, v and bf16 gradient, each rounded up to a
+    # power of two; 4 pinned bf16 uploads and the fp32 upcast scratch of the largest
+    slots = host_slots(engine_buckets(), 0.5, 1)
+    assert 0 < sum(slots) <= 0.5 * n + max(slots) / 2
+    big = max(slots)
+    assert half.host_per_gpu == pytest.approx(
+        sum(3 * pinned(4 * s) + pinned(2 * s) for s in slots) + 4 * pinned(2 * big) + 4 * big
+        + TORCH_HOST_RUNTIME_BYTES)
     disk = plain("--optimizer-cpu-offload", "--nvme-path", "/nonexistent/ok-for-the-planner")
     assert disk.disk_per_gpu == pytest.approx(12 * n)  # the host keeps staging buckets only
     assert disk.host_per_gpu == pytest.approx(4 * pinned(40e6 * 2) + 4 * pinned(40e6 * 12)
