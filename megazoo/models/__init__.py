@@ -13,11 +13,8 @@ from ..config.layout import check_layout, layer_ranges
 from ..config.model import ModelConfig
 from ..config.presets import PRESETS
 from .block import TransformerBlock
-from .bloom import BloomModel
 from .build import MODEL_CLASSES, build_model, resolve_config
-from .gpt import GPTModel
-from .llama import LlamaModel
-from .model import TransformerModel
+from .model import BloomModel, GPTModel, LlamaModel, TransformerModel
 from .params import count_parameters, describe_parameters, full_name
 
 __all__ = ["ModelConfig", "build_model", "PRESETS", "TransformerModel", "GPTModel",
