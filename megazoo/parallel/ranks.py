@@ -61,10 +61,7 @@ def embedding_groups(sizes: dict[str, int], order: Sequence[str]) -> list[list[i
     """For each pipeline group, its first and last stage (one rank when pp == 1).
 
     These ranks hold the input embedding and the output head; tied weights are all-reduced
-    between them.
+    between them. A rank grows with its pp coordinate, so a sorted group lists its stages in
+    order.
     """
-    groups = []
-    for pipe in rank_groups(sizes, order, ["pp"]):
-        stages = sorted(pipe, key=lambda r: coordinates(r, sizes, order)["pp"])
-        groups.append(sorted({stages[0], stages[-1]}))
-    return groups
+    return [sorted({pipe[0], pipe[-1]}) for pipe in rank_groups(sizes, order, ["pp"])]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from .config import ParallelConfig
-from .ranks import coordinates, embedding_groups, rank_groups
+from .ranks import embedding_groups, rank_groups
 
 
 @dataclass(frozen=True)
@@ -25,14 +25,6 @@ class GroupInfo:
     @property
     def size(self) -> int:
         return len(self.ranks)
-
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.size - 1
 
     @classmethod
     def single(cls, global_rank: int = 0) -> "GroupInfo":
@@ -97,16 +89,12 @@ class ParallelState:
         return cls(config, rank, world, embedding=embedding, **groups)
 
     @property
-    def coords(self) -> dict[str, int]:
-        return coordinates(self.global_rank, self.config.sizes(), self.config.order)
-
-    @property
     def is_first_stage(self) -> bool:
-        return self.pp.is_first
+        return self.pp.rank == 0
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp.is_last
+        return self.pp.rank == self.pp.size - 1
 
     def __str__(self) -> str:
         return f"{self.config} rank {self.global_rank}"
