@@ -32,20 +32,11 @@ class DeepSpeedMPU:
         """Global rank of the first rank of this tensor-parallel group."""
         return self.state.tp.ranks[0]
 
-    def get_slice_parallel_group(self):
-        return self.state.tp.group
-
-    def get_slice_parallel_rank(self) -> int:
-        return self.state.tp.rank
-
-    def get_slice_parallel_world_size(self) -> int:
-        return self.state.tp.size
-
 
 # DeepSpeed name -> ParallelState group it reads.
-_NAMES = {"model_parallel": "tp", "tensor_model_parallel": "tp", "pipeline_model_parallel": "pp",
-          "pipe_parallel": "pp", "data_parallel": "dp", "sequence_parallel": "sp",
-          "sequence_data_parallel": "dp_sp"}
+_NAMES = {"model_parallel": "tp", "tensor_model_parallel": "tp", "slice_parallel": "tp",
+          "pipeline_model_parallel": "pp", "pipe_parallel": "pp", "data_parallel": "dp",
+          "sequence_parallel": "sp", "sequence_data_parallel": "dp_sp"}
 for _prefix, _attr in _NAMES.items():
     for _name, _fn in _accessors(_prefix, _attr).items():
         setattr(DeepSpeedMPU, _name, _fn)
