@@ -6,7 +6,7 @@ Megatron spellings where they differ. `PretrainArgs` bundles everything one run 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ..data.indexed import check_data_prefix
 from ..data.splits import parse_data_prefix
@@ -115,7 +115,8 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "train_iters"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
+                                 f"got {getattr(self, name)}")
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= --min-lr <= --lr, got --lr {self.lr} --min-lr {self.min_lr}")
         if self.lr_warmup_iters < 0:
@@ -247,7 +248,8 @@ class LoggingConfig:
     def __post_init__(self) -> None:
         for name in ("log_interval", "eval_interval"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
+                                 f"got {getattr(self, name)}")
         if self.eval_iters < 0 or self.generate_tokens < 0:
             raise ValueError("--eval-iters and --generate-tokens must be >= 0")
         try:  # a shell passes bytes that are not UTF-8 as lone surrogates: refuse them now,
@@ -273,13 +275,4 @@ class PretrainArgs:
 
     def to_dict(self) -> dict:
         """Plain JSON-able dict (stored in checkpoints)."""
-        from dataclasses import asdict
-        out = {k: asdict(getattr(self, k)) for k in
-               ("model", "parallel", "training", "data", "checkpoint", "logging", "zero",
-                "compression")}
-        out["model_name"] = self.model_name
-        return out
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
+        return asdict(self)
