@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ds_config import COMM_KEY, COMPRESSION_SECTION as SECTION, JsonKey, json_section, merge_flags
+from .ds_config import COMM_KEY, COMPRESSION_SECTION as SECTION, JsonKey, merge_flags
 
 ALGORITHMS = ("none", "topk", "1bit", "2bit")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -171,7 +171,7 @@ class CompressionConfig:
 def resolve_compression(given: dict, ds: dict, source: str) -> CompressionConfig:
     """The run's CompressionConfig from the flags `given` ({field: value}) and the ds_config
     `ds` (`merge_flags` over KEYS; the section's keys are checked: a typo is an error)."""
-    section = json_section(ds, SECTION, source) or {}
+    section = ds.get(SECTION) or {}  # a JSON object: `load_ds_json` checked its type
     unknown = sorted(set(section) - set(SECTION_KEYS))
     if unknown:
         raise ValueError(f"{source}: {SECTION} has unknown keys {unknown}; known: "

@@ -131,14 +131,6 @@ def merge_flags(ds: dict, given: dict, keys, source: str) -> dict:
     return out
 
 
-def json_section(ds: dict, name: str, source: str) -> dict | None:
-    """The JSON object `ds[name]` (None when absent); a ValueError when it is not an object."""
-    section = ds.get(name)
-    if section is not None and not isinstance(section, dict):
-        raise _not_object(source, (name,), section)
-    return section
-
-
 def _lookup(ds: dict, path: tuple[str, ...], source: str):
     """ds[k0][k1]..., or AUTO where a key is absent."""
     node = ds

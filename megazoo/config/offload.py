@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ds_config import load_ds_json
+from .ds_config import read_ds_config
 
 PLAIN_ONLY = (("optimizer_cpu_offload", "--optimizer-cpu-offload"),
               ("overlap_cpu_optimizer_d2h_h2d", "--overlap-cpu-optimizer-d2h-h2d"),
@@ -49,17 +49,6 @@ class OffloadPlan:
     """Optimizer steps updated at once before the delay starts."""
 
 
-def _json_zero(args) -> dict:
-    path = args.zero.deepspeed_config
-    zo = load_ds_json(path).get("zero_optimization") if path else None
-    return zo if isinstance(zo, dict) else {}
-
-
-def _section(zo: dict, key: str) -> dict:
-    section = zo.get(key)
-    return section if isinstance(section, dict) else {}
-
-
 def check_plain_only(args) -> None:
     """The plain engine's offload flags with another engine: one line naming the flag."""
     t, zero = args.training, args.zero
@@ -77,8 +66,9 @@ def plain_offload(args) -> OffloadPlan | None:
     """The plain engine's offload plan of `args` (None: no offload); a ValueError naming the
     flag to change when the flags contradict each other."""
     t, zero = args.training, args.zero
-    zo = _json_zero(args) if zero.zero_impl == "none" else {}
-    opt, par = _section(zo, "offload_optimizer"), _section(zo, "offload_param")
+    ds = read_ds_config(zero.deepspeed_config)[0] if zero.zero_impl == "none" else {}
+    zo = ds.get("zero_optimization") or {}  # objects or null: `load_ds_json` checked
+    opt, par = zo.get("offload_optimizer") or {}, zo.get("offload_param") or {}
     devices = {zero.offload_optimizer or opt.get("device"), zero.offload_param or par.get("device")}
     devices -= {None, "none"}
     if t.optimizer_cpu_offload:

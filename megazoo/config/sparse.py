@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from .ds_config import SPARSE_SECTION as SECTION, JsonKey, json_section, merge_flags
+from .ds_config import SPARSE_SECTION as SECTION, JsonKey, merge_flags
 
 FLAGS = {"mode": "--sparse-attention-mode", "block": "--sparse-block"}
 CONFIG_FLAG = "--sparse-attention-config"
@@ -36,7 +36,7 @@ def sparse_section(ns, ds: dict, source: str) -> dict | None:
     """The merged `sparse_attention` section of the flags in `ns` and the ds_config `ds`
     (None: no sparse attention asked for)."""
     flags = _flag_section(ns)
-    from_json = json_section(ds, SECTION, source)
+    from_json = ds.get(SECTION)  # a JSON object: `load_ds_json` checked its type
     if flags is None and from_json is None:
         return None
     names = [*(from_json or {}), *(k for k in flags or {} if k not in (from_json or {}))]
