@@ -37,11 +37,10 @@ def sparse_section(ns, ds: dict, source: str) -> dict | None:
     (None: no sparse attention asked for)."""
     flags = _flag_section(ns)
     from_json = ds.get(SECTION)  # a JSON object: `load_ds_json` checked its type
-    if flags is None and from_json is None:
+    if not flags and from_json is None:
         return None
-    names = [*(from_json or {}), *(k for k in flags or {} if k not in (from_json or {}))]
-    keys = [JsonKey(k, (SECTION, k), _flag(ns, k)) for k in names]
-    return merge_flags(ds, flags or {}, keys, source)
+    keys = [JsonKey(k, (SECTION, k), _flag(ns, k)) for k in {**(from_json or {}), **flags}]
+    return merge_flags(ds, flags, keys, source)
 
 
 def _flag(ns, key: str) -> str:
@@ -51,7 +50,7 @@ def _flag(ns, key: str) -> str:
     return f"{CONFIG_FLAG}'s {key!r}"
 
 
-def _flag_section(ns) -> dict | None:
+def _flag_section(ns) -> dict:
     """--sparse-attention-config's object with --sparse-attention-mode / --sparse-block
     merged in (the same rule: a key both give must agree)."""
     config = {}
@@ -67,4 +66,4 @@ def _flag_section(ns) -> dict | None:
              if getattr(ns, f"sparse__{k}", None) is not None}
     merged = merge_flags({SECTION: config}, given,
                          [JsonKey(k, (SECTION, k), FLAGS[k]) for k in given], CONFIG_FLAG)
-    return {**config, **merged} or None
+    return {**config, **merged}
