@@ -12,17 +12,5 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def all_gather_flat(out, x, group=None, async_op: bool = False):
-    """Gather every rank's `x` (same shape everywhere) into `out` along its first dimension;
-    a work handle when `async_op`."""
-    return _ALL_GATHER(out, x, group=group, async_op=async_op)
-
-
-def reduce_scatter_flat(out, x, group=None, async_op: bool = False):
-    """Sum `x` over the ranks and keep this rank's chunk (first dimension) in `out`; a work
-    handle when `async_op`."""
-    return _REDUCE_SCATTER(out, x, group=group, async_op=async_op)
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
