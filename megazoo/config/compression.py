@@ -41,9 +41,7 @@ TOPK_SELECTIONS = ("magnitude", "update")
 # Gradient Compression's local clipping.
 INTERNALS = {"momentum_share": 1.0, "topk_selection": "magnitude", "local_clipping": False}
 # Named recipes: the keys they fill in (a key given explicitly wins; the algorithm must agree)
-# plus internals. topk-tuned and 1bit-adam end the default run's 800 steps at dp = 2 within
-# 1.5% of the uncompressed validation loss (bench/results/compression_convergence_cpu_*.md,
-# compression_momentum_share_cpu_2026-11-24.md); bench/experimental adds research recipes.
+# plus internals (docs/compression.md: how close each ends to the uncompressed loss).
 RECIPES = {
     "topk-tuned": {"gradient_compression": "topk", "topk_ratio": 0.01,
                    "compression_start_step": 300, "freeze_variance": True,

@@ -114,12 +114,10 @@ def _add_field(group, dest: str, name: str, hint, doc: str, default) -> None:
 
 def _shown_default(value) -> str:
     """How --help shows a default: on / off, none, list items separated by spaces."""
-    if value is dataclasses.MISSING:
+    if value is None or value is dataclasses.MISSING:
         return "none"
     if isinstance(value, bool):
         return "on" if value else "off"
-    if value is None:
-        return "none"
     if isinstance(value, (list, tuple)):
         return " ".join(str(v) for v in value)
     return str(value)
