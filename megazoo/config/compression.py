@@ -169,7 +169,7 @@ class CompressionConfig:
 def resolve_compression(given: dict, ds: dict, source: str) -> CompressionConfig:
     """The run's CompressionConfig from the flags `given` ({field: value}) and the ds_config
     `ds` (`merge_flags` over KEYS; the section's keys are checked: a typo is an error)."""
-    section = ds.get(SECTION) or {}  # a JSON object: `load_ds_json` checked its type
+    section = ds.get(SECTION) or {}  # a JSON object: `read_ds_config` checked its type
     unknown = sorted(set(section) - set(SECTION_KEYS))
     if unknown:
         raise ValueError(f"{source}: {SECTION} has unknown keys {unknown}; known: "

@@ -75,32 +75,28 @@ READ_BY_ALL = {SPARSE_SECTION, COMPRESSION_SECTION, COMM_KEY.path[0],
                "gradient_accumulation_steps"} | {k.path[0] for k in TRAINING_KEYS}
 
 
-def load_ds_json(path: str) -> dict:
-    """The JSON object in `path`; a clear error if it is missing, not a JSON object, or holds
-    a value of the wrong type for its key (`ds_schema.check_types`)."""
+def read_ds_config(path: str | None) -> tuple[dict, str]:
+    """(the JSON object at `path`, the name errors give it); ({}, ...) without a file. A clear
+    error if the file is missing, not a JSON object, or holds a value of the wrong type for its
+    key (`ds_schema.check_types`)."""
+    if not path:
+        return {}, "DeepSpeed config"
+    source = f"--deepspeed_config {path}"
     if not os.path.isfile(path):
-        raise ValueError(f"--deepspeed_config {path}: no such file")
+        raise ValueError(f"{source}: no such file")
     with open(path, "rb") as f:
         raw = f.read()
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
-        raise ValueError(f"--deepspeed_config {path} is not UTF-8 text (byte "
-                         f"0x{raw[exc.start]:02x} at offset {exc.start}): save it as UTF-8 "
-                         f"JSON") from None
+        raise ValueError(f"{source} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+                         f"{exc.start}): save it as UTF-8 JSON") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--deepspeed_config {path} is not valid JSON: {exc}") from None
+        raise ValueError(f"{source} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"--deepspeed_config {path} must hold a JSON object, got {type(data).__name__}")
-    check_types(data, f"--deepspeed_config {path}")
-    return data
-
-
-def read_ds_config(path: str | None) -> tuple[dict, str]:
-    """(the JSON at `path`, the name errors give it); ({}, ...) without a file."""
-    if not path:
-        return {}, "DeepSpeed config"
-    return load_ds_json(path), f"--deepspeed_config {path}"
+        raise ValueError(f"{source} must hold a JSON object, got {type(data).__name__}")
+    check_types(data, source)
+    return data, source
 
 
 def merge_flags(ds: dict, given: dict, keys, source: str) -> dict:
@@ -149,7 +145,7 @@ def _not_object(source: str, path: tuple[str, ...], value) -> ValueError:
 
 
 def _unset(value) -> bool:
-    return value is None or (isinstance(value, str) and value == AUTO)
+    return value is None or value == AUTO
 
 
 def _num(x) -> bool:
@@ -220,9 +216,7 @@ def build_ds_config(args, dp: int) -> dict:
     comm = getattr(getattr(args, "compression", None), "communication_data_type", None)
     merge_flags(ds, {} if comm is None else {COMM_KEY.field: comm}, [COMM_KEY], source)
     for key in ("optimizer", "scheduler"):
-        if key == "optimizer" and onebit_optimizer(ds) is not None:
-            continue
-        if key in ds:
+        if key in ds and not (key == "optimizer" and onebit_optimizer(ds)):
             raise ValueError(f"{source} has an \"{key}\" section: megazoo builds AdamW and the "
                              "learning-rate schedule from --lr, --weight-decay, --lr-* flags; "
                              f"remove \"{key}\" from the JSON")

@@ -67,7 +67,7 @@ def plain_offload(args) -> OffloadPlan | None:
     flag to change when the flags contradict each other."""
     t, zero = args.training, args.zero
     ds = read_ds_config(zero.deepspeed_config)[0] if zero.zero_impl == "none" else {}
-    zo = ds.get("zero_optimization") or {}  # objects or null: `load_ds_json` checked
+    zo = ds.get("zero_optimization") or {}  # objects or null: `read_ds_config` checked
     opt, par = zo.get("offload_optimizer") or {}, zo.get("offload_param") or {}
     devices = {zero.offload_optimizer or opt.get("device"), zero.offload_param or par.get("device")}
     devices -= {None, "none"}

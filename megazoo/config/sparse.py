@@ -36,7 +36,7 @@ def sparse_section(ns, ds: dict, source: str) -> dict | None:
     """The merged `sparse_attention` section of the flags in `ns` and the ds_config `ds`
     (None: no sparse attention asked for)."""
     flags = _flag_section(ns)
-    from_json = ds.get(SECTION)  # a JSON object: `load_ds_json` checked its type
+    from_json = ds.get(SECTION)  # a JSON object: `read_ds_config` checked its type
     if not flags and from_json is None:
         return None
     keys = [JsonKey(k, (SECTION, k), _flag(ns, k)) for k in {**(from_json or {}), **flags}]
