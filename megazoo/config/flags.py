@@ -35,7 +35,7 @@ from .ds_config import read_ds_config, training_fields, warn_unused_sections
 from .model import ModelConfig, _default_ffn
 from .presets import PRESETS
 from .run import CheckpointConfig, DataConfig, LoggingConfig, PretrainArgs, TrainingConfig
-from .sparse import add_sparse_flags, sparse_section
+from .sparse_attention import add_sparse_flags, sparse_section
 from .validate import check_args
 from .zero import ZeroConfig
 
