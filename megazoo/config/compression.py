@@ -3,17 +3,11 @@
     "gradient_compression": {"algorithm": "topk", "topk_ratio": 0.01, "compression_start_step": 100},
     "communication_data_type": "bf16"
 
-of `--deepspeed_config` (read by the plain engine too) or the flags of the same names
-(`--gradient-compression topk --topk-ratio 0.01 --compression-start-step 100
---communication-data-type bf16`), merged by `ds_config.merge_flags`. A named recipe
-(`"recipe": "topk-tuned"`, `--compression-recipe topk-tuned`; `RECIPES`) fills in the keys
-not given and sets the internals that only recipes set (how much momentum is compressed,
-how topk picks its entries, local clipping: see `megazoo.compress.reducer`). The plain engine
-compresses its data-parallel bucket reduction (`megazoo.compress`); DeepSpeed gets
-`communication_data_type` as its own key and FSDP2 as its reduce dtype; `gradient_compression`
-on those engines is refused (`check_engine_compression`).
-
-`huffman_coding` is refused (`HUFFMAN_REFUSAL`).
+of `--deepspeed_config` (read by the plain engine too) or the flags of the same names, merged
+by `ds_config.merge_flags`. A named recipe (`RECIPES`) fills in the keys not given and sets
+the internals that only recipes set (see `megazoo.compress.reducer`). The plain engine
+compresses its data-parallel bucket reduction (`megazoo.compress`); DeepSpeed and FSDP2 read
+`communication_data_type` only (`check_engine_compression`).
 """
 from __future__ import annotations
 

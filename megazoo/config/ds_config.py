@@ -14,18 +14,12 @@ other than a given flag's (numbers compare by value) is an error naming both:
     make them agree (change the flag or the JSON, or put "auto" in the JSON)
 
 The parser (`flags.py`) merges the training, compression and sparse attention tables for
-every engine. The ZeRO table is DeepSpeed's alone: `build_ds_config` merges it, and the run's
-training values (which always have one: the data loader and the schedule are built before
-the engine), into a copy of the JSON. Batch sizes are checked against each other and the
-data-parallel size: DeepSpeed's `train_batch_size = micro * accumulation * dp`, where dp is
-our dp (not dp x sp: sp ranks see pieces of the same sequences).
+every engine; `build_ds_config` merges the ZeRO table (DeepSpeed's alone) and the run's
+training values into a copy of the JSON, with DeepSpeed's `train_batch_size = micro *
+accumulation * dp` (our dp, not dp x sp: sp ranks see pieces of the same sequences).
 
-The JSON's `sparse_attention` section configures megazoo's own block-sparse attention (the
-model's, in every engine) and is left out of the dict DeepSpeed gets: DeepSpeed's sparse
-attention only ever served models built from its own SparseSelfAttention modules, and
-DeepSpeed releases without it refuse a config holding the block ("DeepSpeed Sparse Attention
-has been removed"), which would stop every --deepspeed run of a Megatron-DeepSpeed ds_config
-that has one. The file itself is never changed.
+The `sparse_attention` section is the model's (every engine) and is left out of the dict
+DeepSpeed gets: releases without DeepSpeed's own sparse attention refuse a config holding it.
 """
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
 """The `pretrain_gpt.py` command line, generated from the config dataclasses.
 
 Every documented field becomes a flag: `train_iters` -> `--train-iters`, its docstring the
-help text, its annotation the type (bool: a switch; list: several values). `ALIASES` maps a
-field to the Megatron-LM / Megatron-DeepSpeed spellings when those differ; the first name
-is the one shown. Only flags given on the command line reach the dataclasses, so their
-defaults (and a `--model` preset's shape) hold for everything else; with
-`--deepspeed_config ds.json`, the JSON's batch sizes, clipping, precision, compression and
-sparse attention keys come before those defaults (a flag given explicitly must agree with the
-JSON: `ds_config.merge_flags`). The result passes `megazoo.config.validate.check_args`, the
-checks `python -m megazoo.plan` applies too.
+help text, its annotation the type (bool: a switch; list: several values); `ALIASES` adds the
+Megatron-LM / Megatron-DeepSpeed spellings (the first is shown). Only flags given reach the
+dataclasses, so their defaults (and a `--model` preset's shape) hold for the rest, after the
+`--deepspeed_config` keys (`ds_config.merge_flags`). The result passes `validate.check_args`,
+the checks `python -m megazoo.plan` applies too.
 
     args = parse_args(["--model", "gpt-125m", "--num-layers", "4", "--bf16"])
     args.model.num_layers, args.training.bf16        # 4, True

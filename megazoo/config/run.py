@@ -1,8 +1,5 @@
-"""Typed configuration of a training run: one dataclass per concern, validated on creation.
-
-`pretrain_gpt.py` builds its command line from these (`flags.py`): a field
-`train_iters` is the flag `--train-iters`, its docstring the help; `ALIASES` gives the
-Megatron spellings where they differ. `PretrainArgs` bundles everything one run needs.
+"""Typed configuration of a training run: one dataclass per concern, validated on creation;
+each documented field is a `pretrain_gpt.py` flag (`flags.py`). `PretrainArgs` bundles them.
 """
 from __future__ import annotations
 

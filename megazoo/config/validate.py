@@ -1,12 +1,9 @@
 """`check_args`: every check of a run's configuration that needs no process.
 
-`pretrain_gpt.py` applies it when it parses its flags and `python -m megazoo.plan` applies it
-to the same objects, so a layout the planner accepts is one the run accepts: the model
-against the parallel layout (`megazoo.config.layout.check_layout`: heads over tp x sp, MLP width
-over tp, layers over pp x vpp, the sequence over its shards), the ZeRO engine against the
-flags it understands, and, where the data-parallel size is known (the planner's `--dp`; a
-launched run learns it from the world size), the global batch against it. Every failure is
-a ValueError naming the flag to change.
+`pretrain_gpt.py` and `python -m megazoo.plan` both apply it, so a layout the planner accepts
+is one the run accepts: the model against the layout (`layout.check_layout`), the ZeRO engine
+against the flags it understands, and the global batch against the data-parallel size where
+that is known (the planner's `--dp`). Every failure is a ValueError naming the flag to change.
 """
 from __future__ import annotations
 
