@@ -11,7 +11,9 @@ compresses its data-parallel bucket reduction (`megazoo.compress`); DeepSpeed an
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
@@ -207,15 +209,11 @@ def check_onebit_backend(kind: str, ds: dict, device: torch.device) -> None:
     """ValueError (one line) unless DeepSpeed's 1-bit optimizer `kind` can run here: this
     DeepSpeed release must have it, the model must be on CUDA GPUs, and its communication
     backend's packages must import (nccl: cupy; mpi: cupy and mpi4py)."""
-    import importlib.util
-
     try:
         present = importlib.util.find_spec("deepspeed.runtime.fp16.onebit") is not None
     except ModuleNotFoundError:
         present = False
     if not present:
-        from importlib.metadata import PackageNotFoundError, version
-
         try:
             release = f"DeepSpeed {version('deepspeed')}"
         except PackageNotFoundError:
