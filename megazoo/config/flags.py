@@ -29,7 +29,7 @@ from ..parallel.config import ParallelConfig
 from .compression import ALGORITHMS, DTYPES as COMM_DTYPES, RECIPES, \
     CompressionConfig, resolve_compression
 from .ds_config import read_ds_config, training_fields, warn_unused_sections
-from .model import ModelConfig, _default_ffn
+from .model import CHOICES as MODEL_CHOICES, ModelConfig, _default_ffn
 from .presets import PRESETS
 from .run import CheckpointConfig, DataConfig, LoggingConfig, PretrainArgs, TrainingConfig
 from .sparse_attention import add_sparse_flags, sparse_section
@@ -49,9 +49,9 @@ ALIASES = {
     "deepspeed_config": ["--deepspeed_config", "--deepspeed-config"],
 }
 # Fields whose flag takes one of these values.
-CHOICES = {"fp8_format": FP8_FORMATS, "fp8_recipe": FP8_RECIPES, "fp8_layers": ("all", "mlp"),
-           "gradient_compression": ALGORITHMS, "communication_data_type": tuple(COMM_DTYPES),
-           "compression_recipe": tuple(RECIPES)}
+CHOICES = {"fp8_format": FP8_FORMATS, "fp8_recipe": FP8_RECIPES,
+           "fp8_layers": MODEL_CHOICES["fp8_layers"], "gradient_compression": ALGORITHMS,
+           "communication_data_type": tuple(COMM_DTYPES), "compression_recipe": tuple(RECIPES)}
 # The ModelConfig fields a user may override on top of a preset (vocab comes from the data).
 MODEL_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
                 "num_key_value_heads", "ffn_hidden_size", "max_position_embeddings",
