@@ -221,9 +221,8 @@ def build_ds_config(args, dp: int) -> dict:
 
 def onebit_optimizer(ds: dict) -> str | None:
     """The "optimizer" section's type when it is one of DeepSpeed's 1-bit optimizers."""
-    section = ds.get("optimizer")
-    kind = section.get("type") if isinstance(section, dict) else None
-    return kind if isinstance(kind, str) and kind.lower() in ONEBIT_OPTIMIZERS else None
+    kind = (ds.get("optimizer") or {}).get("type")  # a string: `read_ds_config` checked
+    return kind if kind and kind.lower() in ONEBIT_OPTIMIZERS else None
 
 
 def training_fields(ds: dict, given: dict, dp: int | None, source: str,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import copy
 import dataclasses
 import inspect
 import os
@@ -149,7 +148,7 @@ def _given(ns: argparse.Namespace, group: str) -> dict:
 
 
 def _model_config(ns: argparse.Namespace) -> ModelConfig:
-    base = copy.deepcopy(PRESETS[ns.model_name]) if ns.model_name else DEFAULT_MODEL
+    base = PRESETS[ns.model_name] if ns.model_name else DEFAULT_MODEL  # replaced, not changed
     overrides = _given(ns, "model")
     if "family" in overrides and overrides["family"] != base.family:
         # A new family: its own defaults for the conventions, the preset's shape.

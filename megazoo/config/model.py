@@ -12,14 +12,14 @@ from dataclasses import dataclass, fields
 from .precision import FP8Recipe
 from .sparse_attention import SparseAttentionConfig
 
-# Per-family defaults of the fields that are None unless given.
+_GPT = dict(position_embedding="learned", norm="layernorm", activation="gelu",
+            embedding_layernorm=False, tie_word_embeddings=True, qkv_bias=True,
+            dense_bias=True, mlp_bias=True, norm_eps=1e-5)
+# Per-family defaults of the fields that are None unless given (BLOOM: GPT with ALiBi and an
+# embedding LayerNorm).
 FAMILY_DEFAULTS = {
-    "gpt": dict(position_embedding="learned", norm="layernorm", activation="gelu",
-                embedding_layernorm=False, tie_word_embeddings=True, qkv_bias=True,
-                dense_bias=True, mlp_bias=True, norm_eps=1e-5),
-    "bloom": dict(position_embedding="alibi", norm="layernorm", activation="gelu",
-                  embedding_layernorm=True, tie_word_embeddings=True, qkv_bias=True,
-                  dense_bias=True, mlp_bias=True, norm_eps=1e-5),
+    "gpt": _GPT,
+    "bloom": {**_GPT, "position_embedding": "alibi", "embedding_layernorm": True},
     "llama": dict(position_embedding="rope", norm="rmsnorm", activation="swiglu",
                   embedding_layernorm=False, tie_word_embeddings=False, qkv_bias=False,
                   dense_bias=False, mlp_bias=False, norm_eps=1e-5),

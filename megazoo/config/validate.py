@@ -36,7 +36,6 @@ def check_args(args: PretrainArgs) -> None:
 def check_engine(zero: ZeroConfig, parallel: ParallelConfig) -> None:
     """The ZeRO flags against the engine that reads them (values left to a DeepSpeed JSON,
     None here, are checked when the JSON is merged)."""
-    offloads = {v for v in (zero.offload_optimizer, zero.offload_param) if v not in (None, "none")}
     if zero.zero_impl == "none" and zero.zero_stage not in (None, 0):
         raise ValueError("--zero-stage needs a ZeRO engine: add --deepspeed (or --zero-impl "
                          "fsdp2); the plain engine offloads with --offload-optimizer alone")
@@ -46,7 +45,7 @@ def check_engine(zero: ZeroConfig, parallel: ParallelConfig) -> None:
         if zero.zero_stage not in (None, 3):
             raise ValueError(f"--zero-impl fsdp2 shards parameters (ZeRO-3); got --zero-stage "
                              f"{zero.zero_stage}: pass --zero-stage 3 or use --deepspeed")
-        if "nvme" in offloads:
+        if "nvme" in (zero.offload_optimizer, zero.offload_param):
             raise ValueError("--zero-impl fsdp2 offloads to cpu only: use --offload-optimizer "
                              "cpu or --deepspeed for nvme")
         if zero.offload_optimizer_ratio not in (None, 1.0):
