@@ -6,19 +6,15 @@ its ZeRO partitions span the "sequence data parallel" group, our `dp_sp`.
 """
 from __future__ import annotations
 
-from .state import GroupInfo, ParallelState
+from .state import ParallelState
 
 
 def _accessors(prefix: str, attr: str) -> dict:
     """get_<prefix>_group / _rank / _world_size reading ParallelState.<attr>."""
-
-    def info(self) -> GroupInfo:
-        return getattr(self.state, attr)
-
     return {
-        f"get_{prefix}_group": lambda self: info(self).group,
-        f"get_{prefix}_rank": lambda self: info(self).rank,
-        f"get_{prefix}_world_size": lambda self: info(self).size,
+        f"get_{prefix}_group": lambda self: getattr(self.state, attr).group,
+        f"get_{prefix}_rank": lambda self: getattr(self.state, attr).rank,
+        f"get_{prefix}_world_size": lambda self: getattr(self.state, attr).size,
     }
 
 
