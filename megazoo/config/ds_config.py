@@ -191,10 +191,8 @@ def _training(ds: dict, training, dp: int, source: str) -> None:
 
 
 def check_json_training_keys(args, dp: int) -> None:
-    """For the engines other than DeepSpeed (plain, fsdp2), which read --deepspeed_config's
-    batch sizes, clipping and precision but never build a DeepSpeed config: the JSON's
-    values must agree with the run's exactly as `build_ds_config` requires for --deepspeed
-    (the same merge, the same message)."""
+    """For the plain and fsdp2 engines, which read --deepspeed_config's batches, clipping and
+    precision: the JSON must agree with the run as `build_ds_config` requires (same message)."""
     if args.zero.deepspeed_config:
         ds, source = read_ds_config(args.zero.deepspeed_config)
         _training(ds, args.training, dp, source)

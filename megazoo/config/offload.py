@@ -3,13 +3,11 @@
 
     plan = plain_offload(args)      # None: masters and moments on the GPU, as always
 
-The plain engine offloads when `--optimizer-cpu-offload` is given, or when the flags
-`--offload-optimizer` / `--offload-param` or the JSON's sections (`device`: cpu | nvme,
-`nvme_path`, `pin_memory`) ask for it without a ZeRO engine (`--zero-impl none`): the seeds'
-ds_configs then select this engine's offload. For this engine the fp32 master parameters are
-part of the optimizer state, so `offload_param` puts them (with the moments) where it says;
-the bf16 parameters the model computes with stay on the GPU. The state lives on disk when
-the device is nvme, or when `--nvme-path` comes with `--optimizer-cpu-offload`.
+The plain engine offloads with `--optimizer-cpu-offload`, or when `--offload-optimizer` /
+`--offload-param` or the JSON's sections (`device`: cpu | nvme, `nvme_path`, `pin_memory`) ask
+for it without a ZeRO engine. Its fp32 masters are optimizer state, so `offload_param` puts
+them (with the moments) where it says; the bf16 parameters stay on the GPU. The state lives on
+disk when the device is nvme, or when `--nvme-path` comes with `--optimizer-cpu-offload`.
 """
 from __future__ import annotations
 

@@ -52,9 +52,8 @@ class TransformerModel(nn.Module):
     family: str | None = None  # set by GPTModel / BloomModel / LlamaModel below
     check_inputs: bool = True
     """Check token ids and labels against the vocabulary before use (a clear error instead of a
-    device-side assert), at the cost of a device sync per forward. The training engines turn
-    it off: their data was checked against the tokenizer and the model's vocabulary when the
-    run started, and a sync per micro-batch starves the GPU."""
+    device-side assert), at the cost of a device sync per forward. Training turns it off: its
+    data was checked when the run started, and a sync per micro-batch starves the GPU."""
 
     def __init__(self, config: ModelConfig, state: ParallelState | None = None, *,
                  layers: LayerSpec = None, pre_process: bool = True, post_process: bool = True,

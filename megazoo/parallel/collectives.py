@@ -1,9 +1,8 @@
 """The flat all-gather and reduce-scatter under their current torch names.
 
 torch 2.13 renamed `all_gather_into_tensor` / `reduce_scatter_tensor` to `all_gather_single`
-/ `reduce_scatter_single` and made the old names print a FutureWarning; torch 2.11 (the GPU
-image) has only the old names. The names are looked up once here, by feature, so every
-caller uses the current one where it exists and nothing warns.
+/ `reduce_scatter_single` (the old names warn); torch 2.11 (the GPU image) has only the old
+names. Each name here is the current one where it exists.
 
     all_gather_flat(out, x, group=pg, async_op=False)       # out = cat of every rank's x
     reduce_scatter_flat(out, x, group=pg, async_op=False)   # out = this rank's chunk of sum(x)

@@ -68,10 +68,8 @@ class ParallelState:
     def initialize(cls, config: ParallelConfig, backend: str | None = None,
                    timeout=None) -> "ParallelState":
         """Build every group of this rank; initialise torch.distributed from env if needed.
-
-        The config is validated against the world size before any group is created, so a
-        misconfigured launch fails on every rank with the same message and no collective.
-        """
+        The config is checked against the world size first, so a misconfigured launch fails on
+        every rank with the same message and no collective."""
         if not dist.is_initialized():
             world = int(os.environ.get("WORLD_SIZE", "1"))
             config.resolve(world)  # fail before the rendezvous
@@ -101,10 +99,8 @@ class ParallelState:
 
 
 def _new_groups(all_groups: list[list[int]], rank: int, outside_ok: bool = False) -> GroupInfo:
-    """Create every group (a collective call on all ranks, same order) and keep this rank's.
-
-    A group of one rank gets no process group; a group spanning the world reuses WORLD.
-    """
+    """Create every group (a collective call on all ranks, same order) and keep this rank's;
+    a group of one rank gets no process group, a group spanning the world reuses WORLD."""
     mine = None
     world = dist.get_world_size()
     for ranks in all_groups:
