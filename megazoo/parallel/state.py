@@ -38,7 +38,6 @@ GROUP_DIMS = {
     "dp": ("dp",),
     "pp": ("pp",),
     "dp_sp": ("dp", "sp"),  # ZeRO / gradient reduction: every rank holding the same shard
-    "mp": ("tp", "sp"),  # tensor x sequence model-parallel group
 }
 
 
@@ -54,7 +53,6 @@ class ParallelState:
     dp: GroupInfo
     pp: GroupInfo
     dp_sp: GroupInfo
-    mp: GroupInfo
     embedding: GroupInfo
 
     @classmethod
@@ -62,7 +60,7 @@ class ParallelState:
         """A one-process state: every group has one rank and no collective is issued."""
         config = (config or ParallelConfig()).resolve(1)
         one = GroupInfo.single()
-        return cls(config, 0, 1, one, one, one, one, one, one, one)
+        return cls(config, 0, 1, one, one, one, one, one, one)
 
     @classmethod
     def initialize(cls, config: ParallelConfig, backend: str | None = None,

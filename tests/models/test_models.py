@@ -116,7 +116,7 @@ def _fake_tp_state(tp: int, rank: int, sequence_parallel: bool = False) -> Paral
     config = ParallelConfig(tp=tp, sequence_parallel=sequence_parallel).resolve(tp)
     one = GroupInfo.single(rank)
     tp_info = GroupInfo(group=None, ranks=tuple(range(tp)), rank=rank)
-    return ParallelState(config, rank, tp, tp_info, one, one, one, one, tp_info, one)
+    return ParallelState(config, rank, tp, tp_info, one, one, one, one, one)
 
 
 @pytest.mark.parametrize("family, tp", [("gpt", 2), ("bloom", 4), ("llama", 2), ("llama-mqa", 4)])
