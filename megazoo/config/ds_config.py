@@ -129,13 +129,9 @@ def _lookup(ds: dict, path: tuple[str, ...], source: str):
         if node is None:
             return AUTO
         if not isinstance(node, dict):
-            raise _not_object(source, path[:i + 1], node)
+            raise ValueError(f"{source}: \"{'.'.join(path[:i + 1])}\" must be a JSON object, "
+                             f"got {type(node).__name__}")
     return node.get(path[-1], AUTO)
-
-
-def _not_object(source: str, path: tuple[str, ...], value) -> ValueError:
-    return ValueError(f"{source}: \"{'.'.join(path)}\" must be a JSON object, got "
-                      f"{type(value).__name__}")
 
 
 def _unset(value) -> bool:
@@ -231,7 +227,7 @@ def training_fields(ds: dict, given: dict, dp: int | None, source: str,
     (`default_micro` stands in for a micro batch size nobody gave). `dp` None (the layout
     does not fit the world yet): nothing is derived; `build_ds_config` checks later."""
     out = {**given, **merge_flags(ds, given, TRAINING_KEYS, source)}
-    gas = _lookup(ds, ("gradient_accumulation_steps",), source)
+    gas = ds.get("gradient_accumulation_steps")
     if not _num(gas) or dp is None:
         return out
     if "global_batch_size" not in out:

@@ -82,9 +82,6 @@ def plain_offload(args) -> OffloadPlan | None:
         if t.offload_delayed_update:
             raise ValueError("--offload-delayed-update needs --optimizer-cpu-offload")
         return None
-    if t.offload_delayed_update_start < 0:
-        raise ValueError(f"--offload-delayed-update-start must be >= 0, got "
-                         f"{t.offload_delayed_update_start}")
     if t.offload_delayed_update and not t.overlap_cpu_optimizer_d2h_h2d:
         raise ValueError("--offload-delayed-update needs --overlap-cpu-optimizer-d2h-h2d (the "
                          "host step runs beside the next step)")

@@ -112,7 +112,8 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         _at_least(self, 1, "micro_batch_size", "global_batch_size", "train_iters",
                   "ddp_bucket_size")
-        _at_least(self, 0, "lr_warmup_iters", "max_skipped_steps")
+        _at_least(self, 0, "lr_warmup_iters", "max_skipped_steps", "clip_grad", "weight_decay",
+                  "offload_delayed_update_start")
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= --min-lr <= --lr, got --lr {self.lr} --min-lr {self.min_lr}")
         if self.lr_decay_style not in DECAY_STYLES:
@@ -120,8 +121,6 @@ class TrainingConfig:
                              f"got {self.lr_decay_style!r}")
         if self.bf16 + self.fp16 + self.fp32 > 1:
             raise ValueError("--bf16, --fp16 and --fp32 exclude each other: pass one of them")
-        if self.clip_grad < 0 or self.weight_decay < 0:
-            raise ValueError("--clip-grad and --weight-decay must be >= 0")
         if not self.accumulate_allreduce_grads_in_fp32:
             raise ValueError("main gradients are always fp32 unless --accumulate-grads-in-bf16: "
                              "pass that instead of --no-accumulate-allreduce-grads-in-fp32")
