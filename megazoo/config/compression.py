@@ -6,8 +6,8 @@
 of `--deepspeed_config` (read by the plain engine too) or the flags of the same names, merged
 by `ds_config.merge_flags`. A named recipe (`RECIPES`) fills in the keys not given and sets
 the internals that only recipes set (see `megazoo.compress.reducer`). The plain engine
-compresses its data-parallel bucket reduction (`megazoo.compress`); DeepSpeed and FSDP2 read
-`communication_data_type` only (`check_engine_compression`).
+compresses its data-parallel bucket reduction (`megazoo.compress`); DeepSpeed and FSDP2 take
+`communication_data_type` and refuse `gradient_compression` (`check_engine_compression`).
 """
 from __future__ import annotations
 

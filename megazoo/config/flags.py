@@ -148,7 +148,7 @@ def _given(ns: argparse.Namespace, group: str) -> dict:
 
 
 def _model_config(ns: argparse.Namespace) -> ModelConfig:
-    base = PRESETS[ns.model_name] if ns.model_name else DEFAULT_MODEL  # replaced, not changed
+    base = PRESETS[ns.model_name] if ns.model_name else DEFAULT_MODEL  # copied, never changed
     overrides = _given(ns, "model")
     if "family" in overrides and overrides["family"] != base.family:
         # A new family: its own defaults for the conventions, the preset's shape.
