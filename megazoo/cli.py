@@ -130,7 +130,7 @@ def sparse_layout(argv: list[str] | None = None) -> int:
     picture (`--out`). The section comes from pretrain_gpt.py's own sparse flags and
     --deepspeed_config, merged as a run merges them."""
     from .cli_parser import HintingParser
-    from .config.sparse import add_sparse_flags
+    from .config.sparse_attention import add_sparse_flags
 
     p = HintingParser(prog="megazoo-sparse-layout",
                       description="Draw a block-sparse attention layout.")
@@ -144,8 +144,7 @@ def sparse_layout(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="image file to write (png, pdf, svg)")
     args = p.parse_args(argv)
     from .config.ds_config import read_ds_config
-    from .config.sparse import sparse_section
-    from .config.sparse_attention import SparseAttentionConfig
+    from .config.sparse_attention import SparseAttentionConfig, sparse_section
     from .layers.sparse_layouts import density, layout
 
     try:

@@ -6,12 +6,11 @@
 | `presets.py` | `PRESETS`: the published model shapes |
 | `layout.py` | `check_layout`: a model against a parallel layout, pure arithmetic |
 | `precision.py` | `FP8Recipe`: how the linears' GEMMs run in FP8 |
-| `sparse_attention.py` | `SparseAttentionConfig`: a ds_config `sparse_attention` section |
+| `sparse_attention.py` | `SparseAttentionConfig` (a ds_config `sparse_attention` section), flags |
 | `run.py` | `PretrainArgs` and its sections (training, data, checkpoint, logging) |
 | `zero.py` | `ZeroConfig`: the ZeRO / DeepSpeed / FSDP2 flags |
 | `compression.py` | `CompressionConfig`: compressed gradient communication |
 | `ds_config.py` | a DeepSpeed JSON: `merge_flags` (its one merge with the flags), the engine's dict |
-| `sparse.py` | the sparse attention flags and their section |
 | `flags.py` | the `pretrain_gpt.py` command line, generated from the dataclasses |
 | `validate.py` | `check_args`: every check of a run that needs no process |
 

@@ -3,25 +3,21 @@
     "gradient_compression": {"algorithm": "topk", "topk_ratio": 0.01, "compression_start_step": 100},
     "communication_data_type": "bf16"
 
-of `--deepspeed_config` (read by the plain engine too) or the flags of the same names
-(`--gradient-compression topk --topk-ratio 0.01 --compression-start-step 100
---communication-data-type bf16`), merged by `ds_config.merge_flags`. A named recipe
-(`"recipe": "topk-tuned"`, `--compression-recipe topk-tuned`; `RECIPES`) fills in the keys
-not given and sets the internals that only recipes set (how much momentum is compressed,
-how topk picks its entries, local clipping: see `megazoo.compress.reducer`). The plain engine
-compresses its data-parallel bucket reduction (`megazoo.compress`); DeepSpeed gets
-`communication_data_type` as its own key and FSDP2 as its reduce dtype; `gradient_compression`
-on those engines is refused (`check_engine_compression`).
-
-`huffman_coding` is refused (`HUFFMAN_REFUSAL`).
+of `--deepspeed_config` (read by the plain engine too) or the flags of the same names, merged
+by `ds_config.merge_flags`. A named recipe (`RECIPES`) fills in the keys not given and sets
+the internals that only recipes set (see `megazoo.compress.reducer`). The plain engine
+compresses its data-parallel bucket reduction (`megazoo.compress`); DeepSpeed and FSDP2 take
+`communication_data_type` and refuse `gradient_compression` (`check_engine_compression`).
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from .ds_config import COMM_KEY, COMPRESSION_SECTION as SECTION, JsonKey, json_section, merge_flags
+from .ds_config import COMM_KEY, COMPRESSION_SECTION as SECTION, JsonKey, merge_flags
 
 ALGORITHMS = ("none", "topk", "1bit", "2bit")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -41,9 +37,7 @@ TOPK_SELECTIONS = ("magnitude", "update")
 # Gradient Compression's local clipping.
 INTERNALS = {"momentum_share": 1.0, "topk_selection": "magnitude", "local_clipping": False}
 # Named recipes: the keys they fill in (a key given explicitly wins; the algorithm must agree)
-# plus internals. topk-tuned and 1bit-adam end the default run's 800 steps at dp = 2 within
-# 1.5% of the uncompressed validation loss (bench/results/compression_convergence_cpu_*.md,
-# compression_momentum_share_cpu_2026-11-24.md); bench/experimental adds research recipes.
+# plus internals (docs/compression.md: how close each ends to the uncompressed loss).
 RECIPES = {
     "topk-tuned": {"gradient_compression": "topk", "topk_ratio": 0.01,
                    "compression_start_step": 300, "freeze_variance": True,
@@ -171,7 +165,7 @@ class CompressionConfig:
 def resolve_compression(given: dict, ds: dict, source: str) -> CompressionConfig:
     """The run's CompressionConfig from the flags `given` ({field: value}) and the ds_config
     `ds` (`merge_flags` over KEYS; the section's keys are checked: a typo is an error)."""
-    section = json_section(ds, SECTION, source) or {}
+    section = ds.get(SECTION) or {}  # a JSON object: `read_ds_config` checked its type
     unknown = sorted(set(section) - set(SECTION_KEYS))
     if unknown:
         raise ValueError(f"{source}: {SECTION} has unknown keys {unknown}; known: "
@@ -215,15 +209,11 @@ def check_onebit_backend(kind: str, ds: dict, device: torch.device) -> None:
     """ValueError (one line) unless DeepSpeed's 1-bit optimizer `kind` can run here: this
     DeepSpeed release must have it, the model must be on CUDA GPUs, and its communication
     backend's packages must import (nccl: cupy; mpi: cupy and mpi4py)."""
-    import importlib.util
-
     try:
         present = importlib.util.find_spec("deepspeed.runtime.fp16.onebit") is not None
     except ModuleNotFoundError:
         present = False
     if not present:
-        from importlib.metadata import PackageNotFoundError, version
-
         try:
             release = f"DeepSpeed {version('deepspeed')}"
         except PackageNotFoundError:

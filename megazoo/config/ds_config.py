@@ -14,18 +14,12 @@ other than a given flag's (numbers compare by value) is an error naming both:
     make them agree (change the flag or the JSON, or put "auto" in the JSON)
 
 The parser (`flags.py`) merges the training, compression and sparse attention tables for
-every engine. The ZeRO table is DeepSpeed's alone: `build_ds_config` merges it, and the run's
-training values (which always have one: the data loader and the schedule are built before
-the engine), into a copy of the JSON. Batch sizes are checked against each other and the
-data-parallel size: DeepSpeed's `train_batch_size = micro * accumulation * dp`, where dp is
-our dp (not dp x sp: sp ranks see pieces of the same sequences).
+every engine; `build_ds_config` merges the ZeRO table (DeepSpeed's alone) and the run's
+training values into a copy of the JSON, with DeepSpeed's `train_batch_size = micro *
+accumulation * dp` (our dp, not dp x sp: sp ranks see pieces of the same sequences).
 
-The JSON's `sparse_attention` section configures megazoo's own block-sparse attention (the
-model's, in every engine) and is left out of the dict DeepSpeed gets: DeepSpeed's sparse
-attention only ever served models built from its own SparseSelfAttention modules, and
-DeepSpeed releases without it refuse a config holding the block ("DeepSpeed Sparse Attention
-has been removed"), which would stop every --deepspeed run of a Megatron-DeepSpeed ds_config
-that has one. The file itself is never changed.
+The `sparse_attention` section is the model's (every engine) and is left out of the dict
+DeepSpeed gets: releases without DeepSpeed's own sparse attention refuse a config holding it.
 """
 from __future__ import annotations
 
@@ -75,32 +69,28 @@ READ_BY_ALL = {SPARSE_SECTION, COMPRESSION_SECTION, COMM_KEY.path[0],
                "gradient_accumulation_steps"} | {k.path[0] for k in TRAINING_KEYS}
 
 
-def load_ds_json(path: str) -> dict:
-    """The JSON object in `path`; a clear error if it is missing, not a JSON object, or holds
-    a value of the wrong type for its key (`ds_schema.check_types`)."""
+def read_ds_config(path: str | None) -> tuple[dict, str]:
+    """(the JSON object at `path`, the name errors give it); ({}, ...) without a file. A clear
+    error if the file is missing, not a JSON object, or holds a value of the wrong type for its
+    key (`ds_schema.check_types`)."""
+    if not path:
+        return {}, "DeepSpeed config"
+    source = f"--deepspeed_config {path}"
     if not os.path.isfile(path):
-        raise ValueError(f"--deepspeed_config {path}: no such file")
+        raise ValueError(f"{source}: no such file")
     with open(path, "rb") as f:
         raw = f.read()
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
-        raise ValueError(f"--deepspeed_config {path} is not UTF-8 text (byte "
-                         f"0x{raw[exc.start]:02x} at offset {exc.start}): save it as UTF-8 "
-                         f"JSON") from None
+        raise ValueError(f"{source} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+                         f"{exc.start}): save it as UTF-8 JSON") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--deepspeed_config {path} is not valid JSON: {exc}") from None
+        raise ValueError(f"{source} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"--deepspeed_config {path} must hold a JSON object, got {type(data).__name__}")
-    check_types(data, f"--deepspeed_config {path}")
-    return data
-
-
-def read_ds_config(path: str | None) -> tuple[dict, str]:
-    """(the JSON at `path`, the name errors give it); ({}, ...) without a file."""
-    if not path:
-        return {}, "DeepSpeed config"
-    return load_ds_json(path), f"--deepspeed_config {path}"
+        raise ValueError(f"{source} must hold a JSON object, got {type(data).__name__}")
+    check_types(data, source)
+    return data, source
 
 
 def merge_flags(ds: dict, given: dict, keys, source: str) -> dict:
@@ -131,14 +121,6 @@ def merge_flags(ds: dict, given: dict, keys, source: str) -> dict:
     return out
 
 
-def json_section(ds: dict, name: str, source: str) -> dict | None:
-    """The JSON object `ds[name]` (None when absent); a ValueError when it is not an object."""
-    section = ds.get(name)
-    if section is not None and not isinstance(section, dict):
-        raise _not_object(source, (name,), section)
-    return section
-
-
 def _lookup(ds: dict, path: tuple[str, ...], source: str):
     """ds[k0][k1]..., or AUTO where a key is absent."""
     node = ds
@@ -147,17 +129,13 @@ def _lookup(ds: dict, path: tuple[str, ...], source: str):
         if node is None:
             return AUTO
         if not isinstance(node, dict):
-            raise _not_object(source, path[:i + 1], node)
+            raise ValueError(f"{source}: \"{'.'.join(path[:i + 1])}\" must be a JSON object, "
+                             f"got {type(node).__name__}")
     return node.get(path[-1], AUTO)
 
 
-def _not_object(source: str, path: tuple[str, ...], value) -> ValueError:
-    return ValueError(f"{source}: \"{'.'.join(path)}\" must be a JSON object, got "
-                      f"{type(value).__name__}")
-
-
 def _unset(value) -> bool:
-    return value is None or (isinstance(value, str) and value == AUTO)
+    return value is None or value == AUTO
 
 
 def _num(x) -> bool:
@@ -209,10 +187,8 @@ def _training(ds: dict, training, dp: int, source: str) -> None:
 
 
 def check_json_training_keys(args, dp: int) -> None:
-    """For the engines other than DeepSpeed (plain, fsdp2), which read --deepspeed_config's
-    batch sizes, clipping and precision but never build a DeepSpeed config: the JSON's
-    values must agree with the run's exactly as `build_ds_config` requires for --deepspeed
-    (the same merge, the same message)."""
+    """For the plain and fsdp2 engines, which read --deepspeed_config's batches, clipping and
+    precision: the JSON must agree with the run as `build_ds_config` requires (same message)."""
     if args.zero.deepspeed_config:
         ds, source = read_ds_config(args.zero.deepspeed_config)
         _training(ds, args.training, dp, source)
@@ -228,9 +204,7 @@ def build_ds_config(args, dp: int) -> dict:
     comm = getattr(getattr(args, "compression", None), "communication_data_type", None)
     merge_flags(ds, {} if comm is None else {COMM_KEY.field: comm}, [COMM_KEY], source)
     for key in ("optimizer", "scheduler"):
-        if key == "optimizer" and onebit_optimizer(ds) is not None:
-            continue
-        if key in ds:
+        if key in ds and not (key == "optimizer" and onebit_optimizer(ds)):
             raise ValueError(f"{source} has an \"{key}\" section: megazoo builds AdamW and the "
                              "learning-rate schedule from --lr, --weight-decay, --lr-* flags; "
                              f"remove \"{key}\" from the JSON")
@@ -241,9 +215,8 @@ def build_ds_config(args, dp: int) -> dict:
 
 def onebit_optimizer(ds: dict) -> str | None:
     """The "optimizer" section's type when it is one of DeepSpeed's 1-bit optimizers."""
-    section = ds.get("optimizer")
-    kind = section.get("type") if isinstance(section, dict) else None
-    return kind if isinstance(kind, str) and kind.lower() in ONEBIT_OPTIMIZERS else None
+    kind = (ds.get("optimizer") or {}).get("type")  # a string: `read_ds_config` checked
+    return kind if kind and kind.lower() in ONEBIT_OPTIMIZERS else None
 
 
 def training_fields(ds: dict, given: dict, dp: int | None, source: str,
@@ -254,7 +227,7 @@ def training_fields(ds: dict, given: dict, dp: int | None, source: str,
     (`default_micro` stands in for a micro batch size nobody gave). `dp` None (the layout
     does not fit the world yet): nothing is derived; `build_ds_config` checks later."""
     out = {**given, **merge_flags(ds, given, TRAINING_KEYS, source)}
-    gas = _lookup(ds, ("gradient_accumulation_steps",), source)
+    gas = ds.get("gradient_accumulation_steps")
     if not _num(gas) or dp is None:
         return out
     if "global_batch_size" not in out:

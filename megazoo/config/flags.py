@@ -1,14 +1,11 @@
 """The `pretrain_gpt.py` command line, generated from the config dataclasses.
 
 Every documented field becomes a flag: `train_iters` -> `--train-iters`, its docstring the
-help text, its annotation the type (bool: a switch; list: several values). `ALIASES` maps a
-field to the Megatron-LM / Megatron-DeepSpeed spellings when those differ; the first name
-is the one shown. Only flags given on the command line reach the dataclasses, so their
-defaults (and a `--model` preset's shape) hold for everything else; with
-`--deepspeed_config ds.json`, the JSON's batch sizes, clipping, precision, compression and
-sparse attention keys come before those defaults (a flag given explicitly must agree with the
-JSON: `ds_config.merge_flags`). The result passes `megazoo.config.validate.check_args`, the
-checks `python -m megazoo.plan` applies too.
+help text, its annotation the type (bool: a switch; list: several values); `ALIASES` adds the
+Megatron-LM / Megatron-DeepSpeed spellings (the first is shown). Only flags given reach the
+dataclasses, so their defaults (and a `--model` preset's shape) hold for the rest, after the
+`--deepspeed_config` keys (`ds_config.merge_flags`). The result passes `validate.check_args`,
+the checks `python -m megazoo.plan` applies too.
 
     args = parse_args(["--model", "gpt-125m", "--num-layers", "4", "--bf16"])
     args.model.num_layers, args.training.bf16        # 4, True
@@ -17,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import copy
 import dataclasses
 import inspect
 import os
@@ -32,10 +28,10 @@ from ..parallel.config import ParallelConfig
 from .compression import ALGORITHMS, DTYPES as COMM_DTYPES, RECIPES, \
     CompressionConfig, resolve_compression
 from .ds_config import read_ds_config, training_fields, warn_unused_sections
-from .model import ModelConfig, _default_ffn
+from .model import CHOICES as MODEL_CHOICES, ModelConfig, _default_ffn
 from .presets import PRESETS
 from .run import CheckpointConfig, DataConfig, LoggingConfig, PretrainArgs, TrainingConfig
-from .sparse import add_sparse_flags, sparse_section
+from .sparse_attention import add_sparse_flags, sparse_section
 from .validate import check_args
 from .zero import ZeroConfig
 
@@ -52,9 +48,9 @@ ALIASES = {
     "deepspeed_config": ["--deepspeed_config", "--deepspeed-config"],
 }
 # Fields whose flag takes one of these values.
-CHOICES = {"fp8_format": FP8_FORMATS, "fp8_recipe": FP8_RECIPES, "fp8_layers": ("all", "mlp"),
-           "gradient_compression": ALGORITHMS, "communication_data_type": tuple(COMM_DTYPES),
-           "compression_recipe": tuple(RECIPES)}
+CHOICES = {"fp8_format": FP8_FORMATS, "fp8_recipe": FP8_RECIPES,
+           "fp8_layers": MODEL_CHOICES["fp8_layers"], "gradient_compression": ALGORITHMS,
+           "communication_data_type": tuple(COMM_DTYPES), "compression_recipe": tuple(RECIPES)}
 # The ModelConfig fields a user may override on top of a preset (vocab comes from the data).
 MODEL_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
                 "num_key_value_heads", "ffn_hidden_size", "max_position_embeddings",
@@ -114,12 +110,10 @@ def _add_field(group, dest: str, name: str, hint, doc: str, default) -> None:
 
 def _shown_default(value) -> str:
     """How --help shows a default: on / off, none, list items separated by spaces."""
-    if value is dataclasses.MISSING:
+    if value is None or value is dataclasses.MISSING:
         return "none"
     if isinstance(value, bool):
         return "on" if value else "off"
-    if value is None:
-        return "none"
     if isinstance(value, (list, tuple)):
         return " ".join(str(v) for v in value)
     return str(value)
@@ -154,7 +148,7 @@ def _given(ns: argparse.Namespace, group: str) -> dict:
 
 
 def _model_config(ns: argparse.Namespace) -> ModelConfig:
-    base = copy.deepcopy(PRESETS[ns.model_name]) if ns.model_name else DEFAULT_MODEL
+    base = PRESETS[ns.model_name] if ns.model_name else DEFAULT_MODEL  # copied, never changed
     overrides = _given(ns, "model")
     if "family" in overrides and overrides["family"] != base.family:
         # A new family: its own defaults for the conventions, the preset's shape.

@@ -2,14 +2,8 @@
 
 `check_layout` is the one check of a `ModelConfig` against a `ParallelConfig`: `build_model`,
 the run's flags (`validate.check_args`) and the memory planner all apply it, so a layout one
-of them accepts is one the others accept. Its pieces are the rules the layers and models use
-when they split the work:
-
-- `split_groups` / `check_heads`: kv groups and their query heads over tp, then over Ulysses
-  sp (`layers/heads.py`'s `HeadLayout` builds the fused QKV rows on them);
-- `sequence_pieces` / `check_sequence_split`: the sequence's shards (Ulysses sp, times tp
-  under Megatron SP);
-- `layer_ranges`: the layers of each pipeline rank (Megatron's interleaved assignment).
+of them accepts is one the others accept. Its pieces (heads over tp and sp, the sequence's
+shards, each pipeline rank's layers) are the rules the layers and models split the work by.
 """
 from __future__ import annotations
 

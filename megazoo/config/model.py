@@ -12,19 +12,23 @@ from dataclasses import dataclass, fields
 from .precision import FP8Recipe
 from .sparse_attention import SparseAttentionConfig
 
-# Per-family defaults of the fields that are None unless given.
+_GPT = dict(position_embedding="learned", norm="layernorm", activation="gelu",
+            embedding_layernorm=False, tie_word_embeddings=True, qkv_bias=True,
+            dense_bias=True, mlp_bias=True, norm_eps=1e-5)
+# Per-family defaults of the fields that are None unless given (BLOOM: GPT with ALiBi and an
+# embedding LayerNorm).
 FAMILY_DEFAULTS = {
-    "gpt": dict(position_embedding="learned", norm="layernorm", activation="gelu",
-                embedding_layernorm=False, tie_word_embeddings=True, qkv_bias=True,
-                dense_bias=True, mlp_bias=True, norm_eps=1e-5),
-    "bloom": dict(position_embedding="alibi", norm="layernorm", activation="gelu",
-                  embedding_layernorm=True, tie_word_embeddings=True, qkv_bias=True,
-                  dense_bias=True, mlp_bias=True, norm_eps=1e-5),
+    "gpt": _GPT,
+    "bloom": {**_GPT, "position_embedding": "alibi", "embedding_layernorm": True},
     "llama": dict(position_embedding="rope", norm="rmsnorm", activation="swiglu",
                   embedding_layernorm=False, tie_word_embeddings=False, qkv_bias=False,
                   dense_bias=False, mlp_bias=False, norm_eps=1e-5),
 }
 RECOMPUTE = ("none", "full", "selective")
+# Fields that take one of a few values.
+CHOICES = {"position_embedding": ("learned", "alibi", "rope"), "norm": ("layernorm", "rmsnorm"),
+           "activation": ("gelu", "gelu_exact", "swiglu"), "recompute": RECOMPUTE,
+           "fp8_layers": ("all", "mlp")}
 
 
 @dataclass
@@ -124,10 +128,9 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} must be a multiple "
                              f"of num_key_value_heads {self.num_key_value_heads}")
-        _check_choice("position_embedding", self.position_embedding, ("learned", "alibi", "rope"))
-        _check_choice("norm", self.norm, ("layernorm", "rmsnorm"))
-        _check_choice("activation", self.activation, ("gelu", "gelu_exact", "swiglu"))
-        _check_choice("recompute", self.recompute, RECOMPUTE)
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         if self.recompute_num_layers is not None and self.recompute_num_layers < 0:
             raise ValueError(f"recompute_num_layers must be >= 0 or None, got {self.recompute_num_layers}")
         if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
@@ -143,7 +146,6 @@ class ModelConfig:
             if self.attention_dropout > 0:
                 raise ValueError(f"attention_dropout {self.attention_dropout} is not supported "
                                  f"with sparse attention: set it to 0")
-        _check_choice("fp8_layers", self.fp8_layers, ("all", "mlp"))
         FP8Recipe(self.fp8_format or "e4m3", self.fp8_recipe)  # its one-line errors
 
     @property
@@ -182,8 +184,3 @@ def _default_ffn(hidden: int, activation: str) -> int:
     if activation == "swiglu":  # LLaMA: 2/3 of 4h, rounded up to a multiple of 256
         return -(-(8 * hidden // 3) // 256) * 256
     return 4 * hidden
-
-
-def _check_choice(name: str, value, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")

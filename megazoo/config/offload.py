@@ -3,19 +3,17 @@
 
     plan = plain_offload(args)      # None: masters and moments on the GPU, as always
 
-The plain engine offloads when `--optimizer-cpu-offload` is given, or when the flags
-`--offload-optimizer` / `--offload-param` or the JSON's sections (`device`: cpu | nvme,
-`nvme_path`, `pin_memory`) ask for it without a ZeRO engine (`--zero-impl none`): the seeds'
-ds_configs then select this engine's offload. For this engine the fp32 master parameters are
-part of the optimizer state, so `offload_param` puts them (with the moments) where it says;
-the bf16 parameters the model computes with stay on the GPU. The state lives on disk when
-the device is nvme, or when `--nvme-path` comes with `--optimizer-cpu-offload`.
+The plain engine offloads with `--optimizer-cpu-offload`, or when `--offload-optimizer` /
+`--offload-param` or the JSON's sections (`device`: cpu | nvme, `nvme_path`, `pin_memory`) ask
+for it without a ZeRO engine. Its fp32 masters are optimizer state, so `offload_param` puts
+them (with the moments) where it says; the bf16 parameters stay on the GPU. The state lives on
+disk when the device is nvme, or when `--nvme-path` comes with `--optimizer-cpu-offload`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ds_config import load_ds_json
+from .ds_config import read_ds_config
 
 PLAIN_ONLY = (("optimizer_cpu_offload", "--optimizer-cpu-offload"),
               ("overlap_cpu_optimizer_d2h_h2d", "--overlap-cpu-optimizer-d2h-h2d"),
@@ -49,17 +47,6 @@ class OffloadPlan:
     """Optimizer steps updated at once before the delay starts."""
 
 
-def _json_zero(args) -> dict:
-    path = args.zero.deepspeed_config
-    zo = load_ds_json(path).get("zero_optimization") if path else None
-    return zo if isinstance(zo, dict) else {}
-
-
-def _section(zo: dict, key: str) -> dict:
-    section = zo.get(key)
-    return section if isinstance(section, dict) else {}
-
-
 def check_plain_only(args) -> None:
     """The plain engine's offload flags with another engine: one line naming the flag."""
     t, zero = args.training, args.zero
@@ -77,8 +64,9 @@ def plain_offload(args) -> OffloadPlan | None:
     """The plain engine's offload plan of `args` (None: no offload); a ValueError naming the
     flag to change when the flags contradict each other."""
     t, zero = args.training, args.zero
-    zo = _json_zero(args) if zero.zero_impl == "none" else {}
-    opt, par = _section(zo, "offload_optimizer"), _section(zo, "offload_param")
+    ds = read_ds_config(zero.deepspeed_config)[0] if zero.zero_impl == "none" else {}
+    zo = ds.get("zero_optimization") or {}  # objects or null: `read_ds_config` checked
+    opt, par = zo.get("offload_optimizer") or {}, zo.get("offload_param") or {}
     devices = {zero.offload_optimizer or opt.get("device"), zero.offload_param or par.get("device")}
     devices -= {None, "none"}
     if t.optimizer_cpu_offload:
@@ -94,9 +82,6 @@ def plain_offload(args) -> OffloadPlan | None:
         if t.offload_delayed_update:
             raise ValueError("--offload-delayed-update needs --optimizer-cpu-offload")
         return None
-    if t.offload_delayed_update_start < 0:
-        raise ValueError(f"--offload-delayed-update-start must be >= 0, got "
-                         f"{t.offload_delayed_update_start}")
     if t.offload_delayed_update and not t.overlap_cpu_optimizer_d2h_h2d:
         raise ValueError("--offload-delayed-update needs --overlap-cpu-optimizer-d2h-h2d (the "
                          "host step runs beside the next step)")

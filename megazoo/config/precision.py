@@ -32,6 +32,7 @@ class FP8Recipe:
     """A GEMM with a dimension not a multiple of 16 runs in the run's dtype instead of raising."""
     emulate: bool = False
     """Compute the GEMMs with the float32 emulation even on a GPU (the kernels' reference)."""
+    fwd_dtype = torch.float8_e4m3fn  # every format's forward operands (not a field)
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -41,10 +42,6 @@ class FP8Recipe:
             raise ValueError(f"FP8 recipe must be one of {RECIPES}, got {self.recipe!r}")
         if self.cast not in CAST_IMPLS:
             raise ValueError(f"FP8 cast must be one of {CAST_IMPLS}, got {self.cast!r}")
-
-    @property
-    def fwd_dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn
 
     @property
     def grad_dtype(self) -> torch.dtype:

@@ -38,27 +38,23 @@ def _llama(layers: int, hidden: int, heads: int, ffn: int, kv_heads: int | None 
                        ffn_hidden_size=ffn, vocab_size=32000, max_position_embeddings=4096)
 
 
-def _presets() -> dict[str, ModelConfig]:
-    return {
-        "gpt-125m": _gpt(12, 768, 12),
-        "gpt-350m": _gpt(24, 1024, 16),
-        "gpt-760m": _gpt(24, 1536, 16),
-        "gpt-1.3b": _gpt(24, 2048, 16),
-        "gpt-2.7b": _gpt(32, 2560, 32),
-        "gpt-6.7b": _gpt(32, 4096, 32),
-        "gpt-13b": _gpt(40, 5120, 40),
-        "gpt3-175b": _gpt(96, 12288, 96, padded_vocab_size=51200),
-        "bloom-560m": _bloom(24, 1024, 16),
-        "bloom-1b1": _bloom(24, 1536, 16),
-        "bloom-1b7": _bloom(24, 2048, 16),
-        "bloom-3b": _bloom(30, 2560, 32),
-        "bloom-7b1": _bloom(30, 4096, 32),
-        "bloom-176b": _bloom(70, 14336, 112),
-        "llama-7b": _llama(32, 4096, 32, 11008),
-        "llama-13b": _llama(40, 5120, 40, 13824),
-        "llama-70b": _llama(80, 8192, 64, 28672, kv_heads=8),
-    }
-
-
-PRESETS: dict[str, ModelConfig] = _presets()
+PRESETS: dict[str, ModelConfig] = {
+    "gpt-125m": _gpt(12, 768, 12),
+    "gpt-350m": _gpt(24, 1024, 16),
+    "gpt-760m": _gpt(24, 1536, 16),
+    "gpt-1.3b": _gpt(24, 2048, 16),
+    "gpt-2.7b": _gpt(32, 2560, 32),
+    "gpt-6.7b": _gpt(32, 4096, 32),
+    "gpt-13b": _gpt(40, 5120, 40),
+    "gpt3-175b": _gpt(96, 12288, 96, padded_vocab_size=51200),
+    "bloom-560m": _bloom(24, 1024, 16),
+    "bloom-1b1": _bloom(24, 1536, 16),
+    "bloom-1b7": _bloom(24, 2048, 16),
+    "bloom-3b": _bloom(30, 2560, 32),
+    "bloom-7b1": _bloom(30, 4096, 32),
+    "bloom-176b": _bloom(70, 14336, 112),
+    "llama-7b": _llama(32, 4096, 32, 11008),
+    "llama-13b": _llama(40, 5120, 40, 13824),
+    "llama-70b": _llama(80, 8192, 64, 28672, kv_heads=8),
+}
 """Name -> ModelConfig. Copy before changing one (`dataclasses.replace(PRESETS[n], ...)`)."""

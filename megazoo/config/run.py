@@ -1,12 +1,9 @@
-"""Typed configuration of a training run: one dataclass per concern, validated on creation.
-
-`pretrain_gpt.py` builds its command line from these (`flags.py`): a field
-`train_iters` is the flag `--train-iters`, its docstring the help; `ALIASES` gives the
-Megatron spellings where they differ. `PretrainArgs` bundles everything one run needs.
+"""Typed configuration of a training run: one dataclass per concern, validated on creation;
+each documented field is a `pretrain_gpt.py` flag (`flags.py`). `PretrainArgs` bundles them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ..data.indexed import check_data_prefix
 from ..data.splits import parse_data_prefix
@@ -113,24 +110,17 @@ class TrainingConfig:
     """torch.set_num_threads on CPU; None keeps torch's default."""
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "global_batch_size", "train_iters"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        _at_least(self, 1, "micro_batch_size", "global_batch_size", "train_iters",
+                  "ddp_bucket_size")
+        _at_least(self, 0, "lr_warmup_iters", "max_skipped_steps", "clip_grad", "weight_decay",
+                  "offload_delayed_update_start")
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= --min-lr <= --lr, got --lr {self.lr} --min-lr {self.min_lr}")
-        if self.lr_warmup_iters < 0:
-            raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
         if self.lr_decay_style not in DECAY_STYLES:
             raise ValueError(f"--lr-decay-style must be one of {DECAY_STYLES}, "
                              f"got {self.lr_decay_style!r}")
         if self.bf16 + self.fp16 + self.fp32 > 1:
             raise ValueError("--bf16, --fp16 and --fp32 exclude each other: pass one of them")
-        if self.clip_grad < 0 or self.weight_decay < 0:
-            raise ValueError("--clip-grad and --weight-decay must be >= 0")
-        if self.max_skipped_steps < 0:
-            raise ValueError(f"--max-skipped-steps must be >= 0, got {self.max_skipped_steps}")
-        if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
-            raise ValueError(f"--ddp-bucket-size must be >= 1, got {self.ddp_bucket_size}")
         if not self.accumulate_allreduce_grads_in_fp32:
             raise ValueError("main gradients are always fp32 unless --accumulate-grads-in-bf16: "
                              "pass that instead of --no-accumulate-allreduce-grads-in-fp32")
@@ -169,8 +159,7 @@ class DataConfig:
     """Default corpus: vocabulary of the SentencePiece BPE trained on it."""
 
     def __post_init__(self) -> None:
-        if self.seq_length < 1:
-            raise ValueError(f"--seq-length must be >= 1, got {self.seq_length}")
+        _at_least(self, 1, "seq_length")
         if self.data_path is None and (self.tokenizer_type or self.tokenizer_model):
             raise ValueError("--tokenizer-type/--tokenizer-model need --data-path: the default "
                              "corpus comes with its own tokenizer")
@@ -203,8 +192,7 @@ class CheckpointConfig:
     Only the files the run writes are replaced: any other file there is named and refused."""
 
     def __post_init__(self) -> None:
-        if self.save_interval is not None and self.save_interval < 1:
-            raise ValueError(f"--save-interval must be >= 1, got {self.save_interval}")
+        _at_least(self, 1, "save_interval")
 
 
 @dataclass
@@ -245,11 +233,8 @@ class LoggingConfig:
     """Show a tqdm progress bar (rank 0, on a terminal; a redirected log gets log lines only)."""
 
     def __post_init__(self) -> None:
-        for name in ("log_interval", "eval_interval"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        if self.eval_iters < 0 or self.generate_tokens < 0:
-            raise ValueError("--eval-iters and --generate-tokens must be >= 0")
+        _at_least(self, 1, "log_interval", "eval_interval")
+        _at_least(self, 0, "eval_iters", "generate_tokens")
         try:  # a shell passes bytes that are not UTF-8 as lone surrogates: refuse them now,
             self.prompt.encode("utf-8")  # not when the sample is drawn after training
         except UnicodeEncodeError:
@@ -273,13 +258,12 @@ class PretrainArgs:
 
     def to_dict(self) -> dict:
         """Plain JSON-able dict (stored in checkpoints)."""
-        from dataclasses import asdict
-        out = {k: asdict(getattr(self, k)) for k in
-               ("model", "parallel", "training", "data", "checkpoint", "logging", "zero",
-                "compression")}
-        out["model_name"] = self.model_name
-        return out
+        return asdict(self)
 
 
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
+def _at_least(config, minimum: int, *names: str) -> None:
+    """ValueError naming the flag of the first field of `names` below `minimum` (None: unset)."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value < minimum:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")

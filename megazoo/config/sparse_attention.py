@@ -4,6 +4,11 @@ The keys and their defaults are DeepSpeed's (`ds_config["sparse_attention"]`); w
 mode reads is fixed per mode, and a key the mode does not read is an error (DeepSpeed ignores
 it silently, which hides typos). The layout each mode draws is in `sparse_layouts.py`.
 
+A run reads the section from `--deepspeed_config` (every engine, not only DeepSpeed's, which
+never gets it: `ds_config.build_ds_config`) and from the flags `--sparse-attention-mode`,
+`--sparse-block` and `--sparse-attention-config` (a JSON object with the other keys), merged
+key by key by `ds_config.merge_flags` (`sparse_section`) into `ModelConfig.sparse_attention`.
+
 | key | modes | meaning (one unit = one `block` x `block` tile of the s x s score matrix) |
 |---|---|---|
 | mode | all | dense, fixed, variable, bigbird or bslongformer (default fixed) |
@@ -23,7 +28,10 @@ it silently, which hides typos). The layout each mode draws is in `sparse_layout
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+
+from .ds_config import SPARSE_SECTION as SECTION, JsonKey, merge_flags
 
 MODES = ("dense", "fixed", "variable", "bigbird", "bslongformer")
 COMMON_KEYS = ("mode", "block", "different_layout_per_head")
@@ -45,6 +53,8 @@ DEFAULTS = {
 }
 ATTENTION_TYPES = ("bidirectional", "unidirectional")
 MIN_BLOCK = 16
+FLAGS = {"mode": "--sparse-attention-mode", "block": "--sparse-block"}
+CONFIG_FLAG = "--sparse-attention-config"
 
 
 @dataclass(frozen=True)
@@ -203,3 +213,54 @@ def _check_int_list(name: str, values, minimum: int) -> None:
                          f"got {values!r}")
     for v in values:
         _check_int(f"{name} entry", v, minimum)
+
+
+def add_sparse_flags(parser) -> None:
+    group = parser.add_argument_group("sparse attention", "Block-sparse attention (DeepSpeed's "
+                                      "sparse_attention keys; see README).")
+    group.add_argument(FLAGS["mode"], dest="sparse__mode", default=None, metavar="MODE",
+                       help="dense, fixed, variable, bigbird or bslongformer (default: the "
+                       "--deepspeed_config section's, else dense)")
+    group.add_argument(FLAGS["block"], dest="sparse__block", type=int, default=None, metavar="N",
+                       help="tokens per block side, a power of two >= 16 (default: the "
+                       "section's, else 16)")
+    group.add_argument(CONFIG_FLAG, dest="sparse__config", default=None, metavar="JSON",
+                       help="JSON object with the other sparse_attention keys (default: "
+                       "none: the section's, else each mode's defaults)")
+
+
+def sparse_section(ns, ds: dict, source: str) -> dict | None:
+    """The merged `sparse_attention` section of the flags in `ns` and the ds_config `ds`
+    (None: no sparse attention asked for)."""
+    flags = _flag_section(ns)
+    from_json = ds.get(SECTION)  # a JSON object: `read_ds_config` checked its type
+    if not flags and from_json is None:
+        return None
+    keys = [JsonKey(k, (SECTION, k), _flag(ns, k)) for k in {**(from_json or {}), **flags}]
+    return merge_flags(ds, flags, keys, source)
+
+
+def _flag(ns, key: str) -> str:
+    """The flag that gave `key`: its own, or the --sparse-attention-config object."""
+    if key in FLAGS and getattr(ns, f"sparse__{key}", None) is not None:
+        return FLAGS[key]
+    return f"{CONFIG_FLAG}'s {key!r}"
+
+
+def _flag_section(ns) -> dict:
+    """--sparse-attention-config's object with --sparse-attention-mode / --sparse-block
+    merged in (the same rule: a key both give must agree)."""
+    config = {}
+    raw = getattr(ns, "sparse__config", None)
+    if raw is not None:
+        try:
+            config = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{CONFIG_FLAG} is not valid JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{CONFIG_FLAG} must be a JSON object, got {type(config).__name__}")
+    given = {k: getattr(ns, f"sparse__{k}") for k in FLAGS
+             if getattr(ns, f"sparse__{k}", None) is not None}
+    merged = merge_flags({SECTION: config}, given,
+                         [JsonKey(k, (SECTION, k), FLAGS[k]) for k in given], CONFIG_FLAG)
+    return {**config, **merged}

@@ -1,12 +1,9 @@
 """`check_args`: every check of a run's configuration that needs no process.
 
-`pretrain_gpt.py` applies it when it parses its flags and `python -m megazoo.plan` applies it
-to the same objects, so a layout the planner accepts is one the run accepts: the model
-against the parallel layout (`megazoo.config.layout.check_layout`: heads over tp x sp, MLP width
-over tp, layers over pp x vpp, the sequence over its shards), the ZeRO engine against the
-flags it understands, and, where the data-parallel size is known (the planner's `--dp`; a
-launched run learns it from the world size), the global batch against it. Every failure is
-a ValueError naming the flag to change.
+`pretrain_gpt.py` and `python -m megazoo.plan` both apply it, so a layout the planner accepts
+is one the run accepts: the model against the layout (`layout.check_layout`), the ZeRO engine
+against the flags it understands, and the global batch against the data-parallel size where
+that is known (the planner's `--dp`). Every failure is a ValueError naming the flag to change.
 """
 from __future__ import annotations
 
@@ -39,7 +36,6 @@ def check_args(args: PretrainArgs) -> None:
 def check_engine(zero: ZeroConfig, parallel: ParallelConfig) -> None:
     """The ZeRO flags against the engine that reads them (values left to a DeepSpeed JSON,
     None here, are checked when the JSON is merged)."""
-    offloads = {v for v in (zero.offload_optimizer, zero.offload_param) if v not in (None, "none")}
     if zero.zero_impl == "none" and zero.zero_stage not in (None, 0):
         raise ValueError("--zero-stage needs a ZeRO engine: add --deepspeed (or --zero-impl "
                          "fsdp2); the plain engine offloads with --offload-optimizer alone")
@@ -49,7 +45,7 @@ def check_engine(zero: ZeroConfig, parallel: ParallelConfig) -> None:
         if zero.zero_stage not in (None, 3):
             raise ValueError(f"--zero-impl fsdp2 shards parameters (ZeRO-3); got --zero-stage "
                              f"{zero.zero_stage}: pass --zero-stage 3 or use --deepspeed")
-        if "nvme" in offloads:
+        if "nvme" in (zero.offload_optimizer, zero.offload_param):
             raise ValueError("--zero-impl fsdp2 offloads to cpu only: use --offload-optimizer "
                              "cpu or --deepspeed for nvme")
         if zero.offload_optimizer_ratio not in (None, 1.0):

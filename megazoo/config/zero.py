@@ -1,8 +1,6 @@
-"""`ZeroConfig`: the ZeRO / DeepSpeed / FSDP2 flags of `pretrain_gpt.py`.
-
-The command line is generated from this dataclass like the others (`--deepspeed`,
-`--deepspeed_config`, `--zero-stage`, `--offload-optimizer`, `--offload-param`,
-`--zero-impl`). `megazoo.training.backends.deepspeed_zero` turns it into a DeepSpeed config.
+"""`ZeroConfig`: the ZeRO / DeepSpeed / FSDP2 flags of `pretrain_gpt.py` (`--deepspeed`,
+`--deepspeed_config`, `--zero-stage`, `--offload-optimizer`, `--offload-param`, `--zero-impl`);
+`ds_config.build_ds_config` turns them into a DeepSpeed config.
 """
 from __future__ import annotations
 

@@ -13,14 +13,10 @@ from ..config.layout import check_layout, layer_ranges
 from ..config.model import ModelConfig
 from ..config.presets import PRESETS
 from .block import TransformerBlock
-from .bloom import BloomModel
 from .build import MODEL_CLASSES, build_model, resolve_config
-from .gpt import GPTModel
-from .llama import LlamaModel
-from .model import TransformerModel
-from .params import count_parameters, describe_parameters, full_name
+from .model import BloomModel, GPTModel, LlamaModel, TransformerModel
+from .params import count_parameters, full_name
 
 __all__ = ["ModelConfig", "build_model", "PRESETS", "TransformerModel", "GPTModel",
-           "BloomModel", "LlamaModel", "count_parameters",
-           "describe_parameters", "full_name", "layer_ranges", "resolve_config", "MODEL_CLASSES",
-           "check_layout", "TransformerBlock"]
+           "BloomModel", "LlamaModel", "count_parameters", "full_name", "layer_ranges",
+           "resolve_config", "MODEL_CLASSES", "check_layout", "TransformerBlock"]

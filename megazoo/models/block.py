@@ -3,8 +3,7 @@
     x = x + dropout(attention(norm_1(x)))
     x = x + dropout(mlp(norm_2(x)))
 
-x, y: [s_local, b, h], where s_local is the rank's sequence shard: s / sp with Ulysses, and a
-further / tp with Megatron sequence parallelism (sp shard outermost, tp shard inside it).
+x, y: [s_local, b, h], s_local the rank's sequence shard (`parts.py`).
 
 Every weight is initialised by a `NormalInit` keyed by its full parameter name
 (`layers.{global index}.{path}`), so the block holds the same values, sliced, whatever the

@@ -9,10 +9,7 @@ from ..config.layout import check_layout, layer_ranges
 from ..config.model import ModelConfig
 from ..config.presets import PRESETS
 from ..parallel.state import ParallelState
-from .bloom import BloomModel
-from .gpt import GPTModel
-from .llama import LlamaModel
-from .model import TransformerModel
+from .model import BloomModel, GPTModel, LlamaModel, TransformerModel
 
 MODEL_CLASSES = {"gpt": GPTModel, "bloom": BloomModel, "llama": LlamaModel}
 

@@ -49,12 +49,11 @@ def layer_chunks(layers: LayerSpec, num_layers: int) -> list[range]:
 class TransformerModel(nn.Module):
     """A decoder-only transformer (or a pipeline stage of one); see the module docstring."""
 
-    family: str | None = None  # set by GPTModel / BloomModel / LlamaModel
+    family: str | None = None  # set by GPTModel / BloomModel / LlamaModel below
     check_inputs: bool = True
     """Check token ids and labels against the vocabulary before use (a clear error instead of a
-    device-side assert), at the cost of a device sync per forward. The training engines turn
-    it off: their data was checked against the tokenizer and the model's vocabulary when the
-    run started, and a sync per micro-batch starves the GPU."""
+    device-side assert), at the cost of a device sync per forward. Training turns it off: its
+    data was checked when the run started, and a sync per micro-batch starves the GPU."""
 
     def __init__(self, config: ModelConfig, state: ParallelState | None = None, *,
                  layers: LayerSpec = None, pre_process: bool = True, post_process: bool = True,
@@ -140,3 +139,21 @@ class TransformerModel(nn.Module):
             return mean_token_loss(logits_shard, labels, self.config.vocab_size, self.state,
                                    self.check_inputs)
         return full_logits(logits_shard, self.config.vocab_size, self.state)
+
+
+class GPTModel(TransformerModel):
+    """GPT-2/GPT-3: learned positions, LayerNorm, GeLU MLP, biases, tied embeddings."""
+
+    family = "gpt"
+
+
+class BloomModel(TransformerModel):
+    """BLOOM: ALiBi positions, an embedding LayerNorm, GeLU MLP, biases, tied embeddings."""
+
+    family = "bloom"
+
+
+class LlamaModel(TransformerModel):
+    """LLaMA: RoPE, RMSNorm, SwiGLU MLP, no biases, untied head, grouped-query attention."""
+
+    family = "llama"

@@ -1,12 +1,10 @@
-"""Parameters of a model: analytic count, full names and shard layout (the gradient contract
-lives in `megazoo.training.gradients`)."""
+"""Parameters of a model: analytic count and full names (their shard layout is
+`megazoo.layers.sharding`, the gradient contract `megazoo.training.gradients`)."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..config.model import ModelConfig
-from ..layers.sharding import full_shape, tp_dim_of
 
 
 def parameter_parts(config: ModelConfig, tp: int = 1, *, padded: bool = True) -> dict[str, int]:
@@ -48,20 +46,3 @@ def count_parameters(config: ModelConfig, tp: int = 1, *, padded: bool = True) -
 def full_name(name: str, param: torch.Tensor) -> str:
     """The parameter's name in the one-process model (a tied head copy maps to the embedding)."""
     return getattr(param, "tied_to", None) or name
-
-
-def describe_parameters(model: nn.Module, tp_size: int) -> dict[str, dict]:
-    """Per local parameter: its full name and shape and how it is sharded (for checkpoints).
-
-    Keys of each entry: full_name, full_shape, shape, tp_dim, tp_parts, tp_unpadded,
-    sequence_parallel. Everything not split over tp is replicated over tp; every parameter is
-    replicated over sp and dp.
-    """
-    out = {}
-    for name, p in model.named_parameters():
-        out[name] = dict(full_name=full_name(name, p), full_shape=full_shape(p, tp_size),
-                         shape=tuple(p.shape), tp_dim=tp_dim_of(p),
-                         tp_parts=getattr(p, "tp_parts", None),
-                         tp_unpadded=getattr(p, "tp_unpadded", None),
-                         sequence_parallel=getattr(p, "sequence_parallel", False))
-    return out

@@ -1,9 +1,8 @@
 """The flat all-gather and reduce-scatter under their current torch names.
 
 torch 2.13 renamed `all_gather_into_tensor` / `reduce_scatter_tensor` to `all_gather_single`
-/ `reduce_scatter_single` and made the old names print a FutureWarning; torch 2.11 (the GPU
-image) has only the old names. The names are looked up once here, by feature, so every
-caller uses the current one where it exists and nothing warns.
+/ `reduce_scatter_single` (the old names warn); torch 2.11 (the GPU image) has only the old
+names. Each name here is the current one where it exists.
 
     all_gather_flat(out, x, group=pg, async_op=False)       # out = cat of every rank's x
     reduce_scatter_flat(out, x, group=pg, async_op=False)   # out = this rank's chunk of sum(x)
@@ -12,17 +11,5 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def all_gather_flat(out, x, group=None, async_op: bool = False):
-    """Gather every rank's `x` (same shape everywhere) into `out` along its first dimension;
-    a work handle when `async_op`."""
-    return _ALL_GATHER(out, x, group=group, async_op=async_op)
-
-
-def reduce_scatter_flat(out, x, group=None, async_op: bool = False):
-    """Sum `x` over the ranks and keep this rank's chunk (first dimension) in `out`; a work
-    handle when `async_op`."""
-    return _REDUCE_SCATTER(out, x, group=group, async_op=async_op)
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -65,14 +65,9 @@ class ParallelConfig:
         if self.vpp > 1 and self.pp == 1:
             raise ValueError(f"vpp={self.vpp} needs pipeline parallelism: set pp > 1 or vpp = 1")
 
-    @property
-    def model_parallel_size(self) -> int:
-        """Ranks that together hold one replica of the model: tp * sp * pp."""
-        return self.tp * self.sp * self.pp
-
     def resolve(self, world_size: int) -> "ParallelConfig":
         """Return a copy with dp derived from `world_size`; raise if the sizes do not fit it."""
-        mp = self.model_parallel_size
+        mp = self.tp * self.sp * self.pp  # ranks that together hold one model replica
         if world_size % mp != 0:
             raise ValueError(
                 f"world size {world_size} is not divisible by tp*sp*pp = {mp} "

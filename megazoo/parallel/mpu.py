@@ -6,19 +6,15 @@ its ZeRO partitions span the "sequence data parallel" group, our `dp_sp`.
 """
 from __future__ import annotations
 
-from .state import GroupInfo, ParallelState
+from .state import ParallelState
 
 
 def _accessors(prefix: str, attr: str) -> dict:
     """get_<prefix>_group / _rank / _world_size reading ParallelState.<attr>."""
-
-    def info(self) -> GroupInfo:
-        return getattr(self.state, attr)
-
     return {
-        f"get_{prefix}_group": lambda self: info(self).group,
-        f"get_{prefix}_rank": lambda self: info(self).rank,
-        f"get_{prefix}_world_size": lambda self: info(self).size,
+        f"get_{prefix}_group": lambda self: getattr(self.state, attr).group,
+        f"get_{prefix}_rank": lambda self: getattr(self.state, attr).rank,
+        f"get_{prefix}_world_size": lambda self: getattr(self.state, attr).size,
     }
 
 
@@ -32,20 +28,11 @@ class DeepSpeedMPU:
         """Global rank of the first rank of this tensor-parallel group."""
         return self.state.tp.ranks[0]
 
-    def get_slice_parallel_group(self):
-        return self.state.tp.group
-
-    def get_slice_parallel_rank(self) -> int:
-        return self.state.tp.rank
-
-    def get_slice_parallel_world_size(self) -> int:
-        return self.state.tp.size
-
 
 # DeepSpeed name -> ParallelState group it reads.
-_NAMES = {"model_parallel": "tp", "tensor_model_parallel": "tp", "pipeline_model_parallel": "pp",
-          "pipe_parallel": "pp", "data_parallel": "dp", "sequence_parallel": "sp",
-          "sequence_data_parallel": "dp_sp"}
+_NAMES = {"model_parallel": "tp", "tensor_model_parallel": "tp", "slice_parallel": "tp",
+          "pipeline_model_parallel": "pp", "pipe_parallel": "pp", "data_parallel": "dp",
+          "sequence_parallel": "sp", "sequence_data_parallel": "dp_sp"}
 for _prefix, _attr in _NAMES.items():
     for _name, _fn in _accessors(_prefix, _attr).items():
         setattr(DeepSpeedMPU, _name, _fn)

@@ -20,13 +20,6 @@ from typing import Iterable, Sequence
 import torch
 
 
-def _grid(sizes: dict[str, int], order: Sequence[str]) -> tuple[torch.Tensor, list[str]]:
-    """The world as a tensor of ranks with the outermost dimension first."""
-    outer_first = list(reversed(order))
-    world = math.prod(sizes[d] for d in outer_first)
-    return torch.arange(world).view(*[sizes[d] for d in outer_first]), outer_first
-
-
 def rank_groups(sizes: dict[str, int], order: Sequence[str], dims: Iterable[str]) -> list[list[int]]:
     """All groups of ranks that differ only along `dims` (every other coordinate fixed).
 
@@ -37,7 +30,9 @@ def rank_groups(sizes: dict[str, int], order: Sequence[str], dims: Iterable[str]
     unknown = dims - set(order)
     if unknown:
         raise ValueError(f"unknown dimensions {sorted(unknown)}; expected some of {list(order)}")
-    grid, outer_first = _grid(sizes, order)
+    outer_first = list(reversed(order))
+    shape = [sizes[d] for d in outer_first]
+    grid = torch.arange(math.prod(shape)).view(*shape)  # the world's ranks, outermost dim first
     fixed = [i for i, d in enumerate(outer_first) if d not in dims]
     varying = [i for i, d in enumerate(outer_first) if d in dims]
     group_size = math.prod(sizes[outer_first[i]] for i in varying)
@@ -61,10 +56,7 @@ def embedding_groups(sizes: dict[str, int], order: Sequence[str]) -> list[list[i
     """For each pipeline group, its first and last stage (one rank when pp == 1).
 
     These ranks hold the input embedding and the output head; tied weights are all-reduced
-    between them.
+    between them. A rank grows with its pp coordinate, so a sorted group lists its stages in
+    order.
     """
-    groups = []
-    for pipe in rank_groups(sizes, order, ["pp"]):
-        stages = sorted(pipe, key=lambda r: coordinates(r, sizes, order)["pp"])
-        groups.append(sorted({stages[0], stages[-1]}))
-    return groups
+    return [sorted({pipe[0], pipe[-1]}) for pipe in rank_groups(sizes, order, ["pp"])]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from .config import ParallelConfig
-from .ranks import coordinates, embedding_groups, rank_groups
+from .ranks import embedding_groups, rank_groups
 
 
 @dataclass(frozen=True)
@@ -26,14 +26,6 @@ class GroupInfo:
     def size(self) -> int:
         return len(self.ranks)
 
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.size - 1
-
     @classmethod
     def single(cls, global_rank: int = 0) -> "GroupInfo":
         return cls(group=None, ranks=(global_rank,), rank=0)
@@ -46,7 +38,6 @@ GROUP_DIMS = {
     "dp": ("dp",),
     "pp": ("pp",),
     "dp_sp": ("dp", "sp"),  # ZeRO / gradient reduction: every rank holding the same shard
-    "mp": ("tp", "sp"),  # tensor x sequence model-parallel group
 }
 
 
@@ -62,7 +53,6 @@ class ParallelState:
     dp: GroupInfo
     pp: GroupInfo
     dp_sp: GroupInfo
-    mp: GroupInfo
     embedding: GroupInfo
 
     @classmethod
@@ -70,16 +60,14 @@ class ParallelState:
         """A one-process state: every group has one rank and no collective is issued."""
         config = (config or ParallelConfig()).resolve(1)
         one = GroupInfo.single()
-        return cls(config, 0, 1, one, one, one, one, one, one, one)
+        return cls(config, 0, 1, one, one, one, one, one, one)
 
     @classmethod
     def initialize(cls, config: ParallelConfig, backend: str | None = None,
                    timeout=None) -> "ParallelState":
         """Build every group of this rank; initialise torch.distributed from env if needed.
-
-        The config is validated against the world size before any group is created, so a
-        misconfigured launch fails on every rank with the same message and no collective.
-        """
+        The config is checked against the world size first, so a misconfigured launch fails on
+        every rank with the same message and no collective."""
         if not dist.is_initialized():
             world = int(os.environ.get("WORLD_SIZE", "1"))
             config.resolve(world)  # fail before the rendezvous
@@ -97,26 +85,20 @@ class ParallelState:
         return cls(config, rank, world, embedding=embedding, **groups)
 
     @property
-    def coords(self) -> dict[str, int]:
-        return coordinates(self.global_rank, self.config.sizes(), self.config.order)
-
-    @property
     def is_first_stage(self) -> bool:
-        return self.pp.is_first
+        return self.pp.rank == 0
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp.is_last
+        return self.pp.rank == self.pp.size - 1
 
     def __str__(self) -> str:
         return f"{self.config} rank {self.global_rank}"
 
 
 def _new_groups(all_groups: list[list[int]], rank: int, outside_ok: bool = False) -> GroupInfo:
-    """Create every group (a collective call on all ranks, same order) and keep this rank's.
-
-    A group of one rank gets no process group; a group spanning the world reuses WORLD.
-    """
+    """Create every group (a collective call on all ranks, same order) and keep this rank's;
+    a group of one rank gets no process group, a group spanning the world reuses WORLD."""
     mine = None
     world = dist.get_world_size()
     for ranks in all_groups:

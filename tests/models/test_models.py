@@ -6,8 +6,9 @@ import torch
 
 from helpers import model_checks
 from megazoo.layers import FusedColumnParallelLinear, set_tp_layout, tp_slice, tp_unslice
-from megazoo.models import (BloomModel, ModelConfig, TransformerModel, build_model,
-                            describe_parameters, full_name, layer_ranges)
+from megazoo.layers.sharding import full_shape, tp_dim_of
+from megazoo.models import (BloomModel, ModelConfig, TransformerModel, build_model, full_name,
+                            layer_ranges)
 from megazoo.parallel import GroupInfo, ParallelConfig, ParallelState
 from megazoo.testing import run_distributed
 
@@ -102,12 +103,12 @@ def test_fused_column_layout_matches_unfused_slices():
     torch.manual_seed(0)
     full = FusedColumnParallelLinear(8, (6, 6), group=None)
     assert full.weight.tp_parts == (6, 6)
-    info = describe_parameters(build_model(model_checks.tiny_config("llama"), device="meta"), 1)
-    fc1 = info["layers.0.mlp.fc1.weight"]
-    assert fc1["tp_dim"] == 0 and fc1["tp_parts"] == (256, 256) and fc1["full_shape"] == (512, 64)
-    head = info["output_layer.weight"]
-    assert head["tp_unpadded"] == 300 and head["full_shape"] == (300, 64)
-    assert info["layers.1.mlp.fc2.weight"]["tp_dim"] == 1
+    params = dict(build_model(model_checks.tiny_config("llama"), device="meta").named_parameters())
+    fc1 = params["layers.0.mlp.fc1.weight"]
+    assert tp_dim_of(fc1) == 0 and fc1.tp_parts == (256, 256) and full_shape(fc1, 1) == (512, 64)
+    head = params["output_layer.weight"]
+    assert head.tp_unpadded == 300 and full_shape(head, 1) == (300, 64)
+    assert tp_dim_of(params["layers.1.mlp.fc2.weight"]) == 1
 
 
 def _fake_tp_state(tp: int, rank: int, sequence_parallel: bool = False) -> ParallelState:
@@ -115,7 +116,7 @@ def _fake_tp_state(tp: int, rank: int, sequence_parallel: bool = False) -> Paral
     config = ParallelConfig(tp=tp, sequence_parallel=sequence_parallel).resolve(tp)
     one = GroupInfo.single(rank)
     tp_info = GroupInfo(group=None, ranks=tuple(range(tp)), rank=rank)
-    return ParallelState(config, rank, tp, tp_info, one, one, one, one, tp_info, one)
+    return ParallelState(config, rank, tp, tp_info, one, one, one, one, one)
 
 
 @pytest.mark.parametrize("family, tp", [("gpt", 2), ("bloom", 4), ("llama", 2), ("llama-mqa", 4)])

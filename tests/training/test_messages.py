@@ -19,7 +19,7 @@ from megazoo.config.flags import parse_args
 from megazoo.data import IndexedDatasetBuilder
 from megazoo.training import ds_ops
 from megazoo.checkpoint.resolve import resolve_checkpoint
-from megazoo.config.ds_config import load_ds_json
+from megazoo.config.ds_config import read_ds_config
 from megazoo.training.default_corpus import LEFTOVERS
 from megazoo.training.run_checks import prepare_save_dir, resume_warnings
 
@@ -50,7 +50,7 @@ def test_deepspeed_config_not_utf8_names_file_and_flag(tmp_path):
     bad.write_bytes(b'{"train_batch_size": 8, "x": "\xff"}')
     with pytest.raises(ValueError, match=r"--deepspeed_config .*ds.json is not UTF-8 text "
                                          r"\(byte 0xff at offset 30\)"):
-        load_ds_json(str(bad))
+        read_ds_config(str(bad))
 
 
 @pytest.fixture

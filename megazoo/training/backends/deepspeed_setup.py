@@ -59,9 +59,6 @@ class ZeroMPU(DeepSpeedMPU):
     def get_data_parallel_group_ranks(self):
         return list(self.state.dp.ranks)
 
-    def get_slice_parallel_group(self):
-        return self.group_of("tp")
-
 
 for _prefix, _attr in {**_NAMES, "data_parallel": "dp_sp"}.items():
     setattr(ZeroMPU, f"get_{_prefix}_group", lambda self, _a=_attr: self.group_of(_a))
