@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from .checksums import Hasher, check_algorithm, default_algorithm
 from .files import READ_CHUNK, nonfinite_count
 from .layout import METADATA_FILE
+from .save import agree
 
 DS_FORMAT = "megazoo-deepspeed-1"
 FILES_KEY = "file_checksums"
@@ -81,23 +82,6 @@ def _rank_world(state) -> tuple[int, int]:
     return (0, 1) if state is None else (state.global_rank, state.world_size)
 
 
-def agree(step: Callable[[], None], state, device, what: str) -> None:
-    """Run `step()` on every rank; if it raised a ValueError on any, raise on every rank
-    (its own error where it failed, else one naming `what`). Collective."""
-    error = None
-    try:
-        step()
-    except ValueError as exc:
-        error = exc
-    if state is not None and state.world_size > 1:
-        flag = torch.tensor([int(error is not None)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and error is None:
-            error = ValueError(f"{what} failed on another rank (its error names the file)")
-    if error is not None:
-        raise error
-
-
 def record_checksums(folder: str, tag: str, state) -> tuple[str, dict[str, str]]:
     """(hash name, {file relative to folder: hex}) of every file under `folder/tag`, each
     rank hashing its share. Collective; call after every rank's files are written."""
@@ -141,7 +125,8 @@ def verify_checksums(folder: str, meta: dict, state=None, device=None) -> None:
                                  f"the file or use another checkpoint (--no-verify-checksums "
                                  f"skips this check)")
 
-    agree(check, state, device, f"verifying {folder}")
+    agree(check, state, device, ValueError(f"verifying {folder} failed on another rank (its "
+                                           f"error names the file)"))
 
 
 def check_finite_loaded(tensors: Iterable[tuple[str, torch.Tensor]], folder: str, state=None,
@@ -156,4 +141,5 @@ def check_finite_loaded(tensors: Iterable[tuple[str, torch.Tensor]], folder: str
                                  f"{'s' if bad > 1 else ''} (inf or nan); use an earlier "
                                  f"checkpoint{f' ({allow})' if allow else ''}")
 
-    agree(check, state, device, f"checking {folder} for inf / nan")
+    agree(check, state, device, ValueError(f"checking {folder} for inf / nan failed on another "
+                                           f"rank (its error names the file)"))

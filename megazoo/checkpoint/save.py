@@ -28,8 +28,8 @@ from .checksums import default_algorithm, values_key
 from .files import NonFiniteError, SafetensorsWriter, check_finite, dtype_name, write_json
 from .output import (check_output_dir, discard, fault_point, fresh_temp_dir, publish,
                      temp_dir)
-from .layout import (FORMAT, METADATA_FILE, check_layout, full_shapes, layout_files, rank_file,
-                     rank_model, stored_parameters)
+from .layout import (FORMAT, METADATA_FILE, full_shapes, layout_files, rank_file, rank_model,
+                     stored_parameters)
 
 SUMS_SUFFIX = ".checksums.json"
 
@@ -117,30 +117,42 @@ class SavedElsewhereFailed(RuntimeError, ValueError):
     cause, never as a traceback on every other rank."""
 
 
-def _collectively(step: Callable[[], object], state: ParallelState, device: torch.device,
-                  path: str, owns_temp: bool = True) -> object:
-    """Run `step()` on this rank, then agree (one all-reduce, which also synchronises): if
-    it raised on any rank, rank 0 removes the temp dir (when this write created it) and every
-    rank raises (a NonFiniteError anywhere: NonFiniteError everywhere)."""
+def agree(step: Callable[[], object], state: ParallelState | None, device: torch.device,
+          elsewhere: Exception, nonfinite: Exception | None = None) -> object:
+    """Run `step()` on this rank, then agree (one all-reduce, which also synchronises): if it
+    raised on any rank, raise on every rank: its own error where it failed, `elsewhere` on
+    the others (`nonfinite` instead, if given, when a NonFiniteError was among the causes).
+    `state` None: one process."""
     result, error = None, None
     try:
         result = step()
     except Exception as exc:  # reported to every rank below, then re-raised here
         error = exc
     code = 0 if error is None else 2 if isinstance(error, NonFiniteError) else 1
-    if state.world_size > 1:
+    if state is not None and state.world_size > 1:
         flag = torch.tensor([code], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         code = int(flag.item())
-    if code:
+    if code and error is None:
+        error = nonfinite if code == 2 and nonfinite is not None else elsewhere
+    if error is not None:
+        raise error
+    return result
+
+
+def _collectively(step: Callable[[], object], state: ParallelState, device: torch.device,
+                  path: str, owns_temp: bool = True) -> object:
+    """`agree` on one step of saving `path`; on a failure anywhere, rank 0 also removes the
+    temp dir (when this write created it)."""
+    elsewhere = SavedElsewhereFailed(f"saving {path} failed on another rank; see its error")
+    nonfinite = NonFiniteError(f"not saving {path}: another rank found a tensor holding inf "
+                               f"or nan (its error names it)")
+    try:
+        return agree(step, state, device, elsewhere, nonfinite)
+    except Exception:
         if state.global_rank == 0 and owns_temp:
             discard(path)
-        if error is None and code == 2:  # the same kind of error on every rank
-            error = NonFiniteError(f"not saving {path}: another rank found a tensor holding inf "
-                                   f"or nan (its error names it)")
-        raise error or SavedElsewhereFailed(f"saving {path} failed on another rank; see its "
-                                            f"error")
-    return result
+        raise
 
 
 def refuse_nonfinite(tensors: Iterable[tuple[str, torch.Tensor]], path: str,
@@ -234,10 +246,10 @@ def write_checkpoint(config: ModelConfig, path, full_tensor: Callable[[str], tor
     aux_dtype None: float32. Atomic like `save_checkpoint`, with the same `overwrite` rule;
     `inputs` are the folders `full_tensor` reads, which `path` must not be nor contain.
     """
-    layout = check_layout(tp, pp, vpp)
+    layout = {"tp": tp, "pp": pp, "vpp": vpp}
     path = os.fspath(path)
     check_output_dir(path, kind="megazoo", overwrite=overwrite, inputs=inputs)
-    first = rank_model(config, layout, 0, 0)  # validates heads / layers vs the layout
+    first = rank_model(config, layout, 0, 0)  # validates the layout and the model against it
     if dtype is None:
         dtype = full_tensor(next(iter(stored_parameters(first)))).dtype
     aux_dtype = aux_dtype or torch.float32
