@@ -32,12 +32,6 @@ def layout_files(layout: dict) -> list[str]:
     return [rank_file(p, t) for p in range(layout["pp"]) for t in range(layout["tp"])]
 
 
-def check_layout(tp: int, pp: int, vpp: int) -> dict:
-    """Validate the sizes (a ValueError saying what to change) -> {"tp", "pp", "vpp"}."""
-    ParallelConfig(tp=tp, pp=pp, vpp=vpp)
-    return {"tp": tp, "pp": pp, "vpp": vpp}
-
-
 def _group(groups: list[list[int]], rank: int) -> GroupInfo:
     for ranks in groups:
         if rank in ranks:
@@ -48,9 +42,9 @@ def _group(groups: list[list[int]], rank: int) -> GroupInfo:
 def virtual_state(tp: int, pp: int, vpp: int, tp_rank: int, pp_rank: int) -> ParallelState:
     """The state of rank (pp_rank, tp_rank) of a tp x pp world (sp = dp = 1), with no process
     groups: for building models on the meta device only (never call forward with it)."""
+    config = ParallelConfig(tp=tp, pp=pp, vpp=vpp).resolve(tp * pp)  # validates the sizes
     if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
         raise ValueError(f"rank (pp {pp_rank}, tp {tp_rank}) is outside a pp={pp} x tp={tp} layout")
-    config = ParallelConfig(tp=tp, pp=pp, vpp=vpp).resolve(tp * pp)
     sizes, order = config.sizes(), config.order
     rank = tp_rank + tp * pp_rank  # default order: tp innermost, then sp, dp (size 1), pp
     groups = {name: _group(rank_groups(sizes, order, dims), rank) for name, dims in GROUP_DIMS.items()}

@@ -28,11 +28,12 @@ from torch import nn
 from ..errors import read_json
 from ..layers.sharding import full_shape, tp_slice, tp_unslice
 from ..models import ModelConfig, build_model, full_name
+from ..parallel.config import ParallelConfig
 from ..parallel.state import ParallelState
 from .checksums import CRC32, Hasher, check_algorithm, values_key
 from .files import BackgroundChecks, nonfinite_count, parse_dtype, read_header, read_tensor
 from .resolve import resolve_checkpoint
-from .layout import FORMAT, METADATA_FILE, check_layout, rank_model, stored_parameters
+from .layout import FORMAT, METADATA_FILE, rank_model, stored_parameters
 
 # What a missing checksum's error offers (the command lines' flag, the API's argument).
 UNCHECKED = "restore it, or load unchecked with --no-verify-checksums (verify_checksums=False)"
@@ -88,7 +89,8 @@ class CheckpointReader:
             self._check_recorded()
         self.config = config_from_dict(self.metadata["model"])
         lay = self.metadata["layout"]
-        self.layout = check_layout(lay["tp"], lay["pp"], lay.get("vpp", 1))
+        self.layout = {"tp": lay["tp"], "pp": lay["pp"], "vpp": lay.get("vpp", 1)}
+        ParallelConfig(**self.layout)  # a ValueError unless the sizes are valid
         self.aux_prefixes = tuple(self.metadata.get("aux", ()))
         self.dtype = parse_dtype(self.metadata.get("dtype", "float32"))
         for name in self.metadata["files"]:

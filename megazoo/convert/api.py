@@ -13,7 +13,7 @@ import torch
 from ..checkpoint import CheckpointReader, dtype_name, write_checkpoint
 from ..checkpoint.files import write_json
 from ..checkpoint.output import check_output_dir, discard, fresh_temp_dir, publish
-from ..checkpoint.layout import full_shapes, rank_model
+from ..checkpoint.layout import full_shapes
 from ..models import ModelConfig
 from .common import Adapter, Rule
 from .bloom import ADAPTER as BLOOM
@@ -77,7 +77,6 @@ def hf_to_megazoo(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int = 1,
     expected = hf_shapes(cfg, rules)
     reader = HFReader(hf_dir, adapter.prefix)
     check_hf_weights(reader, adapter, cfg, expected)
-    rank_model(cfg, {"tp": tp, "pp": pp, "vpp": vpp}, 0, 0)  # layout errors before writing
     by_name = {r.name: r for r in rules}
 
     def full_tensor(name: str) -> torch.Tensor:
