@@ -151,25 +151,18 @@ def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int,
 
 def _blending_python(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-sample greedy loop on Python floats (IEEE doubles, same rounding as C++)."""
-    n = len(weights)
-    counts = [0] * n
-    dataset_index = np.empty(size, dtype=np.int32)
-    dataset_sample_index = np.empty(size, dtype=np.int64)
-    chosen = [0] * size
-    taken = [0] * size
+    counts, chosen, taken = [0] * len(weights), [0] * size, [0] * size
     for t in range(size):
         td = float(t) if t > 0 else 1.0
         best, best_err = 0, weights[0] * td - counts[0]
-        for i in range(1, n):
+        for i in range(1, len(weights)):
             err = weights[i] * td - counts[i]
             if err > best_err:
                 best, best_err = i, err
         chosen[t] = best
         taken[t] = counts[best]
         counts[best] += 1
-    dataset_index[:] = chosen
-    dataset_sample_index[:] = taken
-    return dataset_index, dataset_sample_index
+    return np.array(chosen, dtype=np.int32), np.array(taken, dtype=np.int64)
 
 
 def build_blending_indices(weights: np.ndarray | list[float], size: int, *,

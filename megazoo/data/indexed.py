@@ -134,11 +134,6 @@ class IndexedDatasetBuilder:
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
         self._sizes.append(int(arr.size))
 
-    @property
-    def num_documents(self) -> int:
-        """Documents added so far."""
-        return len(self._sizes)
-
     def finalize(self) -> None:
         """Write the index and move both files into place."""
         if self._bin is None:
@@ -218,15 +213,15 @@ class IndexedDataset:
     """Read-only view of ``PREFIX.bin`` / ``PREFIX.idx`` through ``numpy.memmap``.
 
     ``ds[i]`` is sequence ``i`` (a NumPy array in the stored dtype, no copy), ``len(ds)``
-    the number of sequences, ``ds.sizes`` their lengths and ``ds.doc_idx`` the document
-    boundaries (sequence indices, ``num_documents + 1`` entries).
+    the number of sequences, ``ds.sizes`` their lengths (int32) and ``ds.doc_idx`` the
+    document boundaries (int64 sequence indices, ``num_documents + 1`` entries).
     """
 
     def __init__(self, path_prefix: str | os.PathLike):
         self.path_prefix = str(path_prefix)
         idx_path, bin_path = data_file_paths(path_prefix)
         check_data_prefix(path_prefix)
-        self.dtype, self._sizes, self._pointers, self._doc_idx = _read_index(idx_path)
+        self.dtype, self.sizes, self._pointers, self.doc_idx = _read_index(idx_path)
         self._check_consistency(bin_path)
         nbytes = bin_path.stat().st_size
         self._data = (np.memmap(bin_path, dtype=self.dtype, mode="r") if nbytes
@@ -234,7 +229,7 @@ class IndexedDataset:
 
     def _check_consistency(self, bin_path: Path) -> None:
         """Cross-check the index against itself and the .bin size (vectorised)."""
-        sizes, pointers, doc_idx = self._sizes, self._pointers, self._doc_idx
+        sizes, pointers, doc_idx = self.sizes, self._pointers, self.doc_idx
         item = self.dtype.itemsize
         expected_bytes = int(sizes.astype(np.int64).sum()) * item
         actual = bin_path.stat().st_size
@@ -251,17 +246,7 @@ class IndexedDataset:
             raise ValueError(f"dataset {self.path_prefix} is corrupt: {problem}; {_REBUILD_HINT}")
 
     def __len__(self) -> int:
-        return int(self._sizes.size)
-
-    @property
-    def sizes(self) -> np.ndarray:
-        """Tokens per sequence, int32 ``[len(self)]``."""
-        return self._sizes
-
-    @property
-    def doc_idx(self) -> np.ndarray:
-        """Document boundaries as sequence indices, int64 ``[num_documents + 1]``."""
-        return self._doc_idx
+        return int(self.sizes.size)
 
     @property
     def num_tokens(self) -> int:
@@ -274,7 +259,7 @@ class IndexedDataset:
         if not -n <= idx < n:
             raise IndexError(f"sequence {idx} out of range for {n} sequences")
         idx = int(idx) % n
-        size = int(self._sizes[idx])
+        size = int(self.sizes[idx])
         if length is None:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import glob
+import itertools
 import json
 import multiprocessing
 from pathlib import Path
@@ -119,37 +120,26 @@ def _cached_tokenizer(tokenizer_type: str, tokenizer_model: str | None):
     return build_tokenizer(tokenizer_type, tokenizer_model)
 
 
-class Encoder:
-    """Picklable callable: a batch of texts -> a batch of token id lists."""
-
-    def __init__(self, tokenizer_type: str, tokenizer_model: str | None, append_eod: bool):
-        self.tokenizer_type = tokenizer_type
-        self.tokenizer_model = tokenizer_model
-        self.append_eod = append_eod
-
-    def __call__(self, texts: list[str]) -> list[list[int]]:
-        tok = _cached_tokenizer(self.tokenizer_type, self.tokenizer_model)
-        out = []
-        for text in texts:
-            if text is None:  # undecodable, skipped
-                out.append(None)
-                continue
-            ids = tok.encode(text) if text.strip() else []
-            if ids and self.append_eod:
-                ids.append(tok.eod)
-            out.append(ids)
-        return out
+def encode_batch(texts: list[str | None], tokenizer_type: str, tokenizer_model: str | None,
+                 append_eod: bool) -> list[list[int] | None]:
+    """A batch of texts -> their token id lists (None, an undecodable document, stays None);
+    a module-level function, so that worker processes can be sent it."""
+    tok = _cached_tokenizer(tokenizer_type, tokenizer_model)
+    out = []
+    for text in texts:
+        if text is None:  # undecodable, skipped
+            out.append(None)
+            continue
+        ids = tok.encode(text) if text.strip() else []
+        if ids and append_eod:
+            ids.append(tok.eod)
+        out.append(ids)
+    return out
 
 
-def _batches(docs: Iterator[str], size: int) -> Iterator[list[str]]:
+def _batches(docs: Iterator[str | None], size: int) -> Iterator[list[str | None]]:
     """Group documents into lists of ``size``."""
-    batch: list[str] = []
-    for doc in docs:
-        batch.append(doc)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
+    while batch := list(itertools.islice(docs, size)):
         yield batch
 
 
@@ -169,7 +159,8 @@ def preprocess(args: argparse.Namespace) -> tuple[int, int, int, int]:
         print(f"warning: {', '.join(in_the_way)} left by another run of this --output-prefix "
               f"(still running, or an older megazoo): remove them if that run is over")
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-    encoder = Encoder(args.tokenizer_type, args.tokenizer_model, args.append_eod)
+    encoder = functools.partial(encode_batch, tokenizer_type=args.tokenizer_type,
+                                tokenizer_model=args.tokenizer_model, append_eod=args.append_eod)
     batches = _batches(iter_documents(files, args.json_key, args.split_lines, args.encoding,
                                       args.errors), BATCH_DOCUMENTS)
     with user_path("--output-prefix", args.output_prefix):  # a full disk: one line, no temp

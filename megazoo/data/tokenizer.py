@@ -42,13 +42,8 @@ class Tokenizer(ABC):
 class ByteLevelTokenizer(Tokenizer):
     """UTF-8 bytes as ids 0..255 and ``eod = 256``; needs no model file."""
 
-    @property
-    def vocab_size(self) -> int:
-        return 257
-
-    @property
-    def eod(self) -> int:
-        return 256
+    vocab_size = 257
+    eod = 256
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
