@@ -20,15 +20,10 @@ from typing import Iterable, Sequence
 class Tokenizer(ABC):
     """Text <-> token ids, with an end-of-document id appended between documents."""
 
-    @property
-    @abstractmethod
-    def vocab_size(self) -> int:
-        """Number of ids (every id is ``< vocab_size``)."""
-
-    @property
-    @abstractmethod
-    def eod(self) -> int:
-        """End-of-document id."""
+    vocab_size: int
+    """Number of ids (every id is ``< vocab_size``)."""
+    eod: int
+    """End-of-document id."""
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -82,18 +77,10 @@ class SentencePieceTokenizer(Tokenizer):
             self._sp = sentencepiece.SentencePieceProcessor(model_file=self.model_path)
         except Exception as exc:  # sentencepiece raises RuntimeError / OSError, by version
             raise _unreadable(path, "SentencePiece model", exc) from None
-        self._eod = self._sp.eos_id()
-        if self._eod < 0:
+        self.vocab_size, self.eod = int(self._sp.get_piece_size()), int(self._sp.eos_id())
+        if self.eod < 0:
             raise ValueError(f"SentencePiece model {path} has no eos piece; retrain it with "
                              "eos_id >= 0 (train_sentencepiece does)")
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self._sp.get_piece_size())
-
-    @property
-    def eod(self) -> int:
-        return int(self._eod)
 
     def encode(self, text: str) -> list[int]:
         return list(self._sp.encode(text, out_type=int))
@@ -156,19 +143,12 @@ class HFTokenizer(Tokenizer):
         for token in candidates:
             token_id = self._tok.token_to_id(token)
             if token_id is not None:
-                self._eod = int(token_id)
+                self.eod = int(token_id)
                 break
         else:
             raise ValueError(f"{p} has none of the end-of-document tokens {list(candidates)}; "
                              "add one to the tokenizer or pass eod_token=")
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self._tok.get_vocab_size(with_added_tokens=True))
-
-    @property
-    def eod(self) -> int:
-        return self._eod
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens=True`` adds what the tokenizer's own
