@@ -11,6 +11,7 @@ exists and streamed with `SafetensorsWriter`; an index json maps keys to files w
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -37,7 +38,6 @@ class HFReader:
         files = self._files()
         self.file_of: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
-        self.dtypes: dict[str, str] = {}
         for name in files:
             path = os.path.join(hf_dir, name)
             if not os.path.isfile(path):
@@ -45,9 +45,8 @@ class HFReader:
             try:
                 with safe_open(path, framework="pt") as f:
                     for key in f.keys():
-                        sl = f.get_slice(key)
-                        self.file_of[key], self.shapes[key] = path, tuple(sl.get_shape())
-                        self.dtypes[key] = sl.get_dtype()
+                        self.file_of[key] = path
+                        self.shapes[key] = tuple(f.get_slice(key).get_shape())
             except Exception as exc:  # safetensors' own error types
                 raise ValueError(f"HF shard {path} is damaged or truncated ({exc})") from None
         self.alias = {}
@@ -89,7 +88,7 @@ def plan_shards(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
     """Consecutive keys grouped into files of at most max_shard_bytes (a bigger tensor alone)."""
     groups, size = [[]], 0
     for key, (dtype, shape) in specs.items():
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if groups[-1] and size + nbytes > max_shard_bytes:
             groups.append([])
             size = 0
@@ -127,8 +126,7 @@ class HFWriter:
     def close(self) -> None:
         self._close()
         if len(self.names) > 1:
-            total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
-                        for d, s in self.specs.values())
+            total = sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.specs.values())
             write_json(os.path.join(self.dir, INDEX), {
                 "metadata": {"total_size": total},
                 "weight_map": {k: self.names[i] for k, i in self.file_index.items()}})
