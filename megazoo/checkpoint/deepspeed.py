@@ -4,22 +4,17 @@ writer and reader, and the files' integrity.
 
 megazoo.json holds the model config, the layout and the ZeRO stage the files were written at,
 so that resuming can refuse another layout and `checkpoints_tools/zero_to_megazoo.py` can
-rebuild an ordinary megazoo checkpoint without the engine.
-
-DeepSpeed's files carry no checksums of their own, and a flipped exponent bit in a ZeRO
-optimizer shard loads as a finite, wrong value. So megazoo records one checksum per file
-(the hash of `checksums.py`, whole file, streamed) in megazoo.json under `FILES_KEY`, and
-everything that reads such a checkpoint (resuming, `zero_to_megazoo`) verifies them first,
-then checks the values it loaded for inf / nan: a matching checksum says the bytes are the
-ones written, not that the values are usable.
+rebuild an ordinary megazoo checkpoint without the engine. DeepSpeed's files carry no
+checksums (a flipped exponent bit in a ZeRO shard loads as a finite, wrong value), so
+megazoo.json also records one per file under `FILES_KEY`; whatever reads such a checkpoint
+verifies them first, then checks the values it loaded for inf / nan:
 
     algorithm, sums = record_checksums(folder, tag, state)   # collective, after the save
     verify_checksums(folder, meta, state, device)            # collective, before the load
     check_finite_loaded(tensors, folder, state, device)      # collective, after the load
 
-Collective functions split the files over the ranks (each hashes its share) and agree on
-the outcome: a failure on any rank is a ValueError on every rank (`agree`). `state` None:
-one process.
+The collective functions split the files over the ranks and raise on every rank if any
+failed (`save.agree`). `state` None: one process.
 """
 from __future__ import annotations
 
@@ -33,6 +28,7 @@ import torch.distributed as dist
 from .checksums import Hasher, check_algorithm, default_algorithm
 from .files import READ_CHUNK, nonfinite_count
 from .layout import METADATA_FILE
+from .load import read_metadata
 from .save import agree
 
 DS_FORMAT = "megazoo-deepspeed-1"
@@ -50,15 +46,10 @@ def write_ds_metadata(path: str, meta: dict) -> None:
 
 def read_ds_metadata(path: str) -> dict:
     """`path/megazoo.json` of a DeepSpeedEngine checkpoint (clear errors otherwise)."""
-    file = os.path.join(path, METADATA_FILE)
-    if not os.path.isfile(file):
+    if not os.path.isfile(os.path.join(path, METADATA_FILE)):
         raise ValueError(f"{path} is not a megazoo DeepSpeed checkpoint: megazoo.json is missing")
-    with open(file) as f:
-        meta = json.load(f)
-    if meta.get("format") != DS_FORMAT:
-        raise ValueError(f"{file}: format {meta.get('format')!r} is not {DS_FORMAT!r} "
-                         "(an ordinary megazoo checkpoint loads with load_model_weights)")
-    return meta
+    return read_metadata(path, DS_FORMAT, " (an ordinary megazoo checkpoint loads with "
+                                          "load_model_weights)")
 
 
 def hash_file(path: str, algorithm: str) -> str:

@@ -2,18 +2,13 @@
 `load_model_weights` (into an existing model) and `load_pretrained` (build on the meta device,
 allocate without init, load).
 
-A full tensor is rebuilt from the source layout's shards with `tp_unslice`, driven by the
-metadata of the source rank's parameters (a model of that rank built on the meta device),
-and cut for the target rank with `tp_slice`; so any tp/pp/vpp loads into any other.
-
-Each tensor is checked as it is read (hashed piece by piece as the pieces arrive, while they are
-still in the CPU cache: no extra pass over memory): against the checksum megazoo.json recorded
-for it, with the hash megazoo.json names (`checksums.py`; CRC-32 where it names none but
-holds CRC-32 values), and for inf / nan. Both checks, always: a matching checksum says the
-bytes are the ones recorded, not that the values are usable (megazoo.json can be rewritten
-along with the file). A checksum megazoo.json does not record (no values at all, a renamed
-key, one tensor's entry dropped) is an error too, not a reason to skip the check. Every
-failure is a ValueError naming the file and the tensor; `verify_checksums=False`
+A full tensor is rebuilt from the source layout's shards with `tp_unslice` (driven by the meta
+model of the source rank) and cut for the target rank with `tp_slice`, so any tp/pp/vpp loads
+into any other. Each tensor is checked as it is read, piece by piece while the pieces are in
+the CPU cache: against the checksum megazoo.json records for it, with the hash it names
+(`checksums.py`; a checksum not recorded is an error, not a reason to skip), and for inf / nan
+(a matching checksum says the bytes are the ones recorded, not that the values are usable).
+Every failure is a ValueError naming the file and the tensor; `verify_checksums=False`
 (--no-verify-checksums) and `allow_nonfinite=True` (--allow-nonfinite-load) turn the checks off.
 """
 from __future__ import annotations
@@ -44,11 +39,12 @@ SHAPE_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
                 "dense_bias", "mlp_bias")
 
 
-def _read_metadata(path: str) -> dict:
+def read_metadata(path: str, format: str = FORMAT, hint: str = "") -> dict:
+    """`path`/megazoo.json, a ValueError (ending with `hint`) unless it is of `format`."""
     file = os.path.join(path, METADATA_FILE)
     meta = read_json(file, advice="the checkpoint is damaged")
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{file}: format {meta.get('format')!r} is not {FORMAT!r}")
+    if meta.get("format") != format:
+        raise ValueError(f"{file}: format {meta.get('format')!r} is not {format!r}{hint}")
     return meta
 
 
@@ -69,9 +65,8 @@ class CheckpointReader:
         reader.config, reader.layout, reader.names(), reader.aux_prefixes
         w = reader.full_tensor("layers.0.attention.qkv.weight")        # full, unpadded
         m = reader.full_tensor("layers.0.attention.qkv.weight", "exp_avg")
-    Each call opens only the files of the stage holding the tensor (of the tp ranks that hold
-    a distinct shard) and reads only that key, checking its checksum (unless
-    `verify_checksums=False`) and that it is finite (unless `allow_nonfinite`).
+    Each call reads only that key, from the files of the stage holding it (of the tp ranks
+    that hold a distinct shard), checked as the module docstring says.
     """
 
     #: How a non-finite tensor's error says to load it anyway; a tool that cannot (a converter:
@@ -82,7 +77,7 @@ class CheckpointReader:
         self.path = resolve_checkpoint(path)  # a --save folder means its `latest`
         self.verify_checksums, self.allow_nonfinite = verify_checksums, allow_nonfinite
         self._background: BackgroundChecks | None = None
-        self.metadata = _read_metadata(self.path)
+        self.metadata = read_metadata(self.path)
         self.algorithm = self.metadata.get("checksum") or CRC32
         self.checksums = self.metadata.get(values_key(self.algorithm))
         if verify_checksums:
@@ -93,10 +88,7 @@ class CheckpointReader:
         ParallelConfig(**self.layout)  # a ValueError unless the sizes are valid
         self.aux_prefixes = tuple(self.metadata.get("aux", ()))
         self.dtype = parse_dtype(self.metadata.get("dtype", "float32"))
-        for name in self.metadata["files"]:
-            self._check_file(name)
-        self._headers = {name: read_header(os.path.join(self.path, name))
-                         for name in self.metadata["files"]}
+        self._headers = {name: self._header(name) for name in self.metadata["files"]}
         self._stages: dict[int, list[dict]] = {}
         self._stage_of: dict[str, int] = {}
         for p in range(self.layout["pp"]):
@@ -105,7 +97,7 @@ class CheckpointReader:
 
     def _check_recorded(self) -> None:
         """ValueError unless megazoo.json names a hash this install computes and holds its
-        values ({file: {key: hex}})."""
+        values."""
         where = os.path.join(self.path, METADATA_FILE)
         check_algorithm(self.algorithm, f"checkpoint {self.path}")
         if not isinstance(self.checksums, dict):
@@ -115,7 +107,8 @@ class CheckpointReader:
                              f"\"{values_key(self.algorithm)}\": the file was edited or the "
                              f"checkpoint predates checksums; {UNCHECKED}")
 
-    def _check_file(self, name: str) -> None:
+    def _header(self, name: str) -> tuple[int, dict[str, tuple]]:
+        """`read_header` of the rank file `name`, once safetensors has opened it."""
         file = os.path.join(self.path, name)
         if not os.path.isfile(file):
             raise ValueError(f"checkpoint file {file} is missing: the checkpoint is incomplete")
@@ -124,6 +117,7 @@ class CheckpointReader:
                 f.keys()
         except Exception as exc:  # safetensors raises its own error types
             raise ValueError(f"checkpoint file {file} is damaged or truncated ({exc})") from None
+        return read_header(file)
 
     def names(self) -> list[str]:
         """Full names of every stored parameter."""
@@ -139,8 +133,7 @@ class CheckpointReader:
         return self._stages[stage]
 
     def _read(self, file: str, key: str) -> torch.Tensor:
-        """`key` from `file`, its checksum verified as it is read (each piece hashed while
-        still in the CPU cache); then the non-finite test where no checksum vouches for it."""
+        """`key` from `file`, its checksum verified as it is read, then tested for inf / nan."""
         start, entries = self._headers[os.path.basename(file)]
         if key not in entries:
             raise ValueError(f"checkpoint file {file} has no tensor {key!r}")
@@ -228,12 +221,9 @@ def check_config(ckpt: ModelConfig, model: ModelConfig) -> None:
 def load_model_weights(model: nn.Module, path, *, state: ParallelState | None = None,
                        aux_prefixes=(), verify_checksums: bool = True,
                        allow_nonfinite: bool = False) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
-    """Load the checkpoint at `path` into `model`, built at any layout.
-
-    Returns (metadata, {prefix: {local parameter name: tensor shaped like it}}) for each of
-    `aux_prefixes`. No collective: each rank reads what it needs. Every tensor read is checked
-    (`CheckpointReader`).
-    """
+    """Load the checkpoint at `path` into `model`, built at any layout; return (metadata,
+    {prefix: {local parameter name: tensor shaped like it}}) for each of `aux_prefixes`.
+    No collective: each rank reads what it needs."""
     state = state or getattr(model, "state", None) or ParallelState.single()
     reader = CheckpointReader(path, verify_checksums=verify_checksums,
                               allow_nonfinite=allow_nonfinite)
@@ -298,10 +288,9 @@ def load_pretrained(path, state: ParallelState | None = None, device="cpu",
     `path`: a checkpoint folder, or a training run's --save folder (its `latest` one).
 
     The model is built on the meta device and allocated on `device` without running the
-    weight initialisation (`materialize`); loading then overwrites every parameter (vocabulary
-    padding rows with zeros), so the cost is reading the files, not a random init. A model
-    `materialize` cannot take is built on `device` with its initialisation, as before.
-    Checksums and finiteness are checked as in `CheckpointReader`."""
+    weight initialisation (`materialize`), since loading overwrites every parameter
+    (vocabulary padding rows with zeros); a model `materialize` cannot take is built on
+    `device` with its initialisation."""
     reader = CheckpointReader(path, verify_checksums=verify_checksums)
     dtype = dtype or reader.dtype
     model = build_model(reader.config, state, device="meta", dtype=dtype)

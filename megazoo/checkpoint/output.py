@@ -3,24 +3,19 @@
 **Nothing of the user's is deleted.** `check_output_dir` runs before anything is written:
 
 - an `out` that does not exist, or is an empty folder, is fine;
-- an `out` that is, or contains, one of the inputs is refused (even with overwrite): writing
-  `reshard --load SAVE/iter_10 --out SAVE` must not replace the folder it reads from. Both
-  sides are compared as real paths (symlinks followed), and an input stands also for the
-  checkpoint folder it resolves to (`resolve.input_folders`): `--load SAVE --out
-  SAVE/iter_20` is refused when SAVE's `latest` names 20. An `out` inside an input
-  checkpoint folder is refused too (it would add foreign files to the checkpoint read);
-- an `out` that exists and is not empty is refused unless `overwrite`; with it, only a folder
-  that is itself a checkpoint of the kind being written (its marker file present) and holds
-  nothing but that kind's files is replaced. Anything else in it (a tokenizer, a README, other
-  checkpoints) makes it a refusal that names the files.
+- an `out` that is, contains, or lies inside one of the inputs is refused (even with
+  overwrite), comparing real paths and taking an input also for the checkpoint folder it
+  resolves to (`resolve.input_folders`): `--load SAVE --out SAVE/iter_20` is refused when
+  SAVE's `latest` names 20;
+- any other non-empty `out` is refused unless `overwrite`; with it, only a folder that is a
+  checkpoint of the kind being written (its marker file present) and holds nothing but that
+  kind's files is replaced; anything else in it makes it a refusal that names the files.
 
-**Atomic publish.** A checkpoint is written into `temp_dir(path)` (a sibling named
-`path + ".megazoo-tmp"`, holding an `OWNER_FILE` with the writer's host and pid), then
-`publish` renames it into place: an existing `path` (already approved by `check_output_dir`)
-is renamed aside to `path + ".megazoo-old"`, the new one renamed in, the old one deleted. A
-crash before the rename leaves any previous `path` untouched. A temp folder left by a killed
-writer is removed by the next write only when it is provably ours: its owner file names this
-host and a process that no longer exists; otherwise the error names it.
+**Atomic publish.** A checkpoint is written into `temp_dir(path)` (holding an `OWNER_FILE`
+with the writer's host and pid), then `publish` renames an existing `path` aside
+(`OLD_SUFFIX`), renames the new one in and deletes the old one: a crash before the rename
+leaves any previous `path` untouched. A temp folder left by a killed writer is removed by the
+next write only when its owner file names this host and a process that no longer exists.
 """
 from __future__ import annotations
 

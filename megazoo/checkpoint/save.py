@@ -1,15 +1,12 @@
 """Writing checkpoints: `save_checkpoint` (collective, from a live model at its layout) and
-`write_checkpoint` (one process, any layout, fed full tensors one at a time).
+`write_checkpoint` (one process, any layout, fed full tensors one at a time); the files are
+described in the package docstring.
 
-On disk: `megazoo.json` plus one `model-pp{p:03d}-tp{t:03d}.safetensors` per (pp, tp) rank,
-holding that rank's shards keyed by full parameter name (and `prefix/full name` for auxiliary
-tensors such as optimizer moments, sharded like their parameter). `megazoo.json` records a
-checksum of every tensor (`{file: {key: hex}}` under `checksums.values_key` of the hash that
-`"checksum"` names), computed while writing; each rank of `save_checkpoint` leaves its file's checksums next to it
-(`SUMS_SUFFIX`) for rank 0 to gather into megazoo.json before the folder is published. A tensor holding inf or nan stops the
-save before anything is published (`NonFiniteError`, naming the tensor and the checkpoint, on
-every rank); `refuse_nonfinite` is the same check, message and agreement for a writer of
-another format (DeepSpeed's engine), run before it writes anything.
+Checksums are computed while writing; each rank of `save_checkpoint` leaves its file's next to
+it (`SUMS_SUFFIX`) for rank 0 to gather into megazoo.json before the folder is published. A
+tensor holding inf or nan stops the save before anything is published (`NonFiniteError`,
+naming the tensor and the checkpoint, on every rank); `refuse_nonfinite` is the same check,
+message and agreement for a writer of another format (DeepSpeed's engine).
 """
 from __future__ import annotations
 
