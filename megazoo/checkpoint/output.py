@@ -89,36 +89,33 @@ def _check_inputs(out: str, inputs) -> None:
                              f"writing it would replace what is being read; choose another --out")
 
 
-def check_output_dir(out, *, kind: str, overwrite: bool = False, inputs=(),
-                     names: tuple[str, str] = ("--out", "--overwrite")) -> None:
-    """ValueError (one line, saying what to change) unless writing `out` loses nothing.
-
-    `kind` is a key of `KINDS`; `inputs` are the folders the writer reads. `names`: how the
-    messages call the output and the flag that allows replacing it (a training run's are
-    "checkpoint folder" and "--overwrite-checkpoints"). See the module docstring for the rules.
-    """
+def check_output_dir(out, *, kind: str, overwrite: bool = False, inputs=()) -> None:
+    """ValueError (one line, saying what to change) unless writing `out` loses nothing (the
+    rules are in the module docstring). `kind` is a key of `KINDS`; `inputs` are the folders
+    the writer reads."""
     out = clean_path(out)
     _check_inputs(out, inputs)
-    what, flag = names
     if not os.path.lexists(out):
         return
     if not os.path.isdir(out):
-        raise ValueError(f"{what} {out} exists and is not a folder; choose another {what}")
+        raise ValueError(f"--out {out} exists and is not a folder; choose another --out")
     entries = sorted(os.listdir(out))
     if not entries:
         return
     if not overwrite:
-        raise ValueError(f"{out} exists and is not empty; choose another {what} or pass {flag}")
+        raise ValueError(f"{out} exists and is not empty; choose another --out or pass "
+                         f"--overwrite")
     marker = KINDS[kind][0]
     if marker not in entries:
-        raise ValueError(f"{flag} replaces only a {kind} checkpoint folder ({marker} inside); "
-                         f"{out} is not one, so it is kept: choose another {what}")
-    check_only_ours(out, kind, names)
+        raise ValueError(f"--overwrite replaces only a {kind} checkpoint folder ({marker} "
+                         f"inside); {out} is not one, so it is kept: choose another --out")
+    check_only_ours(out, kind)
 
 
 def check_only_ours(out: str, kind: str, names: tuple[str, str] = ("--out", "--overwrite")) -> None:
     """ValueError naming the entries of the folder `out` that a checkpoint of `kind` does not
-    hold (what replacing the folder would delete that is not the writer's own)."""
+    hold (what replacing the folder would delete that is not the writer's own). `names`: how
+    the message calls the output and the flag that replaces it."""
     what, flag = names
     patterns = KINDS[kind][1]
     foreign = [e for e in sorted(os.listdir(out))
