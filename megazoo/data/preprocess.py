@@ -171,12 +171,8 @@ def _write(args, encoder, tokenizer, batches) -> tuple[int, int, int, int]:
     """Tokenize `batches` into the output files (temp files renamed at the end)."""
     docs = tokens = skipped = undecodable = 0
     with IndexedDatasetBuilder(args.output_prefix, best_dtype(tokenizer.vocab_size)) as builder:
-        if args.workers == 1:
-            results = map(encoder, batches)
-            pool = None
-        else:
-            pool = multiprocessing.get_context("spawn").Pool(args.workers)
-            results = pool.imap(encoder, batches)
+        pool = multiprocessing.get_context("spawn").Pool(args.workers) if args.workers > 1 else None
+        results = map(encoder, batches) if pool is None else pool.imap(encoder, batches)
         try:
             for encoded in results:
                 for ids in encoded:

@@ -159,11 +159,11 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
 
-#: ``--tokenizer-type`` names and whether they need ``--tokenizer-model``.
-TOKENIZER_TYPES: dict[str, bool] = {
-    "SentencePieceTokenizer": True,
-    "HFTokenizer": True,
-    "ByteLevelTokenizer": False,
+#: ``--tokenizer-type`` names.
+TOKENIZER_TYPES: dict[str, type[Tokenizer]] = {
+    "SentencePieceTokenizer": SentencePieceTokenizer,
+    "HFTokenizer": HFTokenizer,
+    "ByteLevelTokenizer": ByteLevelTokenizer,
 }
 
 
@@ -173,15 +173,13 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | os.PathLike | No
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of "
                          f"{', '.join(TOKENIZER_TYPES)}")
-    if TOKENIZER_TYPES[tokenizer_type] and tokenizer_model is None:
+    if tokenizer_type == "ByteLevelTokenizer":
+        if tokenizer_model is not None:
+            raise ValueError("ByteLevelTokenizer takes no --tokenizer-model; drop the flag")
+        return ByteLevelTokenizer()
+    if tokenizer_model is None:
         raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model "
                          "(a .model file for SentencePiece, a tokenizer.json for HF)")
-    if TOKENIZER_TYPES[tokenizer_type] and not Path(tokenizer_model).is_dir():
+    if not Path(tokenizer_model).is_dir():
         _require_file(tokenizer_model, "--tokenizer-model")
-    if tokenizer_type == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(tokenizer_model)
-    if tokenizer_type == "HFTokenizer":
-        return HFTokenizer(tokenizer_model)
-    if tokenizer_model is not None:
-        raise ValueError("ByteLevelTokenizer takes no --tokenizer-model; drop the flag")
-    return ByteLevelTokenizer()
+    return TOKENIZER_TYPES[tokenizer_type](tokenizer_model)
