@@ -13,6 +13,7 @@ Every failure is a ValueError naming the file and the tensor; `verify_checksums=
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -28,7 +29,7 @@ from ..parallel.state import ParallelState
 from .checksums import CRC32, Hasher, check_algorithm, values_key
 from .files import BackgroundChecks, nonfinite_count, parse_dtype, read_header, read_tensor
 from .resolve import resolve_checkpoint
-from .layout import FORMAT, METADATA_FILE, rank_model, stored_parameters
+from .layout import FORMAT, METADATA_FILE, rank_file, rank_model, stored_parameters
 
 # What a missing checksum's error offers (the command lines' flag, the API's argument).
 UNCHECKED = "restore it, or load unchecked with --no-verify-checksums (verify_checksums=False)"
@@ -132,18 +133,20 @@ class CheckpointReader:
                 for t in range(self.layout["tp"])]
         return self._stages[stage]
 
-    def _read(self, file: str, key: str) -> torch.Tensor:
-        """`key` from `file`, its checksum verified as it is read, then tested for inf / nan."""
-        start, entries = self._headers[os.path.basename(file)]
+    def _read(self, name: str, key: str) -> torch.Tensor:
+        """`key` from the rank file `name`, its checksum verified as it is read, then tested
+        for inf / nan."""
+        file = os.path.join(self.path, name)
+        start, entries = self._headers[name]
         if key not in entries:
             raise ValueError(f"checkpoint file {file} has no tensor {key!r}")
         hasher = None
         if self.verify_checksums:
-            recorded = (self.checksums.get(os.path.basename(file)) or {}).get(key)
+            recorded = (self.checksums.get(name) or {}).get(key)
             if not isinstance(recorded, str):
                 raise ValueError(f"{os.path.join(self.path, METADATA_FILE)} records no checksum "
-                                 f"for tensor {key!r} of {os.path.basename(file)}: the file was "
-                                 f"edited or damaged; {UNCHECKED}")
+                                 f"for tensor {key!r} of {name}: the file was edited or "
+                                 f"damaged; {UNCHECKED}")
             hasher = Hasher(self.algorithm)
         try:
             with open(file, "rb", buffering=0) as f:
@@ -162,17 +165,19 @@ class CheckpointReader:
                 self._check_finite(file, key, tensor)
         return tensor
 
-    def check_in_background(self) -> None:
-        """From now on, check each tensor on a worker thread while the caller goes on (the
-        next read overlaps the check); `finish_checks()` must then be called before the
-        tensors read are trusted: it waits and raises the first failure."""
-        self._background = BackgroundChecks()
-
-    def finish_checks(self, wait: bool = True) -> None:
-        """Wait for the background checks (raising a failure) and stop the worker."""
-        background, self._background = self._background, None
-        if background is not None:
-            background.close(wait)
+    @contextlib.contextmanager
+    def checking_in_background(self):
+        """Within the block, each tensor's inf / nan test runs on a worker thread while the
+        caller reads the next; leaving the block waits for the tests and raises a failure."""
+        self._background = checks = BackgroundChecks()
+        try:
+            yield
+        except BaseException:
+            checks.close(wait=False)
+            raise
+        finally:
+            self._background = None
+        checks.close()
 
     def _check_finite(self, file: str, key: str, tensor: torch.Tensor) -> None:
         """ValueError naming file and tensor if it holds inf / nan."""
@@ -195,11 +200,11 @@ class CheckpointReader:
         ranks = range(tp) if getattr(params[0], "tp_dim", None) is not None else range(1)
         shards = []
         for t in ranks:
-            file = os.path.join(self.path, f"model-pp{stage:03d}-tp{t:03d}.safetensors")
-            shard = self._read(file, key)
+            shard = self._read(rank_file(stage, t), key)
             if tuple(shard.shape) != tuple(params[t].shape):
-                raise ValueError(f"checkpoint file {file}: {key!r} has shape {tuple(shard.shape)}, "
-                                 f"the layout needs {tuple(params[t].shape)}")
+                raise ValueError(f"checkpoint file {os.path.join(self.path, rank_file(stage, t))}: "
+                                 f"{key!r} has shape {tuple(shard.shape)}, the layout needs "
+                                 f"{tuple(params[t].shape)}")
             shards.append(shard)
         return tp_unslice(shards, params[0])
 
@@ -233,13 +238,8 @@ def load_model_weights(model: nn.Module, path, *, state: ParallelState | None = 
         raise ValueError(f"{reader.path} holds no aux tensors {missing}; it has {list(reader.aux_prefixes)}")
     tp, rank = state.tp.size, state.tp.rank
     aux: dict[str, dict[str, torch.Tensor]] = {a: {} for a in aux_prefixes}
-    reader.check_in_background()
-    try:
+    with reader.checking_in_background():
         _copy_weights(model, reader, tp, rank, aux)
-    except BaseException:
-        reader.finish_checks(wait=False)
-        raise
-    reader.finish_checks()
     return reader.metadata, aux
 
 
