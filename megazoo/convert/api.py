@@ -18,7 +18,7 @@ from ..models import ModelConfig
 from .common import Adapter, Rule
 from .bloom import ADAPTER as BLOOM
 from .gpt2 import ADAPTER as GPT2
-from .hf_io import HFReader, HFWriter, read_hf_config
+from .hf_io import HFReader, read_hf_config, write_hf_weights
 from .llama import ADAPTER as LLAMA
 
 ADAPTERS = {a.model_type: a for a in (GPT2, BLOOM, LLAMA)}
@@ -123,15 +123,17 @@ def megazoo_to_hf(load, out, *, dtype: torch.dtype | None = None,
     config = hf_config(cfg, dtype, (reader.metadata.get("extra") or {}).get("hf_token_ids"))
     rules = BY_FAMILY[cfg.family].rules(cfg)
     expected = hf_shapes(cfg, rules)
+
+    def hf_tensors():
+        for rule in rules:
+            for key, t in zip(rule.hf_keys, rule.to_hf(reader.full_tensor(rule.name))):
+                assert tuple(t.shape) == expected[key], (key, t.shape, expected[key])
+                yield key, t
+
     tmp = fresh_temp_dir(out)
     try:
-        writer = HFWriter(tmp, {k: (dtype, s) for k, s in expected.items()}, max_shard_bytes)
-        for rule in rules:
-            tensors = rule.to_hf(reader.full_tensor(rule.name))
-            for key, t in zip(rule.hf_keys, tensors):
-                assert tuple(t.shape) == expected[key], (key, t.shape, expected[key])
-                writer.write(key, t)
-        writer.close()
+        write_hf_weights(tmp, {k: (dtype, s) for k, s in expected.items()}, hf_tensors(),
+                         max_shard_bytes)
         write_json(os.path.join(tmp, "config.json"), config)
         publish(out)
     except BaseException:
