@@ -45,15 +45,6 @@ def best_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
 
 
-def _dtype_code(dtype: np.dtype) -> int:
-    """The .idx code of a token dtype; ValueError for unsupported dtypes."""
-    for code, known in DTYPE_CODES.items():
-        if known == dtype:
-            return code
-    raise ValueError(f"token dtype {dtype} is not supported; use uint16, int32 or int64 "
-                     "(best_dtype(vocab_size) picks one)")
-
-
 def check_data_prefix(path_prefix: str | os.PathLike, must_exist: bool = True) -> None:
     """FileNotFoundError saying what to change: a prefix naming one of the files itself
     ("corpus.bin") is told to drop the suffix; with `must_exist`, PREFIX.idx and PREFIX.bin
@@ -109,7 +100,11 @@ class IndexedDatasetBuilder:
 
     def __init__(self, path_prefix: str | os.PathLike, dtype: np.dtype | type = np.uint16):
         self.dtype = np.dtype(dtype)
-        self._code = _dtype_code(self.dtype)
+        codes = {known: code for code, known in DTYPE_CODES.items()}
+        if self.dtype not in codes:
+            raise ValueError(f"token dtype {self.dtype} is not supported; use uint16, int32 or "
+                             "int64 (best_dtype(vocab_size) picks one)")
+        self._code = codes[self.dtype]
         self._idx_path, self._bin_path = data_file_paths(path_prefix)
         if not self._bin_path.parent.is_dir():
             raise FileNotFoundError(f"output directory {self._bin_path.parent} does not exist; "
