@@ -27,11 +27,6 @@ def rank_file(pp_rank: int, tp_rank: int) -> str:
     return f"model-pp{pp_rank:03d}-tp{tp_rank:03d}.safetensors"
 
 
-def layout_files(layout: dict) -> list[str]:
-    """Every rank file of a layout {"tp", "pp", "vpp"}, pipeline-major."""
-    return [rank_file(p, t) for p in range(layout["pp"]) for t in range(layout["tp"])]
-
-
 def _group(groups: list[list[int]], rank: int) -> GroupInfo:
     for ranks in groups:
         if rank in ranks:

@@ -76,8 +76,6 @@ def _is_within(inner: str, outer: str) -> bool:
 def _check_inputs(out: str, inputs) -> None:
     """ValueError if `out` is, contains, or lies inside one of `inputs` (see the module doc)."""
     for source in inputs:
-        if source is None:
-            continue
         folders = input_folders(source)
         hit = next((f for f in folders if _is_within(f, out)), None)
         if hit is None and len(folders) > 1 and _is_within(out, folders[-1]):

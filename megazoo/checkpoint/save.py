@@ -25,8 +25,7 @@ from .checksums import default_algorithm, values_key
 from .files import NonFiniteError, SafetensorsWriter, check_finite, dtype_name, write_json
 from .output import (check_output_dir, discard, fault_point, fresh_temp_dir, publish,
                      temp_dir)
-from .layout import (FORMAT, METADATA_FILE, full_shapes, layout_files, rank_file, rank_model,
-                     stored_parameters)
+from .layout import FORMAT, METADATA_FILE, full_shapes, rank_file, rank_model, stored_parameters
 
 SUMS_SUFFIX = ".checksums.json"
 
@@ -35,7 +34,8 @@ def build_metadata(config: ModelConfig, layout: dict, dtype: torch.dtype, extra:
                    aux_dtypes: dict[str, torch.dtype]) -> dict:
     """The contents of megazoo.json, less the checksums (`add_checksums`)."""
     return {"format": FORMAT, "model": config.to_dict(), "layout": dict(layout),
-            "dtype": dtype_name(dtype), "files": layout_files(layout),
+            "dtype": dtype_name(dtype),
+            "files": [rank_file(p, t) for p in range(layout["pp"]) for t in range(layout["tp"])],
             "params": {name: {"full_shape": list(shape), "dtype": dtype_name(dtype)}
                        for name, shape in full_shapes(config).items()},
             "aux": list(aux_dtypes), "aux_dtypes": {k: dtype_name(v) for k, v in aux_dtypes.items()},

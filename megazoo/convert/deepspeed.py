@@ -33,22 +33,17 @@ from ..layers.sharding import tp_unslice
 from ..models import ModelConfig
 
 
-def _tp_rank_files(ds_dir: str, tp_rank: int) -> list[str]:
-    mark = f"mp_rank_{tp_rank:02d}_"
-    files = [f for f in os.listdir(ds_dir) if mark in f and f.endswith(".pt")]
-    if not files:
-        raise ValueError(f"{ds_dir} holds no DeepSpeed files of tp rank {tp_rank} (*{mark}*.pt)")
-    return files
-
-
 def tp_rank_state_dict(load: str, tag: str, tp_rank: int) -> dict[str, torch.Tensor]:
     """fp32 {local name: tensor} of tp rank `tp_rank`, merged over its ZeRO partitions."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    ds_dir = os.path.join(load, tag)
+    ds_dir, mark = os.path.join(load, tag), f"mp_rank_{tp_rank:02d}_"
+    files = [f for f in os.listdir(ds_dir) if mark in f and f.endswith(".pt")]
+    if not files:
+        raise ValueError(f"{ds_dir} holds no DeepSpeed files of tp rank {tp_rank} (*{mark}*.pt)")
     with tempfile.TemporaryDirectory() as tmp:
         os.makedirs(os.path.join(tmp, tag))
-        for f in _tp_rank_files(ds_dir, tp_rank):
+        for f in files:
             os.symlink(os.path.abspath(os.path.join(ds_dir, f)), os.path.join(tmp, tag, f))
         with contextlib.redirect_stderr(io.StringIO()):  # DeepSpeed's progress bar
             sd = get_fp32_state_dict_from_zero_checkpoint(tmp, tag=tag)
