@@ -90,15 +90,13 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 def train_sentencepiece(files: Iterable[str | os.PathLike], vocab_size: int,
-                        model_prefix: str | os.PathLike, *, model_type: str = "bpe",
-                        byte_fallback: bool = False, max_sentences: int = 1_000_000) -> str:
-    """Train a SentencePiece model on text files (one sentence per line); return its path.
+                        model_prefix: str | os.PathLike) -> str:
+    """Train a SentencePiece BPE on text files (one sentence per line, a million sampled at
+    most); return its path.
 
     Normalisation is the identity and whitespace is kept, so ``decode(encode(s)) == s``
-    for text made of characters seen in training (``byte_fallback=True`` extends that to
-    any text; it needs ``vocab_size > 259``). ``vocab_size`` is a soft limit: a small
-    corpus gives a smaller vocabulary instead of an error. ``max_sentences`` caps how
-    many lines are sampled, keeping training fast on large corpora.
+    for text made of characters seen in training. ``vocab_size`` is a soft limit: a small
+    corpus gives a smaller vocabulary instead of an error.
     """
     import sentencepiece
 
@@ -107,16 +105,13 @@ def train_sentencepiece(files: Iterable[str | os.PathLike], vocab_size: int,
         raise ValueError("train_sentencepiece needs at least one training file")
     if vocab_size < 8:
         raise ValueError(f"vocab_size must be >= 8, got {vocab_size}")
-    if model_type not in ("bpe", "unigram", "char", "word"):
-        raise ValueError(f"model_type must be bpe, unigram, char or word, got {model_type!r}")
     with open(os.devnull, "w") as devnull:
         sentencepiece.SentencePieceTrainer.train(
             input=paths, model_prefix=str(model_prefix), vocab_size=vocab_size,
-            model_type=model_type, character_coverage=1.0, byte_fallback=byte_fallback,
-            normalization_rule_name="identity", remove_extra_whitespaces=False,
-            hard_vocab_limit=False, input_sentence_size=max_sentences,
-            shuffle_input_sentence=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-            num_threads=min(4, os.cpu_count() or 1), logstream=devnull)
+            model_type="bpe", character_coverage=1.0, normalization_rule_name="identity",
+            remove_extra_whitespaces=False, hard_vocab_limit=False,
+            input_sentence_size=1_000_000, shuffle_input_sentence=True, unk_id=0, bos_id=1,
+            eos_id=2, pad_id=-1, num_threads=min(4, os.cpu_count() or 1), logstream=devnull)
     return str(model_prefix) + ".model"
 
 
