@@ -91,10 +91,8 @@ class CheckpointReader:
         self.dtype = parse_dtype(self.metadata.get("dtype", "float32"))
         self._headers = {name: self._header(name) for name in self.metadata["files"]}
         self._stages: dict[int, list[dict]] = {}
-        self._stage_of: dict[str, int] = {}
-        for p in range(self.layout["pp"]):
-            for fname in stored_parameters(rank_model(self.config, self.layout, p, 0)):
-                self._stage_of[fname] = p
+        self._stage_of = {name: p for p in range(self.layout["pp"]) for name in
+                          stored_parameters(rank_model(self.config, self.layout, p, 0))}
 
     def _check_recorded(self) -> None:
         """ValueError unless megazoo.json names a hash this install computes and holds its

@@ -233,14 +233,14 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
 def write_checkpoint(config: ModelConfig, path, full_tensor: Callable[[str], torch.Tensor], *,
                      tp: int = 1, pp: int = 1, vpp: int = 1, dtype: torch.dtype | None = None,
                      extra: dict | None = None, aux_prefixes=(),
-                     aux_dtype: torch.dtype | None = None, overwrite: bool = False,
+                     aux_dtype: torch.dtype = torch.float32, overwrite: bool = False,
                      inputs=()) -> None:
     """Write a checkpoint of `config` at layout (tp, pp, vpp) in one process, streaming.
 
     `full_tensor(full_name)` returns a full, unpadded parameter (`full_tensor(f"{prefix}/{name}")`
     an aux tensor); each is fetched when its rank file is written, sliced, written and freed, so
-    memory holds about one full tensor. dtype None: the dtype of the first tensor fetched;
-    aux_dtype None: float32. Atomic like `save_checkpoint`, with the same `overwrite` rule;
+    memory holds about one full tensor. dtype None: the dtype of the first tensor fetched.
+    Atomic like `save_checkpoint`, with the same `overwrite` rule;
     `inputs` are the folders `full_tensor` reads, which `path` must not be nor contain.
     """
     layout = {"tp": tp, "pp": pp, "vpp": vpp}
@@ -249,7 +249,6 @@ def write_checkpoint(config: ModelConfig, path, full_tensor: Callable[[str], tor
     first = rank_model(config, layout, 0, 0)  # validates the layout and the model against it
     if dtype is None:
         dtype = full_tensor(next(iter(stored_parameters(first)))).dtype
-    aux_dtype = aux_dtype or torch.float32
     tmp = fresh_temp_dir(path)
     checksums, algorithm = {}, default_algorithm()
     try:
