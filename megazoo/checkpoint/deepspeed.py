@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -63,10 +64,7 @@ def hash_file(path: str, algorithm: str) -> str:
 
 def list_files(folder: str, tag: str) -> list[str]:
     """Every file under `folder/tag`, as sorted paths relative to `folder`."""
-    out = []
-    for root, _, names in os.walk(os.path.join(folder, tag)):
-        out += [os.path.relpath(os.path.join(root, n), folder) for n in names]
-    return sorted(out)
+    return sorted(str(p.relative_to(folder)) for p in Path(folder, tag).rglob("*") if p.is_file())
 
 
 def _rank_world(state) -> tuple[int, int]:

@@ -79,10 +79,9 @@ def backend(use_cpp: bool | None = None) -> Choice:
 def _check_sample_args(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int,
                        num_epochs: int, tokens_per_epoch: int) -> None:
     """Validate :func:`build_sample_idx` inputs with messages saying what to change."""
-    if seq_length < 1:
-        raise ValueError(f"seq_length must be >= 1, got {seq_length}")
-    if num_epochs < 1:
-        raise ValueError(f"num_epochs must be >= 1, got {num_epochs}")
+    for name, value in (("seq_length", seq_length), ("num_epochs", num_epochs)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     if tokens_per_epoch < 1:
         raise ValueError(f"tokens_per_epoch must be >= 1 (the documents hold no tokens), "
                          f"got {tokens_per_epoch}")

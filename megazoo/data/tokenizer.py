@@ -135,14 +135,11 @@ class HFTokenizer(Tokenizer):
         except Exception as exc:  # the Rust library's parse errors are plain Exceptions
             raise _unreadable(p, "Hugging Face tokenizer.json", exc) from None
         candidates = (eod_token,) if eod_token else HF_EOD_CANDIDATES
-        for token in candidates:
-            token_id = self._tok.token_to_id(token)
-            if token_id is not None:
-                self.eod = int(token_id)
-                break
-        else:
+        found = [i for i in map(self._tok.token_to_id, candidates) if i is not None]
+        if not found:
             raise ValueError(f"{p} has none of the end-of-document tokens {list(candidates)}; "
                              "add one to the tokenizer or pass eod_token=")
+        self.eod = int(found[0])
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
