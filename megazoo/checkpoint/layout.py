@@ -56,12 +56,8 @@ def rank_model(config: ModelConfig, layout: dict, pp_rank: int, tp_rank: int) ->
 def stored_parameters(model: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
     """{full name: (local name, parameter)} of the parameters a rank file stores: every
     parameter except a tied head copy (stored once, as the embedding)."""
-    out = {}
-    for name, p in model.named_parameters():
-        if getattr(p, "tied_to", None):
-            continue
-        out[full_name(name, p)] = (name, p)
-    return out
+    return {full_name(name, p): (name, p) for name, p in model.named_parameters()
+            if not getattr(p, "tied_to", None)}
 
 
 def full_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -209,11 +209,10 @@ class CheckpointReader:
 
 def check_config(ckpt: ModelConfig, model: ModelConfig) -> None:
     """ValueError listing every shape-defining field where the checkpoint and model differ."""
-    diffs = [(f, getattr(ckpt, f), getattr(model, f)) for f in SHAPE_FIELDS
+    learned = ckpt.position_embedding == "learned"  # only a learned table has a length
+    fields = SHAPE_FIELDS + (("max_position_embeddings",) if learned else ())
+    diffs = [(f, getattr(ckpt, f), getattr(model, f)) for f in fields
              if getattr(ckpt, f) != getattr(model, f)]
-    if ckpt.position_embedding == "learned" and ckpt.max_position_embeddings != model.max_position_embeddings:
-        diffs.append(("max_position_embeddings", ckpt.max_position_embeddings,
-                      model.max_position_embeddings))
     if diffs:
         what = ", ".join(f"{f.replace('_', ' ').replace(' size', '')} {a}" for f, a, _ in diffs)
         has = ", ".join(f"{b}" for _, _, b in diffs)

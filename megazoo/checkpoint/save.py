@@ -77,9 +77,8 @@ def _check_aux(model: nn.Module, aux: dict) -> None:
 
 def _write_rank_file(model: nn.Module, file: str, aux: dict) -> None:
     """This rank's parameters (and their aux tensors) into one safetensors file."""
-    stored = stored_parameters(model)
     tensors = {}
-    for fname, (name, p) in stored.items():
+    for fname, (name, p) in stored_parameters(model).items():
         tensors[fname] = p
         for prefix, by_name in aux.items():
             if name in by_name:
@@ -174,14 +173,12 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
     """Save `model` (this rank's part of it) to the checkpoint directory `path`.
 
     Collective: every rank of `state` calls it (state None: `model.state`, else one process).
-    Ranks with dp rank 0 and sp rank 0 write their (pp, tp) file into `path + ".tmp"`; global
-    rank 0 writes megazoo.json and renames the temp dir into place. `aux` maps a prefix
-    ("exp_avg") to {local parameter name: tensor shaped like that parameter}, for every
-    parameter. Raises on every rank if any rank failed; `path` is then left as it was.
-    An existing non-empty `path` is refused unless `overwrite`, which replaces only a megazoo
-    checkpoint folder holding nothing else (`output.check_output_dir`). `rank_files(tmp)`, if
-    given, runs on every rank to add that rank's own files to the folder before it is
-    published (per-rank state such as gradient-compression residuals).
+    Ranks with dp rank 0 and sp rank 0 write their (pp, tp) file into the temp folder; global
+    rank 0 writes megazoo.json and publishes it (`output.py`, which also says what
+    `overwrite` may replace). `aux` maps a prefix ("exp_avg") to {local parameter name:
+    tensor shaped like it}, for every parameter. Raises on every rank if any rank failed;
+    `path` is then left as it was. `rank_files(tmp)`, if given, runs on every rank to add
+    that rank's own files (per-rank state such as gradient-compression residuals).
     """
     state = state or getattr(model, "state", None) or ParallelState.single()
     aux = aux or {}
@@ -283,8 +280,7 @@ def _stream_rank(model: nn.Module, tp_rank: int, tp: int, file: str, full_tensor
             specs[f"{prefix}/{fname}"] = (aux_dtype, tuple(p.shape))
     with SafetensorsWriter(file, specs, algorithm) as writer:
         for key in specs:
-            fname = key.split("/", 1)[-1]
-            p = stored[fname][1]
+            p = stored[key.split("/", 1)[-1]][1]  # an aux tensor is sharded like its parameter
             full = full_tensor(key)
             expected = full_shape(p, tp)
             if tuple(full.shape) != expected:

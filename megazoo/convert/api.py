@@ -95,9 +95,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, tokens: dict | None = None) 
     bos/eos/pad ids an HF conversion recorded (None: HF's defaults, valid only for small ids)."""
     if cfg.family not in BY_FAMILY:
         raise ValueError(f"family {cfg.family!r} has no Hugging Face adapter")
-    sparse = cfg.sparse
-    if sparse is not None and sparse.mode != "dense":
-        raise ValueError(f"the model uses {sparse.mode} block-sparse attention, which Hugging "
+    if cfg.sparse is not None and cfg.sparse.mode != "dense":
+        raise ValueError(f"the model uses {cfg.sparse.mode} block-sparse attention, which Hugging "
                          f"Face's {cfg.family} architecture cannot express: export refused "
                          f"(keep it as a megazoo checkpoint)")
     adapter = BY_FAMILY[cfg.family]

@@ -55,9 +55,8 @@ def full_state_dict(load: str) -> tuple[ModelConfig, dict[str, torch.Tensor], di
     meta = read_ds_metadata(load)
     config = config_from_dict(meta["model"])
     tp = int(meta["layout"]["tp"])
-    layout = {"tp": tp, "pp": 1, "vpp": 1}
     shards = [tp_rank_state_dict(load, meta["tag"], t) for t in range(tp)]
-    reference = rank_model(config, layout, 0, 0)  # meta device: names and shard tags
+    reference = rank_model(config, {"tp": tp, "pp": 1, "vpp": 1}, 0, 0)  # names, shard tags
     full = {}
     for fname, (name, p) in stored_parameters(reference).items():
         missing = [t for t in range(tp) if name not in shards[t]]

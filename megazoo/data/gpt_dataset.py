@@ -182,8 +182,7 @@ class GPTDataset:
 
     def sample_tokens(self, k: int) -> np.ndarray:
         """Sample ``k`` in stream (unshuffled) order: ``seq_length + 1`` int64 tokens."""
-        (i0, off0), (i1, off1) = self.sample_idx[k], self.sample_idx[k + 1]
-        i0, off0, i1, off1 = int(i0), int(off0), int(i1), int(off1)
+        (i0, off0), (i1, off1) = self.sample_idx[k:k + 2].tolist()
         get = self.indexed.get
         if i0 == i1:
             return get(int(self.doc_idx[i0]), off0, off1 - off0 + 1).astype(np.int64)

@@ -92,10 +92,9 @@ class IndexedDatasetBuilder:
     """Write a dataset document by document; files appear only at :meth:`finalize`.
 
     Data goes to temporary files next to the target (``PREFIX.bin.tmp-<pid>-<uuid>``),
-    renamed into place at the end, so a reader never sees a half-written dataset. Usable as
-    a context manager: a clean exit finalizes, an exception (in the body, or a full disk
-    while finalizing) removes the temporary files; a killed writer's are removed by the next
-    run (`clean_temp_files`).
+    renamed into place at the end, so a reader never sees a half-written dataset. As a
+    context manager, a clean exit finalizes and an exception removes the temporary files (a
+    killed writer's are removed by the next run: `clean_temp_files`).
     """
 
     def __init__(self, path_prefix: str | os.PathLike, dtype: np.dtype | type = np.uint16):
@@ -195,12 +194,10 @@ def _read_index(idx_path: Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np.nd
     if len(raw) != expected:
         raise ValueError(f"{idx_path} has {len(raw)} bytes, its header promises {expected} "
                          f"(truncated or corrupt); {_REBUILD_HINT}")
-    offset = _HEADER.size
-    sizes = np.frombuffer(raw, dtype="<i4", count=num_seqs, offset=offset)
-    offset += 4 * num_seqs
-    pointers = np.frombuffer(raw, dtype="<i8", count=num_seqs, offset=offset)
-    offset += 8 * num_seqs
-    doc_idx = np.frombuffer(raw, dtype="<i8", count=num_docs, offset=offset)
+    start = _HEADER.size
+    sizes = np.frombuffer(raw, dtype="<i4", count=num_seqs, offset=start)
+    pointers = np.frombuffer(raw, dtype="<i8", count=num_seqs, offset=start + 4 * num_seqs)
+    doc_idx = np.frombuffer(raw, dtype="<i8", count=num_docs, offset=start + 12 * num_seqs)
     return DTYPE_CODES[code], sizes, pointers, doc_idx
 
 

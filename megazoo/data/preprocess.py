@@ -149,16 +149,13 @@ def preprocess(args: argparse.Namespace) -> tuple[int, int, int, int]:
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     files = expand_inputs(args.input)
-    out_dir = Path(args.output_prefix).parent
-    if not out_dir.is_dir():
-        raise FileNotFoundError(f"output directory {out_dir} does not exist; create it first")
     removed, in_the_way = clean_temp_files(args.output_prefix)
     for path in removed:
         print(f"removed {path}, left by an interrupted run")
     if in_the_way:
         print(f"warning: {', '.join(in_the_way)} left by another run of this --output-prefix "
               f"(still running, or an older megazoo): remove them if that run is over")
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    tokenizer = _cached_tokenizer(args.tokenizer_type, args.tokenizer_model)
     encoder = functools.partial(encode_batch, tokenizer_type=args.tokenizer_type,
                                 tokenizer_model=args.tokenizer_model, append_eod=args.append_eod)
     batches = _batches(iter_documents(files, args.json_key, args.split_lines, args.encoding,
@@ -178,13 +175,12 @@ def _write(args, encoder, tokenizer, batches) -> tuple[int, int, int, int]:
                 for ids in encoded:
                     if ids is None:
                         undecodable += 1
-                        continue
-                    if not ids:
+                    elif not ids:
                         skipped += 1
-                        continue
-                    builder.add_document(ids)
-                    docs += 1
-                    tokens += len(ids)
+                    else:
+                        builder.add_document(ids)
+                        docs += 1
+                        tokens += len(ids)
         finally:
             if pool is not None:
                 pool.close()
