@@ -35,7 +35,7 @@ from bench.common import REPO, child_env
 from megazoo.checkpoint.files import parse_dtype
 from megazoo.convert import ADAPTERS, hf_config
 from megazoo.convert.api import hf_shapes
-from megazoo.convert.hf_io import HFWriter
+from megazoo.convert.hf_io import write_hf_weights
 from megazoo.models import ModelConfig, resolve_config
 
 SMALL = ModelConfig(family="llama", num_layers=2, hidden_size=256, num_attention_heads=8,
@@ -46,13 +46,10 @@ SMALL = ModelConfig(family="llama", num_layers=2, hidden_size=256, num_attention
 def write_random_hf(cfg: ModelConfig, directory: str, dtype: torch.dtype, seed: int = 0) -> dict:
     """A random HF LLaMA of `cfg`'s shapes; one tensor in memory at a time."""
     shapes = hf_shapes(cfg, ADAPTERS["llama"].rules(cfg))
-    writer = HFWriter(directory, {k: (dtype, s) for k, s in shapes.items()})
     gen = torch.Generator().manual_seed(seed)
-    for key, shape in shapes.items():
-        t = torch.randn(shape, generator=gen, dtype=torch.float32).mul_(0.02).to(dtype)
-        writer.write(key, t)
-        del t
-    writer.close()
+    tensors = ((key, torch.randn(shape, generator=gen, dtype=torch.float32).mul_(0.02).to(dtype))
+               for key, shape in shapes.items())
+    write_hf_weights(directory, {k: (dtype, s) for k, s in shapes.items()}, tensors)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(hf_config(cfg, dtype), f, indent=1)
     elements = [torch.Size(s).numel() for s in shapes.values()]

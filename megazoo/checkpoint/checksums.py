@@ -4,19 +4,12 @@
     digest(raw, algorithm)                   # hex string, what megazoo.json stores per tensor
     check_algorithm(algorithm, where)        # ValueError if this install cannot compute it
 
-Two algorithms, named in megazoo.json's "checksum" field, each with its own key for the
-values (`values_key`): CRC-32 values under "checksums", as every checkpoint written before
-xxh3 holds them, xxh3 values under "checksums_xxh3_64". A megazoo that predates xxh3 then
-finds no "checksums" in a new checkpoint and loads it unchecked, instead of calling every
-tensor corrupted.
-
-- `xxh3_64` (the `xxhash` package): several times faster than CRC-32 on one core, fast
-  enough to hide beside the file I/O of a save or load; any random corruption goes unseen
-  with probability 2^-64. Used whenever `xxhash` is importable.
-- `crc32` (zlib, standard library): the fallback, and what older checkpoints hold; catches
-  every burst error up to 32 bits.
-
-Both release the GIL while hashing a large buffer, so the caller's I/O goes on meanwhile.
+megazoo.json names the hash in its "checksum" field and keeps the values under
+`values_key(algorithm)`: CRC-32 under "checksums", the key older checkpoints use, xxh3 under
+"checksums_xxh3_64", so a megazoo that knows only CRC-32 loads a new checkpoint unchecked
+instead of calling every tensor corrupted. xxh3_64 (the optional `xxhash` package) is several
+times faster than CRC-32 (zlib) and fast enough to hide beside the file I/O; CRC-32 is the
+fallback. Both release the GIL while hashing a large buffer.
 """
 from __future__ import annotations
 

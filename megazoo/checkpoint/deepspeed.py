@@ -4,28 +4,24 @@ writer and reader, and the files' integrity.
 
 megazoo.json holds the model config, the layout and the ZeRO stage the files were written at,
 so that resuming can refuse another layout and `checkpoints_tools/zero_to_megazoo.py` can
-rebuild an ordinary megazoo checkpoint without the engine.
-
-DeepSpeed's files carry no checksums of their own, and a flipped exponent bit in a ZeRO
-optimizer shard loads as a finite, wrong value. So megazoo records one checksum per file
-(the hash of `checksums.py`, whole file, streamed) in megazoo.json under `FILES_KEY`, and
-everything that reads such a checkpoint (resuming, `zero_to_megazoo`) verifies them first,
-then checks the values it loaded for inf / nan: a matching checksum says the bytes are the
-ones written, not that the values are usable.
+rebuild an ordinary megazoo checkpoint without the engine. DeepSpeed's files carry no
+checksums (a flipped exponent bit in a ZeRO shard loads as a finite, wrong value), so
+megazoo.json also records one per file under `FILES_KEY`; whatever reads such a checkpoint
+verifies them first, then checks the values it loaded for inf / nan:
 
     algorithm, sums = record_checksums(folder, tag, state)   # collective, after the save
     verify_checksums(folder, meta, state, device)            # collective, before the load
     check_finite_loaded(tensors, folder, state, device)      # collective, after the load
 
-Collective functions split the files over the ranks (each hashes its share) and agree on
-the outcome: a failure on any rank is a ValueError on every rank (`agree`). `state` None:
-one process.
+The collective functions split the files over the ranks and raise on every rank if any
+failed (`save.agree`). `state` None: one process.
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Iterable
+from pathlib import Path
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +29,8 @@ import torch.distributed as dist
 from .checksums import Hasher, check_algorithm, default_algorithm
 from .files import READ_CHUNK, nonfinite_count
 from .layout import METADATA_FILE
+from .load import read_metadata
+from .save import agree
 
 DS_FORMAT = "megazoo-deepspeed-1"
 FILES_KEY = "file_checksums"
@@ -49,15 +47,10 @@ def write_ds_metadata(path: str, meta: dict) -> None:
 
 def read_ds_metadata(path: str) -> dict:
     """`path/megazoo.json` of a DeepSpeedEngine checkpoint (clear errors otherwise)."""
-    file = os.path.join(path, METADATA_FILE)
-    if not os.path.isfile(file):
+    if not os.path.isfile(os.path.join(path, METADATA_FILE)):
         raise ValueError(f"{path} is not a megazoo DeepSpeed checkpoint: megazoo.json is missing")
-    with open(file) as f:
-        meta = json.load(f)
-    if meta.get("format") != DS_FORMAT:
-        raise ValueError(f"{file}: format {meta.get('format')!r} is not {DS_FORMAT!r} "
-                         "(an ordinary megazoo checkpoint loads with load_model_weights)")
-    return meta
+    return read_metadata(path, DS_FORMAT, " (an ordinary megazoo checkpoint loads with "
+                                          "load_model_weights)")
 
 
 def hash_file(path: str, algorithm: str) -> str:
@@ -71,31 +64,11 @@ def hash_file(path: str, algorithm: str) -> str:
 
 def list_files(folder: str, tag: str) -> list[str]:
     """Every file under `folder/tag`, as sorted paths relative to `folder`."""
-    out = []
-    for root, _, names in os.walk(os.path.join(folder, tag)):
-        out += [os.path.relpath(os.path.join(root, n), folder) for n in names]
-    return sorted(out)
+    return sorted(str(p.relative_to(folder)) for p in Path(folder, tag).rglob("*") if p.is_file())
 
 
 def _rank_world(state) -> tuple[int, int]:
     return (0, 1) if state is None else (state.global_rank, state.world_size)
-
-
-def agree(step: Callable[[], None], state, device, what: str) -> None:
-    """Run `step()` on every rank; if it raised a ValueError on any, raise on every rank
-    (its own error where it failed, else one naming `what`). Collective."""
-    error = None
-    try:
-        step()
-    except ValueError as exc:
-        error = exc
-    if state is not None and state.world_size > 1:
-        flag = torch.tensor([int(error is not None)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and error is None:
-            error = ValueError(f"{what} failed on another rank (its error names the file)")
-    if error is not None:
-        raise error
 
 
 def record_checksums(folder: str, tag: str, state) -> tuple[str, dict[str, str]]:
@@ -141,7 +114,8 @@ def verify_checksums(folder: str, meta: dict, state=None, device=None) -> None:
                                  f"the file or use another checkpoint (--no-verify-checksums "
                                  f"skips this check)")
 
-    agree(check, state, device, f"verifying {folder}")
+    agree(check, state, device, ValueError(f"verifying {folder} failed on another rank (its "
+                                           f"error names the file)"))
 
 
 def check_finite_loaded(tensors: Iterable[tuple[str, torch.Tensor]], folder: str, state=None,
@@ -156,4 +130,5 @@ def check_finite_loaded(tensors: Iterable[tuple[str, torch.Tensor]], folder: str
                                  f"{'s' if bad > 1 else ''} (inf or nan); use an earlier "
                                  f"checkpoint{f' ({allow})' if allow else ''}")
 
-    agree(check, state, device, f"checking {folder} for inf / nan")
+    agree(check, state, device, ValueError(f"checking {folder} for inf / nan failed on another "
+                                           f"rank (its error names the file)"))

@@ -1,29 +1,21 @@
-"""Files of a checkpoint: dtype names, a streaming safetensors writer, JSON.
+"""Files of a checkpoint: dtype names, a streaming safetensors writer and reader, JSON.
 
-**Streaming writer.** A safetensors file is an 8-byte little-endian header length, a JSON
-header {key: {"dtype", "shape", "data_offsets": [begin, end]}} (padded with spaces to a
-multiple of 8 bytes), then the raw little-endian bytes of each tensor. All shapes and dtypes
-of a rank file are known from its meta model before any tensor exists, so `SafetensorsWriter`
-writes the header first and then each tensor as it arrives: memory holds one tensor, never the
-whole file. `read_tensor` reads one tensor back (the header from `read_header`) in pieces,
-hashing each as it arrives; any safetensors reader opens these files too.
+A safetensors file is an 8-byte little-endian header length, a JSON header {key: {"dtype",
+"shape", "data_offsets": [begin, end]}} (padded with spaces to a multiple of 8 bytes), then
+the raw bytes of each tensor. The shapes and dtypes of a rank file are known from its meta
+model before any tensor exists, so `SafetensorsWriter` writes the header first and then each
+tensor as it arrives (memory holds one tensor, never the whole file); `read_tensor` reads one
+back in pieces. Any safetensors reader opens these files too.
 
-**Integrity.** The writer refuses a tensor holding inf or nan (a checkpoint is never written
-with them) and records a checksum of each tensor's bytes as it writes them (`writer.checksums`,
-hashed from the bytes in memory, never re-read from the file), which `megazoo.json` keeps and
-the reader checks as it reads each tensor: no second pass over the data either way. The hash
-(xxh3_64, or CRC-32 without xxhash) is chosen and named in `checksums.py`.
-`nonfinite_count` tests a tensor by its sum first (a nan or inf anywhere makes the sum
-non-finite), which is many times faster than `isfinite(t).all()`, and counts exactly only
-when the sum is not finite (which large finite values can also cause). Both checks run on a
-`BackgroundChecks` thread while the caller writes (or reads) the next tensor: the hashes and torch
-release the GIL, so the checks overlap the file I/O instead of adding to it.
-
-Where a checkpoint may be written and the temp-folder + rename protocol live in `output.py`.
+The writer refuses a tensor holding inf or nan and records a checksum of each tensor's bytes
+as it writes them (`checksums.py` chooses the hash), which the reader checks as it reads: no
+second pass over the data either way. Both checks run on a `BackgroundChecks` thread while the
+caller writes (or reads) the next tensor: the hashes and torch release the GIL.
 """
 from __future__ import annotations
 
 import json
+import math
 import struct
 from concurrent.futures import ThreadPoolExecutor
 
@@ -57,8 +49,7 @@ def tensor_bytes(tensor: torch.Tensor):
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
-# Bytes read per call when reading a tensor: each piece is hashed right after it arrives,
-# while it is still in the CPU cache, where xxh3 runs about 4x faster than from memory.
+# Bytes read per call when reading a tensor: each piece is hashed while still in the CPU cache.
 READ_CHUNK = 1 << 20
 _BY_NAME = {name: dtype for dtype, name in DTYPES.items()}
 
@@ -96,7 +87,8 @@ def read_tensor(f, start: int, entry: tuple, hasher=None) -> torch.Tensor:
 
 
 def nonfinite_count(tensor: torch.Tensor) -> int:
-    """How many elements are inf or nan (0 for integer tensors)."""
+    """How many elements are inf or nan (0 for integer tensors). A sum is non-finite when any
+    element is, and much faster than `isfinite(t).all()`; the exact count runs only then."""
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return 0
     wide = torch.float64 if tensor.dtype == torch.float64 else torch.float32
@@ -167,7 +159,7 @@ class SafetensorsWriter:
         for key, (dtype, shape) in self.specs.items():
             if dtype not in DTYPES:
                 raise ValueError(f"{key}: dtype {dtype} cannot be stored; use float32/16 or bfloat16")
-            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(shape) * dtype.itemsize
             header[key] = {"dtype": DTYPES[dtype], "shape": list(shape),
                            "data_offsets": [offset, offset + nbytes]}
             offset += nbytes

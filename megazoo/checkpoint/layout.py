@@ -27,17 +27,6 @@ def rank_file(pp_rank: int, tp_rank: int) -> str:
     return f"model-pp{pp_rank:03d}-tp{tp_rank:03d}.safetensors"
 
 
-def layout_files(layout: dict) -> list[str]:
-    """Every rank file of a layout {"tp", "pp", "vpp"}, pipeline-major."""
-    return [rank_file(p, t) for p in range(layout["pp"]) for t in range(layout["tp"])]
-
-
-def check_layout(tp: int, pp: int, vpp: int) -> dict:
-    """Validate the sizes (a ValueError saying what to change) -> {"tp", "pp", "vpp"}."""
-    ParallelConfig(tp=tp, pp=pp, vpp=vpp)
-    return {"tp": tp, "pp": pp, "vpp": vpp}
-
-
 def _group(groups: list[list[int]], rank: int) -> GroupInfo:
     for ranks in groups:
         if rank in ranks:
@@ -48,9 +37,9 @@ def _group(groups: list[list[int]], rank: int) -> GroupInfo:
 def virtual_state(tp: int, pp: int, vpp: int, tp_rank: int, pp_rank: int) -> ParallelState:
     """The state of rank (pp_rank, tp_rank) of a tp x pp world (sp = dp = 1), with no process
     groups: for building models on the meta device only (never call forward with it)."""
+    config = ParallelConfig(tp=tp, pp=pp, vpp=vpp).resolve(tp * pp)  # validates the sizes
     if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
         raise ValueError(f"rank (pp {pp_rank}, tp {tp_rank}) is outside a pp={pp} x tp={tp} layout")
-    config = ParallelConfig(tp=tp, pp=pp, vpp=vpp).resolve(tp * pp)
     sizes, order = config.sizes(), config.order
     rank = tp_rank + tp * pp_rank  # default order: tp innermost, then sp, dp (size 1), pp
     groups = {name: _group(rank_groups(sizes, order, dims), rank) for name, dims in GROUP_DIMS.items()}
@@ -67,12 +56,8 @@ def rank_model(config: ModelConfig, layout: dict, pp_rank: int, tp_rank: int) ->
 def stored_parameters(model: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
     """{full name: (local name, parameter)} of the parameters a rank file stores: every
     parameter except a tied head copy (stored once, as the embedding)."""
-    out = {}
-    for name, p in model.named_parameters():
-        if getattr(p, "tied_to", None):
-            continue
-        out[full_name(name, p)] = (name, p)
-    return out
+    return {full_name(name, p): (name, p) for name, p in model.named_parameters()
+            if not getattr(p, "tied_to", None)}
 
 
 def full_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

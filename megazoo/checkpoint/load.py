@@ -2,22 +2,18 @@
 `load_model_weights` (into an existing model) and `load_pretrained` (build on the meta device,
 allocate without init, load).
 
-A full tensor is rebuilt from the source layout's shards with `tp_unslice`, driven by the
-metadata of the source rank's parameters (a model of that rank built on the meta device),
-and cut for the target rank with `tp_slice`; so any tp/pp/vpp loads into any other.
-
-Each tensor is checked as it is read (hashed piece by piece as the pieces arrive, while they are
-still in the CPU cache: no extra pass over memory): against the checksum megazoo.json recorded
-for it, with the hash megazoo.json names (`checksums.py`; CRC-32 where it names none but
-holds CRC-32 values), and for inf / nan. Both checks, always: a matching checksum says the
-bytes are the ones recorded, not that the values are usable (megazoo.json can be rewritten
-along with the file). A checksum megazoo.json does not record (no values at all, a renamed
-key, one tensor's entry dropped) is an error too, not a reason to skip the check. Every
-failure is a ValueError naming the file and the tensor; `verify_checksums=False`
+A full tensor is rebuilt from the source layout's shards with `tp_unslice` (driven by the meta
+model of the source rank) and cut for the target rank with `tp_slice`, so any tp/pp/vpp loads
+into any other. Each tensor is checked as it is read, piece by piece while the pieces are in
+the CPU cache: against the checksum megazoo.json records for it, with the hash it names
+(`checksums.py`; a checksum not recorded is an error, not a reason to skip), and for inf / nan
+(a matching checksum says the bytes are the ones recorded, not that the values are usable).
+Every failure is a ValueError naming the file and the tensor; `verify_checksums=False`
 (--no-verify-checksums) and `allow_nonfinite=True` (--allow-nonfinite-load) turn the checks off.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -28,11 +24,12 @@ from torch import nn
 from ..errors import read_json
 from ..layers.sharding import full_shape, tp_slice, tp_unslice
 from ..models import ModelConfig, build_model, full_name
+from ..parallel.config import ParallelConfig
 from ..parallel.state import ParallelState
 from .checksums import CRC32, Hasher, check_algorithm, values_key
 from .files import BackgroundChecks, nonfinite_count, parse_dtype, read_header, read_tensor
 from .resolve import resolve_checkpoint
-from .layout import FORMAT, METADATA_FILE, check_layout, rank_model, stored_parameters
+from .layout import FORMAT, METADATA_FILE, rank_file, rank_model, stored_parameters
 
 # What a missing checksum's error offers (the command lines' flag, the API's argument).
 UNCHECKED = "restore it, or load unchecked with --no-verify-checksums (verify_checksums=False)"
@@ -43,11 +40,12 @@ SHAPE_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
                 "dense_bias", "mlp_bias")
 
 
-def _read_metadata(path: str) -> dict:
+def read_metadata(path: str, format: str = FORMAT, hint: str = "") -> dict:
+    """`path`/megazoo.json, a ValueError (ending with `hint`) unless it is of `format`."""
     file = os.path.join(path, METADATA_FILE)
     meta = read_json(file, advice="the checkpoint is damaged")
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{file}: format {meta.get('format')!r} is not {FORMAT!r}")
+    if meta.get("format") != format:
+        raise ValueError(f"{file}: format {meta.get('format')!r} is not {format!r}{hint}")
     return meta
 
 
@@ -68,9 +66,8 @@ class CheckpointReader:
         reader.config, reader.layout, reader.names(), reader.aux_prefixes
         w = reader.full_tensor("layers.0.attention.qkv.weight")        # full, unpadded
         m = reader.full_tensor("layers.0.attention.qkv.weight", "exp_avg")
-    Each call opens only the files of the stage holding the tensor (of the tp ranks that hold
-    a distinct shard) and reads only that key, checking its checksum (unless
-    `verify_checksums=False`) and that it is finite (unless `allow_nonfinite`).
+    Each call reads only that key, from the files of the stage holding it (of the tp ranks
+    that hold a distinct shard), checked as the module docstring says.
     """
 
     #: How a non-finite tensor's error says to load it anyway; a tool that cannot (a converter:
@@ -81,29 +78,25 @@ class CheckpointReader:
         self.path = resolve_checkpoint(path)  # a --save folder means its `latest`
         self.verify_checksums, self.allow_nonfinite = verify_checksums, allow_nonfinite
         self._background: BackgroundChecks | None = None
-        self.metadata = _read_metadata(self.path)
+        self.metadata = read_metadata(self.path)
         self.algorithm = self.metadata.get("checksum") or CRC32
         self.checksums = self.metadata.get(values_key(self.algorithm))
         if verify_checksums:
             self._check_recorded()
         self.config = config_from_dict(self.metadata["model"])
         lay = self.metadata["layout"]
-        self.layout = check_layout(lay["tp"], lay["pp"], lay.get("vpp", 1))
+        self.layout = {"tp": lay["tp"], "pp": lay["pp"], "vpp": lay.get("vpp", 1)}
+        ParallelConfig(**self.layout)  # a ValueError unless the sizes are valid
         self.aux_prefixes = tuple(self.metadata.get("aux", ()))
         self.dtype = parse_dtype(self.metadata.get("dtype", "float32"))
-        for name in self.metadata["files"]:
-            self._check_file(name)
-        self._headers = {name: read_header(os.path.join(self.path, name))
-                         for name in self.metadata["files"]}
+        self._headers = {name: self._header(name) for name in self.metadata["files"]}
         self._stages: dict[int, list[dict]] = {}
-        self._stage_of: dict[str, int] = {}
-        for p in range(self.layout["pp"]):
-            for fname in stored_parameters(rank_model(self.config, self.layout, p, 0)):
-                self._stage_of[fname] = p
+        self._stage_of = {name: p for p in range(self.layout["pp"]) for name in
+                          stored_parameters(rank_model(self.config, self.layout, p, 0))}
 
     def _check_recorded(self) -> None:
         """ValueError unless megazoo.json names a hash this install computes and holds its
-        values ({file: {key: hex}})."""
+        values."""
         where = os.path.join(self.path, METADATA_FILE)
         check_algorithm(self.algorithm, f"checkpoint {self.path}")
         if not isinstance(self.checksums, dict):
@@ -113,7 +106,8 @@ class CheckpointReader:
                              f"\"{values_key(self.algorithm)}\": the file was edited or the "
                              f"checkpoint predates checksums; {UNCHECKED}")
 
-    def _check_file(self, name: str) -> None:
+    def _header(self, name: str) -> tuple[int, dict[str, tuple]]:
+        """`read_header` of the rank file `name`, once safetensors has opened it."""
         file = os.path.join(self.path, name)
         if not os.path.isfile(file):
             raise ValueError(f"checkpoint file {file} is missing: the checkpoint is incomplete")
@@ -122,6 +116,7 @@ class CheckpointReader:
                 f.keys()
         except Exception as exc:  # safetensors raises its own error types
             raise ValueError(f"checkpoint file {file} is damaged or truncated ({exc})") from None
+        return read_header(file)
 
     def names(self) -> list[str]:
         """Full names of every stored parameter."""
@@ -136,19 +131,20 @@ class CheckpointReader:
                 for t in range(self.layout["tp"])]
         return self._stages[stage]
 
-    def _read(self, file: str, key: str) -> torch.Tensor:
-        """`key` from `file`, its checksum verified as it is read (each piece hashed while
-        still in the CPU cache); then the non-finite test where no checksum vouches for it."""
-        start, entries = self._headers[os.path.basename(file)]
+    def _read(self, name: str, key: str) -> torch.Tensor:
+        """`key` from the rank file `name`, its checksum verified as it is read, then tested
+        for inf / nan."""
+        file = os.path.join(self.path, name)
+        start, entries = self._headers[name]
         if key not in entries:
             raise ValueError(f"checkpoint file {file} has no tensor {key!r}")
         hasher = None
         if self.verify_checksums:
-            recorded = (self.checksums.get(os.path.basename(file)) or {}).get(key)
+            recorded = (self.checksums.get(name) or {}).get(key)
             if not isinstance(recorded, str):
                 raise ValueError(f"{os.path.join(self.path, METADATA_FILE)} records no checksum "
-                                 f"for tensor {key!r} of {os.path.basename(file)}: the file was "
-                                 f"edited or damaged; {UNCHECKED}")
+                                 f"for tensor {key!r} of {name}: the file was edited or "
+                                 f"damaged; {UNCHECKED}")
             hasher = Hasher(self.algorithm)
         try:
             with open(file, "rb", buffering=0) as f:
@@ -167,17 +163,19 @@ class CheckpointReader:
                 self._check_finite(file, key, tensor)
         return tensor
 
-    def check_in_background(self) -> None:
-        """From now on, check each tensor on a worker thread while the caller goes on (the
-        next read overlaps the check); `finish_checks()` must then be called before the
-        tensors read are trusted: it waits and raises the first failure."""
-        self._background = BackgroundChecks()
-
-    def finish_checks(self, wait: bool = True) -> None:
-        """Wait for the background checks (raising a failure) and stop the worker."""
-        background, self._background = self._background, None
-        if background is not None:
-            background.close(wait)
+    @contextlib.contextmanager
+    def checking_in_background(self):
+        """Within the block, each tensor's inf / nan test runs on a worker thread while the
+        caller reads the next; leaving the block waits for the tests and raises a failure."""
+        self._background = checks = BackgroundChecks()
+        try:
+            yield
+        except BaseException:
+            checks.close(wait=False)
+            raise
+        finally:
+            self._background = None
+        checks.close()
 
     def _check_finite(self, file: str, key: str, tensor: torch.Tensor) -> None:
         """ValueError naming file and tensor if it holds inf / nan."""
@@ -200,22 +198,21 @@ class CheckpointReader:
         ranks = range(tp) if getattr(params[0], "tp_dim", None) is not None else range(1)
         shards = []
         for t in ranks:
-            file = os.path.join(self.path, f"model-pp{stage:03d}-tp{t:03d}.safetensors")
-            shard = self._read(file, key)
+            shard = self._read(rank_file(stage, t), key)
             if tuple(shard.shape) != tuple(params[t].shape):
-                raise ValueError(f"checkpoint file {file}: {key!r} has shape {tuple(shard.shape)}, "
-                                 f"the layout needs {tuple(params[t].shape)}")
+                raise ValueError(f"checkpoint file {os.path.join(self.path, rank_file(stage, t))}: "
+                                 f"{key!r} has shape {tuple(shard.shape)}, the layout needs "
+                                 f"{tuple(params[t].shape)}")
             shards.append(shard)
         return tp_unslice(shards, params[0])
 
 
 def check_config(ckpt: ModelConfig, model: ModelConfig) -> None:
     """ValueError listing every shape-defining field where the checkpoint and model differ."""
-    diffs = [(f, getattr(ckpt, f), getattr(model, f)) for f in SHAPE_FIELDS
+    learned = ckpt.position_embedding == "learned"  # only a learned table has a length
+    fields = SHAPE_FIELDS + (("max_position_embeddings",) if learned else ())
+    diffs = [(f, getattr(ckpt, f), getattr(model, f)) for f in fields
              if getattr(ckpt, f) != getattr(model, f)]
-    if ckpt.position_embedding == "learned" and ckpt.max_position_embeddings != model.max_position_embeddings:
-        diffs.append(("max_position_embeddings", ckpt.max_position_embeddings,
-                      model.max_position_embeddings))
     if diffs:
         what = ", ".join(f"{f.replace('_', ' ').replace(' size', '')} {a}" for f, a, _ in diffs)
         has = ", ".join(f"{b}" for _, _, b in diffs)
@@ -226,12 +223,9 @@ def check_config(ckpt: ModelConfig, model: ModelConfig) -> None:
 def load_model_weights(model: nn.Module, path, *, state: ParallelState | None = None,
                        aux_prefixes=(), verify_checksums: bool = True,
                        allow_nonfinite: bool = False) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
-    """Load the checkpoint at `path` into `model`, built at any layout.
-
-    Returns (metadata, {prefix: {local parameter name: tensor shaped like it}}) for each of
-    `aux_prefixes`. No collective: each rank reads what it needs. Every tensor read is checked
-    (`CheckpointReader`).
-    """
+    """Load the checkpoint at `path` into `model`, built at any layout; return (metadata,
+    {prefix: {local parameter name: tensor shaped like it}}) for each of `aux_prefixes`.
+    No collective: each rank reads what it needs."""
     state = state or getattr(model, "state", None) or ParallelState.single()
     reader = CheckpointReader(path, verify_checksums=verify_checksums,
                               allow_nonfinite=allow_nonfinite)
@@ -241,13 +235,8 @@ def load_model_weights(model: nn.Module, path, *, state: ParallelState | None = 
         raise ValueError(f"{reader.path} holds no aux tensors {missing}; it has {list(reader.aux_prefixes)}")
     tp, rank = state.tp.size, state.tp.rank
     aux: dict[str, dict[str, torch.Tensor]] = {a: {} for a in aux_prefixes}
-    reader.check_in_background()
-    try:
+    with reader.checking_in_background():
         _copy_weights(model, reader, tp, rank, aux)
-    except BaseException:
-        reader.finish_checks(wait=False)
-        raise
-    reader.finish_checks()
     return reader.metadata, aux
 
 
@@ -296,10 +285,9 @@ def load_pretrained(path, state: ParallelState | None = None, device="cpu",
     `path`: a checkpoint folder, or a training run's --save folder (its `latest` one).
 
     The model is built on the meta device and allocated on `device` without running the
-    weight initialisation (`materialize`); loading then overwrites every parameter (vocabulary
-    padding rows with zeros), so the cost is reading the files, not a random init. A model
-    `materialize` cannot take is built on `device` with its initialisation, as before.
-    Checksums and finiteness are checked as in `CheckpointReader`."""
+    weight initialisation (`materialize`), since loading overwrites every parameter
+    (vocabulary padding rows with zeros); a model `materialize` cannot take is built on
+    `device` with its initialisation."""
     reader = CheckpointReader(path, verify_checksums=verify_checksums)
     dtype = dtype or reader.dtype
     model = build_model(reader.config, state, device="meta", dtype=dtype)

@@ -3,24 +3,19 @@
 **Nothing of the user's is deleted.** `check_output_dir` runs before anything is written:
 
 - an `out` that does not exist, or is an empty folder, is fine;
-- an `out` that is, or contains, one of the inputs is refused (even with overwrite): writing
-  `reshard --load SAVE/iter_10 --out SAVE` must not replace the folder it reads from. Both
-  sides are compared as real paths (symlinks followed), and an input stands also for the
-  checkpoint folder it resolves to (`resolve.input_folders`): `--load SAVE --out
-  SAVE/iter_20` is refused when SAVE's `latest` names 20. An `out` inside an input
-  checkpoint folder is refused too (it would add foreign files to the checkpoint read);
-- an `out` that exists and is not empty is refused unless `overwrite`; with it, only a folder
-  that is itself a checkpoint of the kind being written (its marker file present) and holds
-  nothing but that kind's files is replaced. Anything else in it (a tokenizer, a README, other
-  checkpoints) makes it a refusal that names the files.
+- an `out` that is, contains, or lies inside one of the inputs is refused (even with
+  overwrite), comparing real paths and taking an input also for the checkpoint folder it
+  resolves to (`resolve.input_folders`): `--load SAVE --out SAVE/iter_20` is refused when
+  SAVE's `latest` names 20;
+- any other non-empty `out` is refused unless `overwrite`; with it, only a folder that is a
+  checkpoint of the kind being written (its marker file present) and holds nothing but that
+  kind's files is replaced; anything else in it makes it a refusal that names the files.
 
-**Atomic publish.** A checkpoint is written into `temp_dir(path)` (a sibling named
-`path + ".megazoo-tmp"`, holding an `OWNER_FILE` with the writer's host and pid), then
-`publish` renames it into place: an existing `path` (already approved by `check_output_dir`)
-is renamed aside to `path + ".megazoo-old"`, the new one renamed in, the old one deleted. A
-crash before the rename leaves any previous `path` untouched. A temp folder left by a killed
-writer is removed by the next write only when it is provably ours: its owner file names this
-host and a process that no longer exists; otherwise the error names it.
+**Atomic publish.** A checkpoint is written into `temp_dir(path)` (holding an `OWNER_FILE`
+with the writer's host and pid), then `publish` renames an existing `path` aside
+(`OLD_SUFFIX`), renames the new one in and deletes the old one: a crash before the rename
+leaves any previous `path` untouched. A temp folder left by a killed writer is removed by the
+next write only when its owner file names this host and a process that no longer exists.
 """
 from __future__ import annotations
 
@@ -81,8 +76,6 @@ def _is_within(inner: str, outer: str) -> bool:
 def _check_inputs(out: str, inputs) -> None:
     """ValueError if `out` is, contains, or lies inside one of `inputs` (see the module doc)."""
     for source in inputs:
-        if source is None:
-            continue
         folders = input_folders(source)
         hit = next((f for f in folders if _is_within(f, out)), None)
         if hit is None and len(folders) > 1 and _is_within(out, folders[-1]):
@@ -94,36 +87,33 @@ def _check_inputs(out: str, inputs) -> None:
                              f"writing it would replace what is being read; choose another --out")
 
 
-def check_output_dir(out, *, kind: str, overwrite: bool = False, inputs=(),
-                     names: tuple[str, str] = ("--out", "--overwrite")) -> None:
-    """ValueError (one line, saying what to change) unless writing `out` loses nothing.
-
-    `kind` is a key of `KINDS`; `inputs` are the folders the writer reads. `names`: how the
-    messages call the output and the flag that allows replacing it (a training run's are
-    "checkpoint folder" and "--overwrite-checkpoints"). See the module docstring for the rules.
-    """
+def check_output_dir(out, *, kind: str, overwrite: bool = False, inputs=()) -> None:
+    """ValueError (one line, saying what to change) unless writing `out` loses nothing (the
+    rules are in the module docstring). `kind` is a key of `KINDS`; `inputs` are the folders
+    the writer reads."""
     out = clean_path(out)
     _check_inputs(out, inputs)
-    what, flag = names
     if not os.path.lexists(out):
         return
     if not os.path.isdir(out):
-        raise ValueError(f"{what} {out} exists and is not a folder; choose another {what}")
+        raise ValueError(f"--out {out} exists and is not a folder; choose another --out")
     entries = sorted(os.listdir(out))
     if not entries:
         return
     if not overwrite:
-        raise ValueError(f"{out} exists and is not empty; choose another {what} or pass {flag}")
+        raise ValueError(f"{out} exists and is not empty; choose another --out or pass "
+                         f"--overwrite")
     marker = KINDS[kind][0]
     if marker not in entries:
-        raise ValueError(f"{flag} replaces only a {kind} checkpoint folder ({marker} inside); "
-                         f"{out} is not one, so it is kept: choose another {what}")
-    check_only_ours(out, kind, names)
+        raise ValueError(f"--overwrite replaces only a {kind} checkpoint folder ({marker} "
+                         f"inside); {out} is not one, so it is kept: choose another --out")
+    check_only_ours(out, kind)
 
 
 def check_only_ours(out: str, kind: str, names: tuple[str, str] = ("--out", "--overwrite")) -> None:
     """ValueError naming the entries of the folder `out` that a checkpoint of `kind` does not
-    hold (what replacing the folder would delete that is not the writer's own)."""
+    hold (what replacing the folder would delete that is not the writer's own). `names`: how
+    the message calls the output and the flag that replaces it."""
     what, flag = names
     patterns = KINDS[kind][1]
     foreign = [e for e in sorted(os.listdir(out))

@@ -1,15 +1,12 @@
 """Writing checkpoints: `save_checkpoint` (collective, from a live model at its layout) and
-`write_checkpoint` (one process, any layout, fed full tensors one at a time).
+`write_checkpoint` (one process, any layout, fed full tensors one at a time); the files are
+described in the package docstring.
 
-On disk: `megazoo.json` plus one `model-pp{p:03d}-tp{t:03d}.safetensors` per (pp, tp) rank,
-holding that rank's shards keyed by full parameter name (and `prefix/full name` for auxiliary
-tensors such as optimizer moments, sharded like their parameter). `megazoo.json` records a
-checksum of every tensor (`{file: {key: hex}}` under `checksums.values_key` of the hash that
-`"checksum"` names), computed while writing; each rank of `save_checkpoint` leaves its file's checksums next to it
-(`SUMS_SUFFIX`) for rank 0 to gather into megazoo.json before the folder is published. A tensor holding inf or nan stops the
-save before anything is published (`NonFiniteError`, naming the tensor and the checkpoint, on
-every rank); `refuse_nonfinite` is the same check, message and agreement for a writer of
-another format (DeepSpeed's engine), run before it writes anything.
+Checksums are computed while writing; each rank of `save_checkpoint` leaves its file's next to
+it (`SUMS_SUFFIX`) for rank 0 to gather into megazoo.json before the folder is published. A
+tensor holding inf or nan stops the save before anything is published (`NonFiniteError`,
+naming the tensor and the checkpoint, on every rank); `refuse_nonfinite` is the same check,
+message and agreement for a writer of another format (DeepSpeed's engine).
 """
 from __future__ import annotations
 
@@ -28,8 +25,7 @@ from .checksums import default_algorithm, values_key
 from .files import NonFiniteError, SafetensorsWriter, check_finite, dtype_name, write_json
 from .output import (check_output_dir, discard, fault_point, fresh_temp_dir, publish,
                      temp_dir)
-from .layout import (FORMAT, METADATA_FILE, check_layout, full_shapes, layout_files, rank_file,
-                     rank_model, stored_parameters)
+from .layout import FORMAT, METADATA_FILE, full_shapes, rank_file, rank_model, stored_parameters
 
 SUMS_SUFFIX = ".checksums.json"
 
@@ -38,7 +34,8 @@ def build_metadata(config: ModelConfig, layout: dict, dtype: torch.dtype, extra:
                    aux_dtypes: dict[str, torch.dtype]) -> dict:
     """The contents of megazoo.json, less the checksums (`add_checksums`)."""
     return {"format": FORMAT, "model": config.to_dict(), "layout": dict(layout),
-            "dtype": dtype_name(dtype), "files": layout_files(layout),
+            "dtype": dtype_name(dtype),
+            "files": [rank_file(p, t) for p in range(layout["pp"]) for t in range(layout["tp"])],
             "params": {name: {"full_shape": list(shape), "dtype": dtype_name(dtype)}
                        for name, shape in full_shapes(config).items()},
             "aux": list(aux_dtypes), "aux_dtypes": {k: dtype_name(v) for k, v in aux_dtypes.items()},
@@ -80,9 +77,8 @@ def _check_aux(model: nn.Module, aux: dict) -> None:
 
 def _write_rank_file(model: nn.Module, file: str, aux: dict) -> None:
     """This rank's parameters (and their aux tensors) into one safetensors file."""
-    stored = stored_parameters(model)
     tensors = {}
-    for fname, (name, p) in stored.items():
+    for fname, (name, p) in stored_parameters(model).items():
         tensors[fname] = p
         for prefix, by_name in aux.items():
             if name in by_name:
@@ -117,30 +113,42 @@ class SavedElsewhereFailed(RuntimeError, ValueError):
     cause, never as a traceback on every other rank."""
 
 
-def _collectively(step: Callable[[], object], state: ParallelState, device: torch.device,
-                  path: str, owns_temp: bool = True) -> object:
-    """Run `step()` on this rank, then agree (one all-reduce, which also synchronises): if
-    it raised on any rank, rank 0 removes the temp dir (when this write created it) and every
-    rank raises (a NonFiniteError anywhere: NonFiniteError everywhere)."""
+def agree(step: Callable[[], object], state: ParallelState | None, device: torch.device,
+          elsewhere: Exception, nonfinite: Exception | None = None) -> object:
+    """Run `step()` on this rank, then agree (one all-reduce, which also synchronises): if it
+    raised on any rank, raise on every rank: its own error where it failed, `elsewhere` on
+    the others (`nonfinite` instead, if given, when a NonFiniteError was among the causes).
+    `state` None: one process."""
     result, error = None, None
     try:
         result = step()
     except Exception as exc:  # reported to every rank below, then re-raised here
         error = exc
     code = 0 if error is None else 2 if isinstance(error, NonFiniteError) else 1
-    if state.world_size > 1:
+    if state is not None and state.world_size > 1:
         flag = torch.tensor([code], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         code = int(flag.item())
-    if code:
+    if code and error is None:
+        error = nonfinite if code == 2 and nonfinite is not None else elsewhere
+    if error is not None:
+        raise error
+    return result
+
+
+def _collectively(step: Callable[[], object], state: ParallelState, device: torch.device,
+                  path: str, owns_temp: bool = True) -> object:
+    """`agree` on one step of saving `path`; on a failure anywhere, rank 0 also removes the
+    temp dir (when this write created it)."""
+    elsewhere = SavedElsewhereFailed(f"saving {path} failed on another rank; see its error")
+    nonfinite = NonFiniteError(f"not saving {path}: another rank found a tensor holding inf "
+                               f"or nan (its error names it)")
+    try:
+        return agree(step, state, device, elsewhere, nonfinite)
+    except Exception:
         if state.global_rank == 0 and owns_temp:
             discard(path)
-        if error is None and code == 2:  # the same kind of error on every rank
-            error = NonFiniteError(f"not saving {path}: another rank found a tensor holding inf "
-                                   f"or nan (its error names it)")
-        raise error or SavedElsewhereFailed(f"saving {path} failed on another rank; see its "
-                                            f"error")
-    return result
+        raise
 
 
 def refuse_nonfinite(tensors: Iterable[tuple[str, torch.Tensor]], path: str,
@@ -165,14 +173,12 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
     """Save `model` (this rank's part of it) to the checkpoint directory `path`.
 
     Collective: every rank of `state` calls it (state None: `model.state`, else one process).
-    Ranks with dp rank 0 and sp rank 0 write their (pp, tp) file into `path + ".tmp"`; global
-    rank 0 writes megazoo.json and renames the temp dir into place. `aux` maps a prefix
-    ("exp_avg") to {local parameter name: tensor shaped like that parameter}, for every
-    parameter. Raises on every rank if any rank failed; `path` is then left as it was.
-    An existing non-empty `path` is refused unless `overwrite`, which replaces only a megazoo
-    checkpoint folder holding nothing else (`output.check_output_dir`). `rank_files(tmp)`, if
-    given, runs on every rank to add that rank's own files to the folder before it is
-    published (per-rank state such as gradient-compression residuals).
+    Ranks with dp rank 0 and sp rank 0 write their (pp, tp) file into the temp folder; global
+    rank 0 writes megazoo.json and publishes it (`output.py`, which also says what
+    `overwrite` may replace). `aux` maps a prefix ("exp_avg") to {local parameter name:
+    tensor shaped like it}, for every parameter. Raises on every rank if any rank failed;
+    `path` is then left as it was. `rank_files(tmp)`, if given, runs on every rank to add
+    that rank's own files (per-rank state such as gradient-compression residuals).
     """
     state = state or getattr(model, "state", None) or ParallelState.single()
     aux = aux or {}
@@ -224,23 +230,22 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
 def write_checkpoint(config: ModelConfig, path, full_tensor: Callable[[str], torch.Tensor], *,
                      tp: int = 1, pp: int = 1, vpp: int = 1, dtype: torch.dtype | None = None,
                      extra: dict | None = None, aux_prefixes=(),
-                     aux_dtype: torch.dtype | None = None, overwrite: bool = False,
+                     aux_dtype: torch.dtype = torch.float32, overwrite: bool = False,
                      inputs=()) -> None:
     """Write a checkpoint of `config` at layout (tp, pp, vpp) in one process, streaming.
 
     `full_tensor(full_name)` returns a full, unpadded parameter (`full_tensor(f"{prefix}/{name}")`
     an aux tensor); each is fetched when its rank file is written, sliced, written and freed, so
-    memory holds about one full tensor. dtype None: the dtype of the first tensor fetched;
-    aux_dtype None: float32. Atomic like `save_checkpoint`, with the same `overwrite` rule;
+    memory holds about one full tensor. dtype None: the dtype of the first tensor fetched.
+    Atomic like `save_checkpoint`, with the same `overwrite` rule;
     `inputs` are the folders `full_tensor` reads, which `path` must not be nor contain.
     """
-    layout = check_layout(tp, pp, vpp)
+    layout = {"tp": tp, "pp": pp, "vpp": vpp}
     path = os.fspath(path)
     check_output_dir(path, kind="megazoo", overwrite=overwrite, inputs=inputs)
-    first = rank_model(config, layout, 0, 0)  # validates heads / layers vs the layout
+    first = rank_model(config, layout, 0, 0)  # validates the layout and the model against it
     if dtype is None:
         dtype = full_tensor(next(iter(stored_parameters(first)))).dtype
-    aux_dtype = aux_dtype or torch.float32
     tmp = fresh_temp_dir(path)
     checksums, algorithm = {}, default_algorithm()
     try:
@@ -275,8 +280,7 @@ def _stream_rank(model: nn.Module, tp_rank: int, tp: int, file: str, full_tensor
             specs[f"{prefix}/{fname}"] = (aux_dtype, tuple(p.shape))
     with SafetensorsWriter(file, specs, algorithm) as writer:
         for key in specs:
-            fname = key.split("/", 1)[-1]
-            p = stored[fname][1]
+            p = stored[key.split("/", 1)[-1]][1]  # an aux tensor is sharded like its parameter
             full = full_tensor(key)
             expected = full_shape(p, tp)
             if tuple(full.shape) != expected:

@@ -13,12 +13,12 @@ import torch
 from ..checkpoint import CheckpointReader, dtype_name, write_checkpoint
 from ..checkpoint.files import write_json
 from ..checkpoint.output import check_output_dir, discard, fresh_temp_dir, publish
-from ..checkpoint.layout import full_shapes, rank_model
+from ..checkpoint.layout import full_shapes
 from ..models import ModelConfig
 from .common import Adapter, Rule
 from .bloom import ADAPTER as BLOOM
 from .gpt2 import ADAPTER as GPT2
-from .hf_io import HFReader, HFWriter, read_hf_config
+from .hf_io import HFReader, read_hf_config, write_hf_weights
 from .llama import ADAPTER as LLAMA
 
 ADAPTERS = {a.model_type: a for a in (GPT2, BLOOM, LLAMA)}
@@ -37,10 +37,6 @@ def adapter_for(model_type: str) -> Adapter:
 def hf_shapes(cfg: ModelConfig, rules: list[Rule]) -> dict[str, tuple[int, ...]]:
     """The HF key -> shape the config implies (each rule's to_hf run on meta tensors)."""
     full = full_shapes(cfg)
-    names = [r.name for r in rules]
-    if sorted(names) != sorted(full) or len(set(names)) != len(names):
-        raise AssertionError(f"key map covers {len(names)} parameters, the model has {len(full)}: "
-                             f"{sorted(set(names) ^ set(full))[:4]}")
     out = {}
     for rule in rules:
         tensors = rule.to_hf(torch.empty(full[rule.name], device="meta"))
@@ -81,7 +77,6 @@ def hf_to_megazoo(hf_dir, out, *, tp: int = 1, pp: int = 1, vpp: int = 1,
     expected = hf_shapes(cfg, rules)
     reader = HFReader(hf_dir, adapter.prefix)
     check_hf_weights(reader, adapter, cfg, expected)
-    rank_model(cfg, {"tp": tp, "pp": pp, "vpp": vpp}, 0, 0)  # layout errors before writing
     by_name = {r.name: r for r in rules}
 
     def full_tensor(name: str) -> torch.Tensor:
@@ -100,9 +95,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, tokens: dict | None = None) 
     bos/eos/pad ids an HF conversion recorded (None: HF's defaults, valid only for small ids)."""
     if cfg.family not in BY_FAMILY:
         raise ValueError(f"family {cfg.family!r} has no Hugging Face adapter")
-    sparse = cfg.sparse
-    if sparse is not None and sparse.mode != "dense":
-        raise ValueError(f"the model uses {sparse.mode} block-sparse attention, which Hugging "
+    if cfg.sparse is not None and cfg.sparse.mode != "dense":
+        raise ValueError(f"the model uses {cfg.sparse.mode} block-sparse attention, which Hugging "
                          f"Face's {cfg.family} architecture cannot express: export refused "
                          f"(keep it as a megazoo checkpoint)")
     adapter = BY_FAMILY[cfg.family]
@@ -128,15 +122,17 @@ def megazoo_to_hf(load, out, *, dtype: torch.dtype | None = None,
     config = hf_config(cfg, dtype, (reader.metadata.get("extra") or {}).get("hf_token_ids"))
     rules = BY_FAMILY[cfg.family].rules(cfg)
     expected = hf_shapes(cfg, rules)
+
+    def hf_tensors():
+        for rule in rules:
+            for key, t in zip(rule.hf_keys, rule.to_hf(reader.full_tensor(rule.name))):
+                assert tuple(t.shape) == expected[key], (key, t.shape, expected[key])
+                yield key, t
+
     tmp = fresh_temp_dir(out)
     try:
-        writer = HFWriter(tmp, {k: (dtype, s) for k, s in expected.items()}, max_shard_bytes)
-        for rule in rules:
-            tensors = rule.to_hf(reader.full_tensor(rule.name))
-            for key, t in zip(rule.hf_keys, tensors):
-                assert tuple(t.shape) == expected[key], (key, t.shape, expected[key])
-                writer.write(key, t)
-        writer.close()
+        write_hf_weights(tmp, {k: (dtype, s) for k, s in expected.items()}, hf_tensors(),
+                         max_shard_bytes)
         write_json(os.path.join(tmp, "config.json"), config)
         publish(out)
     except BaseException:

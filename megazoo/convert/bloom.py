@@ -1,24 +1,15 @@
 """BLOOM (`BloomForCausalLM`, model_type "bloom") <-> megazoo "bloom".
 
-BLOOM's `query_key_value` is stored per head as [q, k, v] (a view of [heads, 3, d, h]), which
-is exactly megazoo's fused QKV layout at tp = 1 for multi-head attention, so every tensor is
-copied unchanged. Key map (HF -> megazoo), per layer i (`transformer.h.{i}.` -> `layers.{i}.`):
-    transformer.word_embeddings.weight            -> embedding.word_embeddings.weight
-    transformer.word_embeddings_layernorm.*       -> embedding.norm.*
-    input_layernorm.*                             -> input_norm.*
-    self_attention.query_key_value.*              -> attention.qkv.*
-    self_attention.dense.*                        -> attention.dense.*
-    post_attention_layernorm.*                    -> post_attention_norm.*
-    mlp.dense_h_to_4h.* / mlp.dense_4h_to_h.*     -> mlp.fc1.* / mlp.fc2.*
-    transformer.ln_f.*                            -> final_norm.*
-    lm_head.weight                                -> tied to word_embeddings
-ALiBi needs no position table: megazoo's max_position_embeddings is taken from HF's
-`seq_length` when present, else 2048 (it only bounds the sequence length).
+`KEY_MAP` is the key map. BLOOM's `query_key_value` is stored per head as [q, k, v] (a view
+of [heads, 3, d, h]), which is exactly megazoo's fused QKV layout at tp = 1 for multi-head
+attention, so every tensor is copied unchanged. ALiBi needs no position table: megazoo's
+max_position_embeddings is taken from HF's `seq_length` when present, else 2048 (it only
+bounds the sequence length).
 """
 from __future__ import annotations
 
 from ..models import ModelConfig
-from .common import Adapter, Rule, copy_rule, expect, hf_get, layer_rules, tied_head
+from .common import Adapter, expect, hf_get
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -48,24 +39,17 @@ def config_to_hf(cfg: ModelConfig) -> dict:
             "slow_but_exact": False, "seq_length": cfg.max_position_embeddings}
 
 
-def rules(cfg: ModelConfig) -> list[Rule]:
-    def pair(m: str, h: str) -> list[Rule]:
-        return [copy_rule(m + ".weight", h + ".weight"), copy_rule(m + ".bias", h + ".bias")]
-
-    def per_layer(m: str, h: str) -> list[Rule]:
-        return (pair(m + "input_norm", h + "input_layernorm")
-                + pair(m + "attention.qkv", h + "self_attention.query_key_value")
-                + pair(m + "attention.dense", h + "self_attention.dense")
-                + pair(m + "post_attention_norm", h + "post_attention_layernorm")
-                + pair(m + "mlp.fc1", h + "mlp.dense_h_to_4h")
-                + pair(m + "mlp.fc2", h + "mlp.dense_4h_to_h"))
-
-    return ([copy_rule("embedding.word_embeddings.weight", "transformer.word_embeddings.weight")]
-            + pair("embedding.norm", "transformer.word_embeddings_layernorm")
-            + layer_rules(cfg, per_layer, "transformer.h.{i}.")
-            + pair("final_norm", "transformer.ln_f")
-            + tied_head(cfg, "lm_head.weight"))
-
-
+KEY_MAP = {
+    "embedding.word_embeddings": "transformer.word_embeddings",
+    "embedding.norm": "transformer.word_embeddings_layernorm",
+    "layers.{i}.input_norm": "transformer.h.{i}.input_layernorm",
+    "layers.{i}.attention.qkv": "transformer.h.{i}.self_attention.query_key_value",
+    "layers.{i}.attention.dense": "transformer.h.{i}.self_attention.dense",
+    "layers.{i}.post_attention_norm": "transformer.h.{i}.post_attention_layernorm",
+    "layers.{i}.mlp.fc1": "transformer.h.{i}.mlp.dense_h_to_4h",
+    "layers.{i}.mlp.fc2": "transformer.h.{i}.mlp.dense_4h_to_h",
+    "final_norm": "transformer.ln_f",
+    "output_layer": "lm_head",  # only when untied; tied, lm_head is the embedding copy
+}
 ADAPTER = Adapter("bloom", "bloom", "BloomForCausalLM", "transformer.", config_from_hf,
-                  config_to_hf, rules, lambda key: key == "lm_head.weight")
+                  config_to_hf, KEY_MAP, {}, lambda key: key == "lm_head.weight")

@@ -86,21 +86,19 @@ def megazoo_to_hf_main(argv=None) -> int:
     return _run(action, args, {"--out": args.out, "--load": args.load})
 
 
-def _relayout_main(argv, description: str, load_help: str, convert, verify: bool) -> int:
-    """--load + --out + layout flags -> `convert(load, out, tp=, pp=, vpp=, dtype=, overwrite=)`
-    (and `verify_checksums=` when `verify`: the input is a checkpoint megazoo wrote)."""
+def _relayout_main(argv, description: str, load_help: str, convert) -> int:
+    """--load + --out + layout flags -> `convert(load, out, tp=, pp=, vpp=, dtype=, overwrite=,
+    verify_checksums=)`."""
     parser = HintingParser(description=description)
     parser.add_argument("--load", required=True, help=load_help)
     parser.add_argument("--out", required=True, help="megazoo checkpoint folder to write")
     _layout_args(parser)
-    if verify:
-        _verify_args(parser)
+    _verify_args(parser)
     args = parser.parse_args(argv)
-    options = {"verify_checksums": args.verify_checksums} if verify else {}
 
     def action(_):
         convert(args.load, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, dtype=_dtype(args),
-                overwrite=args.overwrite, **options)
+                overwrite=args.overwrite, verify_checksums=args.verify_checksums)
         return f"wrote {args.out} at tp={args.tp} pp={args.pp} vpp={args.vpp}"
     return _run(action, args, {"--out": args.out, "--load": args.load})
 
@@ -109,13 +107,11 @@ def reshard_main(argv=None) -> int:
     from .api import reshard
     return _relayout_main(argv, "Rewrite a megazoo checkpoint at another tp/pp/vpp layout "
                                 "(optimizer aux tensors included).",
-                          f"megazoo checkpoint: {LOAD_FORMS}",
-                          reshard, verify=True)
+                          f"megazoo checkpoint: {LOAD_FORMS}", reshard)
 
 
 def zero_to_megazoo_main(argv=None) -> int:
     from .deepspeed import zero_to_megazoo
     return _relayout_main(argv, "Consolidate a DeepSpeedEngine (ZeRO-1/2/3) checkpoint into a "
                                 "megazoo checkpoint.",
-                          f"DeepSpeedEngine checkpoint: {LOAD_FORMS}",
-                          zero_to_megazoo, verify=True)
+                          f"DeepSpeedEngine checkpoint: {LOAD_FORMS}", zero_to_megazoo)

@@ -12,11 +12,13 @@ between it and separate q `[H d, ...]`, k, v `[K d, ...]` (rows along dim 0, wei
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from ..checkpoint.layout import full_shapes
 from ..models import ModelConfig
 
 Tensors = list[torch.Tensor]
@@ -32,14 +34,15 @@ class Rule:
     to_hf: Callable[[torch.Tensor], Tensors]
 
 
-def copy_rule(name: str, key: str) -> Rule:
+def copy_rule(cfg: ModelConfig, name: str, keys: tuple[str]) -> Rule:
     """The same tensor under another name."""
-    return Rule(name, (key,), lambda ts: ts[0], lambda t: [t])
+    return Rule(name, keys, lambda ts: ts[0], lambda t: [t])
 
 
-def transpose_rule(name: str, key: str) -> Rule:
-    """GPT-2's Conv1D stores weights as [in, out]; megazoo (nn.Linear) as [out, in]."""
-    return Rule(name, (key,), lambda ts: ts[0].t().contiguous(), lambda t: [t.t().contiguous()])
+def transpose_rule(cfg: ModelConfig, name: str, keys: tuple[str]) -> Rule:
+    """GPT-2's Conv1D stores weights as [in, out]; megazoo (nn.Linear) as [out, in] (a bias,
+    1-D, stays as it is)."""
+    return Rule(name, keys, lambda ts: ts[0].t().contiguous(), lambda t: [t.t().contiguous()])
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
@@ -63,13 +66,20 @@ def split_qkv(fused: torch.Tensor, heads: int, kv_heads: int) -> Tensors:
     return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
 
 
+#: A rule maker: (config, megazoo name, HF keys) -> Rule.
+RuleMaker = Callable[[ModelConfig, str, tuple[str, ...]], Rule]
+
+
 @dataclass(frozen=True)
 class Adapter:
     """One Hugging Face architecture: config maps both ways and the key map.
 
-    `prefix` is the base-model prefix ("transformer.", "model.") that checkpoints of the bare
-    base model (e.g. the hub's gpt2) leave out; `ignored(key)` is true for HF keys that are
-    not weights (buffers, a tied lm_head copy).
+    `key_map` maps each megazoo module (`layers.{i}.` for every layer) to its HF module, or to
+    the HF modules one megazoo tensor fuses; `.weight` / `.bias` carry over, and a parameter
+    that is neither maps to a whole HF key. `makers` names the modules whose tensors are not
+    copied unchanged (`copy_rule`). `prefix` is the base-model prefix ("transformer.",
+    "model.") that checkpoints of the bare base model (e.g. the hub's gpt2) leave out;
+    `ignored(key)` is true for HF keys that are not weights (buffers, a tied lm_head copy).
     """
 
     model_type: str
@@ -78,35 +88,35 @@ class Adapter:
     prefix: str
     config_from_hf: Callable[[dict], ModelConfig]
     config_to_hf: Callable[[ModelConfig], dict]
-    rules: Callable[[ModelConfig], list[Rule]]
+    key_map: dict[str, str | tuple[str, ...]]
+    makers: dict[str, RuleMaker]
     ignored: Callable[[str], bool]
 
+    def rules(self, cfg: ModelConfig) -> list[Rule]:
+        """One Rule per stored parameter of `cfg`'s model, in the model's order."""
+        out = []
+        for name in full_shapes(cfg):
+            index, module, suffix = re.fullmatch(r"(?:layers\.(\d+)\.)?(.*?)(\.weight|\.bias)?",
+                                                 name).groups()
+            pattern = module if index is None else "layers.{i}." + module
+            if pattern not in self.key_map:
+                raise AssertionError(f"the {self.model_type} key map has no entry for {name}")
+            hf = self.key_map[pattern]
+            keys = tuple(m.format(i=index) + (suffix or "")
+                         for m in (hf if isinstance(hf, tuple) else (hf,)))
+            out.append(self.makers.get(pattern, copy_rule)(cfg, name, keys))
+        return out
 
-def hf_get(hf: dict, *names, default=None, required=True):
-    """The first of `names` present in the HF config dict (ValueError if none and required)."""
+
+def hf_get(hf: dict, *names):
+    """The first of `names` present in the HF config dict (ValueError if none is)."""
     for name in names:
         if hf.get(name) is not None:
             return hf[name]
-    if required and default is None:
-        raise ValueError(f"HF config.json lacks {' / '.join(names)}")
-    return default
+    raise ValueError(f"HF config.json lacks {' / '.join(names)}")
 
 
 def expect(condition: bool, message: str) -> None:
     """ValueError(message) unless condition: for configs megazoo cannot represent."""
     if not condition:
         raise ValueError(message)
-
-
-def tied_head(cfg: ModelConfig, key: str, untied_name: str = "output_layer.weight") -> list[Rule]:
-    """The lm_head rule when the embeddings are untied, nothing when tied."""
-    return [] if cfg.tie_word_embeddings else [copy_rule(untied_name, key)]
-
-
-def layer_rules(cfg: ModelConfig, per_layer: Callable[[str, str], list[Rule]],
-                hf_layer: str) -> list[Rule]:
-    """`per_layer(megazoo prefix, hf prefix)` for every layer i."""
-    out = []
-    for i in range(cfg.num_layers):
-        out += per_layer(f"layers.{i}.", hf_layer.format(i=i))
-    return out

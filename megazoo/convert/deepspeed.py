@@ -23,50 +23,46 @@ import tempfile
 
 import torch
 
-
-def _tp_rank_files(ds_dir: str, tp_rank: int) -> list[str]:
-    mark = f"mp_rank_{tp_rank:02d}_"
-    files = [f for f in os.listdir(ds_dir) if mark in f and f.endswith(".pt")]
-    if not files:
-        raise ValueError(f"{ds_dir} holds no DeepSpeed files of tp rank {tp_rank} (*{mark}*.pt)")
-    return files
+from ..checkpoint import config_from_dict, rank_model, write_checkpoint
+from ..checkpoint.deepspeed import check_finite_loaded, read_ds_metadata
+from ..checkpoint.deepspeed import verify_checksums as verify_files
+from ..checkpoint.layout import stored_parameters
+from ..checkpoint.output import check_output_dir
+from ..checkpoint.resolve import resolve_checkpoint
+from ..layers.sharding import tp_unslice
+from ..models import ModelConfig
 
 
 def tp_rank_state_dict(load: str, tag: str, tp_rank: int) -> dict[str, torch.Tensor]:
     """fp32 {local name: tensor} of tp rank `tp_rank`, merged over its ZeRO partitions."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    ds_dir = os.path.join(load, tag)
+    ds_dir, mark = os.path.join(load, tag), f"mp_rank_{tp_rank:02d}_"
+    files = [f for f in os.listdir(ds_dir) if mark in f and f.endswith(".pt")]
+    if not files:
+        raise ValueError(f"{ds_dir} holds no DeepSpeed files of tp rank {tp_rank} (*{mark}*.pt)")
     with tempfile.TemporaryDirectory() as tmp:
         os.makedirs(os.path.join(tmp, tag))
-        for f in _tp_rank_files(ds_dir, tp_rank):
+        for f in files:
             os.symlink(os.path.abspath(os.path.join(ds_dir, f)), os.path.join(tmp, tag, f))
         with contextlib.redirect_stderr(io.StringIO()):  # DeepSpeed's progress bar
             sd = get_fp32_state_dict_from_zero_checkpoint(tmp, tag=tag)
     return {k: (v.materialize() if hasattr(v, "materialize") else v) for k, v in sd.items()}
 
 
-def full_state_dict(load: str) -> tuple[object, dict[str, torch.Tensor], dict]:
+def full_state_dict(load: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
     """(ModelConfig, {full name: full unpadded fp32 tensor}, DeepSpeed metadata)."""
-    from ..checkpoint import config_from_dict, rank_model
-    from ..checkpoint.deepspeed import read_ds_metadata
-    from ..layers.sharding import tp_unslice
-    from ..models import full_name
-
     meta = read_ds_metadata(load)
     config = config_from_dict(meta["model"])
     tp = int(meta["layout"]["tp"])
-    layout = {"tp": tp, "pp": 1, "vpp": 1}
     shards = [tp_rank_state_dict(load, meta["tag"], t) for t in range(tp)]
-    reference = rank_model(config, layout, 0, 0)  # meta device: names and shard tags
+    reference = rank_model(config, {"tp": tp, "pp": 1, "vpp": 1}, 0, 0)  # names, shard tags
     full = {}
-    for name, p in reference.named_parameters():
-        if getattr(p, "tied_to", None):
-            continue
+    for fname, (name, p) in stored_parameters(reference).items():
         missing = [t for t in range(tp) if name not in shards[t]]
         if missing:
             raise ValueError(f"{load}: parameter {name} is missing from tp ranks {missing}")
-        full[full_name(name, p)] = tp_unslice([shards[t][name] for t in range(tp)], p)
+        full[fname] = tp_unslice([shards[t][name] for t in range(tp)], p)
     return config, full, meta
 
 
@@ -76,17 +72,11 @@ def zero_to_megazoo(load, out, *, tp: int = 1, pp: int = 1, vpp: int = 1,
     """Consolidate the DeepSpeedEngine checkpoint `load` into a megazoo checkpoint `out`
     (`overwrite` as in `hf_to_megazoo`; `out` is never `load` nor a folder containing it),
     after verifying it (see the module doc)."""
-    from ..checkpoint import write_checkpoint
-    from ..checkpoint.deepspeed import check_finite_loaded, verify_checksums as verify
-    from ..checkpoint.output import check_output_dir
-    from ..checkpoint.resolve import resolve_checkpoint
-    from ..checkpoint.deepspeed import read_ds_metadata
-
     load, out = os.fspath(load), os.fspath(out)
     check_output_dir(out, kind="megazoo", overwrite=overwrite, inputs=[load])
     folder = resolve_checkpoint(load)  # a --save folder: its latest
     if verify_checksums:
-        verify(folder, read_ds_metadata(folder))
+        verify_files(folder, read_ds_metadata(folder))
     config, full, meta = full_state_dict(folder)
     check_finite_loaded(full.items(), folder, allow="")
     extra = {"converted_from": "deepspeed", "zero_stage": meta.get("zero_stage"),

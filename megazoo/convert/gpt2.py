@@ -1,18 +1,8 @@
 """GPT-2 (`GPT2LMHeadModel`, model_type "gpt2") <-> megazoo "gpt".
 
-Key map (HF -> megazoo), per layer i (`transformer.h.{i}.` -> `layers.{i}.`):
-    transformer.wte.weight            -> embedding.word_embeddings.weight
-    transformer.wpe.weight            -> embedding.position_embeddings
-    ln_1.{weight,bias}                -> input_norm.{weight,bias}
-    attn.c_attn.{weight,bias}         -> attention.qkv.{weight,bias}   Conv1D transpose, then
-                                         [all q | all k | all v] -> per head [q, k, v]
-    attn.c_proj.{weight,bias}         -> attention.dense.{weight,bias} (weight transposed)
-    ln_2.{weight,bias}                -> post_attention_norm.{weight,bias}
-    mlp.c_fc.{weight,bias}            -> mlp.fc1.{weight,bias}         (weight transposed)
-    mlp.c_proj.{weight,bias}          -> mlp.fc2.{weight,bias}         (weight transposed)
-    transformer.ln_f.{weight,bias}    -> final_norm.{weight,bias}
-    lm_head.weight                    -> tied to wte (output_layer.weight if untied)
-Dropout is not carried over (megazoo trains with its own dropout settings, default 0).
+`KEY_MAP` is the key map. GPT-2's Conv1D stores linear weights transposed ([in, out]), and
+its `c_attn` holds [all q | all k | all v] where megazoo fuses [q, k, v] per head. Dropout is
+not carried over (megazoo trains with its own dropout settings, default 0).
 """
 from __future__ import annotations
 
@@ -21,8 +11,7 @@ import re
 import torch
 
 from ..models import ModelConfig
-from .common import (Adapter, Rule, copy_rule, expect, fuse_qkv, hf_get, layer_rules, split_qkv,
-                     tied_head, transpose_rule)
+from .common import Adapter, Rule, expect, fuse_qkv, hf_get, split_qkv, transpose_rule
 
 ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact"}
 
@@ -60,8 +49,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
 
-def _c_attn(name: str, key: str, heads: int) -> Rule:
+def _c_attn(cfg: ModelConfig, name: str, keys: tuple[str]) -> Rule:
     """Conv1D [h, 3h] (or bias [3h]) = [all q | all k | all v] <-> fused per-head [q, k, v]."""
+    heads = cfg.num_attention_heads
+
     def from_hf(ts):
         w = ts[0].t() if ts[0].dim() == 2 else ts[0]  # [3h, h] or [3h]
         return fuse_qkv(*w.chunk(3, dim=0), heads, heads)
@@ -69,35 +60,24 @@ def _c_attn(name: str, key: str, heads: int) -> Rule:
     def to_hf(t):
         full = torch.cat(split_qkv(t, heads, heads), dim=0)  # [3h, *]
         return [full.t().contiguous() if full.dim() == 2 else full]
-    return Rule(name, (key,), from_hf, to_hf)
+    return Rule(name, keys, from_hf, to_hf)
 
 
-def rules(cfg: ModelConfig) -> list[Rule]:
-    heads = cfg.num_attention_heads
-
-    def per_layer(m: str, h: str) -> list[Rule]:
-        out = [copy_rule(m + "input_norm.weight", h + "ln_1.weight"),
-               copy_rule(m + "input_norm.bias", h + "ln_1.bias"),
-               _c_attn(m + "attention.qkv.weight", h + "attn.c_attn.weight", heads),
-               _c_attn(m + "attention.qkv.bias", h + "attn.c_attn.bias", heads),
-               transpose_rule(m + "attention.dense.weight", h + "attn.c_proj.weight"),
-               copy_rule(m + "attention.dense.bias", h + "attn.c_proj.bias"),
-               copy_rule(m + "post_attention_norm.weight", h + "ln_2.weight"),
-               copy_rule(m + "post_attention_norm.bias", h + "ln_2.bias"),
-               transpose_rule(m + "mlp.fc1.weight", h + "mlp.c_fc.weight"),
-               copy_rule(m + "mlp.fc1.bias", h + "mlp.c_fc.bias"),
-               transpose_rule(m + "mlp.fc2.weight", h + "mlp.c_proj.weight"),
-               copy_rule(m + "mlp.fc2.bias", h + "mlp.c_proj.bias")]
-        return out
-
-    return ([copy_rule("embedding.word_embeddings.weight", "transformer.wte.weight"),
-             copy_rule("embedding.position_embeddings", "transformer.wpe.weight")]
-            + layer_rules(cfg, per_layer, "transformer.h.{i}.")
-            + [copy_rule("final_norm.weight", "transformer.ln_f.weight"),
-               copy_rule("final_norm.bias", "transformer.ln_f.bias")]
-            + tied_head(cfg, "lm_head.weight"))
-
-
+KEY_MAP = {
+    "embedding.word_embeddings": "transformer.wte",
+    "embedding.position_embeddings": "transformer.wpe.weight",
+    "layers.{i}.input_norm": "transformer.h.{i}.ln_1",
+    "layers.{i}.attention.qkv": "transformer.h.{i}.attn.c_attn",
+    "layers.{i}.attention.dense": "transformer.h.{i}.attn.c_proj",
+    "layers.{i}.post_attention_norm": "transformer.h.{i}.ln_2",
+    "layers.{i}.mlp.fc1": "transformer.h.{i}.mlp.c_fc",
+    "layers.{i}.mlp.fc2": "transformer.h.{i}.mlp.c_proj",
+    "final_norm": "transformer.ln_f",
+    "output_layer": "lm_head",  # only when untied; tied, lm_head is the wte copy
+}
+MAKERS = {"layers.{i}.attention.qkv": _c_attn, "layers.{i}.attention.dense": transpose_rule,
+          "layers.{i}.mlp.fc1": transpose_rule, "layers.{i}.mlp.fc2": transpose_rule}
 _BUFFERS = re.compile(r"\.attn\.(masked_)?bias$")
 ADAPTER = Adapter("gpt2", "gpt", "GPT2LMHeadModel", "transformer.", config_from_hf, config_to_hf,
-                  rules, lambda key: bool(_BUFFERS.search(key)) or key == "lm_head.weight")
+                  KEY_MAP, MAKERS,
+                  lambda key: bool(_BUFFERS.search(key)) or key == "lm_head.weight")

@@ -11,7 +11,9 @@ exists and streamed with `SafetensorsWriter`; an index json maps keys to files w
 """
 from __future__ import annotations
 
+import math
 import os
+from typing import Iterable
 
 import torch
 from safetensors import safe_open
@@ -37,7 +39,6 @@ class HFReader:
         files = self._files()
         self.file_of: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
-        self.dtypes: dict[str, str] = {}
         for name in files:
             path = os.path.join(hf_dir, name)
             if not os.path.isfile(path):
@@ -45,9 +46,8 @@ class HFReader:
             try:
                 with safe_open(path, framework="pt") as f:
                     for key in f.keys():
-                        sl = f.get_slice(key)
-                        self.file_of[key], self.shapes[key] = path, tuple(sl.get_shape())
-                        self.dtypes[key] = sl.get_dtype()
+                        self.file_of[key] = path
+                        self.shapes[key] = tuple(f.get_slice(key).get_shape())
             except Exception as exc:  # safetensors' own error types
                 raise ValueError(f"HF shard {path} is damaged or truncated ({exc})") from None
         self.alias = {}
@@ -89,7 +89,7 @@ def plan_shards(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
     """Consecutive keys grouped into files of at most max_shard_bytes (a bigger tensor alone)."""
     groups, size = [[]], 0
     for key, (dtype, shape) in specs.items():
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if groups[-1] and size + nbytes > max_shard_bytes:
             groups.append([])
             size = 0
@@ -98,37 +98,22 @@ def plan_shards(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
     return groups
 
 
-class HFWriter:
-    """Write planned tensors in order into HF-style safetensors shards (plus index if >1)."""
-
-    def __init__(self, out_dir: str, specs: dict, max_shard_bytes: int = 5 * 2**30):
-        self.dir, self.specs = out_dir, specs
-        groups = plan_shards(specs, max_shard_bytes)
-        n = len(groups)
-        self.names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                                               for i in range(n)]
-        self.file_index = {k: i for i, g in enumerate(groups) for k in g}
-        self.groups, self.current, self.writer = groups, -1, None
-
-    def write(self, key: str, tensor: torch.Tensor) -> None:
-        i = self.file_index[key]
-        if i != self.current:
-            self._close()
-            self.current = i
-            self.writer = SafetensorsWriter(os.path.join(self.dir, self.names[i]),
-                                            {k: self.specs[k] for k in self.groups[i]})
-        self.writer.write(key, tensor)
-
-    def _close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-
-    def close(self) -> None:
-        self._close()
-        if len(self.names) > 1:
-            total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
-                        for d, s in self.specs.values())
-            write_json(os.path.join(self.dir, INDEX), {
-                "metadata": {"total_size": total},
-                "weight_map": {k: self.names[i] for k, i in self.file_index.items()}})
+def write_hf_weights(out_dir: str, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                     tensors: Iterable[tuple[str, torch.Tensor]],
+                     max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write `tensors` ((key, tensor) pairs in `specs` order) into HF-style safetensors shards
+    planned by `plan_shards`, plus the index json when there are several."""
+    groups = plan_shards(specs, max_shard_bytes)
+    n = len(groups)
+    names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                                     for i in range(n)]
+    tensors = iter(tensors)
+    for name, group in zip(names, groups):
+        with SafetensorsWriter(os.path.join(out_dir, name), {k: specs[k] for k in group}) as w:
+            for _ in group:
+                w.write(*next(tensors))
+    if n > 1:
+        total = sum(math.prod(shape) * dtype.itemsize for dtype, shape in specs.values())
+        write_json(os.path.join(out_dir, INDEX), {
+            "metadata": {"total_size": total},
+            "weight_map": {k: name for name, group in zip(names, groups) for k in group}})

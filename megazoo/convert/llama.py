@@ -1,16 +1,7 @@
 """LLaMA (`LlamaForCausalLM`, model_type "llama") <-> megazoo "llama".
 
-Key map (HF -> megazoo), per layer i (`model.layers.{i}.` -> `layers.{i}.`):
-    model.embed_tokens.weight                   -> embedding.word_embeddings.weight
-    input_layernorm.weight                      -> input_norm.weight
-    self_attn.{q,k,v}_proj.{weight,bias}        -> attention.qkv.*  (fused: K groups of
-                                                   [G q heads, k head, v head], GQA-aware)
-    self_attn.o_proj.*                          -> attention.dense.*
-    post_attention_layernorm.weight             -> post_attention_norm.weight
-    mlp.gate_proj / mlp.up_proj                 -> mlp.fc1 ([gate; up] fused SwiGLU)
-    mlp.down_proj                               -> mlp.fc2
-    model.norm.weight                           -> final_norm.weight
-    lm_head.weight                              -> output_layer.weight (untied)
+`KEY_MAP` is the key map: q/k/v projections fuse into megazoo's QKV (K groups of [G q heads,
+k head, v head], GQA-aware), gate/up into the SwiGLU fc1 ([gate; up]).
 Rotary convention: HF's q_proj / k_proj rows are already in the rotate_half (halves) order
 that megazoo's RoPE uses (megazoo/layers/positions.py), so no row permutation is needed
 (the permutation in HF's own conversion script maps Meta's interleaved pairs to halves).
@@ -20,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..models import ModelConfig
-from .common import Adapter, Rule, copy_rule, expect, fuse_qkv, hf_get, layer_rules, split_qkv, tied_head
+from .common import Adapter, Rule, expect, fuse_qkv, hf_get, split_qkv
 
 
 def _rope_theta(hf: dict) -> float:
@@ -64,39 +55,31 @@ def config_to_hf(cfg: ModelConfig) -> dict:
             "initializer_range": cfg.init_std, "attention_dropout": 0.0}
 
 
-def _qkv(name: str, keys: tuple[str, ...], heads: int, kv_heads: int) -> Rule:
+def _qkv(cfg: ModelConfig, name: str, keys: tuple[str, str, str]) -> Rule:
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     return Rule(name, keys, lambda ts: fuse_qkv(*ts, heads, kv_heads),
                 lambda t: split_qkv(t, heads, kv_heads))
 
 
-def _swiglu(name: str, keys: tuple[str, str]) -> Rule:
+def _swiglu(cfg: ModelConfig, name: str, keys: tuple[str, str]) -> Rule:
     """[gate; up] stacked along the output rows; megazoo's fused fc1 is the same stack."""
     return Rule(name, keys, lambda ts: torch.cat(ts, dim=0),
                 lambda t: [c.contiguous() for c in t.chunk(2, dim=0)])
 
 
-def rules(cfg: ModelConfig) -> list[Rule]:
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-
-    def per_layer(m: str, h: str) -> list[Rule]:
-        attn = h + "self_attn."
-        suffixes = (".weight", ".bias") if cfg.qkv_bias else (".weight",)
-        out = [copy_rule(m + "input_norm.weight", h + "input_layernorm.weight")]
-        for s in suffixes:
-            out.append(_qkv(m + "attention.qkv" + s, tuple(attn + p + s for p in
-                                                          ("q_proj", "k_proj", "v_proj")), heads, kv))
-            out.append(copy_rule(m + "attention.dense" + s, attn + "o_proj" + s))
-        out.append(copy_rule(m + "post_attention_norm.weight", h + "post_attention_layernorm.weight"))
-        for s in (".weight", ".bias") if cfg.mlp_bias else (".weight",):
-            out.append(_swiglu(m + "mlp.fc1" + s, (h + "mlp.gate_proj" + s, h + "mlp.up_proj" + s)))
-            out.append(copy_rule(m + "mlp.fc2" + s, h + "mlp.down_proj" + s))
-        return out
-
-    return ([copy_rule("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
-            + layer_rules(cfg, per_layer, "model.layers.{i}.")
-            + [copy_rule("final_norm.weight", "model.norm.weight")]
-            + tied_head(cfg, "lm_head.weight"))
-
-
+KEY_MAP = {
+    "embedding.word_embeddings": "model.embed_tokens",
+    "layers.{i}.input_norm": "model.layers.{i}.input_layernorm",
+    "layers.{i}.attention.qkv": ("model.layers.{i}.self_attn.q_proj",
+                                 "model.layers.{i}.self_attn.k_proj",
+                                 "model.layers.{i}.self_attn.v_proj"),
+    "layers.{i}.attention.dense": "model.layers.{i}.self_attn.o_proj",
+    "layers.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
+    "layers.{i}.mlp.fc1": ("model.layers.{i}.mlp.gate_proj", "model.layers.{i}.mlp.up_proj"),
+    "layers.{i}.mlp.fc2": "model.layers.{i}.mlp.down_proj",
+    "final_norm": "model.norm",
+    "output_layer": "lm_head",
+}
 ADAPTER = Adapter("llama", "llama", "LlamaForCausalLM", "model.", config_from_hf, config_to_hf,
-                  rules, lambda key: key.endswith("rotary_emb.inv_freq") or key == "lm_head.weight")
+                  KEY_MAP, {"layers.{i}.attention.qkv": _qkv, "layers.{i}.mlp.fc1": _swiglu},
+                  lambda key: key.endswith("rotary_emb.inv_freq") or key == "lm_head.weight")

@@ -55,11 +55,6 @@ class BlendedDataset:
         return ds[int(self.dataset_sample_index[i])]
 
 
-def _component_samples(num_samples: int, weight: float) -> int:
-    """Samples one blended component must provide for its share of ``num_samples``."""
-    return int(math.ceil(num_samples * weight * BLEND_MARGIN)) + 1
-
-
 def build_train_valid_test_datasets(data_path: Sequence[str], num_samples: Sequence[int],
                                     config: GPTDatasetConfig) -> tuple:
     """Build ``(train, valid, test)`` datasets; a split with no documents or 0 samples is None.
@@ -81,7 +76,9 @@ def build_train_valid_test_datasets(data_path: Sequence[str], num_samples: Seque
             if end <= start or wanted == 0 or weight == 0:
                 splits.append(None)
                 continue
-            count = int(wanted) if len(pairs) == 1 else _component_samples(int(wanted), share)
+            count = int(wanted)
+            if len(pairs) > 1:  # a blended component's share, with the margin
+                count = math.ceil(count * share * BLEND_MARGIN) + 1
             splits.append(GPTDataset(indexed, np.arange(start, end), count, config, name))
         per_prefix.append((share, splits))
     if len(pairs) == 1:

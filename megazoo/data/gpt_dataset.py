@@ -131,20 +131,17 @@ class GPTDataset:
                                             self.num_samples)
         self.doc_idx, self.sample_idx, self.shuffle_idx = self._load_or_build(sizes)
 
-    def cache_key(self, sizes: np.ndarray) -> str:
-        """Hash of everything the index arrays depend on."""
+    def cache_paths(self, sizes: np.ndarray) -> dict[str, Path]:
+        """Cached ``.npy`` paths of the three index arrays, named by a hash of everything
+        they depend on."""
         h = hashlib.sha256(_INDEX_FORMAT.encode())
         h.update(repr((self.config.seq_length, self.config.seed, self.num_samples,
                        self.num_epochs, self.name)).encode())
         h.update(self.documents.tobytes())
         h.update(sizes[self.documents].tobytes())
-        return h.hexdigest()[:20]
-
-    def cache_paths(self, sizes: np.ndarray) -> dict[str, Path]:
-        """Cached ``.npy`` paths of the three index arrays."""
         prefix = Path(self.indexed.path_prefix)
         folder = Path(self.config.cache_dir) if self.config.cache_dir else prefix.parent
-        stem = f"{prefix.name}_{self.name}_{self.cache_key(sizes)}"
+        stem = f"{prefix.name}_{self.name}_{h.hexdigest()[:20]}"
         return {n: folder / f"{stem}_{n}.npy" for n in _INDEX_NAMES}
 
     def _load_or_build(self, sizes: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -185,8 +182,7 @@ class GPTDataset:
 
     def sample_tokens(self, k: int) -> np.ndarray:
         """Sample ``k`` in stream (unshuffled) order: ``seq_length + 1`` int64 tokens."""
-        (i0, off0), (i1, off1) = self.sample_idx[k], self.sample_idx[k + 1]
-        i0, off0, i1, off1 = int(i0), int(off0), int(i1), int(off1)
+        (i0, off0), (i1, off1) = self.sample_idx[k:k + 2].tolist()
         get = self.indexed.get
         if i0 == i1:
             return get(int(self.doc_idx[i0]), off0, off1 - off0 + 1).astype(np.int64)

@@ -1,20 +1,15 @@
 """Dataset index helpers: a compiled C++ version with an identical NumPy fallback.
 
-Two functions build the index arrays of :mod:`megazoo.data.gpt_dataset`:
+:func:`build_sample_idx` finds where each GPT sample starts in the shuffled document stream
+(vectorised NumPy); :func:`build_blending_indices` is Megatron's greedy assignment of blended
+samples to datasets (a per-sample loop: slow in Python, fast in C++). Both backends return
+bit-identical arrays.
 
-* :func:`build_sample_idx` -- where each GPT sample starts in the shuffled document
-  stream (vectorised NumPy: ``cumsum`` + ``searchsorted``);
-* :func:`build_blending_indices` -- Megatron's greedy assignment of blended samples to
-  datasets (inherently sequential: a per-sample loop in Python, fast in C++).
-
-Backend choice (``use_cpp``): ``None`` uses the compiled module when it can be had,
-``True`` requires it (``RuntimeError`` saying why it is missing), ``False`` forces
-NumPy; `backend()` says which, as the kernels' `Choice` record (``impl`` "cpp" or "numpy",
-and why). The compiled module is the prebuilt extension ``megazoo._data_helpers`` when
-``setup.py`` built it, else ``csrc/data_helpers.cpp`` compiled on first use with
-``torch.utils.cpp_extension.load`` into torch's extension cache. ``MEGAZOO_NO_CPP=1``
-in the environment makes ``None`` mean NumPy (for testing the fallback).
-Both backends return bit-identical arrays; ``tests/data/test_data_helpers.py`` checks it.
+``use_cpp``: ``None`` uses the compiled module when it can be had (not when
+``MEGAZOO_NO_CPP=1``), ``True`` requires it (``RuntimeError`` saying why it is missing),
+``False`` forces NumPy; `backend()` says which, as the kernels' `Choice` record. The compiled
+module is the extension ``megazoo._data_helpers`` when ``setup.py`` built it, else
+``csrc/data_helpers.cpp`` compiled on first use into torch's extension cache.
 """
 
 from __future__ import annotations
@@ -31,12 +26,9 @@ import numpy as np
 if TYPE_CHECKING:
     from ..kernels._dispatch import Choice
 
-#: Compiler flags for ``csrc/data_helpers.cpp`` (setup.py should pass the same ones:
-#: ``-ffp-contract=off`` keeps blending free of fused multiply-adds, see the .cpp).
+#: Compiler flags for ``csrc/data_helpers.cpp``, setup.py's too (``-ffp-contract=off`` keeps
+#: blending free of fused multiply-adds, see the .cpp).
 CXX_FLAGS: tuple[str, ...] = ("-O3", "-ffp-contract=off")
-#: Name of the JIT-compiled module in torch's extension cache.
-JIT_MODULE_NAME = "megazoo_data_helpers"
-#: Path of the C++ source inside a source checkout.
 CPP_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "data_helpers.cpp"
 
 
@@ -52,12 +44,8 @@ def _load_compiled() -> tuple[ModuleType | None, str]:
     try:
         from torch.utils import cpp_extension
 
-        module = cpp_extension.load(
-            name=JIT_MODULE_NAME,
-            sources=[str(CPP_SOURCE)],
-            extra_cflags=list(CXX_FLAGS),
-            verbose=False,
-        )
+        module = cpp_extension.load(name="megazoo_data_helpers", sources=[str(CPP_SOURCE)],
+                                    extra_cflags=list(CXX_FLAGS), verbose=False)
     except Exception as exc:  # any toolchain failure means: use NumPy
         from ..kernels._dispatch import first_line
 
@@ -91,10 +79,9 @@ def backend(use_cpp: bool | None = None) -> Choice:
 def _check_sample_args(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int,
                        num_epochs: int, tokens_per_epoch: int) -> None:
     """Validate :func:`build_sample_idx` inputs with messages saying what to change."""
-    if seq_length < 1:
-        raise ValueError(f"seq_length must be >= 1, got {seq_length}")
-    if num_epochs < 1:
-        raise ValueError(f"num_epochs must be >= 1, got {num_epochs}")
+    for name, value in (("seq_length", seq_length), ("num_epochs", num_epochs)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     if tokens_per_epoch < 1:
         raise ValueError(f"tokens_per_epoch must be >= 1 (the documents hold no tokens), "
                          f"got {tokens_per_epoch}")
@@ -151,25 +138,18 @@ def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int,
 
 def _blending_python(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-sample greedy loop on Python floats (IEEE doubles, same rounding as C++)."""
-    n = len(weights)
-    counts = [0] * n
-    dataset_index = np.empty(size, dtype=np.int32)
-    dataset_sample_index = np.empty(size, dtype=np.int64)
-    chosen = [0] * size
-    taken = [0] * size
+    counts, chosen, taken = [0] * len(weights), [0] * size, [0] * size
     for t in range(size):
         td = float(t) if t > 0 else 1.0
         best, best_err = 0, weights[0] * td - counts[0]
-        for i in range(1, n):
+        for i in range(1, len(weights)):
             err = weights[i] * td - counts[i]
             if err > best_err:
                 best, best_err = i, err
         chosen[t] = best
         taken[t] = counts[best]
         counts[best] += 1
-    dataset_index[:] = chosen
-    dataset_sample_index[:] = taken
-    return dataset_index, dataset_sample_index
+    return np.array(chosen, dtype=np.int32), np.array(taken, dtype=np.int64)
 
 
 def build_blending_indices(weights: np.ndarray | list[float], size: int, *,

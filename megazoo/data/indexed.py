@@ -45,15 +45,6 @@ def best_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
 
 
-def _dtype_code(dtype: np.dtype) -> int:
-    """The .idx code of a token dtype; ValueError for unsupported dtypes."""
-    for code, known in DTYPE_CODES.items():
-        if known == dtype:
-            return code
-    raise ValueError(f"token dtype {dtype} is not supported; use uint16, int32 or int64 "
-                     "(best_dtype(vocab_size) picks one)")
-
-
 def check_data_prefix(path_prefix: str | os.PathLike, must_exist: bool = True) -> None:
     """FileNotFoundError saying what to change: a prefix naming one of the files itself
     ("corpus.bin") is told to drop the suffix; with `must_exist`, PREFIX.idx and PREFIX.bin
@@ -101,15 +92,18 @@ class IndexedDatasetBuilder:
     """Write a dataset document by document; files appear only at :meth:`finalize`.
 
     Data goes to temporary files next to the target (``PREFIX.bin.tmp-<pid>-<uuid>``),
-    renamed into place at the end, so a reader never sees a half-written dataset. Usable as
-    a context manager: a clean exit finalizes, an exception (in the body, or a full disk
-    while finalizing) removes the temporary files; a killed writer's are removed by the next
-    run (`clean_temp_files`).
+    renamed into place at the end, so a reader never sees a half-written dataset. As a
+    context manager, a clean exit finalizes and an exception removes the temporary files (a
+    killed writer's are removed by the next run: `clean_temp_files`).
     """
 
     def __init__(self, path_prefix: str | os.PathLike, dtype: np.dtype | type = np.uint16):
         self.dtype = np.dtype(dtype)
-        self._code = _dtype_code(self.dtype)
+        codes = {known: code for code, known in DTYPE_CODES.items()}
+        if self.dtype not in codes:
+            raise ValueError(f"token dtype {self.dtype} is not supported; use uint16, int32 or "
+                             "int64 (best_dtype(vocab_size) picks one)")
+        self._code = codes[self.dtype]
         self._idx_path, self._bin_path = data_file_paths(path_prefix)
         if not self._bin_path.parent.is_dir():
             raise FileNotFoundError(f"output directory {self._bin_path.parent} does not exist; "
@@ -133,11 +127,6 @@ class IndexedDatasetBuilder:
                              "build with a wider dtype (best_dtype(vocab_size))")
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
         self._sizes.append(int(arr.size))
-
-    @property
-    def num_documents(self) -> int:
-        """Documents added so far."""
-        return len(self._sizes)
 
     def finalize(self) -> None:
         """Write the index and move both files into place."""
@@ -205,12 +194,10 @@ def _read_index(idx_path: Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np.nd
     if len(raw) != expected:
         raise ValueError(f"{idx_path} has {len(raw)} bytes, its header promises {expected} "
                          f"(truncated or corrupt); {_REBUILD_HINT}")
-    offset = _HEADER.size
-    sizes = np.frombuffer(raw, dtype="<i4", count=num_seqs, offset=offset)
-    offset += 4 * num_seqs
-    pointers = np.frombuffer(raw, dtype="<i8", count=num_seqs, offset=offset)
-    offset += 8 * num_seqs
-    doc_idx = np.frombuffer(raw, dtype="<i8", count=num_docs, offset=offset)
+    start = _HEADER.size
+    sizes = np.frombuffer(raw, dtype="<i4", count=num_seqs, offset=start)
+    pointers = np.frombuffer(raw, dtype="<i8", count=num_seqs, offset=start + 4 * num_seqs)
+    doc_idx = np.frombuffer(raw, dtype="<i8", count=num_docs, offset=start + 12 * num_seqs)
     return DTYPE_CODES[code], sizes, pointers, doc_idx
 
 
@@ -218,15 +205,15 @@ class IndexedDataset:
     """Read-only view of ``PREFIX.bin`` / ``PREFIX.idx`` through ``numpy.memmap``.
 
     ``ds[i]`` is sequence ``i`` (a NumPy array in the stored dtype, no copy), ``len(ds)``
-    the number of sequences, ``ds.sizes`` their lengths and ``ds.doc_idx`` the document
-    boundaries (sequence indices, ``num_documents + 1`` entries).
+    the number of sequences, ``ds.sizes`` their lengths (int32) and ``ds.doc_idx`` the
+    document boundaries (int64 sequence indices, ``num_documents + 1`` entries).
     """
 
     def __init__(self, path_prefix: str | os.PathLike):
         self.path_prefix = str(path_prefix)
         idx_path, bin_path = data_file_paths(path_prefix)
         check_data_prefix(path_prefix)
-        self.dtype, self._sizes, self._pointers, self._doc_idx = _read_index(idx_path)
+        self.dtype, self.sizes, self._pointers, self.doc_idx = _read_index(idx_path)
         self._check_consistency(bin_path)
         nbytes = bin_path.stat().st_size
         self._data = (np.memmap(bin_path, dtype=self.dtype, mode="r") if nbytes
@@ -234,7 +221,7 @@ class IndexedDataset:
 
     def _check_consistency(self, bin_path: Path) -> None:
         """Cross-check the index against itself and the .bin size (vectorised)."""
-        sizes, pointers, doc_idx = self._sizes, self._pointers, self._doc_idx
+        sizes, pointers, doc_idx = self.sizes, self._pointers, self.doc_idx
         item = self.dtype.itemsize
         expected_bytes = int(sizes.astype(np.int64).sum()) * item
         actual = bin_path.stat().st_size
@@ -251,17 +238,7 @@ class IndexedDataset:
             raise ValueError(f"dataset {self.path_prefix} is corrupt: {problem}; {_REBUILD_HINT}")
 
     def __len__(self) -> int:
-        return int(self._sizes.size)
-
-    @property
-    def sizes(self) -> np.ndarray:
-        """Tokens per sequence, int32 ``[len(self)]``."""
-        return self._sizes
-
-    @property
-    def doc_idx(self) -> np.ndarray:
-        """Document boundaries as sequence indices, int64 ``[num_documents + 1]``."""
-        return self._doc_idx
+        return int(self.sizes.size)
 
     @property
     def num_tokens(self) -> int:
@@ -274,7 +251,7 @@ class IndexedDataset:
         if not -n <= idx < n:
             raise IndexError(f"sequence {idx} out of range for {n} sequences")
         idx = int(idx) % n
-        size = int(self._sizes[idx])
+        size = int(self.sizes[idx])
         if length is None:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import glob
+import itertools
 import json
 import multiprocessing
 from pathlib import Path
@@ -119,37 +120,26 @@ def _cached_tokenizer(tokenizer_type: str, tokenizer_model: str | None):
     return build_tokenizer(tokenizer_type, tokenizer_model)
 
 
-class Encoder:
-    """Picklable callable: a batch of texts -> a batch of token id lists."""
-
-    def __init__(self, tokenizer_type: str, tokenizer_model: str | None, append_eod: bool):
-        self.tokenizer_type = tokenizer_type
-        self.tokenizer_model = tokenizer_model
-        self.append_eod = append_eod
-
-    def __call__(self, texts: list[str]) -> list[list[int]]:
-        tok = _cached_tokenizer(self.tokenizer_type, self.tokenizer_model)
-        out = []
-        for text in texts:
-            if text is None:  # undecodable, skipped
-                out.append(None)
-                continue
-            ids = tok.encode(text) if text.strip() else []
-            if ids and self.append_eod:
-                ids.append(tok.eod)
-            out.append(ids)
-        return out
+def encode_batch(texts: list[str | None], tokenizer_type: str, tokenizer_model: str | None,
+                 append_eod: bool) -> list[list[int] | None]:
+    """A batch of texts -> their token id lists (None, an undecodable document, stays None);
+    a module-level function, so that worker processes can be sent it."""
+    tok = _cached_tokenizer(tokenizer_type, tokenizer_model)
+    out = []
+    for text in texts:
+        if text is None:  # undecodable, skipped
+            out.append(None)
+            continue
+        ids = tok.encode(text) if text.strip() else []
+        if ids and append_eod:
+            ids.append(tok.eod)
+        out.append(ids)
+    return out
 
 
-def _batches(docs: Iterator[str], size: int) -> Iterator[list[str]]:
+def _batches(docs: Iterator[str | None], size: int) -> Iterator[list[str | None]]:
     """Group documents into lists of ``size``."""
-    batch: list[str] = []
-    for doc in docs:
-        batch.append(doc)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
+    while batch := list(itertools.islice(docs, size)):
         yield batch
 
 
@@ -159,17 +149,15 @@ def preprocess(args: argparse.Namespace) -> tuple[int, int, int, int]:
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     files = expand_inputs(args.input)
-    out_dir = Path(args.output_prefix).parent
-    if not out_dir.is_dir():
-        raise FileNotFoundError(f"output directory {out_dir} does not exist; create it first")
     removed, in_the_way = clean_temp_files(args.output_prefix)
     for path in removed:
         print(f"removed {path}, left by an interrupted run")
     if in_the_way:
         print(f"warning: {', '.join(in_the_way)} left by another run of this --output-prefix "
               f"(still running, or an older megazoo): remove them if that run is over")
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-    encoder = Encoder(args.tokenizer_type, args.tokenizer_model, args.append_eod)
+    tokenizer = _cached_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    encoder = functools.partial(encode_batch, tokenizer_type=args.tokenizer_type,
+                                tokenizer_model=args.tokenizer_model, append_eod=args.append_eod)
     batches = _batches(iter_documents(files, args.json_key, args.split_lines, args.encoding,
                                       args.errors), BATCH_DOCUMENTS)
     with user_path("--output-prefix", args.output_prefix):  # a full disk: one line, no temp
@@ -180,24 +168,19 @@ def _write(args, encoder, tokenizer, batches) -> tuple[int, int, int, int]:
     """Tokenize `batches` into the output files (temp files renamed at the end)."""
     docs = tokens = skipped = undecodable = 0
     with IndexedDatasetBuilder(args.output_prefix, best_dtype(tokenizer.vocab_size)) as builder:
-        if args.workers == 1:
-            results = map(encoder, batches)
-            pool = None
-        else:
-            pool = multiprocessing.get_context("spawn").Pool(args.workers)
-            results = pool.imap(encoder, batches)
+        pool = multiprocessing.get_context("spawn").Pool(args.workers) if args.workers > 1 else None
+        results = map(encoder, batches) if pool is None else pool.imap(encoder, batches)
         try:
             for encoded in results:
                 for ids in encoded:
                     if ids is None:
                         undecodable += 1
-                        continue
-                    if not ids:
+                    elif not ids:
                         skipped += 1
-                        continue
-                    builder.add_document(ids)
-                    docs += 1
-                    tokens += len(ids)
+                    else:
+                        builder.add_document(ids)
+                        docs += 1
+                        tokens += len(ids)
         finally:
             if pool is not None:
                 pool.close()

@@ -20,15 +20,10 @@ from typing import Iterable, Sequence
 class Tokenizer(ABC):
     """Text <-> token ids, with an end-of-document id appended between documents."""
 
-    @property
-    @abstractmethod
-    def vocab_size(self) -> int:
-        """Number of ids (every id is ``< vocab_size``)."""
-
-    @property
-    @abstractmethod
-    def eod(self) -> int:
-        """End-of-document id."""
+    vocab_size: int
+    """Number of ids (every id is ``< vocab_size``)."""
+    eod: int
+    """End-of-document id."""
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -42,13 +37,8 @@ class Tokenizer(ABC):
 class ByteLevelTokenizer(Tokenizer):
     """UTF-8 bytes as ids 0..255 and ``eod = 256``; needs no model file."""
 
-    @property
-    def vocab_size(self) -> int:
-        return 257
-
-    @property
-    def eod(self) -> int:
-        return 256
+    vocab_size = 257
+    eod = 256
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -87,18 +77,10 @@ class SentencePieceTokenizer(Tokenizer):
             self._sp = sentencepiece.SentencePieceProcessor(model_file=self.model_path)
         except Exception as exc:  # sentencepiece raises RuntimeError / OSError, by version
             raise _unreadable(path, "SentencePiece model", exc) from None
-        self._eod = self._sp.eos_id()
-        if self._eod < 0:
+        self.vocab_size, self.eod = int(self._sp.get_piece_size()), int(self._sp.eos_id())
+        if self.eod < 0:
             raise ValueError(f"SentencePiece model {path} has no eos piece; retrain it with "
                              "eos_id >= 0 (train_sentencepiece does)")
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self._sp.get_piece_size())
-
-    @property
-    def eod(self) -> int:
-        return int(self._eod)
 
     def encode(self, text: str) -> list[int]:
         return list(self._sp.encode(text, out_type=int))
@@ -108,15 +90,13 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 def train_sentencepiece(files: Iterable[str | os.PathLike], vocab_size: int,
-                        model_prefix: str | os.PathLike, *, model_type: str = "bpe",
-                        byte_fallback: bool = False, max_sentences: int = 1_000_000) -> str:
-    """Train a SentencePiece model on text files (one sentence per line); return its path.
+                        model_prefix: str | os.PathLike) -> str:
+    """Train a SentencePiece BPE on text files (one sentence per line, a million sampled at
+    most); return its path.
 
     Normalisation is the identity and whitespace is kept, so ``decode(encode(s)) == s``
-    for text made of characters seen in training (``byte_fallback=True`` extends that to
-    any text; it needs ``vocab_size > 259``). ``vocab_size`` is a soft limit: a small
-    corpus gives a smaller vocabulary instead of an error. ``max_sentences`` caps how
-    many lines are sampled, keeping training fast on large corpora.
+    for text made of characters seen in training. ``vocab_size`` is a soft limit: a small
+    corpus gives a smaller vocabulary instead of an error.
     """
     import sentencepiece
 
@@ -125,16 +105,13 @@ def train_sentencepiece(files: Iterable[str | os.PathLike], vocab_size: int,
         raise ValueError("train_sentencepiece needs at least one training file")
     if vocab_size < 8:
         raise ValueError(f"vocab_size must be >= 8, got {vocab_size}")
-    if model_type not in ("bpe", "unigram", "char", "word"):
-        raise ValueError(f"model_type must be bpe, unigram, char or word, got {model_type!r}")
     with open(os.devnull, "w") as devnull:
         sentencepiece.SentencePieceTrainer.train(
             input=paths, model_prefix=str(model_prefix), vocab_size=vocab_size,
-            model_type=model_type, character_coverage=1.0, byte_fallback=byte_fallback,
-            normalization_rule_name="identity", remove_extra_whitespaces=False,
-            hard_vocab_limit=False, input_sentence_size=max_sentences,
-            shuffle_input_sentence=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-            num_threads=min(4, os.cpu_count() or 1), logstream=devnull)
+            model_type="bpe", character_coverage=1.0, normalization_rule_name="identity",
+            remove_extra_whitespaces=False, hard_vocab_limit=False,
+            input_sentence_size=1_000_000, shuffle_input_sentence=True, unk_id=0, bos_id=1,
+            eos_id=2, pad_id=-1, num_threads=min(4, os.cpu_count() or 1), logstream=devnull)
     return str(model_prefix) + ".model"
 
 
@@ -158,22 +135,12 @@ class HFTokenizer(Tokenizer):
         except Exception as exc:  # the Rust library's parse errors are plain Exceptions
             raise _unreadable(p, "Hugging Face tokenizer.json", exc) from None
         candidates = (eod_token,) if eod_token else HF_EOD_CANDIDATES
-        for token in candidates:
-            token_id = self._tok.token_to_id(token)
-            if token_id is not None:
-                self._eod = int(token_id)
-                break
-        else:
+        found = [i for i in map(self._tok.token_to_id, candidates) if i is not None]
+        if not found:
             raise ValueError(f"{p} has none of the end-of-document tokens {list(candidates)}; "
                              "add one to the tokenizer or pass eod_token=")
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self._tok.get_vocab_size(with_added_tokens=True))
-
-    @property
-    def eod(self) -> int:
-        return self._eod
+        self.eod = int(found[0])
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens=True`` adds what the tokenizer's own
@@ -184,11 +151,11 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
 
-#: ``--tokenizer-type`` names and whether they need ``--tokenizer-model``.
-TOKENIZER_TYPES: dict[str, bool] = {
-    "SentencePieceTokenizer": True,
-    "HFTokenizer": True,
-    "ByteLevelTokenizer": False,
+#: ``--tokenizer-type`` names.
+TOKENIZER_TYPES: dict[str, type[Tokenizer]] = {
+    "SentencePieceTokenizer": SentencePieceTokenizer,
+    "HFTokenizer": HFTokenizer,
+    "ByteLevelTokenizer": ByteLevelTokenizer,
 }
 
 
@@ -198,15 +165,13 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | os.PathLike | No
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of "
                          f"{', '.join(TOKENIZER_TYPES)}")
-    if TOKENIZER_TYPES[tokenizer_type] and tokenizer_model is None:
+    if tokenizer_type == "ByteLevelTokenizer":
+        if tokenizer_model is not None:
+            raise ValueError("ByteLevelTokenizer takes no --tokenizer-model; drop the flag")
+        return ByteLevelTokenizer()
+    if tokenizer_model is None:
         raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model "
                          "(a .model file for SentencePiece, a tokenizer.json for HF)")
-    if TOKENIZER_TYPES[tokenizer_type] and not Path(tokenizer_model).is_dir():
+    if not Path(tokenizer_model).is_dir():
         _require_file(tokenizer_model, "--tokenizer-model")
-    if tokenizer_type == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(tokenizer_model)
-    if tokenizer_type == "HFTokenizer":
-        return HFTokenizer(tokenizer_model)
-    if tokenizer_model is not None:
-        raise ValueError("ByteLevelTokenizer takes no --tokenizer-model; drop the flag")
-    return ByteLevelTokenizer()
+    return TOKENIZER_TYPES[tokenizer_type](tokenizer_model)
