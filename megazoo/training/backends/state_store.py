@@ -1,7 +1,6 @@
 """Optimizer state on local disk, streamed through a few staging buffers (the disk tier).
 
     store = NvmeStateStore(root, numels=[shard.numel for shard in shards])
-    store.write_shard(i, {"master": m, "exp_avg": a, "exp_avg_sq": v})  # initial fill
     for i in range(len(shards)):
         state = store.acquire(i)        # views into a staging slot, read from disk
         if i + 1 < len(shards):
@@ -250,39 +249,6 @@ class NvmeStateStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _scratch(self, i: int) -> torch.Tensor:
-        """Once nothing is pending on shard i, bytes for its synchronous I/O: its slot, else the
-        least recently used free one (its pages are in memory already), else new ones."""
-        self._check(i)
-        slot = self._find(i) or self._take_slot()
-        if slot is not None and slot.held:
-            raise RuntimeError(f"shard {i} of the disk store is acquired; release it first")
-        wait([f for f in (slot and slot.future, self._writes.get(i)) if f is not None])
-        self._raise_failed()
-        if slot is None:
-            return _aligned(self._span(i))
-        slot.shard = slot.future = None      # its bytes are not a shard's any more
-        return slot.buf[:self._span(i)]
-
-    def read_shard(self, i: int) -> dict[str, torch.Tensor]:
-        """Shard i's tensors as they are on disk, in fresh (unshared) CPU tensors."""
-        buf = self._scratch(i)
-        _read_all(self._fds[i], _bytes_of(buf))
-        return {name: t.clone() for name, t in self._views(i, buf).items()}
-
-    def write_shard(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Write shard i's tensors (any float dtype / shape of numels[i] elements) to disk now."""
-        self._check(i)
-        if set(tensors) != set(self.names):
-            raise StoreError(f"shard {i} takes tensors {list(self.names)}, got {list(tensors)}")
-        sizes = {name: t.numel() for name, t in tensors.items() if t.numel() != self.numels[i]}
-        if sizes:
-            raise StoreError(f"shard {i} holds {self.numels[i]} elements a tensor, got {sizes}")
-        buf = self._scratch(i)
-        for name, view in self._views(i, buf).items():
-            view.copy_(tensors[name].detach().reshape(-1))
-        _write_all(self._fds[i], _bytes_of(buf))
 
     def _views(self, i: int, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         n = self.numels[i]
