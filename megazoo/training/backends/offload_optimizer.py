@@ -69,6 +69,7 @@ class OffloadAdamW:
         self.copies = Transfers(self.device, plan.pin_memory)
         self.slots = bucket_slots(buffers, plan.fraction)
         self.order = sorted(self.slots, key=lambda s: -s.bucket.index)  # forward order
+        self.host_order = [s for s in self.order if s.host]
         host = [s for s in self.slots if s.host]
         self.host_numel = sum(s.numel for s in host)
         staging = buffers.main_grad.element_size()  # every host bucket's gradient waits
@@ -146,10 +147,9 @@ class OffloadAdamW:
     def start_step(self) -> None:
         """Before the step's backward: the compute stream waits for last step's gradient
         copies (a skipped step never consumed them) before it overwrites the buffer."""
-        for slot in self.slots:
-            if slot.host:
-                self.copies.device_waits(slot.d2h)
-                slot.sent = False
+        for slot in self.host_order:
+            self.copies.device_waits(slot.d2h)
+            slot.sent = False
 
     def _send(self, bucket) -> None:
         """GradBuffer.on_final: bucket's reduced gradient shard leaves for the host."""
@@ -162,30 +162,38 @@ class OffloadAdamW:
 
     # -- the step ---------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, lr: float, grad_divisor: float = 1.0, frozen_at: int | None = None) -> None:
-        if frozen_at is not None:
-            raise ValueError("the offloaded optimizer has no frozen-variance step")
+    def step(self, lr: float, grad_divisor: float = 1.0) -> None:
         self.wait_params()
-        self.step_count += 1
-        for divisor in self._divisor.values():
-            divisor.fill_(grad_divisor)
-        after = self.copies.mark()  # backward is done reading the parameters
-        host = [s for s in self.order if s.host]
-        for slot in host:
+        after = self._begin_step(grad_divisor)
+        for slot in self.host_order:
             if not slot.sent:
                 self._send(slot.bucket)
             slot.sent, slot.pending = False, True
-        jobs = [(slot, host[k + 1] if k + 1 < len(host) else None) for k, slot in enumerate(host)]
+        jobs = self._host_jobs()
         if self._worker is not None:  # the host starts first, the GPU share meanwhile
             for slot, nxt in jobs:
                 slot.future = self._worker.submit(self._host_step, slot, nxt, lr, after)
-        for slot in self.order:
-            if not slot.host:
-                self._device_step(slot, lr)
+        self._device_steps(lr)
         if self._worker is None:
             for slot, nxt in jobs:
                 self._host_step(slot, nxt, lr, after)
             self.wait_params()
+
+    def _begin_step(self, grad_divisor: float):
+        """Count the step, set its divisor; an event where backward is done with the parameters."""
+        self.step_count += 1
+        for divisor in self._divisor.values():
+            divisor.fill_(grad_divisor)
+        return self.copies.mark()
+
+    def _host_jobs(self) -> list:
+        """(host slot, the next one to prefetch or None) in forward order."""
+        return list(zip(self.host_order, self.host_order[1:] + [None]))
+
+    def _device_steps(self, lr: float) -> None:
+        for slot in self.order:
+            if not slot.host:
+                self._device_step(slot, lr)
 
     def _device_step(self, slot, lr: float) -> None:
         state = self._acquire(slot)
