@@ -62,7 +62,7 @@ class OffloadAdamW:
     state_device = torch.device("cpu")  # where full_state's tensors live
 
     def __init__(self, model: nn.Module, buffers: GradBuffer, cfg, plan, *,
-                 overlap_param_gather: bool = False, initial: dict | None = None):
+                 initial: dict | None = None):
         self.buffers, self.cfg, self.plan = buffers, cfg, plan
         data = buffers.param_data
         self.device = data.device
@@ -96,7 +96,7 @@ class OffloadAdamW:
         self._scratch = {}  # fp32 upcasts of bf16 gradients, one per place
         self._divisor = {True: torch.ones((), dtype=torch.float32),
                          False: torch.ones((), dtype=torch.float32, device=self.device)}
-        self.overlap_param_gather = overlap_param_gather and buffers.shard
+        self.overlap_param_gather = cfg.overlap_param_gather and buffers.shard
         self.step_count = 0
         self._threads = torch.get_num_threads()
         self._worker = ThreadPoolExecutor(1, initializer=torch.set_num_threads,

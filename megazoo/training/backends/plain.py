@@ -38,13 +38,12 @@ from ...parallel.device import local_device
 from ..gradients import (clip_divisor, counted_flat_ranges, flat_grad_norm,
                         hook_sequence_parallel_grads, intersect, sum_tied_embedding,
                         tied_embedding_weight)
-from .master_optimizer import MOMENTS
+from .delayed_offload import DelayedOffloadAdamW
+from .master_optimizer import MOMENTS, MasterAdamW
 from .offload_optimizer import OffloadAdamW
-from .optimizer_choice import build_master_optimizer
-from ...config.offload import plain_offload
+from ...config.offload import OffloadPlan, plain_offload
+from ...plan.offload import check_nvme_path
 from ..scaler import DynamicLossScaler
-
-AUX_PREFIXES = MOMENTS
 
 
 class _ScaledLossStage:
@@ -63,6 +62,21 @@ class _ScaledLossStage:
             if out.dim() == 0:
                 return out * self._scale
         return out
+
+
+def build_master_optimizer(model, buffers: GradBuffer, cfg, plan: OffloadPlan | None,
+                           initial: dict | None = None):
+    """`MasterAdamW`, or `OffloadAdamW` (`DelayedOffloadAdamW` under --offload-delayed-update)
+    for an offload plan or bf16 main gradients (all on the GPU then: it upcasts each bucket's
+    gradient to fp32 before the step). `initial`: the fp32 values the masters start from
+    (`lean_build.initial_values`; None: the flat buffer)."""
+    if plan is None and not cfg.accumulate_grads_in_bf16:
+        return MasterAdamW(model, buffers, cfg)
+    plan = plan or OffloadPlan(fraction=0.0, overlap=False)
+    if plan.nvme_path is not None:
+        check_nvme_path(plan.nvme_path)
+    kind = DelayedOffloadAdamW if plan.delayed else OffloadAdamW
+    return kind(model, buffers, cfg, plan, initial=initial)
 
 
 def model_dtype(cfg) -> torch.dtype:
@@ -190,7 +204,7 @@ class PlainEngine(Engine):
         # Weights-only checkpoints (converted from HF, say) start a fresh optimizer (this
         # reader only looks at the metadata; load_model_weights checks the tensors).
         stored = set(CheckpointReader(path, verify_checksums=False).aux_prefixes)
-        prefixes = AUX_PREFIXES if stored.issuperset(AUX_PREFIXES) else ()
+        prefixes = MOMENTS if stored.issuperset(MOMENTS) else ()
         self.optimizer.wait_params()
         master = torch.zeros(self.buffers.numel, dtype=torch.float32,
                              device=getattr(self.optimizer, "state_device", self.device))
