@@ -78,8 +78,8 @@ class MasterAdamW:
             (decay if p.ndim >= 2 else no_decay).append(view)
             # views of the flat moments and a step counter per piece (the fused kernel
             # advances each piece's counter once per step)
-            step = torch.zeros((), dtype=torch.float32, device=view.device)
-            states[view] = {"step": step, **{k: m[at:at + hi - lo] for k, m in self.moments.items()}}
+            states[view] = {"step": torch.zeros((), dtype=torch.float32, device=view.device),
+                            **{k: m[at:at + hi - lo] for k, m in self.moments.items()}}
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         self.optimizer = build_optimizer([g for g in groups if g["params"]], cfg, fused=True)
