@@ -137,9 +137,12 @@ def fsdp2_phases(zb, shape, state, args):
     from megazoo.training.gradients import complete_sharded_gradients as complete_gradients
     from megazoo.training.gradients import global_grad_norm
 
+    import dataclasses
+
     model = build_model(args.model, state, device=zb.device(), seed=0)
-    eng = FSDP2Engine(model, state, args, cpu_offload=True,
-                      reshard_after_forward=not os.environ.get("KEEP"))
+    zero = dataclasses.replace(args.zero, offload_optimizer="cpu",
+                               fsdp_reshard_after_forward=not os.environ.get("KEEP"))
+    eng = FSDP2Engine(model, state, dataclasses.replace(args, zero=zero))
     ids = zb.batch(shape, zb.device())
     def sync():
         torch.cuda.synchronize()

@@ -15,15 +15,9 @@ import torch
 
 from ...models import build_model
 from ..gradients import local
+from .fsdp2_sharding import copy_tags
 
 AUX = ("exp_avg", "exp_avg_sq")
-
-
-def _retag(model: torch.nn.Module, tags: dict) -> None:
-    for name, p in model.named_parameters():
-        for key, value in tags[name].items():
-            if not hasattr(p, key):
-                setattr(p, key, value)
 
 
 def _full(t) -> torch.Tensor:
@@ -49,7 +43,7 @@ def save_fsdp(engine, path: str, extra: dict) -> None:
     twin = build_model(model.config, state, device="meta")
     tags = {n: dict(vars(p)) for n, p in twin.named_parameters()}
     twin.load_state_dict(weights, assign=True)
-    _retag(twin, tags)
+    copy_tags(twin, tags)
     meta = {"steps": engine.steps, "adam_step": _adam_step(opt), "scaler": None}
     save_checkpoint(twin, path, state=state, extra={**extra, "engine": meta}, aux=aux)
 
