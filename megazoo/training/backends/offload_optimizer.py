@@ -42,18 +42,13 @@ from .master_optimizer import hook_bucket_waits
 UP_BUFFERS = 4  # pinned staging buffers for parameters going up (a ring)
 
 
-def _plus(available: int | None, freed: int) -> int | None:
-    return None if available is None else available + freed
-
-
 def _host_store(plan, numels: list[int], pin: bool, rank: int):
     """Pinned host memory, or files under --nvme-path (a folder per rank)."""
     if plan.nvme_path is None or not numels:
         return ResidentStore(numels, "cpu", pin=pin)
     from .state_store import NvmeStateStore
 
-    return NvmeStateStore(os.path.join(plan.nvme_path, f"rank{rank:05d}"), numels,
-                          names=NAMES, pin=pin)
+    return NvmeStateStore(os.path.join(plan.nvme_path, f"rank{rank:05d}"), numels, pin=pin)
 
 
 class OffloadAdamW:
@@ -74,9 +69,11 @@ class OffloadAdamW:
         self.host_numel = sum(s.numel for s in host)
         staging = buffers.main_grad.element_size()  # every host bucket's gradient waits
         resident = 0 if plan.nvme_path else 12  # fp32 master + 2 moments per element
+        available = host_memory_bytes()  # (plus the initial values the fill frees)
+        if available is not None:
+            available += held_bytes(initial)
         check_offload_plan(self.host_numel * (resident + staging), 0, nvme_path=plan.nvme_path,
-                           host_memory=_plus(host_memory_bytes(), held_bytes(initial)),
-                           disk_memory=None)
+                           host_memory=available, disk_memory=None)
         self.stores = {True: _host_store(plan, [s.numel for s in host], self.copies.pin,
                                          buffers.state.global_rank),
                        False: ResidentStore([s.numel for s in self.slots if not s.host],
@@ -98,9 +95,9 @@ class OffloadAdamW:
                          False: torch.ones((), dtype=torch.float32, device=self.device)}
         self.overlap_param_gather = cfg.overlap_param_gather and buffers.shard
         self.step_count = 0
-        self._threads = torch.get_num_threads()
+        threads = torch.get_num_threads()
         self._worker = ThreadPoolExecutor(1, initializer=torch.set_num_threads,
-                                          initargs=(self._threads,)) if plan.overlap else None
+                                          initargs=(threads,)) if plan.overlap else None
         buffers.on_final = self._send
         if plan.overlap or self.overlap_param_gather:
             hook_bucket_waits(model, buffers, self.wait_params)
@@ -112,15 +109,12 @@ class OffloadAdamW:
             values = data[slot.lo:slot.hi]
         else:
             values = torch.empty(slot.numel, dtype=torch.float32)
-            fill_flat_(values, slot.lo, slot.hi, slot.bucket, self.buffers.offsets, initial)
+            fill_flat_(values, slot.lo, slot.hi, slot.bucket, self.buffers, initial)
             drop_values(slot.bucket, initial)  # (a bucket's parameters are in no other)
         if not slot.host:
             self._initial[slot.index] = values.to(self.device, copy=True)
             return
-        state = self._acquire(slot)
-        state["master"].copy_(values)
-        for k in NAMES[1:]:  # (a disk store may hold an older run's files)
-            state[k].zero_()
+        self._acquire(slot)["master"].copy_(values)  # (the moments start as zeros in every store)
         self._release(slot)
 
     # -- state access -----------------------------------------------------------------------

@@ -10,7 +10,7 @@
     store.flush()                       # every write is on disk
 
 Optimizer state larger than host memory lives on disk, `slots` shards in memory at a time.
-Shard i is the file `shard{i:05d}.bin` under `root` (its tensors in `names` order, padded
+Shard i is the file `shard{i:05d}.bin` under `root` (its tensors in `NAMES` order, padded
 to 4 KiB), allocated anew as zeros by a new store (like state in memory) and left by
 `close`. I/O: one `os.preadv` / `os.pwritev` of the whole shard on a thread pool (no GIL:
 it overlaps the host optimizer step), O_DIRECT where the filesystem has it (`self.direct`).
@@ -31,6 +31,8 @@ from itertools import count
 from pathlib import Path
 
 import torch
+
+from .cpu_offload import NAMES
 
 ALIGN = 4096   # file sizes, I/O lengths and buffer addresses: a multiple of the block size
 
@@ -78,22 +80,14 @@ def _aligned(nbytes: int, pin: bool = False) -> torch.Tensor:
 
 
 class NvmeStateStore:
-    """Per-shard optimizer tensors (`names`, each of numels[i] elements) in files under `root`.
-    Slots are pinned (for asynchronous copies to the GPU) if `pin`, by default if CUDA is
-    available; `threads` I/O threads, by default max(2, slots)."""
+    """Per-shard fp32 optimizer tensors (`NAMES`, each of numels[i] elements) in files under
+    `root`. Slots are pinned (for asynchronous copies to the GPU) if `pin`, by default if CUDA
+    is available; `threads` I/O threads, by default max(2, slots)."""
 
-    def __init__(self, root: str | Path, numels: list[int],
-                 names: tuple[str, ...] = ("master", "exp_avg", "exp_avg_sq"),
-                 slots: int = 2, dtype: torch.dtype = torch.float32,
+    def __init__(self, root: str | Path, numels: list[int], slots: int = 2,
                  pin: bool | None = None, threads: int | None = None, direct: bool = True):
-        for bad, what in ((not numels or min(numels) <= 0, f"shard sizes {list(numels)}"),
-                          (not names or len(set(names)) < len(names), f"tensor names {names}"),
-                          (slots < 1, f"slots {slots}")):
-            if bad:
-                raise StoreError(f"disk store: {what} (sizes and slots > 0, distinct names)")
-        self.root, self.names, self.dtype = Path(root), tuple(names), dtype
+        self.root = Path(root)
         self.numels = [int(n) for n in numels]
-        self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.paths = [self.root / f"shard{i:05d}.bin" for i in range(len(self.numels))]
         spans = [self._span(i) for i in range(len(self.numels))]
         self.nbytes = sum(spans)
@@ -108,7 +102,7 @@ class NvmeStateStore:
         self._ticks, self._closed = count(), False
 
     def _span(self, i: int) -> int:   # bytes of shard i's file: its tensors, padded to ALIGN
-        return -(-len(self.names) * self.numels[i] * self.itemsize // ALIGN) * ALIGN
+        return -(-len(NAMES) * self.numels[i] * 4 // ALIGN) * ALIGN
 
     def _open_files(self, direct: bool) -> bool:
         """Create root and the shard files (StoreError if not writable or too small); O_DIRECT?"""
@@ -252,8 +246,8 @@ class NvmeStateStore:
 
     def _views(self, i: int, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         n = self.numels[i]
-        flat = buf[:len(self.names) * n * self.itemsize].view(self.dtype)
-        return {name: flat[k * n:(k + 1) * n] for k, name in enumerate(self.names)}
+        flat = buf[:len(NAMES) * n * 4].view(torch.float32)
+        return {name: flat[k * n:(k + 1) * n] for k, name in enumerate(NAMES)}
 
     def _check(self, i: int) -> None:
         """RuntimeError if closed, IndexError for a shard out of range, the store's failure."""
