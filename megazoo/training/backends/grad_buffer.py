@@ -1,4 +1,4 @@
-"""Contiguous parameter and fp32 main-gradient buffers in buckets, reduced over dp x sp.
+"""Contiguous parameter and main-gradient buffers in buckets, reduced over dp x sp.
 
     buffers = GradBuffer(model, state, bucket_numel=..., overlap=True, shard=False)
     buffers.start_step(num_microbatches)     # before the micro-batches' backwards
@@ -7,37 +7,29 @@
     buffers.finish()                         # launch what is left, wait for everything
 
 Layout (Megatron's DDP): every trainable parameter of the stage becomes a view of one flat
-parameter buffer (the model's dtype), and owns the same range of one flat fp32 gradient
-buffer, `p.main_grad`. Parameters are laid out in reverse registration order (roughly the
-order backward produces their gradients), and cut into buckets of about `bucket_numel`
-elements, each padded to a multiple of the reduction group's size so that it splits into
-equal shards (the distributed optimizer's unit of ownership).
+parameter buffer (the model's dtype) and owns the same range of one flat gradient buffer,
+`p.main_grad` (fp32, or bf16 with `grad_dtype`). Parameters are laid out in reverse
+registration order (roughly the order backward produces their gradients) and cut into
+buckets of about `bucket_numel` elements, each padded to a multiple of the reduction group's
+size so that it splits into equal shards (the distributed optimizer's unit of ownership).
 
-Accumulation. A post-accumulate-grad hook adds the parameter's `.grad` (model dtype) into
-`main_grad` (fp32) and drops `.grad`, once per micro-batch. The weights given as `fused`
-skip that add: their linears' backward already summed the gradient into `main_grad`
-(gradient-accumulation fusion, the contract in `megazoo.layers.wgrad`), and the hook only
-counts. A parameter's gradient is final
-after its `num_microbatches`-th call, which under a pipeline schedule is the last backward
-of its chunk; a bucket is ready when all its parameters are final.
+Accumulation: a post-accumulate-grad hook adds the parameter's `.grad` into `main_grad` and
+drops `.grad`, once per micro-batch; the weights given as `fused` skip the add (their
+linears' backward summed into `main_grad` already: `megazoo.layers.wgrad`). A parameter's
+gradient is final after its `num_microbatches`-th call; a bucket is ready when all its
+parameters are final.
 
 Reduction (the dp x sp part of the gradient contract, `megazoo.training.gradients`): each
-bucket is divided by dp, then summed over `state.dp_sp` (sum over sp, mean over dp) by the
-`reducer` (`megazoo.compress.Reducer`; by default a dense all-reduce, or with `shard=True` a
-reduce-scatter that leaves each rank its own shard of the bucket in place). With
-`overlap=True` the reduction is launched from the hook as soon as the bucket is ready, while
-backward continues (NCCL runs it on the process group's own stream, gloo on its own thread).
-`finish` launches the rest, waits, and hands the buffer to `reducer.finish`. Buckets holding
-a tied embedding copy (`deferred`) are launched only by `finish`, after the caller's sum over
-the embedding group (that sum needs both pipeline ends to be done with backward).
-
-Offload (`on_final`, set by the optimizer): called with each bucket once its reduced
-gradient is complete, from the hook during backward with one rank, after the wait in
-`finish` with more; `grad_dtype` bf16 (--accumulate-grads-in-bf16) halves the buffer.
+bucket is divided by dp and summed over `state.dp_sp` by the `reducer`
+(`megazoo.compress.Reducer`: a dense all-reduce, or with `shard=True` a reduce-scatter
+leaving each rank its shard in place, or a compressed one). With `overlap=True` it is
+launched from the hook as soon as the bucket is ready, while backward continues. `finish`
+launches the rest, waits, and hands the buffer to `reducer.finish`. Buckets holding a tied
+embedding copy (`deferred`) are launched only by `finish`, after the caller's sum over the
+embedding group. `on_final` (set by the offloaded optimizer) is called with each bucket once
+its reduced gradient is complete.
 """
 from __future__ import annotations
-
-import time
 
 import torch
 from torch import nn
@@ -54,7 +46,7 @@ class Bucket:
         self.params, self.deferred = params, deferred
         self.ready = 0
         self.handle = None
-        self.launch_time: float | None = None
+        self.launched = False
 
     @property
     def numel(self) -> int:
@@ -143,6 +135,14 @@ class GradBuffer:
         off = self.offsets[id(p)]
         return flat[off:off + p.numel()].view(p.shape)
 
+    def pieces(self, bucket: Bucket, lo: int, hi: int):
+        """(parameter, a, b): the range [a, b) of each of `bucket`'s parameters within [lo, hi)."""
+        for p in bucket.params:
+            start = self.offsets[id(p)]
+            a, b = max(lo, start), min(hi, start + p.numel())
+            if a < b:
+                yield p, a, b
+
     def shard_ranges(self) -> list[tuple[int, int]]:
         """The flat ranges this rank owns (one per bucket; everything without sharding)."""
         if not self.shard:
@@ -163,7 +163,7 @@ class GradBuffer:
         for key in self._calls:
             self._calls[key] = 0
         for bucket in self.buckets:
-            bucket.ready, bucket.handle, bucket.launch_time = 0, None, None
+            bucket.ready, bucket.handle, bucket.launched = 0, None, False
 
     def _on_grad(self, p: torch.Tensor) -> None:
         calls = self._calls[id(p)] = self._calls[id(p)] + 1
@@ -188,9 +188,9 @@ class GradBuffer:
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        if bucket.handle is not None or bucket.launch_time is not None:
+        if bucket.launched:
             return
-        bucket.launch_time = time.perf_counter()
+        bucket.launched = True
         if self.group.size == 1:
             if self.on_final is not None:
                 self.on_final(bucket)

@@ -38,13 +38,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 def _pieces(buffers: GradBuffer) -> list[tuple[torch.Tensor, int, int, int]]:
     """(parameter, flat lo, flat hi, shard offset) of each parameter's owned part."""
     out, shard_pos = [], 0
-    ranges = buffers.shard_ranges()
-    for (lo, hi), bucket in zip(ranges, buffers.buckets):
-        for p in bucket.params:
-            start = buffers.offsets[id(p)]
-            a, b = max(lo, start), min(hi, start + p.numel())
-            if a < b:
-                out.append((p, a, b, shard_pos + a - lo))
+    for (lo, hi), bucket in zip(buffers.shard_ranges(), buffers.buckets):
+        out += [(p, a, b, shard_pos + a - lo) for p, a, b in buffers.pieces(bucket, lo, hi)]
         shard_pos += hi - lo
     return out
 
