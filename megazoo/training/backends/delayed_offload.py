@@ -15,9 +15,8 @@ without the delay, P_0 = cast(M_0) and P_t = cast(M_{t-1}) for t >= 1: the gradi
 of step t is taken at the host-share parameters of one update earlier. The GPU share's
 parameters after t steps are its masters after t steps. With
 --offload-delayed-update-start N the first N steps update at once (P_t = cast(M_t) for
-t <= N; ZeRO-Offload's warm-up) and the delay starts with step N+1. (Checked in
-tests/training/test_offload_delayed.py; convergence beside the undelayed update in
-docs/offload.md.)
+t <= N; ZeRO-Offload's warm-up) and the delay starts with step N+1 (convergence beside the
+undelayed update: docs/offload.md).
 
 Checkpoints. A save (and a load) first flushes the delay: the in-flight update is sent up, so
 the run that saved continues from P_t = cast(M_t), exactly where a run resumed from the

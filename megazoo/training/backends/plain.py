@@ -1,25 +1,19 @@
 """`PlainEngine`: Megatron's data parallelism and mixed precision, with tp / sp / pp from the
 model itself.
 
-Owns: the model's dtype (bf16 / fp16 parameters, or fp32), the flat parameter and fp32
-main-gradient buffers in buckets (`grad_buffer.GradBuffer`, into which the parallel linears'
-weight-gradient GEMMs accumulate directly under --gradient-accumulation-fusion, the
-default: `megazoo.layers.wgrad`; reduced over dp x sp, overlapped
-with backward under --overlap-grad-reduce, reduce-scattered under
---use-distributed-optimizer), the fp32 masters and AdamW moments (`master_optimizer`), the
-fp16 loss scaler, and the checkpoint files (fp32 masters and moments, one format at any
-dp / tp / pp and with or without the distributed optimizer).
+Owns: the model's dtype (bf16 / fp16 parameters, or fp32); the flat parameter and main-
+gradient buffers in buckets (`grad_buffer.GradBuffer`; under --gradient-accumulation-fusion
+the parallel linears' weight-gradient GEMMs accumulate into them, `megazoo.layers.wgrad`);
+the fp32 masters and AdamW moments (`master_optimizer.MasterAdamW`, or
+`offload_optimizer.OffloadAdamW` for optimizer offload, `config.offload.plain_offload`, and
+bf16 main gradients); the fp16 loss scaler; and the checkpoint files (fp32 masters and
+moments, one format at any layout, with or without the distributed optimizer).
 
-Its part of the one `Engine.train_step`: the losses scaled by the fp16 loss scale
-(`stage`); backward hooks accumulate into the main gradients and launch bucket reductions;
-`finish_gradients` sums the tied embedding, waits for what is in flight and takes the
-global norm from the flat buffer (one multi-tensor kernel); `step` skips on a non-finite
-loss or norm in every precision (fp16 also backs the loss scale off), else runs the fused
-AdamW whose gradient divisor folds in the loss scale and the clipping factor.
-
-Optimizer offload (--optimizer-cpu-offload, or a ds_config's offload sections without a ZeRO
-engine: `config.offload.plain_offload`) and bf16 main gradients swap `MasterAdamW` for
-`offload_optimizer.OffloadAdamW`, which steps bucket by bucket on the GPU and the host.
+Its part of the one `Engine.train_step`: the losses scaled by the fp16 loss scale (`stage`);
+`finish_gradients` sums the tied embedding, waits for the bucket reductions and takes the
+global norm from the flat buffer; `step` skips on a non-finite loss or norm (fp16 also backs
+the loss scale off), else runs AdamW with the loss scale and the clipping factor folded into
+its gradient divisor.
 """
 from __future__ import annotations
 
@@ -90,7 +84,7 @@ class PlainEngine(Engine):
     def __init__(self, model: torch.nn.Module, state: ParallelState, config: PretrainArgs):
         self.model, self.state, self.config = model, state, config
         cfg = self.cfg = config.training
-        self._sp_hooks = hook_sequence_parallel_grads(model, state)
+        hook_sequence_parallel_grads(model, state)
         tied = tied_embedding_weight(model, state)
         bucket = cfg.ddp_bucket_size or max(40_000_000, 1_000_000 * state.dp_sp.size)
         # the bucket reduction, dense or compressed (megazoo.compress)
@@ -113,8 +107,8 @@ class PlainEngine(Engine):
         self.resume_notes: list[str] = []
         self.optimizer = build_master_optimizer(model, self.buffers, cfg, self.offload, initial)
         self.buffers.cast_params(model_dtype(cfg))
-        counted = counted_flat_ranges([(p, self.buffers.offsets[id(p)]) for p in self.buffers.params],
-                                      state)
+        offsets = self.buffers.offsets
+        counted = counted_flat_ranges([(p, offsets[id(p)]) for p in self.buffers.params], state)
         owned = intersect(counted, self.buffers.shard_ranges())
         self.norm_views = [self.buffers.main_grad[lo:hi] for lo, hi in owned]
         self.scaler = (DynamicLossScaler(cfg.initial_loss_scale, cfg.loss_scale_window,
