@@ -11,8 +11,7 @@
 
 Optimizer state larger than host memory lives on disk, `slots` shards in memory at a time.
 Shard i is the file `shard{i:05d}.bin` under `root` (its tensors in `NAMES` order, padded
-to 4 KiB), allocated anew as zeros by a new store (like state in memory) and left by
-`close`. I/O: one `os.preadv` / `os.pwritev` of the whole shard on a thread pool (no GIL:
+to 4 KiB), allocated anew as zeros by a new store (like state in memory). I/O: one `os.preadv` / `os.pwritev` of the whole shard on a thread pool (no GIL:
 it overlaps the host optimizer step), O_DIRECT where the filesystem has it (`self.direct`).
 A read into a slot waits for the slot's last write, a read of a shard for that shard's
 pending write. A background I/O error is raised by the next call and every later one.
@@ -99,7 +98,7 @@ class NvmeStateStore:
         self._pool = ThreadPoolExecutor(max_workers=threads or max(2, slots),
                                         thread_name_prefix="state-store")
         self._error, self._error_lock = None, threading.Lock()  # the first background failure
-        self._ticks, self._closed = count(), False
+        self._ticks = count()
 
     def _span(self, i: int) -> int:   # bytes of shard i's file: its tensors, padded to ALIGN
         return -(-len(NAMES) * self.numels[i] * 4 // ALIGN) * ALIGN
@@ -227,32 +226,13 @@ class NvmeStateStore:
         self._writes = {i: f for i, f in self._writes.items() if not f.done()}
         self._raise_failed()
 
-    def close(self) -> None:
-        """Flush, stop the threads and close the files (which stay on disk)."""
-        if self._closed:
-            return
-        try:
-            self.flush()
-        finally:
-            self._closed = True
-            self._pool.shutdown(wait=True)
-            self._close_files()
-
-    def __enter__(self) -> NvmeStateStore:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def _views(self, i: int, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         n = self.numels[i]
         flat = buf[:len(NAMES) * n * 4].view(torch.float32)
         return {name: flat[k * n:(k + 1) * n] for k, name in enumerate(NAMES)}
 
     def _check(self, i: int) -> None:
-        """RuntimeError if closed, IndexError for a shard out of range, the store's failure."""
-        if self._closed:
-            raise RuntimeError("the disk store is closed")
+        """IndexError for a shard out of range; the store's failure."""
         if not 0 <= i < len(self.numels):
             raise IndexError(f"shard {i} out of range: the disk store has {len(self.numels)}")
         self._raise_failed()
