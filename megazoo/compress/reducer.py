@@ -60,13 +60,13 @@ def padding_ranges(params: list, offsets: dict, tp_rank: int) -> list[tuple[int,
 
 
 class Reducer:
-    """See the module docstring. `compression`: the run's CompressionConfig (None: dense),
-    `training`: its TrainingConfig (AdamW's betas and eps, clip_grad)."""
+    """See the module docstring. `compression`: the run's CompressionConfig, `training`: its
+    TrainingConfig (AdamW's betas and eps, clip_grad)."""
 
-    def __init__(self, state, compression=None, training=None):
+    def __init__(self, state, compression, training):
         self.state, self.group = state, state.dp_sp
-        comp, algorithm = compression, getattr(compression, "algorithm", None)
-        self.dense = DenseReduction(self.group, getattr(comp, "wire_dtype", None))
+        comp, algorithm = compression, compression.algorithm
+        self.dense = DenseReduction(self.group, comp.wire_dtype)
         self.compressed = None if algorithm is None else build_reduction(
             algorithm, self.group, topk_ratio=comp.value("topk_ratio"),
             block=comp.value("compression_block_size"), wire_dtype=comp.wire_dtype)
@@ -77,9 +77,8 @@ class Reducer:
         self.select_by_update = internals.get("topk_selection") == "update"
         # at dp x sp = 1 nothing is reduced: the usual clipping stays
         self.local_clipping = bool(internals.get("local_clipping")) and self.group.size > 1
-        t = training
-        self.adam = (t.adam_beta1, t.adam_beta2, t.adam_eps) if t else (0.9, 0.999, 1e-8)
-        self.clip_grad = t.clip_grad if t else 0.0
+        self.adam = (training.adam_beta1, training.adam_beta2, training.adam_eps)
+        self.clip_grad = training.clip_grad
         self.current, self.buffers = self.dense, None
         self._offset = self._select = self._clip = None
         self._frozen_selection = None  # the selection weight once v no longer changes

@@ -1,6 +1,6 @@
 """Contiguous parameter and main-gradient buffers in buckets, reduced over dp x sp.
 
-    buffers = GradBuffer(model, state, bucket_numel=..., overlap=True, shard=False)
+    buffers = GradBuffer(model, state, bucket_numel=..., overlap=True, shard=False, reducer=r)
     buffers.start_step(num_microbatches)     # before the micro-batches' backwards
     ... backward ...                         # hooks accumulate grads into p.main_grad and
                                              # launch each bucket's reduction once it is ready
@@ -31,10 +31,11 @@ its reduced gradient is complete.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
-from ...compress import Reducer
 from ...parallel.state import ParallelState
 
 
@@ -46,7 +47,7 @@ class Bucket:
         self.params, self.deferred = params, deferred
         self.ready = 0
         self.handle = None
-        self.launched = False
+        self.launch_time: float | None = None
 
     @property
     def numel(self) -> int:
@@ -87,7 +88,7 @@ class GradBuffer:
     """Flat parameter and main-gradient buffers of a model; see the module docstring."""
 
     def __init__(self, model: nn.Module, state: ParallelState, *, bucket_numel: int,
-                 overlap: bool, shard: bool, deferred: tuple = (), reducer=None, fused=(),
+                 overlap: bool, shard: bool, reducer, deferred: tuple = (), fused=(),
                  grad_dtype: torch.dtype = torch.float32, device=None, dtype=None):
         self.state, self.overlap, self.shard = state, overlap, shard
         self.group = state.dp_sp
@@ -117,7 +118,7 @@ class GradBuffer:
             p.fuse_wgrad, p.main_grad_fresh = id(p) in fused_ids, True
             p.grad_added_to_main_grad = False
         self._expected = 1
-        self.reducer = Reducer(state) if reducer is None else reducer
+        self.reducer = reducer  # `megazoo.compress.Reducer`
         self.reducer.bind(self)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
@@ -163,7 +164,7 @@ class GradBuffer:
         for key in self._calls:
             self._calls[key] = 0
         for bucket in self.buckets:
-            bucket.ready, bucket.handle, bucket.launched = 0, None, False
+            bucket.ready, bucket.handle, bucket.launch_time = 0, None, None
 
     def _on_grad(self, p: torch.Tensor) -> None:
         calls = self._calls[id(p)] = self._calls[id(p)] + 1
@@ -188,9 +189,9 @@ class GradBuffer:
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        if bucket.launched:
+        if bucket.launch_time is not None:
             return
-        bucket.launched = True
+        bucket.launch_time = time.perf_counter()
         if self.group.size == 1:
             if self.on_final is not None:
                 self.on_final(bucket)

@@ -52,9 +52,8 @@ class _ScaledLossStage:
 
     def __call__(self, *args, **kwargs):
         out = self._model(*args, **kwargs)
-        if kwargs.get("labels") is not None or (len(args) > 1 and args[1] is not None):
-            if out.dim() == 0:
-                return out * self._scale
+        if out is not None and out.dim() == 0:  # the loss (only a call with labels gives one)
+            return out * self._scale
         return out
 
 
@@ -88,14 +87,14 @@ class PlainEngine(Engine):
         tied = tied_embedding_weight(model, state)
         bucket = cfg.ddp_bucket_size or max(40_000_000, 1_000_000 * state.dp_sp.size)
         # the bucket reduction, dense or compressed (megazoo.compress)
-        self.reducer = Reducer(state, getattr(config, "compression", None), cfg)
+        self.reducer = Reducer(state, config.compression, cfg)
         self.offload = plain_offload(config)
         self.cpu_offload = self.offload is not None
         bf16_grads = cfg.accumulate_grads_in_bf16
         fuse = cfg.gradient_accumulation_fusion and not (bf16_grads and config.model.fp8_format)
         # offload overlap: each bucket's gradient leaves as soon as it is final
         overlap = cfg.overlap_grad_reduce or bool(self.offload and self.offload.overlap)
-        initial = initial_values(model, cfg, self.offload)  # the masters come from these
+        initial = initial_values(model, config)  # the masters come from these
         lean = dict(device=local_device(), dtype=model_dtype(cfg)) if initial else {}
         self.buffers = GradBuffer(model, state, bucket_numel=bucket, overlap=overlap,
                                   shard=cfg.use_distributed_optimizer,
