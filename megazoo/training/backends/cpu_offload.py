@@ -79,7 +79,11 @@ def bucket_slots(buffers, fraction: float) -> list[Slot]:
     for bucket, (lo, hi) in zip(buffers.buckets, buffers.shard_ranges()):
         pieces = [(a - lo, b - lo, p.ndim >= 2) for p, a, b in buffers.pieces(bucket, lo, hi)]
         on_host = bucket.index in host
-        slots.append(Slot(bucket, lo, hi, pieces, on_host, index=counts[on_host]))
+        # a step counter per piece (as torch's optimizer keeps them), where the state lives
+        device = torch.device("cpu") if on_host else buffers.param_data.device
+        steps = {decay: [torch.zeros((), dtype=torch.float32, device=device)
+                         for *_, d in pieces if d is decay] for decay in (True, False)}
+        slots.append(Slot(bucket, lo, hi, pieces, on_host, index=counts[on_host], steps=steps))
         counts[on_host] += 1
     return slots
 
@@ -102,20 +106,6 @@ def adamw_(state: dict, grad: torch.Tensor, slot: Slot, lr: float, cfg,
               grad_scale=divisor, amsgrad=False, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2,
               lr=lr, weight_decay=cfg.weight_decay if decay else 0.0, eps=cfg.adam_eps,
               maximize=False)
-
-
-def init_steps(slot: Slot, device) -> None:
-    """The slot's step counters, one per piece (as torch's optimizer keeps them), on the
-    device its state lives on."""
-    for decay in (True, False):
-        n = sum(1 for *_, d in slot.pieces if d is decay)
-        slot.steps[decay] = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(n)]
-
-
-def set_steps(slot: Slot, step: int) -> None:
-    for steps in slot.steps.values():
-        for t in steps:
-            t.fill_(float(step))
 
 
 class ResidentStore:

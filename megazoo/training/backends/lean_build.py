@@ -1,7 +1,7 @@
 """Building a model for the offloaded plain engine without a full fp32 copy on the GPU.
 
     model = build_run_model(args, state, device)      # run.py: the model the engine takes
-    values = initial_values(model, cfg, offload)      # engine: {id(p): fp32 values} or None
+    values = initial_values(model, args)              # engine: {id(p): fp32 values} or None
     fill_flat_(dst, lo, hi, bucket, buffers, values)  # one range of the flat layout, from them
 
 Where the engine keeps its fp32 masters in its own optimizer (`OffloadAdamW`:
@@ -74,10 +74,10 @@ def build_run_model(args, state, device, sink=_to_host) -> nn.Module:
     return model
 
 
-def initial_values(model: nn.Module, cfg, offload) -> dict | None:
-    """{id(p): p's fp32 values} when the engine builds its masters from them (bf16 / fp16
-    parameters and `OffloadAdamW`), else None (the masters are cast from the flat buffer)."""
-    if not (cfg.bf16 or cfg.fp16) or not (offload is not None or cfg.accumulate_grads_in_bf16):
+def initial_values(model: nn.Module, args) -> dict | None:
+    """{id(p): p's fp32 values} when the engine builds its masters from them (the run of
+    `lean_build_applies`), else None (the masters are cast from the flat buffer)."""
+    if not lean_build_applies(args):
         return None
     values = {id(p): p.detach() for p in model.parameters() if p.requires_grad}
     if any(v.dtype != torch.float32 for v in values.values()):
@@ -99,9 +99,3 @@ def held_bytes(values: dict | None) -> int:
     needs the larger of them and the state, not the sum)."""
     return sum(v.numel() * v.element_size() for v in (values or {}).values()
                if v.device == HOST)
-
-
-def drop_values(bucket, values: dict) -> None:
-    """Forget the fp32 values of `bucket`'s parameters (they live in the masters now)."""
-    for p in bucket.params:
-        values.pop(id(p), None)

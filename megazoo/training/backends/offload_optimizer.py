@@ -32,11 +32,10 @@ import torch
 from torch import nn
 
 from ...parallel.collectives import all_gather_flat
-from .cpu_offload import (NAMES, ResidentStore, Transfers, adamw_,
-                          bucket_slots, init_steps, set_steps)
+from .cpu_offload import NAMES, ResidentStore, Transfers, adamw_, bucket_slots
 from ...plan.offload import check_offload_plan, host_memory_bytes
 from .grad_buffer import GradBuffer
-from .lean_build import drop_values, fill_flat_, held_bytes
+from .lean_build import fill_flat_, held_bytes
 from .master_optimizer import hook_bucket_waits
 
 UP_BUFFERS = 4  # pinned staging buffers for parameters going up (a ring)
@@ -81,7 +80,6 @@ class OffloadAdamW:
         self._initial = {}  # GPU slots: fp32 initial masters until their state exists
         with torch.no_grad():
             for slot in self.slots:
-                init_steps(slot, torch.device("cpu") if slot.host else self.device)
                 self._init_master(slot, data, initial)
                 if slot.host:
                     slot.grad = self.copies.host_empty(slot.numel, buffers.main_grad.dtype)
@@ -110,12 +108,13 @@ class OffloadAdamW:
         else:
             values = torch.empty(slot.numel, dtype=torch.float32)
             fill_flat_(values, slot.lo, slot.hi, slot.bucket, self.buffers, initial)
-            drop_values(slot.bucket, initial)  # (a bucket's parameters are in no other)
+            for p in slot.bucket.params:  # they live in the masters now (and in no other bucket)
+                initial.pop(id(p), None)
         if not slot.host:
             self._initial[slot.index] = values.to(self.device, copy=True)
             return
         self._acquire(slot)["master"].copy_(values)  # (the moments start as zeros in every store)
-        self._release(slot)
+        self.stores[True].release(slot.index)
 
     # -- state access -----------------------------------------------------------------------
     def _acquire(self, slot) -> dict:
@@ -123,9 +122,6 @@ class OffloadAdamW:
         if not slot.host and slot.index in self._initial:
             state["master"].copy_(self._initial.pop(slot.index))
         return state
-
-    def _release(self, slot, write: bool = True) -> None:
-        self.stores[slot.host].release(slot.index, write)
 
     def _fp32(self, slot, grad: torch.Tensor) -> torch.Tensor:
         if grad.dtype == torch.float32:
@@ -271,7 +267,7 @@ class OffloadAdamW:
                 mine.copy_(state[k])
                 all_gather_flat(whole, mine, group=self.buffers.group.group)
                 out[k][b.start:b.end].copy_(whole)
-            self._release(slot, write=False)
+            self.stores[slot.host].release(slot.index, write=False)
         return out
 
     @torch.no_grad()
@@ -286,8 +282,9 @@ class OffloadAdamW:
                 else:
                     state[k].zero_()  # weights only: a fresh optimizer
             self.buffers.param_data[slot.lo:slot.hi].copy_(state["master"])
-            self._release(slot)
-            set_steps(slot, step)
+            self.stores[slot.host].release(slot.index)
+            for t in slot.steps[True] + slot.steps[False]:
+                t.fill_(float(step))
             self._gather(slot, async_op=False)
         self.stores[True].flush()
         self.step_count = step
