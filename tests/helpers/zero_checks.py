@@ -95,7 +95,7 @@ def deepspeed_runs(par: ParallelConfig, runs: list[dict], steps: int = 3) -> dic
         name = run.pop("name")
         engine, state = deepspeed_engine(par, **run)
         out[name] = train(engine, state, range(steps))
-        out[name + ":cpu_adam"] = engine.uses_cpu_adam
+        out[name + ":cpu_adam"] = type(engine.ds.basic_optimizer).__name__ == "DeepSpeedCPUAdam"
     return out
 
 

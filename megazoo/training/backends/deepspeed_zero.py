@@ -82,7 +82,6 @@ class DeepSpeedEngine(Engine):
         tag_tensor_parallel(model, state)
         hook_sequence_parallel_grads(model, state)
         optimizer = None if onebit else build_optimizer(model, self.cfg, self.ds_config, cpu_adam)
-        self.uses_cpu_adam = type(optimizer).__name__ == "DeepSpeedCPUAdam"
         self.cpu_offload = offload_device(self.ds_config) == "cpu"
         self.gathers_parameters = zero_stage(self.ds_config) == 3
         params = param_groups(model, self.cfg.weight_decay) if onebit else None
@@ -204,9 +203,6 @@ class _DeepSpeedStage:
 
     def __call__(self, *args, **kwargs):
         return self._ds(*args, **kwargs)
-
-    def train(self, mode: bool = True):
-        self._ds.train(mode)
 
     def eval(self):
         self._ds.eval()

@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from ...config.validate import check_engine
 from ...parallel.state import ParallelState
 from .base import Engine
 from .fsdp2_sharding import SyncOnLastMicroBatch, shard_mesh, shard_stage
@@ -39,13 +40,10 @@ from ..optim import build_optimizer, param_groups
 
 
 def check_args(args, state: ParallelState) -> None:
-    zero, cfg = args.zero, args.training
-    if zero.zero_stage not in (None, 3):
-        raise ValueError(f"--zero-impl fsdp2 shards parameters (ZeRO-3); got --zero-stage "
-                         f"{zero.zero_stage}: pass --zero-stage 3 or use --deepspeed")
-    if zero.offload_optimizer == "nvme" or zero.offload_param == "nvme":
-        raise ValueError("--zero-impl fsdp2 offloads to cpu only: use --offload-optimizer cpu "
-                         "or --deepspeed for nvme")
+    """What FSDP2 cannot run, said before any collective: the run's ZeRO checks
+    (`config.validate.check_engine`: ZeRO-3 only, cpu offload only), fp16, the batch split."""
+    check_engine(args.zero, args.parallel)
+    cfg = args.training
     if cfg.fp16:
         raise ValueError("--zero-impl fsdp2 has no fp16 loss scaling: use --bf16, or --deepspeed")
     per_step = cfg.micro_batch_size * state.dp.size

@@ -24,12 +24,6 @@ def _full(t) -> torch.Tensor:
     return t.full_tensor().cpu() if hasattr(t, "full_tensor") else t.detach().cpu()
 
 
-def _adam_step(optimizer) -> int:
-    for st in optimizer.state.values():
-        return int(st["step"])
-    return 0
-
-
 def save_fsdp(engine, path: str, extra: dict) -> None:
     from ...checkpoint import save_checkpoint
 
@@ -44,7 +38,8 @@ def save_fsdp(engine, path: str, extra: dict) -> None:
     tags = {n: dict(vars(p)) for n, p in twin.named_parameters()}
     twin.load_state_dict(weights, assign=True)
     copy_tags(twin, tags)
-    meta = {"steps": engine.steps, "adam_step": _adam_step(opt), "scaler": None}
+    first = next(iter(opt.state.values()), {"step": 0})  # (every parameter's step is the same)
+    meta = {"steps": engine.steps, "adam_step": int(first["step"]), "scaler": None}
     save_checkpoint(twin, path, state=state, extra={**extra, "engine": meta}, aux=aux)
 
 

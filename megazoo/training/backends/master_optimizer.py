@@ -4,21 +4,16 @@
     opt.step(lr, grad_divisor)        # AdamW on the fp32 shard, then masters -> model params
     opt.wait_params()                 # (overlapped gather) before touching the parameters
 
-Megatron's `Float16OptimizerWithFloat16Params` / distributed optimizer semantics:
-- the model's parameters are views of the flat parameter buffer (bf16, fp16 or fp32);
-- the masters are fp32: a copy of the flat buffer, or of this rank's shard of every bucket
-  with `buffers.shard` (the distributed optimizer: 1/(dp x sp) of masters and moments each);
-  in fp32 without sharding the parameter buffer itself is the master (no copy);
-- AdamW is torch's fused kernel over "pieces": each parameter's intersection with the
-  owned ranges, as views of the flat master / moment / main-gradient buffers, so one
-  multi-tensor kernel family runs per step, and weight decay still follows the parameter
-  (matrices decayed, 1-D parameters not);
-- `grad_divisor` (fp16 loss scale times the clipping factor) is applied inside the kernel;
-- after the step the masters are copied into the parameter buffer once (one copy kernel),
-  and with sharding each bucket is all-gathered over dp x sp into it, either at once or,
-  with `overlap_param_gather`, launched asynchronously and waited for by a forward
-  pre-hook of the modules that own the bucket's parameters (overlapped with the next
-  forward).
+Megatron's `Float16OptimizerWithFloat16Params` / distributed optimizer semantics: the model's
+parameters are views of the flat parameter buffer; the fp32 masters are a copy of it, or of
+this rank's shard of every bucket with `buffers.shard` (1/(dp x sp) of masters and moments
+each), or, in fp32 without sharding, the buffer itself. AdamW is torch's fused kernel over
+"pieces" (each parameter's part of the owned ranges, as views of the flat master, moment and
+main-gradient buffers): one multi-tensor kernel family per step, weight decay still per
+parameter, `grad_divisor` (loss scale times clipping factor) applied inside. After the step
+the masters are copied into the parameter buffer and, with sharding, each bucket is
+all-gathered over dp x sp, at once or (`overlap_param_gather`) asynchronously, waited for by
+a forward pre-hook of the modules owning the bucket's parameters.
 
 Checkpoints hold full fp32 tensors per parameter (`full_state` gathers the shards), so the
 files are the same with or without sharding and load at any dp.
