@@ -135,7 +135,7 @@ def fsdp2_phases(zb, shape, state, args):
     from megazoo.models import build_model
     from megazoo.training.backends.fsdp2 import FSDP2Engine
     from megazoo.training.gradients import complete_sharded_gradients as complete_gradients
-    from megazoo.training.gradients import global_grad_norm
+    from megazoo.training.gradients import clip_divisor, global_grad_norm, local
 
     import dataclasses
 
@@ -157,7 +157,9 @@ def fsdp2_phases(zb, shape, state, args):
         complete_gradients(model, state)
         norm = global_grad_norm(model, state)
         t.append(sync())
-        eng._clip_in_step(norm)
+        divisor = clip_divisor(norm, eng.cfg.clip_grad)  # what FSDP2Engine.step folds in
+        eng.optimizer.grad_scale = torch.tensor(
+            divisor, device=local(next(model.parameters())).device) if divisor != 1.0 else None
         t.append(sync())
         eng.optimizer.step()
         t.append(sync())
