@@ -18,19 +18,15 @@ of steps, sum of outputs + sum of all ranks' errors = sum of all inputs, up to r
 
 - topk: x = data + residual; the chunk-wise top-k (codecs.TopKCodec; optionally chosen by
   |x| x a caller's weight) is all-gathered and every rank adds the ranks' entries in rank
-  order; residual = x - sent. Bytes per rank: (n - 1) x
-  row bytes (an all-gather grows with n, unlike an all-reduce).
+  order; residual = x - sent. Bytes per rank: (n - 1) x row bytes (growing with n).
 - 1bit / 2bit: x = data + worker error, cut into n chunks (chunk r for rank r); phase 1
   compresses every chunk and exchanges them with an all-to-all; rank r decodes and adds the n
-  versions of its chunk. Phase 2 (skipped with `shard`: the reduce-scatter case, where the sum
-  of the chunk is all a rank needs) compresses that sum plus the server error and all-gathers
-  it; everyone decodes all chunks. Bytes: (n - 1) x chunk bytes per phase.
+  versions of its chunk. Phase 2 (skipped with `shard`, where a rank needs only its chunk's
+  sum) compresses that sum plus the server error and all-gathers it; everyone decodes all
+  chunks. Bytes: (n - 1) x chunk bytes per phase. Only phase 1 is asynchronous.
 Dense: all-reduce (reduce-scatter with `shard`), in `wire_dtype` if given
-(`communication_data_type`), cast back into `data`.
-
-Only phase 1 is asynchronous; `wait` runs the decoding and phase 2. `dense_bytes` counts what
-an fp32 ring all-reduce (reduce-scatter with `shard`) of the same buckets would send:
-2 (n - 1) / n x 4 bytes per element ((n - 1) / n x 4).
+(`communication_data_type`), cast back into `data`. `dense_bytes` counts what an fp32 ring
+all-reduce (reduce-scatter) of the same buckets would send.
 """
 from __future__ import annotations
 
