@@ -135,11 +135,14 @@ def fsdp2_phases(zb, shape, state, args):
     from megazoo.models import build_model
     from megazoo.training.backends.fsdp2 import FSDP2Engine
     from megazoo.training.gradients import complete_sharded_gradients as complete_gradients
-    from megazoo.training.gradients import global_grad_norm
+    from megazoo.training.gradients import clip_divisor, global_grad_norm, local
+
+    import dataclasses
 
     model = build_model(args.model, state, device=zb.device(), seed=0)
-    eng = FSDP2Engine(model, state, args, cpu_offload=True,
-                      reshard_after_forward=not os.environ.get("KEEP"))
+    zero = dataclasses.replace(args.zero, offload_optimizer="cpu",
+                               fsdp_reshard_after_forward=not os.environ.get("KEEP"))
+    eng = FSDP2Engine(model, state, dataclasses.replace(args, zero=zero))
     ids = zb.batch(shape, zb.device())
     def sync():
         torch.cuda.synchronize()
@@ -154,7 +157,9 @@ def fsdp2_phases(zb, shape, state, args):
         complete_gradients(model, state)
         norm = global_grad_norm(model, state)
         t.append(sync())
-        eng._clip_in_step(norm)
+        divisor = clip_divisor(norm, eng.cfg.clip_grad)  # what FSDP2Engine.step folds in
+        eng.optimizer.grad_scale = torch.tensor(
+            divisor, device=local(next(model.parameters())).device) if divisor != 1.0 else None
         t.append(sync())
         eng.optimizer.step()
         t.append(sync())

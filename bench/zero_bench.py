@@ -137,9 +137,12 @@ def fsdp2_step(shape, state, args, reshard_after_forward=True):
     from megazoo.models import build_model
     from megazoo.training.backends.fsdp2 import FSDP2Engine
 
+    import dataclasses
+
     model = build_model(args.model, state, device=device(), seed=0)
-    engine = FSDP2Engine(model, state, args, cpu_offload=True,
-                         reshard_after_forward=reshard_after_forward)
+    zero = dataclasses.replace(args.zero, offload_optimizer="cpu",
+                               fsdp_reshard_after_forward=reshard_after_forward)
+    engine = FSDP2Engine(model, state, dataclasses.replace(args, zero=zero))
     ids = batch(shape, device())
     return lambda: engine.train_step([{"input_ids": ids, "labels": ids}]).loss
 

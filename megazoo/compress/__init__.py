@@ -4,9 +4,7 @@ frozen-variance rule (`frozen_adam`), the residuals in checkpoints (`state`), an
 object the engine holds, `reducer.Reducer`, which its grad buffer calls per bucket. The
 1bit / 2bit codec and the topk encoder also run as Triton kernels on GPUs
 (`megazoo.kernels.triton_codec`, `triton_topk`)."""
-from .codecs import BlockCodec, TopKCodec
-from .reduce import BlockReduction, DenseReduction, TopKReduction, build_reduction
+from .reduce import build_reduction
 from .reducer import Reducer
 
-__all__ = ["BlockCodec", "BlockReduction", "DenseReduction", "Reducer", "TopKCodec",
-           "TopKReduction", "build_reduction"]
+__all__ = ["Reducer", "build_reduction"]

@@ -12,15 +12,12 @@ runs Adam uncompressed for a warmup, then freezes v. With v fixed the update is 
 gradient (momentum SGD with a per-coordinate step size), so error feedback's promise, that
 what was not sent arrives later, holds for the update too.
 
-1-bit Adam also changes what is compressed: each rank's local momentum, not its gradient
-(the momentum offset of `reducer.Reducer`, switched on with the freeze), and v is floored
-when it freezes (`floor_variance`) so that no coordinate whose v froze near zero (an
-embedding row of a token not yet seen) divides its first gradient by ~eps.
-
-The step here is torch AdamW's (decoupled weight decay, bias-corrected momentum) with v
-read, never written, and its bias correction 1 - beta2^frozen_at fixed at the step count
-where it froze. It runs over the same per-piece state the fused kernel uses (and advances
-each piece's step counter like it), so checkpoints and the unfrozen step are unchanged.
+v is floored when it freezes (`floor_variance`) so that no coordinate whose v froze near zero
+(an embedding row of a token not yet seen) divides its first gradient by ~eps. The step is
+torch AdamW's (decoupled weight decay, bias-corrected momentum) with v read, never written,
+and its bias correction 1 - beta2^frozen_at fixed at the step count where it froze, over the
+same per-piece state (step counters included) as the fused kernel, so checkpoints and the
+unfrozen step are unchanged.
 """
 from __future__ import annotations
 

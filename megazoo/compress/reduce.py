@@ -18,19 +18,15 @@ of steps, sum of outputs + sum of all ranks' errors = sum of all inputs, up to r
 
 - topk: x = data + residual; the chunk-wise top-k (codecs.TopKCodec; optionally chosen by
   |x| x a caller's weight) is all-gathered and every rank adds the ranks' entries in rank
-  order; residual = x - sent. Bytes per rank: (n - 1) x
-  row bytes (an all-gather grows with n, unlike an all-reduce).
+  order; residual = x - sent. Bytes per rank: (n - 1) x row bytes (growing with n).
 - 1bit / 2bit: x = data + worker error, cut into n chunks (chunk r for rank r); phase 1
   compresses every chunk and exchanges them with an all-to-all; rank r decodes and adds the n
-  versions of its chunk. Phase 2 (skipped with `shard`: the reduce-scatter case, where the sum
-  of the chunk is all a rank needs) compresses that sum plus the server error and all-gathers
-  it; everyone decodes all chunks. Bytes: (n - 1) x chunk bytes per phase.
+  versions of its chunk. Phase 2 (skipped with `shard`, where a rank needs only its chunk's
+  sum) compresses that sum plus the server error and all-gathers it; everyone decodes all
+  chunks. Bytes: (n - 1) x chunk bytes per phase. Only phase 1 is asynchronous.
 Dense: all-reduce (reduce-scatter with `shard`), in `wire_dtype` if given
-(`communication_data_type`), cast back into `data`.
-
-Only phase 1 is asynchronous; `wait` runs the decoding and phase 2. `dense_bytes` counts what
-an fp32 ring all-reduce (reduce-scatter with `shard`) of the same buckets would send:
-2 (n - 1) / n x 4 bytes per element ((n - 1) / n x 4).
+(`communication_data_type`), cast back into `data`. `dense_bytes` counts what an fp32 ring
+all-reduce (reduce-scatter) of the same buckets would send.
 """
 from __future__ import annotations
 
@@ -68,18 +64,18 @@ class DenseReduction:
     def reset_bytes(self) -> None:
         self.sent_bytes = self.dense_bytes = 0
 
-    def _count(self, numel: int, itemsize: int, shard) -> None:
+    def _ring_bytes(self, numel: int, itemsize: int, shard) -> int:
+        """What this rank sends in a ring all-reduce (reduce-scatter with `shard`)."""
         n = self.group.size
-        factor = 1 if shard is not None else 2
-        self.sent_bytes += factor * (n - 1) * numel * itemsize // n
-        self.dense_bytes += factor * (n - 1) * numel * 4 // n
+        return (1 if shard is not None else 2) * (n - 1) * numel * itemsize // n
 
     def launch(self, key: str, data: torch.Tensor, shard: torch.Tensor | None = None) -> _Done:
         group = self.group.group
         # One rank's sum is its own data: no wire, so no rounding to the wire dtype.
         cast = self.wire_dtype not in (None, data.dtype) and self.group.size > 1
         buf = data.to(self.wire_dtype) if cast else data
-        self._count(data.numel(), buf.element_size(), shard)
+        self.sent_bytes += self._ring_bytes(data.numel(), buf.element_size(), shard)
+        self.dense_bytes += self._ring_bytes(data.numel(), 4, shard)
         if shard is None:
             work = dist.all_reduce(buf, group=group, async_op=True)
             return _Done(work, (lambda: data.copy_(buf)) if cast else None)
@@ -111,10 +107,6 @@ class _Compressed(DenseReduction):
                                async_op=True)
         return out, work
 
-    def _count_dense(self, numel: int, shard) -> None:
-        n = self.group.size
-        self.dense_bytes += (1 if shard is not None else 2) * (n - 1) * numel * 4 // n
-
 
 class TopKReduction(_Compressed):
     def __init__(self, group, ratio: float, wire_dtype: torch.dtype | None = None,
@@ -129,7 +121,7 @@ class TopKReduction(_Compressed):
         codec = TopKCodec(self.ratio, self.wire_dtype or data.dtype, self.impl)
         residual = self._error(f"{key}.worker", data, data.numel())
         wire = codec.encode_with_error(data, residual, weight)
-        self._count_dense(data.numel(), shard)
+        self.dense_bytes += self._ring_bytes(data.numel(), 4, shard)
         rows, work = self._gather(wire)
         return _Done(work, lambda: codec.decode_sum_into(rows, data))
 
@@ -150,7 +142,7 @@ class BlockReduction(_Compressed):
         wire = codec.encode_with_error(data.view(n, k), werr.view(n, k))   # [n, row]
         recv = torch.empty_like(wire)
         self.sent_bytes += (n - 1) * wire.shape[1]
-        self._count_dense(data.numel(), shard)
+        self.dense_bytes += self._ring_bytes(data.numel(), 4, shard)
         work = dist.all_to_all_single(recv, wire, group=self.group.group, async_op=True)
 
         def finish() -> None:

@@ -60,13 +60,13 @@ def padding_ranges(params: list, offsets: dict, tp_rank: int) -> list[tuple[int,
 
 
 class Reducer:
-    """See the module docstring. `compression`: the run's CompressionConfig (None: dense),
-    `training`: its TrainingConfig (AdamW's betas and eps, clip_grad)."""
+    """See the module docstring. `compression`: the run's CompressionConfig, `training`: its
+    TrainingConfig (AdamW's betas and eps, clip_grad)."""
 
-    def __init__(self, state, compression=None, training=None):
+    def __init__(self, state, compression, training):
         self.state, self.group = state, state.dp_sp
-        comp, algorithm = compression, getattr(compression, "algorithm", None)
-        self.dense = DenseReduction(self.group, getattr(comp, "wire_dtype", None))
+        comp, algorithm = compression, compression.algorithm
+        self.dense = DenseReduction(self.group, comp.wire_dtype)
         self.compressed = None if algorithm is None else build_reduction(
             algorithm, self.group, topk_ratio=comp.value("topk_ratio"),
             block=comp.value("compression_block_size"), wire_dtype=comp.wire_dtype)
@@ -77,10 +77,8 @@ class Reducer:
         self.select_by_update = internals.get("topk_selection") == "update"
         # at dp x sp = 1 nothing is reduced: the usual clipping stays
         self.local_clipping = bool(internals.get("local_clipping")) and self.group.size > 1
-        self.adam, self.clip_grad = (0.9, 0.999, 1e-8), 0.0
-        if training is not None:
-            self.adam = (training.adam_beta1, training.adam_beta2, training.adam_eps)
-            self.clip_grad = training.clip_grad
+        self.adam = (training.adam_beta1, training.adam_beta2, training.adam_eps)
+        self.clip_grad = training.clip_grad
         self.current, self.buffers = self.dense, None
         self._offset = self._select = self._clip = None
         self._frozen_selection = None  # the selection weight once v no longer changes
@@ -91,19 +89,16 @@ class Reducer:
         self.padding = padding_ranges(buffers.params, buffers.offsets, self.state.tp.rank)
 
     # -- one step -------------------------------------------------------------------------
-    def compresses_at(self, step: int) -> bool:
-        """Whether the step after `step` optimizer steps takes the compressed reduction."""
-        return self.compressed is not None and step >= self.start
-
     def start_step(self, step: int, optimizer, loss_scale: float = 1.0) -> None:
-        """Pick this step's reduction and the per-step inputs of a compressed one."""
-        use = self.compresses_at(step)
+        """Pick the reduction of the step after `step` optimizer steps, and the per-step
+        inputs of a compressed one."""
+        use = self.compressed is not None and step >= self.start
         self.current = self.compressed if use else self.dense
         self.current.reset_bytes()
         self._offset = self._select = self._clip = None
         if not use or self.group.size == 1:
             return
-        beta1, beta2, eps = self.adam
+        beta1 = self.adam[0]
         if self.freeze_at is not None and not self.buffers.shard:
             alpha = self.momentum_share * beta1 / (1.0 - beta1)
             self._offset = optimizer.moments["exp_avg"], alpha * loss_scale

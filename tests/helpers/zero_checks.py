@@ -95,7 +95,7 @@ def deepspeed_runs(par: ParallelConfig, runs: list[dict], steps: int = 3) -> dic
         name = run.pop("name")
         engine, state = deepspeed_engine(par, **run)
         out[name] = train(engine, state, range(steps))
-        out[name + ":cpu_adam"] = engine.uses_cpu_adam
+        out[name + ":cpu_adam"] = type(engine.ds.basic_optimizer).__name__ == "DeepSpeedCPUAdam"
     return out
 
 
@@ -123,12 +123,14 @@ def fsdp_runs(par: ParallelConfig, runs: list[dict], steps: int = 3, num_layers:
     for run in runs:
         run = dict(run)
         name = run.pop("name")
-        cpu_offload = run.pop("cpu_offload", False)
-        fsdp_flags = {k: run.pop(k) for k in list(run) if k.startswith("reduce_every")}
+        if run.pop("cpu_offload", False):
+            run["offload_optimizer"] = "cpu"
+        if "reduce_every_microbatch" in run:
+            run["fsdp_reduce_every_microbatch"] = run.pop("reduce_every_microbatch")
         state = state_for(par)
         args = make_args(par, state.dp.size, num_layers, zero_impl="fsdp2", zero_stage=3, **run)
         model = build_model(args.model, state, device="cpu", seed=args.training.seed)
-        engine = FSDP2Engine(model, state, args, cpu_offload=cpu_offload, **fsdp_flags)
+        engine = FSDP2Engine(model, state, args)
         out[name] = train(engine, state, range(steps))
     return out
 
@@ -162,13 +164,13 @@ def one_process_probe(path: str, dp: int) -> float:
     return sum(losses) / dp
 
 
-def fsdp_engine(par: ParallelConfig, num_layers: int = 4, **kw):
+def fsdp_engine(par: ParallelConfig, num_layers: int = 4, **zero):
     from megazoo.training.backends.fsdp2 import FSDP2Engine
 
     state = state_for(par)
-    args = make_args(par, state.dp.size, num_layers, zero_impl="fsdp2", zero_stage=3)
+    args = make_args(par, state.dp.size, num_layers, zero_impl="fsdp2", zero_stage=3, **zero)
     model = build_model(args.model, state, device="cpu", seed=args.training.seed)
-    return FSDP2Engine(model, state, args, **kw), state, args
+    return FSDP2Engine(model, state, args), state, args
 
 
 def fsdp_save_resume(par: ParallelConfig, path: str) -> dict:
@@ -176,7 +178,7 @@ def fsdp_save_resume(par: ParallelConfig, path: str) -> dict:
     PlainEngine loads the same checkpoint and repeats 2-3 too."""
     from megazoo.training.backends.plain import PlainEngine
 
-    engine, state, _ = fsdp_engine(par, cpu_offload=True)
+    engine, state, _ = fsdp_engine(par, offload_optimizer="cpu")
     train(engine, state, range(2))
     engine.save(path, {"iteration": 2})
     after = train(engine, state, range(2, 4))

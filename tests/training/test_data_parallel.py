@@ -147,4 +147,4 @@ def test_grad_buffer_refuses_a_fused_weight_outside_the_model():
 
     with pytest.raises(ValueError, match="fused weight must be a trainable parameter"):
         GradBuffer(nn.Linear(4, 4), ParallelState.single(), bucket_numel=100, overlap=False,
-                   shard=False, fused=[nn.Parameter(torch.zeros(4, 4))])
+                   shard=False, reducer=None, fused=[nn.Parameter(torch.zeros(4, 4))])

@@ -19,14 +19,28 @@ from megazoo.training.backends.state_store import NvmeStateStore, StoreError
 NAMES = ("master", "exp_avg", "exp_avg_sq")
 
 
-def _random_shard(numel: int, gen: torch.Generator, dtype=torch.float32) -> dict:
-    return {name: torch.randn(numel, generator=gen).to(dtype) for name in NAMES}
+def _random_shard(numel: int, gen: torch.Generator) -> dict:
+    return {name: torch.randn(numel, generator=gen) for name in NAMES}
 
 
 def _assert_shard(got: dict, want: dict) -> None:
     assert set(got) == set(want)
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def _write(store, i: int, shard: dict) -> None:
+    """Shard i's tensors replaced by `shard` (written back on release)."""
+    for name, t in store.acquire(i).items():
+        t.copy_(shard[name])
+    store.release(i)
+
+
+def _read(store, i: int) -> dict:
+    """Shard i's tensors as the store holds them, in fresh CPU tensors."""
+    out = {name: t.clone() for name, t in store.acquire(i).items()}
+    store.release(i, write=False)
+    return out
 
 
 def test_a_filesystem_refusing_o_direct_falls_back_to_buffered_io(tmp_path, monkeypatch):
@@ -38,41 +52,40 @@ def test_a_filesystem_refusing_o_direct_falls_back_to_buffered_io(tmp_path, monk
         return real_open(path, flags, *mode)
     monkeypatch.setattr(state_store.os, "open", no_direct)
     shard = _random_shard(5000, torch.Generator().manual_seed(6))
-    with NvmeStateStore(tmp_path, [100, 5000], pin=False) as store:
-        assert not store.direct
-        store.write_shard(1, shard)
-        _assert_shard(store.acquire(1), shard)
+    store = NvmeStateStore(tmp_path, [100, 5000], pin=False)
+    assert not store.direct
+    _write(store, 1, shard)
+    _assert_shard(store.acquire(1), shard)
 
 
-@pytest.mark.parametrize("dtype,direct", [(torch.float32, True), (torch.bfloat16, True),
-                                          (torch.float32, False)])
-def test_round_trip_is_bitwise_and_the_files_hold_it(tmp_path, dtype, direct):
+@pytest.mark.parametrize("direct", [True, False])
+def test_round_trip_is_bitwise_and_the_files_hold_it(tmp_path, direct):
     """O_DIRECT (where tmp_path's filesystem has it) and buffered; sizes not a block multiple.
-    The files left by close hold each shard's tensors one after the other; a new store on
-    the same root starts from zeros."""
+    The flushed files hold each shard's tensors one after the other; a new store on the same
+    root starts from zeros."""
     numels = [1000, 17, 4096, 1]
     gen = torch.Generator().manual_seed(0)
-    ref = [_random_shard(n, gen, dtype) for n in numels]
-    with NvmeStateStore(tmp_path, numels, dtype=dtype, pin=False, direct=direct) as store:
-        assert store.direct in ((True, False) if direct else (False,))
-        for i, shard in enumerate(ref):
-            _assert_shard(store.acquire(i), {k: torch.zeros(numels[i], dtype=dtype)
-                                             for k in NAMES})
-            store.release(i, write=False)
-            store.write_shard(i, shard)
-        for i, shard in enumerate(ref):
-            _assert_shard(store.read_shard(i), shard)
-            _assert_shard(store.acquire(i), shard)
-            store.release(i, write=False)
+    ref = [_random_shard(n, gen) for n in numels]
+    store = NvmeStateStore(tmp_path, numels, pin=False, direct=direct)
+    assert store.direct in ((True, False) if direct else (False,))
+    for i, shard in enumerate(ref):
+        _assert_shard(store.acquire(i), {k: torch.zeros(numels[i]) for k in NAMES})
+        store.release(i, write=False)
+        _write(store, i, shard)
+    for i, shard in enumerate(ref):
+        _assert_shard(_read(store, i), shard)
+        _assert_shard(store.acquire(i), shard)
+        store.release(i, write=False)
+    store.flush()
     assert sorted(os.listdir(tmp_path)) == [f"shard{i:05d}.bin" for i in range(4)]
     for i, n in enumerate(numels):
         raw = (tmp_path / f"shard{i:05d}.bin").read_bytes()
         assert len(raw) % 4096 == 0
-        flat = torch.frombuffer(bytearray(raw), dtype=dtype)[:3 * n]
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.float32)[:3 * n]
         _assert_shard(dict(zip(NAMES, flat.split(n))), ref[i])
-    with NvmeStateStore(tmp_path, numels, dtype=dtype, pin=False) as store:
-        for i, n in enumerate(numels):
-            _assert_shard(store.read_shard(i), {k: torch.zeros(n, dtype=dtype) for k in NAMES})
+    store = NvmeStateStore(tmp_path, numels, pin=False)
+    for i, n in enumerate(numels):
+        _assert_shard(_read(store, i), {k: torch.zeros(n) for k in NAMES})
 
 
 def _slow_writes(monkeypatch, seconds: float) -> None:
@@ -92,8 +105,8 @@ def slow_writes(monkeypatch):
 
 def _stream(store, ref, order, gen, rng=None):
     """acquire / add noise / release over `order`, prefetching the next shard; ref follows.
-    With `rng`, a synchronous read_shard of a random shard after each release (it borrows a
-    slot: maybe the prefetched one, or one whose write is pending)."""
+    With `rng`, a read of a random shard after each release (it takes a slot: maybe the
+    prefetched one, or one whose write is pending)."""
     store.prefetch(order[0])
     for pos, i in enumerate(order):
         state = store.acquire(i)
@@ -106,7 +119,7 @@ def _stream(store, ref, order, gen, rng=None):
         store.release(i)
         if rng is not None:
             j = rng.randrange(len(ref))
-            _assert_shard(store.read_shard(j), ref[j])
+            _assert_shard(_read(store, j), ref[j])
 
 
 @pytest.mark.parametrize("slots", [1, 2, 3])
@@ -116,87 +129,72 @@ def test_streaming_more_shards_than_slots_keeps_every_latest_value(tmp_path, slo
     gen = torch.Generator().manual_seed(1)
     ref = [_random_shard(n, gen) for n in numels]
     rng = random.Random(slots)
-    with NvmeStateStore(tmp_path, numels, slots=slots, pin=False, threads=4) as store:
-        for i, shard in enumerate(ref):
-            store.write_shard(i, shard)
-        for _ in range(4):                                    # four "optimizer steps"
-            _stream(store, ref, list(range(len(numels))), gen)
-        _stream(store, ref, [rng.randrange(len(numels)) for _ in range(40)], gen)
-        _stream(store, ref, [rng.randrange(len(numels)) for _ in range(40)], gen, rng)
-        store.flush()
-        for i in range(len(numels)):
-            _assert_shard(store.read_shard(i), ref[i])
+    store = NvmeStateStore(tmp_path, numels, slots=slots, pin=False, threads=4)
+    for i, shard in enumerate(ref):
+        _write(store, i, shard)
+    for _ in range(4):                                    # four "optimizer steps"
+        _stream(store, ref, list(range(len(numels))), gen)
+    _stream(store, ref, [rng.randrange(len(numels)) for _ in range(40)], gen)
+    _stream(store, ref, [rng.randrange(len(numels)) for _ in range(40)], gen, rng)
+    store.flush()
+    for i in range(len(numels)):
+        _assert_shard(_read(store, i), ref[i])
 
 
 def test_release_then_reacquire_sees_the_last_write(tmp_path, slow_writes):
     """Same shard back at once, and after its slot was reused while the write was pending."""
     gen = torch.Generator().manual_seed(2)
     ref = [_random_shard(n, gen) for n in (256, 512, 128)]
-    with NvmeStateStore(tmp_path, [256, 512, 128], slots=2, pin=False) as store:
-        for i, shard in enumerate(ref):
-            store.write_shard(i, shard)
-        for value in range(1, 6):
-            state = store.acquire(0)
-            _assert_shard(state, ref[0])
-            state["master"].fill_(float(value))
-            ref[0]["master"] = state["master"].clone()
-            store.release(0)
-        for step in range(3):                 # shard 0's slot is taken over by 1 and 2
-            for i in (0, 1, 2):
-                state = store.acquire(i)
-                _assert_shard(state, ref[i])
-                state["exp_avg"].mul_(-1.5).add_(step)
-                ref[i]["exp_avg"] = state["exp_avg"].clone()
-                store.release(i)
-        store.flush()
-        for i in range(3):
-            _assert_shard(store.read_shard(i), ref[i])
+    store = NvmeStateStore(tmp_path, [256, 512, 128], slots=2, pin=False)
+    for i, shard in enumerate(ref):
+        _write(store, i, shard)
+    for value in range(1, 6):
+        state = store.acquire(0)
+        _assert_shard(state, ref[0])
+        state["master"].fill_(float(value))
+        ref[0]["master"] = state["master"].clone()
+        store.release(0)
+    for step in range(3):                 # shard 0's slot is taken over by 1 and 2
+        for i in (0, 1, 2):
+            state = store.acquire(i)
+            _assert_shard(state, ref[i])
+            state["exp_avg"].mul_(-1.5).add_(step)
+            ref[i]["exp_avg"] = state["exp_avg"].clone()
+            store.release(i)
+    store.flush()
+    for i in range(3):
+        _assert_shard(_read(store, i), ref[i])
 
 
 def test_a_read_waits_for_the_shards_write_pending_in_another_slot(tmp_path, monkeypatch):
     gen = torch.Generator().manual_seed(5)
     ref = [_random_shard(n, gen) for n in (64, 32, 16)]
     # 4 threads: a queue of 2 would hide a missing wait behind the pool's FIFO order.
-    with NvmeStateStore(tmp_path, [64, 32, 16], slots=2, pin=False, threads=4) as store:
-        for i, shard in enumerate(ref):
-            store.write_shard(i, shard)
-        _slow_writes(monkeypatch, 0.2)
-        store.acquire(0)["exp_avg_sq"].fill_(7.0)
-        ref[0]["exp_avg_sq"].fill_(7.0)
-        store.release(0)                        # slot X: writing shard 0 (slowly)
-        store.acquire(2)
-        store.release(2, write=False)           # slot Y: shard 2, used last
-        store.prefetch(1)                       # takes X, after shard 0's write
-        _assert_shard(store.acquire(0), ref[0])  # read into Y: must wait for that write too
+    store = NvmeStateStore(tmp_path, [64, 32, 16], slots=2, pin=False, threads=4)
+    for i, shard in enumerate(ref):
+        _write(store, i, shard)
+    _slow_writes(monkeypatch, 0.2)
+    store.acquire(0)["exp_avg_sq"].fill_(7.0)
+    ref[0]["exp_avg_sq"].fill_(7.0)
+    store.release(0)                        # slot X: writing shard 0 (slowly)
+    store.acquire(2)
+    store.release(2, write=False)           # slot Y: shard 2, used last
+    store.prefetch(1)                       # takes X, after shard 0's write
+    _assert_shard(store.acquire(0), ref[0])  # read into Y: must wait for that write too
 
 
-def test_write_shard_replaces_a_cached_slot_and_misuse_is_named(tmp_path):
-    gen = torch.Generator().manual_seed(3)
-    with NvmeStateStore(tmp_path, [100, 200], slots=1, pin=False) as store:
-        store.write_shard(0, _random_shard(100, gen))
+def test_misuse_is_named(tmp_path):
+    store = NvmeStateStore(tmp_path, [100, 200], slots=1, pin=False)
+    store.acquire(0)
+    with pytest.raises(RuntimeError, match="all 1 staging slots"):
+        store.acquire(1)
+    with pytest.raises(RuntimeError, match="already acquired"):
         store.acquire(0)
-        with pytest.raises(RuntimeError, match="all 1 staging slots"):
-            store.acquire(1)
-        with pytest.raises(RuntimeError, match="already acquired"):
-            store.acquire(0)
-        with pytest.raises(RuntimeError, match="release it first"):
-            store.read_shard(0)
-        one = _random_shard(200, gen)
-        store.write_shard(1, one)          # the only slot is held: through a new buffer
-        _assert_shard(store.read_shard(1), one)
+    store.release(0)
+    with pytest.raises(RuntimeError, match="not acquired"):
         store.release(0)
-        with pytest.raises(RuntimeError, match="not acquired"):
-            store.release(0)
-        new = _random_shard(100, gen)
-        store.write_shard(0, new)          # while shard 0's old bytes sit in the slot
-        _assert_shard(store.acquire(0), new)
-        store.release(0)
-        with pytest.raises(StoreError, match=r"holds 200 elements a tensor, got \{'master': 99"):
-            store.write_shard(1, _random_shard(99, gen))
-        with pytest.raises(StoreError, match="takes tensors"):
-            store.write_shard(1, {"master": torch.zeros(200)})
-        with pytest.raises(IndexError, match="has 2"):
-            store.prefetch(2)
+    with pytest.raises(IndexError, match="has 2"):
+        store.prefetch(2)
 
 
 def test_unwritable_root_is_one_line(tmp_path):
@@ -227,10 +225,10 @@ def test_too_little_disk_names_bytes_needed_and_free(tmp_path, monkeypatch):
     assert not any(tmp_path.glob("shard*"))
     # The blocks the old files hold come back when a new store empties them.
     _free_bytes(monkeypatch, 12288)
-    NvmeStateStore(tmp_path, [1024], pin=False).close()
+    NvmeStateStore(tmp_path, [1024], pin=False)
     held = sum(p.stat().st_blocks * 512 for p in tmp_path.glob("shard*"))
     _free_bytes(monkeypatch, 24576 - held)
-    NvmeStateStore(tmp_path, [1024, 1024], pin=False).close()
+    NvmeStateStore(tmp_path, [1024, 1024], pin=False)
     held = sum(p.stat().st_blocks * 512 for p in tmp_path.glob("shard*"))
     _free_bytes(monkeypatch, 36864 - held - 1)
     with pytest.raises(StoreError, match=f"needs {36864 - held} more bytes"):
@@ -250,21 +248,19 @@ def test_background_write_error_surfaces_at_flush_and_after(tmp_path, monkeypatc
     with pytest.raises(StoreError, match=failed) as err:
         store.flush()
     assert isinstance(err.value.__cause__, OSError)
-    for call in (lambda: store.acquire(1), store.flush, store.close):
+    for call in (lambda: store.acquire(1), store.flush):
         with pytest.raises(StoreError, match=failed):
             call()
-    with pytest.raises(RuntimeError, match="closed"):
-        store.acquire(1)
 
 
 def test_background_read_error_surfaces_at_acquire(tmp_path, monkeypatch):
-    with NvmeStateStore(tmp_path, [64, 64], pin=False) as store:
-        monkeypatch.setattr(state_store, "_read_all", _broken)
-        store.prefetch(1)
-        with pytest.raises(StoreError, match=r"shard00001.bin: read failed: .*Input/output"):
-            store.acquire(1)
-        monkeypatch.undo()
-        with pytest.raises(StoreError, match="shard00001.bin: read failed"):
-            store.acquire(0)        # the store stays failed
-        with pytest.raises(StoreError, match="read failed"):
-            store.close()
+    store = NvmeStateStore(tmp_path, [64, 64], pin=False)
+    monkeypatch.setattr(state_store, "_read_all", _broken)
+    store.prefetch(1)
+    with pytest.raises(StoreError, match=r"shard00001.bin: read failed: .*Input/output"):
+        store.acquire(1)
+    monkeypatch.undo()
+    with pytest.raises(StoreError, match="shard00001.bin: read failed"):
+        store.acquire(0)        # the store stays failed
+    with pytest.raises(StoreError, match="read failed"):
+        store.flush()

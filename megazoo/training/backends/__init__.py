@@ -1,17 +1,8 @@
-"""Training backends: what really differs between the engines, behind one interface
-(`base.Engine`): wrapping the model, backward, finishing the gradients, the optimizer step,
-save and load.
-
-    engine = build_engine(args, model, state)     # plain, FSDP2 or DeepSpeed
-
-- `plain`: Megatron's DDP and mixed precision (bf16 / fp16 parameters, bucketed fp32 main
-  gradients reduced over dp x sp while backward runs, fp32 masters and moments, optionally
-  sharded: the distributed optimizer); its parts `grad_buffer`, `master_optimizer`, and for
-  optimizer offload to host / disk `offload_optimizer`, `cpu_offload`, `state_store`;
-- `fsdp2`: ZeRO-3 with our pipeline schedules through PyTorch FSDP2 (`fsdp2_sharding`,
-  `fsdp2_checkpoint`);
-- `deepspeed_zero`: ZeRO-1/2/3 and offload through DeepSpeed (`deepspeed_setup`).
-This module is the factory above them: `base` never imports a backend.
+"""Training backends behind one interface (`base.Engine`): what really differs between the
+engines (wrapping the model, backward, finishing the gradients, the optimizer step, save and
+load). `build_engine` picks one: `plain` (Megatron's DDP and distributed optimizer, with
+optimizer offload), `fsdp2` (ZeRO-3 under our pipeline schedules) or `deepspeed_zero`
+(ZeRO-1/2/3 and offload through DeepSpeed); `base` never imports a backend.
 """
 from __future__ import annotations
 

@@ -94,11 +94,14 @@ class Engine:
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
+        """Forward-only mean loss through the pipeline schedule, averaged over dp."""
         module = self.eval_module()
         module.eval()
+        pairs = [(b["input_ids"], b["labels"]) for b in micro_batches]
         with self._weight_casts():
-            return mean_eval_loss(module, micro_batches, self.state, self.device,
-                                  dtype=self.activation_dtype())
+            loss = run_pipeline(module, pairs, self.state, forward_only=True,
+                                dtype=self.activation_dtype())
+        return dp_mean(last_stage_loss(loss, self.state, self.device), self.state)
 
     def _weight_casts(self):
         return contextlib.nullcontext() if self.gathers_parameters else fp8_weight_cache()
@@ -156,15 +159,6 @@ class Engine:
     def load(self, path: str) -> dict:
         """Restore model, optimizer, scheduler and scaler from `path`; return its `extra`."""
         raise NotImplementedError
-
-
-def mean_eval_loss(model, micro_batches, state, device, *, dtype=None) -> float:
-    """Forward-only mean loss of `micro_batches` through the pipeline schedule (pp = 1: the
-    no-pipeline one), averaged over dp; the same on every rank. The caller sets eval mode
-    and no_grad."""
-    pairs = [(b["input_ids"], b["labels"]) for b in micro_batches]
-    loss = run_pipeline(model, pairs, state, forward_only=True, dtype=dtype)
-    return dp_mean(last_stage_loss(loss, state, device), state)
 
 
 def last_stage_loss(loss: torch.Tensor | None, state, device) -> torch.Tensor:

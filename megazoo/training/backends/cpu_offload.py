@@ -6,12 +6,9 @@ the in-memory state store (the disk one is `state_store.NvmeStateStore`, same in
     copies = Transfers(device)                   # CUDA: side streams + events; CPU: copies
     adamw_(state, grad, slot, lr, cfg, divisor)  # torch's AdamW kernel over the slot's pieces
 
-Transfers. On CUDA a gradient shard leaves on a side stream (`to_host`, after the compute
-stream's work so far) into a pinned buffer and an event marks its arrival; parameters return
-on a second stream (`to_device`) and the compute stream waits for that event only when it
-reaches the bucket (`device_waits`). On CPU (the tests, the CPU run) the "device" is host
-memory: every copy is a plain copy and there is nothing to wait for. Only the CUDA branch
-touches torch.cuda.
+Transfers. On CUDA gradient shards go down and parameters up on two side streams, each copy
+marked by an event the other side waits for only when it needs the data. On CPU (the tests,
+the CPU run) every copy is a plain copy; only the CUDA branch touches torch.cuda.
 
 The kernel is torch's functional AdamW (`torch.optim.adamw.adamw`), the function the
 un-offloaded engine's optimizer calls, over the same per-parameter pieces, so an offloaded
@@ -80,20 +77,15 @@ def bucket_slots(buffers, fraction: float) -> list[Slot]:
     host = host_share(buffers.buckets, fraction)
     slots, counts = [], {True: 0, False: 0}
     for bucket, (lo, hi) in zip(buffers.buckets, buffers.shard_ranges()):
-        pieces = []
-        for p in bucket.params:
-            start = buffers.offsets[id(p)]
-            a, b = max(lo, start), min(hi, start + p.numel())
-            if a < b:
-                pieces.append((a - lo, b - lo, p.ndim >= 2))
+        pieces = [(a - lo, b - lo, p.ndim >= 2) for p, a, b in buffers.pieces(bucket, lo, hi)]
         on_host = bucket.index in host
-        slots.append(Slot(bucket, lo, hi, pieces, on_host, index=counts[on_host]))
+        # a step counter per piece (as torch's optimizer keeps them), where the state lives
+        device = torch.device("cpu") if on_host else buffers.param_data.device
+        steps = {decay: [torch.zeros((), dtype=torch.float32, device=device)
+                         for *_, d in pieces if d is decay] for decay in (True, False)}
+        slots.append(Slot(bucket, lo, hi, pieces, on_host, index=counts[on_host], steps=steps))
         counts[on_host] += 1
     return slots
-
-
-def fused_available(device: torch.device) -> bool:
-    return device.type in _get_fused_kernels_supported_devices()
 
 
 @torch.no_grad()
@@ -102,7 +94,7 @@ def adamw_(state: dict, grad: torch.Tensor, slot: Slot, lr: float, cfg,
     """One AdamW step of `slot` on `state` ({master, exp_avg, exp_avg_sq}, fp32, the slot's
     numel) with the fp32 gradient `grad`, divided by `divisor` (None: 1) inside the kernel;
     decayed and undecayed pieces as two calls (Megatron's weight-decay grouping)."""
-    fused = fused_available(state["master"].device)
+    fused = state["master"].device.type in _get_fused_kernels_supported_devices()
     for decay in (True, False):
         sel = [(a, b) for a, b, d in slot.pieces if d is decay]
         if not sel:
@@ -114,20 +106,6 @@ def adamw_(state: dict, grad: torch.Tensor, slot: Slot, lr: float, cfg,
               grad_scale=divisor, amsgrad=False, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2,
               lr=lr, weight_decay=cfg.weight_decay if decay else 0.0, eps=cfg.adam_eps,
               maximize=False)
-
-
-def init_steps(slot: Slot, device) -> None:
-    """The slot's step counters, one per piece (as torch's optimizer keeps them), on the
-    device its state lives on."""
-    for decay in (True, False):
-        n = sum(1 for *_, d in slot.pieces if d is decay)
-        slot.steps[decay] = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(n)]
-
-
-def set_steps(slot: Slot, step: int) -> None:
-    for steps in slot.steps.values():
-        for t in steps:
-            t.fill_(float(step))
 
 
 class ResidentStore:

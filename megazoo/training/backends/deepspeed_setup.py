@@ -1,24 +1,15 @@
 """What `DeepSpeedEngine` prepares before `deepspeed.initialize`: groups, tags, hooks, AdamW.
 
-- `ZeroMPU`: `DeepSpeedMPU` whose one-rank groups are real one-rank process groups.
-  `ParallelState` stores `group=None` for a group of one rank, and DeepSpeed reads None as
-  the *world* group (so at tp=2, dp=1 it would partition ZeRO state over the two tp ranks
-  and average their gradients). Only built when the world has more than one rank.
-  Its "data parallel" *group* is our dp x sp group (its size stays dp): ZeRO-3 partitions
-  parameters over `mpu.get_data_parallel_group()` but reduces their gradients over the
-  sequence-data-parallel group, and DeepSpeed's own Ulysses mpu has no data-parallel group
-  (world = dp x sp there). With the dp group, ZeRO-3 + sp partitioned over dp only and
-  produced wrong gradients (caught by the sp test against the plain engine).
+- `ZeroMPU`: `DeepSpeedMPU` whose one-rank groups are real one-rank process groups
+  (`ParallelState` stores `group=None` for them, which DeepSpeed reads as the *world* group:
+  at tp=2, dp=1 it would partition ZeRO state over the two tp ranks). Its "data parallel"
+  group is our dp x sp group (its size stays dp): ZeRO-3 partitions parameters over that
+  group but reduces their gradients over the sequence-data-parallel one, so both must be
+  dp x sp for Ulysses (DeepSpeed's own Ulysses mpu has world = dp x sp).
 - `tag_tensor_parallel`: DeepSpeed counts a parameter in the gradient norm on every tp rank
-  only when it carries `tensor_model_parallel=True` (else only on tp rank 0); megazoo marks
-  tp shards with `tp_dim`, so the tag is derived from it.
+  only when it carries `tensor_model_parallel=True` (else only on tp rank 0).
 - Megatron-SP parameters are summed over tp by `gradients.hook_sequence_parallel_grads`
-  (tensor hooks: before accumulation into `.grad`, so before DeepSpeed's reduction hooks).
-- `build_optimizer`: Megatron's two AdamW groups (no decay on 1-D parameters);
-  DeepSpeedCPUAdam when the optimizer is offloaded and its C++ op builds, else torch AdamW
-  (then `zero_force_ds_cpu_optimizer` is turned off in the config).
-- `use_accelerator_of`: DeepSpeed's accelerator matching the model's device (its CPU
-  accelerator for CPU models, so gloo CI needs no `DS_ACCELERATOR` variable).
+  (tensor hooks run before accumulation into `.grad`, so before DeepSpeed's reduction).
 """
 from __future__ import annotations
 
@@ -35,7 +26,8 @@ from ...layers.sharding import tp_dim_of
 from ...parallel.mpu import _NAMES, DeepSpeedMPU
 from ...parallel.state import ParallelState
 from ..optim import build_optimizer as torch_adamw, param_groups
-from ..ds_ops import before_build
+from ..ds_ops import before_build, needed_ops
+from .fsdp2_sharding import one_rank_groups
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +37,8 @@ class ZeroMPU(DeepSpeedMPU):
 
     def __init__(self, state: ParallelState):
         super().__init__(state)
-        self._self_group = dist.group.WORLD  # a world of one rank
-        if state.world_size > 1:  # collective: every rank creates every one-rank group
-            for rank in range(state.world_size):
-                group = dist.new_group([rank])
-                if rank == state.global_rank:
-                    self._self_group = group
+        # a world of one rank is its own group; else collective (every rank makes every one)
+        self._self_group = one_rank_groups(state) if state.world_size > 1 else dist.group.WORLD
 
     def group_of(self, attr: str):
         info = getattr(self.state, attr)
@@ -85,8 +73,7 @@ def ensure_process_group(state: ParallelState) -> None:
 
 def check_nvme(ds: dict) -> None:
     """NVMe offload needs DeepSpeed's async_io op (libaio): say so before any collective."""
-    zo = ds.get("zero_optimization", {})
-    if not any((zo.get(k) or {}).get("device") == "nvme" for k in ("offload_optimizer", "offload_param")):
+    if "async_io" not in needed_ops(ds):
         return
     from deepspeed.ops.op_builder import AsyncIOBuilder
 

@@ -5,38 +5,23 @@
 
 Owns: `deepspeed.initialize` and its JSON config, the micro-batch backward and step
 (DeepSpeed's own `engine.backward` / `engine.step`, through the pipeline executor's
-`backward` hook), the skip decision (DeepSpeed's `skipped_steps` counter) and its checkpoint
-files. The learning-rate clock and the loss average are the shared `Engine.train_step`'s.
+`backward` hook), the skip decision (DeepSpeed's `skipped_steps` counter, so a skipped step
+does not advance the lr clock) and its checkpoint files. Precision, fp32 masters and the
+gradient norm (before clipping, each tp shard counted once) are DeepSpeed's.
 
-ZeRO partitions over our `dp_sp` group (DeepSpeed's "sequence data parallel" group, from
-`ZeroMPU(state)`); tensor-parallel shards stay shards (DeepSpeed's "model parallel" group is
-our tp). Gradient scaling under Ulysses: each sp rank holds a partial sum of the true gradient
-of the one mean loss, which needs "sum over sp, mean over dp" (`allreduce_gradients`).
-DeepSpeed's ZeRO-1/2 divide their dp x sp reduction by dp x sp / sp = dp: right as is. Its
-ZeRO-3 path leaves gradients at 1/sp of that, the case `allreduce_gradients`' docstring warns
-about: for stage 3 the backward loss is multiplied by sp (`grad_scale`). The sp tests against
-the plain engine (sp=2 at dp=1 and dp=2) guard both.
-Megatron-SP parameters get their tp sum from a gradient hook
-(`gradients.hook_sequence_parallel_grads`).
+ZeRO partitions over our `dp_sp` group (`ZeroMPU(state)`); DeepSpeed's "model parallel"
+group is our tp. Under Ulysses the gradient contract is "sum over sp, mean over dp"
+(`allreduce_gradients`): ZeRO-1/2 divide their dp x sp reduction by dp, right as is; ZeRO-3
+leaves gradients at 1/sp of that, so for stage 3 the backward loss is multiplied by sp
+(`grad_scale`). DeepSpeed pipelines only through its own PipelineEngine, which refuses
+ZeRO-2/3: pp > 1 is a ValueError pointing at `--zero-impl fsdp2`.
 
-DeepSpeed has no place in our pipeline schedules (it only pipelines through its own
-PipelineEngine, and refuses ZeRO-2/3 there): pp > 1 is a ValueError pointing at
-`--zero-impl fsdp2`.
-
-Precision is DeepSpeed's: with bf16 / fp16 enabled it casts the model to that dtype and keeps
-fp32 master weights in the (possibly offloaded) optimizer. The learning rate of each step is
-`megazoo.training.lr_schedule.learning_rate` of the steps applied so far (a step DeepSpeed
-skips, by its own `skipped_steps` counter, does not advance it), written into the optimizer's
-groups before the step; the gradient norm is DeepSpeed's (before clipping, each tp shard counted once).
-
-Checkpoints: `save(path, extra)` writes DeepSpeed's own files under `path/zero/` (its format,
-including the partitioned optimizer state) and `path/megazoo.json` with format
-"megazoo-deepspeed-1" (model config, layout, engine counters and `extra`, JSON, and a
-checksum of every DeepSpeed file: `megazoo.checkpoint.deepspeed`). `load` verifies the
-checksums before DeepSpeed reads a byte, and the loaded weights and optimizer state for
-inf / nan after (--no-verify-checksums, --allow-nonfinite-load as for every checkpoint).
-`checkpoints_tools/zero_to_megazoo.py` turns such a folder into an ordinary megazoo
-checkpoint loadable at any layout.
+Checkpoints: DeepSpeed's own files under `path/zero/` and `path/megazoo.json`
+("megazoo-deepspeed-1": model config, layout, engine counters, `extra` and a checksum of
+every DeepSpeed file, `megazoo.checkpoint.deepspeed`). `load` verifies the checksums before
+DeepSpeed reads a byte and the loaded state for inf / nan after (--no-verify-checksums,
+--allow-nonfinite-load as for every checkpoint); `checkpoints_tools/zero_to_megazoo.py`
+turns such a folder into an ordinary megazoo checkpoint loadable at any layout.
 """
 from __future__ import annotations
 
@@ -95,9 +80,8 @@ class DeepSpeedEngine(Engine):
         import deepspeed
 
         tag_tensor_parallel(model, state)
-        self._hooks = hook_sequence_parallel_grads(model, state)
+        hook_sequence_parallel_grads(model, state)
         optimizer = None if onebit else build_optimizer(model, self.cfg, self.ds_config, cpu_adam)
-        self.uses_cpu_adam = type(optimizer).__name__ == "DeepSpeedCPUAdam"
         self.cpu_offload = offload_device(self.ds_config) == "cpu"
         self.gathers_parameters = zero_stage(self.ds_config) == 3
         params = param_groups(model, self.cfg.weight_decay) if onebit else None
@@ -106,20 +90,9 @@ class DeepSpeedEngine(Engine):
             mpu=ZeroMPU(state))
         self.model = self.ds.module
         self.device = device
-        self.steps = 0  # optimizer steps applied (DeepSpeed's skipped ones not): the lr clock
+        self.steps = 0
         stage3_sp = zero_stage(self.ds_config) == 3 and state.sp.size > 1
         self.grad_scale = float(state.sp.size) if stage3_sp else 1.0  # see the module doc
-
-    # -- helpers ------------------------------------------------------------------------
-    @property
-    def accumulation(self) -> int:
-        return int(self.ds_config["gradient_accumulation_steps"])
-
-    def _check_batches(self, count: int) -> None:
-        if count != self.accumulation:
-            raise ValueError(f"got {count} micro-batches; the DeepSpeed config "
-                             f"accumulates {self.accumulation} per step (global batch / "
-                             "(micro batch x dp)): pass that many")
 
     # -- the backend interface ---------------------------------------------------------------
     def stage(self, num_microbatches: int, loss_scale: float):
@@ -129,7 +102,11 @@ class DeepSpeedEngine(Engine):
         return _DeepSpeedStage(self.ds)
 
     def start_step(self, num_microbatches: int, lr: float) -> None:
-        self._check_batches(num_microbatches)
+        accumulation = int(self.ds_config["gradient_accumulation_steps"])
+        if num_microbatches != accumulation:
+            raise ValueError(f"got {num_microbatches} micro-batches; the DeepSpeed config "
+                             f"accumulates {accumulation} per step (global batch / "
+                             "(micro batch x dp)): pass that many")
         self.ds.train()
         for group in self.ds.optimizer.param_groups:
             group["lr"] = lr
@@ -226,9 +203,6 @@ class _DeepSpeedStage:
 
     def __call__(self, *args, **kwargs):
         return self._ds(*args, **kwargs)
-
-    def train(self, mode: bool = True):
-        self._ds.train(mode)
 
     def eval(self):
         self._ds.eval()

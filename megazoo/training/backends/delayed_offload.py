@@ -15,9 +15,8 @@ without the delay, P_0 = cast(M_0) and P_t = cast(M_{t-1}) for t >= 1: the gradi
 of step t is taken at the host-share parameters of one update earlier. The GPU share's
 parameters after t steps are its masters after t steps. With
 --offload-delayed-update-start N the first N steps update at once (P_t = cast(M_t) for
-t <= N; ZeRO-Offload's warm-up) and the delay starts with step N+1. (Checked in
-tests/training/test_offload_delayed.py; convergence beside the undelayed update in
-docs/offload.md.)
+t <= N; ZeRO-Offload's warm-up) and the delay starts with step N+1 (convergence beside the
+undelayed update: docs/offload.md).
 
 Checkpoints. A save (and a load) first flushes the delay: the in-flight update is sent up, so
 the run that saved continues from P_t = cast(M_t), exactly where a run resumed from the
@@ -35,29 +34,20 @@ class DelayedOffloadAdamW(OffloadAdamW):
     """`OffloadAdamW` whose host share lands one step late; see the module docstring."""
 
     @torch.no_grad()
-    def step(self, lr: float, grad_divisor: float = 1.0, frozen_at: int | None = None) -> None:
+    def step(self, lr: float, grad_divisor: float = 1.0) -> None:
         if self.step_count < self.plan.delay_start:  # the warm-up: at once
-            return super().step(lr, grad_divisor, frozen_at)
-        if frozen_at is not None:
-            raise ValueError("the offloaded optimizer has no frozen-variance step")
-        host = [s for s in self.order if s.host]
-        for slot in host:
+            return super().step(lr, grad_divisor)
+        for slot in self.host_order:
             if not slot.sent:
                 self._send(slot.bucket)  # (waits for that slot's last host step)
         self._wait_host_steps()
-        self.step_count += 1
-        for divisor in self._divisor.values():
-            divisor.fill_(grad_divisor)
-        after = self.copies.mark()  # backward is done reading the parameters
-        for slot in host:  # the last update goes up first (the worker runs jobs in order)
+        after = self._begin_step(grad_divisor)
+        for slot in self.host_order:  # the last update goes up first (jobs run in order)
             self._send_up(slot, after)
-        for k, slot in enumerate(host):
-            nxt = host[k + 1] if k + 1 < len(host) else None
+        for slot, nxt in self._host_jobs():
             slot.sent, slot.stale = False, True
             slot.future = self._worker.submit(self._host_step, slot, nxt, lr, False)
-        for slot in self.order:
-            if not slot.host:
-                self._device_step(slot, lr)
+        self._device_steps(lr)
 
     def _send_up(self, slot, after) -> None:
         """Queue the upload of the slot's last update (if one waits)."""
@@ -87,9 +77,8 @@ class DelayedOffloadAdamW(OffloadAdamW):
         """Finish the host step in flight and send its parameters up now."""
         self._wait_host_steps()
         after = self.copies.mark()
-        for slot in self.order:
-            if slot.host:
-                self._send_up(slot, after)
+        for slot in self.host_order:
+            self._send_up(slot, after)
         for slot in self.order:
             self._wait_slot(slot)
 

@@ -8,18 +8,13 @@ FSDP2 unit only hooks its own forward and backward. Each pipeline rank shards it
 the dp x sp group (`fsdp2_sharding.shard_stage`), and `megazoo.pipeline.executor.run_pipeline`
 drives the micro-batches exactly as in the plain engine.
 
-Across micro-batches. With `reshard_after_forward=True` (the default, ZeRO-3 memory) each
-block all-gathers its parameters for every micro-batch's forward and again for its backward,
-and reduce-scatters its gradient after every micro-batch's backward into the sharded
-gradient, which FSDP2 accumulates. Gradient sync is left on for every micro-batch: under a
-1F1B schedule the last backward of a chunk is interleaved with other micro-batches' forwards,
-so by default gradient sync stays on for every micro-batch: m reduce-scatters per block per
-step, sharded gradients only (ZeRO-3 memory). `--no-fsdp-reduce-every-microbatch` wraps the
-stage in `fsdp2_sharding.SyncOnLastMicroBatch`, which flips `set_requires_gradient_sync` from a
-pre-hook on each chunk output's grad_fn, so only each chunk's last backward reduce-scatters
-(unsharded gradients held meanwhile, m times fewer reduce-scatters). Without a pipeline
-(pp = 1) the engine syncs only on the last micro-batch. `reshard_after_forward=False` keeps the
-gathered parameters from forward to backward (ZeRO-2-like memory, half the all-gathers).
+Across micro-batches. By default (ZeRO-3 memory) each block all-gathers its parameters for
+every micro-batch's forward and again for its backward; --no-fsdp-reshard-after-forward keeps
+them from forward to backward (ZeRO-2-like memory, half the all-gathers). Under a pipeline
+each block reduce-scatters after every micro-batch's backward by default (FSDP2 accumulates
+the sharded gradient: ZeRO-3 memory); `--no-fsdp-reduce-every-microbatch`, and pp = 1
+always, reduce-scatter only in each chunk's last backward
+(`fsdp2_sharding.SyncOnLastMicroBatch`; unsharded gradients held meanwhile).
 
 Precision: fp32, or bf16 compute through FSDP2's MixedPrecisionPolicy (fp32 sharded master
 weights, fp32 gradient reduction). fp16 (needs loss scaling) is not supported here.
@@ -36,21 +31,19 @@ import math
 
 import torch
 
+from ...config.validate import check_engine
 from ...parallel.state import ParallelState
 from .base import Engine
 from .fsdp2_sharding import SyncOnLastMicroBatch, shard_mesh, shard_stage
-from ..gradients import complete_sharded_gradients, global_grad_norm, local
+from ..gradients import clip_divisor, complete_sharded_gradients, global_grad_norm, local
 from ..optim import build_optimizer, param_groups
 
 
 def check_args(args, state: ParallelState) -> None:
-    zero, cfg = args.zero, args.training
-    if zero.zero_stage not in (None, 3):
-        raise ValueError(f"--zero-impl fsdp2 shards parameters (ZeRO-3); got --zero-stage "
-                         f"{zero.zero_stage}: pass --zero-stage 3 or use --deepspeed")
-    if zero.offload_optimizer == "nvme" or zero.offload_param == "nvme":
-        raise ValueError("--zero-impl fsdp2 offloads to cpu only: use --offload-optimizer cpu "
-                         "or --deepspeed for nvme")
+    """What FSDP2 cannot run, said before any collective: the run's ZeRO checks
+    (`config.validate.check_engine`: ZeRO-3 only, cpu offload only), fp16, the batch split."""
+    check_engine(args.zero, args.parallel)
+    cfg = args.training
     if cfg.fp16:
         raise ValueError("--zero-impl fsdp2 has no fp16 loss scaling: use --bf16, or --deepspeed")
     per_step = cfg.micro_batch_size * state.dp.size
@@ -60,34 +53,24 @@ def check_args(args, state: ParallelState) -> None:
 
 
 class FSDP2Engine(Engine):
-    """`FSDP2Engine(model, state, args, *, cpu_offload=None, reshard_after_forward=None)`.
+    """`FSDP2Engine(model, state, args)`; `args`: `.training` (TrainingConfig), `.zero`
+    (ZeroConfig: --offload-optimizer / --offload-param cpu offload both, FSDP2 has one policy)
+    and `.compression` (its wire dtype is the reduce dtype)."""
 
-    `args`: `.training` (TrainingConfig) and `.zero` (ZeroConfig). `cpu_offload` None: on
-    when `--offload-optimizer cpu` or `--offload-param cpu` (FSDP2 offloads both together);
-    `reshard_after_forward` / `reduce_every_microbatch` None: `args.zero.fsdp_*`.
-    """
-
-    def __init__(self, model: torch.nn.Module, state: ParallelState, args, *,
-                 cpu_offload: bool | None = None, reshard_after_forward: bool | None = None,
-                 reduce_every_microbatch: bool | None = None):
+    def __init__(self, model: torch.nn.Module, state: ParallelState, args):
         check_args(args, state)
         self.state, self.args, self.cfg = state, args, args.training
-        if cpu_offload is None:
-            cpu_offload = "cpu" in (args.zero.offload_optimizer, args.zero.offload_param)
-        if reshard_after_forward is None:
-            reshard_after_forward = getattr(args.zero, "fsdp_reshard_after_forward", True)
-        if reduce_every_microbatch is None:
-            reduce_every_microbatch = getattr(args.zero, "fsdp_reduce_every_microbatch", True)
-        self.reduce_every_microbatch = reduce_every_microbatch
+        zero = args.zero
+        self.cpu_offload = "cpu" in (zero.offload_optimizer, zero.offload_param)
+        self.reduce_every_microbatch = zero.fsdp_reduce_every_microbatch
         self.device = next(model.parameters()).device
-        mesh = shard_mesh(state, self.device)
-        comp = getattr(args, "compression", None)
-        shard_stage(model, mesh, device=self.device, bf16=self.cfg.bf16, cpu_offload=cpu_offload,
-                    reshard_after_forward=reshard_after_forward,
-                    reduce_dtype=comp.wire_dtype if comp is not None else None)
-        self.model, self.cpu_offload = model, cpu_offload
+        shard_stage(model, shard_mesh(state, self.device), device=self.device, bf16=self.cfg.bf16,
+                    cpu_offload=self.cpu_offload,
+                    reshard_after_forward=zero.fsdp_reshard_after_forward,
+                    reduce_dtype=args.compression.wire_dtype)
+        self.model = model
         self.gathers_parameters = True
-        # fused also on the host (offload): 1.3B params 0.3 s vs 1.5 s foreach
+        # fused also on the host (offload): one pass over the host state
         self.optimizer = build_optimizer(param_groups(model, self.cfg.weight_decay), self.cfg,
                                          fused=True)
         self.steps = 0
@@ -114,7 +97,11 @@ class FSDP2Engine(Engine):
         if not (loss_is_finite and math.isfinite(norm)):
             self.optimizer.zero_grad(set_to_none=True)
             return False
-        self._clip_in_step(norm)
+        # clipping folded into the fused AdamW kernel, which divides every gradient by the
+        # optimizer's `grad_scale` (as torch's GradScaler sets it): one pass over them fewer
+        divisor = clip_divisor(norm, self.cfg.clip_grad)
+        device = local(next(self.model.parameters())).device
+        self.optimizer.grad_scale = torch.tensor(divisor, device=device) if divisor != 1.0 else None
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
@@ -122,17 +109,6 @@ class FSDP2Engine(Engine):
 
     def activation_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.cfg.bf16 else torch.float32
-
-    def _clip_in_step(self, norm: float) -> None:
-        """Gradient clipping folded into the fused AdamW kernel, which divides every gradient
-        by the optimizer's `grad_scale` (the attribute torch's GradScaler sets for fused
-        optimizers): one pass over the gradients fewer, 0.1 s a step for a 1.3B model's
-        offloaded host gradients. Same factor as `optim.clip_gradients`."""
-        clip = self.cfg.clip_grad
-        self.optimizer.grad_scale = None
-        if clip > 0 and norm > clip:
-            device = local(next(self.model.parameters())).device
-            self.optimizer.grad_scale = torch.tensor((norm + 1e-6) / clip, device=device)
 
     def save(self, path: str, extra: dict) -> None:
         from .fsdp2_checkpoint import save_fsdp

@@ -15,25 +15,13 @@ import torch
 
 from ...models import build_model
 from ..gradients import local
+from .fsdp2_sharding import copy_tags
 
 AUX = ("exp_avg", "exp_avg_sq")
 
 
-def _retag(model: torch.nn.Module, tags: dict) -> None:
-    for name, p in model.named_parameters():
-        for key, value in tags[name].items():
-            if not hasattr(p, key):
-                setattr(p, key, value)
-
-
 def _full(t) -> torch.Tensor:
     return t.full_tensor().cpu() if hasattr(t, "full_tensor") else t.detach().cpu()
-
-
-def _adam_step(optimizer) -> int:
-    for st in optimizer.state.values():
-        return int(st["step"])
-    return 0
 
 
 def save_fsdp(engine, path: str, extra: dict) -> None:
@@ -49,8 +37,9 @@ def save_fsdp(engine, path: str, extra: dict) -> None:
     twin = build_model(model.config, state, device="meta")
     tags = {n: dict(vars(p)) for n, p in twin.named_parameters()}
     twin.load_state_dict(weights, assign=True)
-    _retag(twin, tags)
-    meta = {"steps": engine.steps, "adam_step": _adam_step(opt), "scaler": None}
+    copy_tags(twin, tags)
+    first = next(iter(opt.state.values()), {"step": 0})  # (every parameter's step is the same)
+    meta = {"steps": engine.steps, "adam_step": int(first["step"]), "scaler": None}
     save_checkpoint(twin, path, state=state, extra={**extra, "engine": meta}, aux=aux)
 
 

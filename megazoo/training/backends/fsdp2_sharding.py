@@ -60,8 +60,13 @@ def shard_stage(model: nn.Module, mesh, *, device: torch.device, bf16: bool,
     for block in model.layers.values():
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    # FSDP2 swaps every parameter for a new DTensor one: carry megazoo's shard tags over
-    # (tp_dim, sequence_parallel, tied_to, ...), which the gradient code and checkpoints read.
+    copy_tags(model, tags)  # FSDP2 swapped every parameter for a new DTensor one
+
+
+def copy_tags(model: nn.Module, tags: dict) -> None:
+    """Put megazoo's shard tags (tp_dim, sequence_parallel, tied_to, ...; `tags`: {name:
+    vars(p)} read before) back on parameters that were replaced; gradients and checkpoints
+    read them."""
     for name, p in model.named_parameters():
         for key, value in tags[name].items():
             if not hasattr(p, key):

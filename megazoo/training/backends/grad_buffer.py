@@ -1,39 +1,33 @@
-"""Contiguous parameter and fp32 main-gradient buffers in buckets, reduced over dp x sp.
+"""Contiguous parameter and main-gradient buffers in buckets, reduced over dp x sp.
 
-    buffers = GradBuffer(model, state, bucket_numel=..., overlap=True, shard=False)
+    buffers = GradBuffer(model, state, bucket_numel=..., overlap=True, shard=False, reducer=r)
     buffers.start_step(num_microbatches)     # before the micro-batches' backwards
     ... backward ...                         # hooks accumulate grads into p.main_grad and
                                              # launch each bucket's reduction once it is ready
     buffers.finish()                         # launch what is left, wait for everything
 
 Layout (Megatron's DDP): every trainable parameter of the stage becomes a view of one flat
-parameter buffer (the model's dtype), and owns the same range of one flat fp32 gradient
-buffer, `p.main_grad`. Parameters are laid out in reverse registration order (roughly the
-order backward produces their gradients), and cut into buckets of about `bucket_numel`
-elements, each padded to a multiple of the reduction group's size so that it splits into
-equal shards (the distributed optimizer's unit of ownership).
+parameter buffer (the model's dtype) and owns the same range of one flat gradient buffer,
+`p.main_grad` (fp32, or bf16 with `grad_dtype`). Parameters are laid out in reverse
+registration order (roughly the order backward produces their gradients) and cut into
+buckets of about `bucket_numel` elements, each padded to a multiple of the reduction group's
+size so that it splits into equal shards (the distributed optimizer's unit of ownership).
 
-Accumulation. A post-accumulate-grad hook adds the parameter's `.grad` (model dtype) into
-`main_grad` (fp32) and drops `.grad`, once per micro-batch. The weights given as `fused`
-skip that add: their linears' backward already summed the gradient into `main_grad`
-(gradient-accumulation fusion, the contract in `megazoo.layers.wgrad`), and the hook only
-counts. A parameter's gradient is final
-after its `num_microbatches`-th call, which under a pipeline schedule is the last backward
-of its chunk; a bucket is ready when all its parameters are final.
+Accumulation: a post-accumulate-grad hook adds the parameter's `.grad` into `main_grad` and
+drops `.grad`, once per micro-batch; the weights given as `fused` skip the add (their
+linears' backward summed into `main_grad` already: `megazoo.layers.wgrad`). A parameter's
+gradient is final after its `num_microbatches`-th call; a bucket is ready when all its
+parameters are final.
 
 Reduction (the dp x sp part of the gradient contract, `megazoo.training.gradients`): each
-bucket is divided by dp, then summed over `state.dp_sp` (sum over sp, mean over dp) by the
-`reducer` (`megazoo.compress.Reducer`; by default a dense all-reduce, or with `shard=True` a
-reduce-scatter that leaves each rank its own shard of the bucket in place). With
-`overlap=True` the reduction is launched from the hook as soon as the bucket is ready, while
-backward continues (NCCL runs it on the process group's own stream, gloo on its own thread).
-`finish` launches the rest, waits, and hands the buffer to `reducer.finish`. Buckets holding
-a tied embedding copy (`deferred`) are launched only by `finish`, after the caller's sum over
-the embedding group (that sum needs both pipeline ends to be done with backward).
-
-Offload (`on_final`, set by the optimizer): called with each bucket once its reduced
-gradient is complete, from the hook during backward with one rank, after the wait in
-`finish` with more; `grad_dtype` bf16 (--accumulate-grads-in-bf16) halves the buffer.
+bucket is divided by dp and summed over `state.dp_sp` by the `reducer`
+(`megazoo.compress.Reducer`: a dense all-reduce, or with `shard=True` a reduce-scatter
+leaving each rank its shard in place, or a compressed one). With `overlap=True` it is
+launched from the hook as soon as the bucket is ready, while backward continues. `finish`
+launches the rest, waits, and hands the buffer to `reducer.finish`. Buckets holding a tied
+embedding copy (`deferred`) are launched only by `finish`, after the caller's sum over the
+embedding group. `on_final` (set by the offloaded optimizer) is called with each bucket once
+its reduced gradient is complete.
 """
 from __future__ import annotations
 
@@ -42,7 +36,6 @@ import time
 import torch
 from torch import nn
 
-from ...compress import Reducer
 from ...parallel.state import ParallelState
 
 
@@ -95,7 +88,7 @@ class GradBuffer:
     """Flat parameter and main-gradient buffers of a model; see the module docstring."""
 
     def __init__(self, model: nn.Module, state: ParallelState, *, bucket_numel: int,
-                 overlap: bool, shard: bool, deferred: tuple = (), reducer=None, fused=(),
+                 overlap: bool, shard: bool, reducer, deferred: tuple = (), fused=(),
                  grad_dtype: torch.dtype = torch.float32, device=None, dtype=None):
         self.state, self.overlap, self.shard = state, overlap, shard
         self.group = state.dp_sp
@@ -125,7 +118,7 @@ class GradBuffer:
             p.fuse_wgrad, p.main_grad_fresh = id(p) in fused_ids, True
             p.grad_added_to_main_grad = False
         self._expected = 1
-        self.reducer = Reducer(state) if reducer is None else reducer
+        self.reducer = reducer  # `megazoo.compress.Reducer`
         self.reducer.bind(self)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
@@ -142,6 +135,14 @@ class GradBuffer:
         """`p`'s range of a flat buffer laid out like this one, shaped like `p`."""
         off = self.offsets[id(p)]
         return flat[off:off + p.numel()].view(p.shape)
+
+    def pieces(self, bucket: Bucket, lo: int, hi: int):
+        """(parameter, a, b): the range [a, b) of each of `bucket`'s parameters within [lo, hi)."""
+        for p in bucket.params:
+            start = self.offsets[id(p)]
+            a, b = max(lo, start), min(hi, start + p.numel())
+            if a < b:
+                yield p, a, b
 
     def shard_ranges(self) -> list[tuple[int, int]]:
         """The flat ranges this rank owns (one per bucket; everything without sharding)."""
@@ -188,7 +189,7 @@ class GradBuffer:
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        if bucket.handle is not None or bucket.launch_time is not None:
+        if bucket.launch_time is not None:
             return
         bucket.launch_time = time.perf_counter()
         if self.group.size == 1:

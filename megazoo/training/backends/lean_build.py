@@ -1,25 +1,20 @@
 """Building a model for the offloaded plain engine without a full fp32 copy on the GPU.
 
     model = build_run_model(args, state, device)      # run.py: the model the engine takes
-    values = initial_values(model, cfg, offload)      # engine: {id(p): fp32 values} or None
-    fill_flat_(dst, lo, hi, buffers, values)          # one range of the flat layout, from them
+    values = initial_values(model, args)              # engine: {id(p): fp32 values} or None
+    fill_flat_(dst, lo, hi, bucket, buffers, values)  # one range of the flat layout, from them
 
-Today's build makes the whole model in fp32 on the GPU (4 B per parameter) before the engine
-casts it; at 13B that alone is 52 GB. Where the engine keeps its fp32 masters in its own
-optimizer (`OffloadAdamW`: --optimizer-cpu-offload, or bf16 main gradients) and computes in
-bf16 / fp16, the fp32 model is needed only as the masters' initial values. So `build_run_model`
-builds the model on the GPU as usual but moves each sub-module's parameters to the host the
-moment that sub-module is attached to its parent (a module-registration hook): the GPU holds
-one sub-module's fp32 parameters at a time (at most one block's, or the embedding), the
-initialisation still runs on the GPU. The values are exactly today's: every weight's init is
-a counter-based function of (seed, name, element) (`megazoo.layers.init`), computed in fp32
-on the device either way, and the move to the host is a copy.
-
-The engine then builds its flat bf16 buffer on the GPU from those host tensors (the cast is
-the same round-to-nearest as today's `cast_params`) and the optimizer fills its masters from
-them: host and disk buckets straight from host memory, GPU buckets by one copy up. Each
-parameter's host tensor is dropped once its bucket is filled, so host memory holds the fp32
-model (4 B per parameter) only while the engine starts.
+Where the engine keeps its fp32 masters in its own optimizer (`OffloadAdamW`:
+--optimizer-cpu-offload, or bf16 main gradients) and computes in bf16 / fp16, the fp32 model
+is needed only as the masters' initial values, yet a build on the GPU holds all of it there
+(4 bytes per parameter). So `build_run_model` builds on the GPU but moves each sub-module's
+parameters to the host the moment it is attached to its parent (a module-registration hook):
+the GPU holds one sub-module's fp32 parameters at a time, and the values are the same (each
+weight's init is a counter-based function of (seed, name, element), `megazoo.layers.init`,
+computed on the device; the move is a copy). The engine builds its flat bf16 buffer from
+those host tensors and the optimizer fills its masters from them (host and disk buckets
+straight from host memory, GPU buckets by one copy up), dropping each parameter's host
+tensor once its bucket is filled.
 """
 from __future__ import annotations
 
@@ -79,10 +74,10 @@ def build_run_model(args, state, device, sink=_to_host) -> nn.Module:
     return model
 
 
-def initial_values(model: nn.Module, cfg, offload) -> dict | None:
-    """{id(p): p's fp32 values} when the engine builds its masters from them (bf16 / fp16
-    parameters and `OffloadAdamW`), else None (today's cast of the flat buffer)."""
-    if not (cfg.bf16 or cfg.fp16) or not (offload is not None or cfg.accumulate_grads_in_bf16):
+def initial_values(model: nn.Module, args) -> dict | None:
+    """{id(p): p's fp32 values} when the engine builds its masters from them (the run of
+    `lean_build_applies`), else None (the masters are cast from the flat buffer)."""
+    if not lean_build_applies(args):
         return None
     values = {id(p): p.detach() for p in model.parameters() if p.requires_grad}
     if any(v.dtype != torch.float32 for v in values.values()):
@@ -90,15 +85,13 @@ def initial_values(model: nn.Module, cfg, offload) -> dict | None:
     return values
 
 
-def fill_flat_(dst: torch.Tensor, lo: int, hi: int, bucket, offsets: dict, values: dict) -> None:
-    """dst (numel hi - lo) <- the flat range [lo, hi) of `bucket` laid out by `offsets`, from
+def fill_flat_(dst: torch.Tensor, lo: int, hi: int, bucket, buffers, values: dict) -> None:
+    """dst (numel hi - lo) <- the flat range [lo, hi) of `bucket` in `buffers`' layout, from
     `values` (padding: zeros)."""
     dst.zero_()
-    for p in bucket.params:
-        start = offsets[id(p)]
-        a, b = max(lo, start), min(hi, start + p.numel())
-        if a < b:
-            dst[a - lo:b - lo].copy_(values[id(p)].reshape(-1)[a - start:b - start])
+    for p, a, b in buffers.pieces(bucket, lo, hi):
+        start = buffers.offsets[id(p)]
+        dst[a - lo:b - lo].copy_(values[id(p)].reshape(-1)[a - start:b - start])
 
 
 def held_bytes(values: dict | None) -> int:
@@ -106,9 +99,3 @@ def held_bytes(values: dict | None) -> int:
     needs the larger of them and the state, not the sum)."""
     return sum(v.numel() * v.element_size() for v in (values or {}).values()
                if v.device == HOST)
-
-
-def drop_values(bucket, values: dict) -> None:
-    """Forget the fp32 values of `bucket`'s parameters (they live in the masters now)."""
-    for p in bucket.params:
-        values.pop(id(p), None)

@@ -1,24 +1,19 @@
 """fp32 master parameters and AdamW moments over this rank's shard of a `GradBuffer`.
 
-    opt = MasterAdamW(buffers, training_config)
+    opt = MasterAdamW(model, buffers, training_config)
     opt.step(lr, grad_divisor)        # AdamW on the fp32 shard, then masters -> model params
     opt.wait_params()                 # (overlapped gather) before touching the parameters
 
-Megatron's `Float16OptimizerWithFloat16Params` / distributed optimizer semantics:
-- the model's parameters are views of the flat parameter buffer (bf16, fp16 or fp32);
-- the masters are fp32: a copy of the flat buffer, or of this rank's shard of every bucket
-  with `buffers.shard` (the distributed optimizer: 1/(dp x sp) of masters and moments each);
-  in fp32 without sharding the parameter buffer itself is the master (no copy);
-- AdamW is torch's fused kernel over "pieces": each parameter's intersection with the
-  owned ranges, as views of the flat master / moment / main-gradient buffers, so one
-  multi-tensor kernel family runs per step, and weight decay still follows the parameter
-  (matrices decayed, 1-D parameters not);
-- `grad_divisor` (fp16 loss scale times the clipping factor) is applied inside the kernel;
-- after the step the masters are copied into the parameter buffer once (one copy kernel),
-  and with sharding each bucket is all-gathered over dp x sp into it, either at once or,
-  with `overlap_param_gather`, launched asynchronously and waited for by a forward
-  pre-hook of the modules that own the bucket's parameters (overlapped with the next
-  forward).
+Megatron's `Float16OptimizerWithFloat16Params` / distributed optimizer semantics: the model's
+parameters are views of the flat parameter buffer; the fp32 masters are a copy of it, or of
+this rank's shard of every bucket with `buffers.shard` (1/(dp x sp) of masters and moments
+each), or, in fp32 without sharding, the buffer itself. AdamW is torch's fused kernel over
+"pieces" (each parameter's part of the owned ranges, as views of the flat master, moment and
+main-gradient buffers): one multi-tensor kernel family per step, weight decay still per
+parameter, `grad_divisor` (loss scale times clipping factor) applied inside. After the step
+the masters are copied into the parameter buffer and, with sharding, each bucket is
+all-gathered over dp x sp, at once or (`overlap_param_gather`) asynchronously, waited for by
+a forward pre-hook of the modules owning the bucket's parameters.
 
 Checkpoints hold full fp32 tensors per parameter (`full_state` gathers the shards), so the
 files are the same with or without sharding and load at any dp.
@@ -38,13 +33,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 def _pieces(buffers: GradBuffer) -> list[tuple[torch.Tensor, int, int, int]]:
     """(parameter, flat lo, flat hi, shard offset) of each parameter's owned part."""
     out, shard_pos = [], 0
-    ranges = buffers.shard_ranges()
-    for (lo, hi), bucket in zip(ranges, buffers.buckets):
-        for p in bucket.params:
-            start = buffers.offsets[id(p)]
-            a, b = max(lo, start), min(hi, start + p.numel())
-            if a < b:
-                out.append((p, a, b, shard_pos + a - lo))
+    for (lo, hi), bucket in zip(buffers.shard_ranges(), buffers.buckets):
+        out += [(p, a, b, shard_pos + a - lo) for p, a, b in buffers.pieces(bucket, lo, hi)]
         shard_pos += hi - lo
     return out
 
@@ -64,39 +54,31 @@ def hook_bucket_waits(model: nn.Module, buffers: GradBuffer, wait) -> None:
 class MasterAdamW:
     """See the module docstring. `cfg`: TrainingConfig (weight_decay, adam_*, lr)."""
 
-    def __init__(self, model: nn.Module, buffers: GradBuffer, cfg, *, overlap_param_gather=False):
+    def __init__(self, model: nn.Module, buffers: GradBuffer, cfg):
         self.buffers, self.cfg = buffers, cfg
         self.ranges = buffers.shard_ranges()
-        self.shard_numel = sum(hi - lo for lo, hi in self.ranges)
         data = buffers.param_data
         alias = not buffers.shard and data.dtype == torch.float32
         self.master = data if alias else self._to_shard(data.float())
         self.moments = {k: torch.zeros_like(self.master) for k in MOMENTS}
-        self.pieces = _pieces(buffers)
-        decay, no_decay = [], []
-        for p, lo, hi, at in self.pieces:
+        decay, no_decay, states = [], [], {}
+        for p, lo, hi, at in _pieces(buffers):
             view = self.master[at:at + hi - lo]
             view.grad = buffers.main_grad[lo:hi]
             (decay if p.ndim >= 2 else no_decay).append(view)
-            self._adopt_state(view, at, hi - lo)
+            # views of the flat moments and a step counter per piece (the fused kernel
+            # advances each piece's counter once per step)
+            states[view] = {"step": torch.zeros((), dtype=torch.float32, device=view.device),
+                            **{k: m[at:at + hi - lo] for k, m in self.moments.items()}}
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         self.optimizer = build_optimizer([g for g in groups if g["params"]], cfg, fused=True)
-        for group in self.optimizer.param_groups:
-            for view in group["params"]:
-                self.optimizer.state[view] = self._states[id(view)]
+        self.optimizer.state.update(states)
         self._divisor = torch.ones((), dtype=torch.float32, device=data.device)
-        self.overlap_param_gather = overlap_param_gather and buffers.shard
+        self.overlap_param_gather = cfg.overlap_param_gather and buffers.shard
         self._gathers: dict[int, object] = {}
         if self.overlap_param_gather:
             hook_bucket_waits(model, buffers, self.wait_params)
-
-    def _adopt_state(self, view: torch.Tensor, at: int, n: int) -> None:
-        """The piece's AdamW state: views of the flat moments and its own step counter (the
-        fused kernel increments each piece's counter once per step)."""
-        self._states = getattr(self, "_states", {})
-        step = torch.zeros((), dtype=torch.float32, device=view.device)
-        self._states[id(view)] = {"step": step, **{k: m[at:at + n] for k, m in self.moments.items()}}
 
     # -- shard <-> full flat ----------------------------------------------------------------
     def _to_shard(self, full: torch.Tensor) -> torch.Tensor:
@@ -105,20 +87,25 @@ class MasterAdamW:
             return full
         return torch.cat([full[lo:hi] for lo, hi in self.ranges])
 
-    def _to_full(self, shard: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def _to_full(self, shard: torch.Tensor, out: torch.Tensor, async_op: bool = False) -> dict:
         """Gather a shard-space tensor into the full flat tensor `out` (collective with
-        sharding; a copy without)."""
+        sharding, bucket by bucket in forward order: first needed first; a copy without).
+        With `async_op`: {bucket index: its all-gather in flight}."""
         if not self.buffers.shard:
             if out.data_ptr() != shard.data_ptr():
                 out.copy_(shard)
-            return out
+            return {}
         pos, group = 0, self.buffers.group
-        for (lo, hi), bucket in zip(self.ranges, self.buffers.buckets):
+        for lo, hi in self.ranges:
             out[lo:hi].copy_(shard[pos:pos + hi - lo])
             pos += hi - lo
-            if group.size > 1:
-                all_gather_flat(out[bucket.start:bucket.end], out[lo:hi], group=group.group)
-        return out
+        if group.size == 1:
+            return {}
+        pending = {}
+        for (lo, hi), bucket in reversed(list(zip(self.ranges, self.buffers.buckets))):
+            pending[bucket.index] = all_gather_flat(out[bucket.start:bucket.end], out[lo:hi],
+                                                    group=group.group, async_op=async_op)
+        return pending if async_op else {}
 
     # -- the step ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -127,37 +114,19 @@ class MasterAdamW:
         step (a rule of its own over the same torch optimizer and per-piece state)."""
         if update is not None:
             update(self.optimizer, lr, grad_divisor)
-            self._publish()
-            return
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        if grad_divisor == 1.0:
+        else:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
             self.optimizer.grad_scale = None
-        else:  # a device scalar reused every step: a fill, no host-to-device copy
-            self._divisor.fill_(grad_divisor)
-            self.optimizer.grad_scale = self._divisor
-        self.optimizer.step()
+            if grad_divisor != 1.0:  # a device scalar reused every step: no host-to-device copy
+                self.optimizer.grad_scale = self._divisor.fill_(grad_divisor)
+            self.optimizer.step()
         self._publish()
 
     def _publish(self) -> None:
         """Masters -> the model's parameter buffer (and the other ranks' shards)."""
-        data, master = self.buffers.param_data, self.master
-        if not self.buffers.shard:
-            if master.data_ptr() != data.data_ptr():
-                data.copy_(master)
-            return
-        pos, group = 0, self.buffers.group
-        for (lo, hi), bucket in zip(self.ranges, self.buffers.buckets):
-            data[lo:hi].copy_(master[pos:pos + hi - lo])
-            pos += hi - lo
-        if group.size == 1:
-            return
-        for bucket in reversed(self.buffers.buckets):  # forward order: first needed first
-            lo, hi = bucket.shard_range(group.rank, group.size)
-            handle = all_gather_flat(data[bucket.start:bucket.end], data[lo:hi],
-                                     group=group.group, async_op=self.overlap_param_gather)
-            if self.overlap_param_gather:
-                self._gathers[bucket.index] = handle
+        self._gathers = self._to_full(self.master, self.buffers.param_data,
+                                      async_op=self.overlap_param_gather)
 
     def wait_params(self, indices=None) -> None:
         """Wait for the overlapped all-gathers of `indices` (None: all of them)."""
@@ -165,7 +134,6 @@ class MasterAdamW:
             handle = self._gathers.pop(index, None)
             if handle is not None:
                 handle.wait()
-
 
     # -- checkpoints ------------------------------------------------------------------------
     def full_state(self) -> dict[str, torch.Tensor]:
@@ -176,8 +144,8 @@ class MasterAdamW:
             return {"master": self.master, **self.moments}
         out = {}
         for key, shard in (("master", self.master), *self.moments.items()):
-            out[key] = self._to_full(shard, torch.zeros(self.buffers.numel,
-                                                       dtype=torch.float32, device=shard.device))
+            out[key] = torch.zeros(self.buffers.numel, dtype=torch.float32, device=shard.device)
+            self._to_full(shard, out[key])
         return out
 
     def load_full_state(self, full: dict[str, torch.Tensor], step: int) -> None:
@@ -188,7 +156,7 @@ class MasterAdamW:
                     target.zero_()  # weights only: a fresh optimizer
                 elif full[key].data_ptr() != target.data_ptr():
                     target.copy_(self._to_shard(full[key]))
-            for st in self._states.values():
+            for st in self.optimizer.state.values():
                 st["step"].fill_(float(step))
             self.wait_params()
             self._publish()
@@ -196,4 +164,5 @@ class MasterAdamW:
 
     @property
     def adam_step(self) -> int:
-        return int(next(iter(self._states.values()))["step"]) if self._states else 0
+        states = self.optimizer.state
+        return int(next(iter(states.values()))["step"]) if states else 0

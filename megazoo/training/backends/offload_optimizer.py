@@ -32,18 +32,13 @@ import torch
 from torch import nn
 
 from ...parallel.collectives import all_gather_flat
-from .cpu_offload import (NAMES, ResidentStore, Transfers, adamw_,
-                          bucket_slots, init_steps, set_steps)
+from .cpu_offload import NAMES, ResidentStore, Transfers, adamw_, bucket_slots
 from ...plan.offload import check_offload_plan, host_memory_bytes
 from .grad_buffer import GradBuffer
-from .lean_build import drop_values, fill_flat_, held_bytes
+from .lean_build import fill_flat_, held_bytes
 from .master_optimizer import hook_bucket_waits
 
 UP_BUFFERS = 4  # pinned staging buffers for parameters going up (a ring)
-
-
-def _plus(available: int | None, freed: int) -> int | None:
-    return None if available is None else available + freed
 
 
 def _host_store(plan, numels: list[int], pin: bool, rank: int):
@@ -52,8 +47,7 @@ def _host_store(plan, numels: list[int], pin: bool, rank: int):
         return ResidentStore(numels, "cpu", pin=pin)
     from .state_store import NvmeStateStore
 
-    return NvmeStateStore(os.path.join(plan.nvme_path, f"rank{rank:05d}"), numels,
-                          names=NAMES, pin=pin)
+    return NvmeStateStore(os.path.join(plan.nvme_path, f"rank{rank:05d}"), numels, pin=pin)
 
 
 class OffloadAdamW:
@@ -62,20 +56,23 @@ class OffloadAdamW:
     state_device = torch.device("cpu")  # where full_state's tensors live
 
     def __init__(self, model: nn.Module, buffers: GradBuffer, cfg, plan, *,
-                 overlap_param_gather: bool = False, initial: dict | None = None):
+                 initial: dict | None = None):
         self.buffers, self.cfg, self.plan = buffers, cfg, plan
         data = buffers.param_data
         self.device = data.device
         self.copies = Transfers(self.device, plan.pin_memory)
         self.slots = bucket_slots(buffers, plan.fraction)
         self.order = sorted(self.slots, key=lambda s: -s.bucket.index)  # forward order
+        self.host_order = [s for s in self.order if s.host]
         host = [s for s in self.slots if s.host]
         self.host_numel = sum(s.numel for s in host)
         staging = buffers.main_grad.element_size()  # every host bucket's gradient waits
         resident = 0 if plan.nvme_path else 12  # fp32 master + 2 moments per element
+        available = host_memory_bytes()  # (plus the initial values the fill frees)
+        if available is not None:
+            available += held_bytes(initial)
         check_offload_plan(self.host_numel * (resident + staging), 0, nvme_path=plan.nvme_path,
-                           host_memory=_plus(host_memory_bytes(), held_bytes(initial)),
-                           disk_memory=None)
+                           host_memory=available, disk_memory=None)
         self.stores = {True: _host_store(plan, [s.numel for s in host], self.copies.pin,
                                          buffers.state.global_rank),
                        False: ResidentStore([s.numel for s in self.slots if not s.host],
@@ -83,7 +80,6 @@ class OffloadAdamW:
         self._initial = {}  # GPU slots: fp32 initial masters until their state exists
         with torch.no_grad():
             for slot in self.slots:
-                init_steps(slot, torch.device("cpu") if slot.host else self.device)
                 self._init_master(slot, data, initial)
                 if slot.host:
                     slot.grad = self.copies.host_empty(slot.numel, buffers.main_grad.dtype)
@@ -95,11 +91,11 @@ class OffloadAdamW:
         self._scratch = {}  # fp32 upcasts of bf16 gradients, one per place
         self._divisor = {True: torch.ones((), dtype=torch.float32),
                          False: torch.ones((), dtype=torch.float32, device=self.device)}
-        self.overlap_param_gather = overlap_param_gather and buffers.shard
+        self.overlap_param_gather = cfg.overlap_param_gather and buffers.shard
         self.step_count = 0
-        self._threads = torch.get_num_threads()
+        threads = torch.get_num_threads()
         self._worker = ThreadPoolExecutor(1, initializer=torch.set_num_threads,
-                                          initargs=(self._threads,)) if plan.overlap else None
+                                          initargs=(threads,)) if plan.overlap else None
         buffers.on_final = self._send
         if plan.overlap or self.overlap_param_gather:
             hook_bucket_waits(model, buffers, self.wait_params)
@@ -111,16 +107,14 @@ class OffloadAdamW:
             values = data[slot.lo:slot.hi]
         else:
             values = torch.empty(slot.numel, dtype=torch.float32)
-            fill_flat_(values, slot.lo, slot.hi, slot.bucket, self.buffers.offsets, initial)
-            drop_values(slot.bucket, initial)  # (a bucket's parameters are in no other)
+            fill_flat_(values, slot.lo, slot.hi, slot.bucket, self.buffers, initial)
+            for p in slot.bucket.params:  # they live in the masters now (and in no other bucket)
+                initial.pop(id(p), None)
         if not slot.host:
             self._initial[slot.index] = values.to(self.device, copy=True)
             return
-        state = self._acquire(slot)
-        state["master"].copy_(values)
-        for k in NAMES[1:]:  # (a disk store may hold an older run's files)
-            state[k].zero_()
-        self._release(slot)
+        self._acquire(slot)["master"].copy_(values)  # (the moments start as zeros in every store)
+        self.stores[True].release(slot.index)
 
     # -- state access -----------------------------------------------------------------------
     def _acquire(self, slot) -> dict:
@@ -128,9 +122,6 @@ class OffloadAdamW:
         if not slot.host and slot.index in self._initial:
             state["master"].copy_(self._initial.pop(slot.index))
         return state
-
-    def _release(self, slot, write: bool = True) -> None:
-        self.stores[slot.host].release(slot.index, write)
 
     def _fp32(self, slot, grad: torch.Tensor) -> torch.Tensor:
         if grad.dtype == torch.float32:
@@ -146,10 +137,9 @@ class OffloadAdamW:
     def start_step(self) -> None:
         """Before the step's backward: the compute stream waits for last step's gradient
         copies (a skipped step never consumed them) before it overwrites the buffer."""
-        for slot in self.slots:
-            if slot.host:
-                self.copies.device_waits(slot.d2h)
-                slot.sent = False
+        for slot in self.host_order:
+            self.copies.device_waits(slot.d2h)
+            slot.sent = False
 
     def _send(self, bucket) -> None:
         """GradBuffer.on_final: bucket's reduced gradient shard leaves for the host."""
@@ -162,30 +152,38 @@ class OffloadAdamW:
 
     # -- the step ---------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, lr: float, grad_divisor: float = 1.0, frozen_at: int | None = None) -> None:
-        if frozen_at is not None:
-            raise ValueError("the offloaded optimizer has no frozen-variance step")
+    def step(self, lr: float, grad_divisor: float = 1.0) -> None:
         self.wait_params()
-        self.step_count += 1
-        for divisor in self._divisor.values():
-            divisor.fill_(grad_divisor)
-        after = self.copies.mark()  # backward is done reading the parameters
-        host = [s for s in self.order if s.host]
-        for slot in host:
+        after = self._begin_step(grad_divisor)
+        for slot in self.host_order:
             if not slot.sent:
                 self._send(slot.bucket)
             slot.sent, slot.pending = False, True
-        jobs = [(slot, host[k + 1] if k + 1 < len(host) else None) for k, slot in enumerate(host)]
+        jobs = self._host_jobs()
         if self._worker is not None:  # the host starts first, the GPU share meanwhile
             for slot, nxt in jobs:
                 slot.future = self._worker.submit(self._host_step, slot, nxt, lr, after)
-        for slot in self.order:
-            if not slot.host:
-                self._device_step(slot, lr)
+        self._device_steps(lr)
         if self._worker is None:
             for slot, nxt in jobs:
                 self._host_step(slot, nxt, lr, after)
             self.wait_params()
+
+    def _begin_step(self, grad_divisor: float):
+        """Count the step, set its divisor; an event where backward is done with the parameters."""
+        self.step_count += 1
+        for divisor in self._divisor.values():
+            divisor.fill_(grad_divisor)
+        return self.copies.mark()
+
+    def _host_jobs(self) -> list:
+        """(host slot, the next one to prefetch or None) in forward order."""
+        return list(zip(self.host_order, self.host_order[1:] + [None]))
+
+    def _device_steps(self, lr: float) -> None:
+        for slot in self.order:
+            if not slot.host:
+                self._device_step(slot, lr)
 
     def _device_step(self, slot, lr: float) -> None:
         state = self._acquire(slot)
@@ -269,7 +267,7 @@ class OffloadAdamW:
                 mine.copy_(state[k])
                 all_gather_flat(whole, mine, group=self.buffers.group.group)
                 out[k][b.start:b.end].copy_(whole)
-            self._release(slot, write=False)
+            self.stores[slot.host].release(slot.index, write=False)
         return out
 
     @torch.no_grad()
@@ -284,8 +282,9 @@ class OffloadAdamW:
                 else:
                     state[k].zero_()  # weights only: a fresh optimizer
             self.buffers.param_data[slot.lo:slot.hi].copy_(state["master"])
-            self._release(slot)
-            set_steps(slot, step)
+            self.stores[slot.host].release(slot.index)
+            for t in slot.steps[True] + slot.steps[False]:
+                t.fill_(float(step))
             self._gather(slot, async_op=False)
         self.stores[True].flush()
         self.step_count = step

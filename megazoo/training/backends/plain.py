@@ -1,25 +1,19 @@
 """`PlainEngine`: Megatron's data parallelism and mixed precision, with tp / sp / pp from the
 model itself.
 
-Owns: the model's dtype (bf16 / fp16 parameters, or fp32), the flat parameter and fp32
-main-gradient buffers in buckets (`grad_buffer.GradBuffer`, into which the parallel linears'
-weight-gradient GEMMs accumulate directly under --gradient-accumulation-fusion, the
-default: `megazoo.layers.wgrad`; reduced over dp x sp, overlapped
-with backward under --overlap-grad-reduce, reduce-scattered under
---use-distributed-optimizer), the fp32 masters and AdamW moments (`master_optimizer`), the
-fp16 loss scaler, and the checkpoint files (fp32 masters and moments, one format at any
-dp / tp / pp and with or without the distributed optimizer).
+Owns: the model's dtype (bf16 / fp16 parameters, or fp32); the flat parameter and main-
+gradient buffers in buckets (`grad_buffer.GradBuffer`; under --gradient-accumulation-fusion
+the parallel linears' weight-gradient GEMMs accumulate into them, `megazoo.layers.wgrad`);
+the fp32 masters and AdamW moments (`master_optimizer.MasterAdamW`, or
+`offload_optimizer.OffloadAdamW` for optimizer offload, `config.offload.plain_offload`, and
+bf16 main gradients); the fp16 loss scaler; and the checkpoint files (fp32 masters and
+moments, one format at any layout, with or without the distributed optimizer).
 
-Its part of the one `Engine.train_step`: the losses scaled by the fp16 loss scale
-(`stage`); backward hooks accumulate into the main gradients and launch bucket reductions;
-`finish_gradients` sums the tied embedding, waits for what is in flight and takes the
-global norm from the flat buffer (one multi-tensor kernel); `step` skips on a non-finite
-loss or norm in every precision (fp16 also backs the loss scale off), else runs the fused
-AdamW whose gradient divisor folds in the loss scale and the clipping factor.
-
-Optimizer offload (--optimizer-cpu-offload, or a ds_config's offload sections without a ZeRO
-engine: `config.offload.plain_offload`) and bf16 main gradients swap `MasterAdamW` for
-`offload_optimizer.OffloadAdamW`, which steps bucket by bucket on the GPU and the host.
+Its part of the one `Engine.train_step`: the losses scaled by the fp16 loss scale (`stage`);
+`finish_gradients` sums the tied embedding, waits for the bucket reductions and takes the
+global norm from the flat buffer; `step` skips on a non-finite loss or norm (fp16 also backs
+the loss scale off), else runs AdamW with the loss scale and the clipping factor folded into
+its gradient divisor.
 """
 from __future__ import annotations
 
@@ -38,13 +32,12 @@ from ...parallel.device import local_device
 from ..gradients import (clip_divisor, counted_flat_ranges, flat_grad_norm,
                         hook_sequence_parallel_grads, intersect, sum_tied_embedding,
                         tied_embedding_weight)
-from .master_optimizer import MOMENTS
+from .delayed_offload import DelayedOffloadAdamW
+from .master_optimizer import MOMENTS, MasterAdamW
 from .offload_optimizer import OffloadAdamW
-from .optimizer_choice import build_master_optimizer
-from ...config.offload import plain_offload
+from ...config.offload import OffloadPlan, plain_offload
+from ...plan.offload import check_nvme_path
 from ..scaler import DynamicLossScaler
-
-AUX_PREFIXES = MOMENTS
 
 
 class _ScaledLossStage:
@@ -59,10 +52,24 @@ class _ScaledLossStage:
 
     def __call__(self, *args, **kwargs):
         out = self._model(*args, **kwargs)
-        if kwargs.get("labels") is not None or (len(args) > 1 and args[1] is not None):
-            if out.dim() == 0:
-                return out * self._scale
+        if out is not None and out.dim() == 0:  # the loss (only a call with labels gives one)
+            return out * self._scale
         return out
+
+
+def build_master_optimizer(model, buffers: GradBuffer, cfg, plan: OffloadPlan | None,
+                           initial: dict | None = None):
+    """`MasterAdamW`, or `OffloadAdamW` (`DelayedOffloadAdamW` under --offload-delayed-update)
+    for an offload plan or bf16 main gradients (all on the GPU then: it upcasts each bucket's
+    gradient to fp32 before the step). `initial`: the fp32 values the masters start from
+    (`lean_build.initial_values`; None: the flat buffer)."""
+    if plan is None and not cfg.accumulate_grads_in_bf16:
+        return MasterAdamW(model, buffers, cfg)
+    plan = plan or OffloadPlan(fraction=0.0, overlap=False)
+    if plan.nvme_path is not None:
+        check_nvme_path(plan.nvme_path)
+    kind = DelayedOffloadAdamW if plan.delayed else OffloadAdamW
+    return kind(model, buffers, cfg, plan, initial=initial)
 
 
 def model_dtype(cfg) -> torch.dtype:
@@ -76,18 +83,18 @@ class PlainEngine(Engine):
     def __init__(self, model: torch.nn.Module, state: ParallelState, config: PretrainArgs):
         self.model, self.state, self.config = model, state, config
         cfg = self.cfg = config.training
-        self._sp_hooks = hook_sequence_parallel_grads(model, state)
+        hook_sequence_parallel_grads(model, state)
         tied = tied_embedding_weight(model, state)
         bucket = cfg.ddp_bucket_size or max(40_000_000, 1_000_000 * state.dp_sp.size)
         # the bucket reduction, dense or compressed (megazoo.compress)
-        self.reducer = Reducer(state, getattr(config, "compression", None), cfg)
+        self.reducer = Reducer(state, config.compression, cfg)
         self.offload = plain_offload(config)
         self.cpu_offload = self.offload is not None
         bf16_grads = cfg.accumulate_grads_in_bf16
         fuse = cfg.gradient_accumulation_fusion and not (bf16_grads and config.model.fp8_format)
         # offload overlap: each bucket's gradient leaves as soon as it is final
         overlap = cfg.overlap_grad_reduce or bool(self.offload and self.offload.overlap)
-        initial = initial_values(model, cfg, self.offload)  # the masters come from these
+        initial = initial_values(model, config)  # the masters come from these
         lean = dict(device=local_device(), dtype=model_dtype(cfg)) if initial else {}
         self.buffers = GradBuffer(model, state, bucket_numel=bucket, overlap=overlap,
                                   shard=cfg.use_distributed_optimizer,
@@ -99,8 +106,8 @@ class PlainEngine(Engine):
         self.resume_notes: list[str] = []
         self.optimizer = build_master_optimizer(model, self.buffers, cfg, self.offload, initial)
         self.buffers.cast_params(model_dtype(cfg))
-        counted = counted_flat_ranges([(p, self.buffers.offsets[id(p)]) for p in self.buffers.params],
-                                      state)
+        offsets = self.buffers.offsets
+        counted = counted_flat_ranges([(p, offsets[id(p)]) for p in self.buffers.params], state)
         owned = intersect(counted, self.buffers.shard_ranges())
         self.norm_views = [self.buffers.main_grad[lo:hi] for lo, hi in owned]
         self.scaler = (DynamicLossScaler(cfg.initial_loss_scale, cfg.loss_scale_window,
@@ -190,7 +197,7 @@ class PlainEngine(Engine):
         # Weights-only checkpoints (converted from HF, say) start a fresh optimizer (this
         # reader only looks at the metadata; load_model_weights checks the tensors).
         stored = set(CheckpointReader(path, verify_checksums=False).aux_prefixes)
-        prefixes = AUX_PREFIXES if stored.issuperset(AUX_PREFIXES) else ()
+        prefixes = MOMENTS if stored.issuperset(MOMENTS) else ()
         self.optimizer.wait_params()
         master = torch.zeros(self.buffers.numel, dtype=torch.float32,
                              device=getattr(self.optimizer, "state_device", self.device))

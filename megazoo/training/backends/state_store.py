@@ -1,7 +1,6 @@
 """Optimizer state on local disk, streamed through a few staging buffers (the disk tier).
 
     store = NvmeStateStore(root, numels=[shard.numel for shard in shards])
-    store.write_shard(i, {"master": m, "exp_avg": a, "exp_avg_sq": v})  # initial fill
     for i in range(len(shards)):
         state = store.acquire(i)        # views into a staging slot, read from disk
         if i + 1 < len(shards):
@@ -11,9 +10,8 @@
     store.flush()                       # every write is on disk
 
 Optimizer state larger than host memory lives on disk, `slots` shards in memory at a time.
-Shard i is the file `shard{i:05d}.bin` under `root` (its tensors in `names` order, padded
-to 4 KiB), allocated anew as zeros by a new store (like state in memory) and left by
-`close`. I/O: one `os.preadv` / `os.pwritev` of the whole shard on a thread pool (no GIL:
+Shard i is the file `shard{i:05d}.bin` under `root` (its tensors in `NAMES` order, padded
+to 4 KiB), allocated anew as zeros by a new store (like state in memory). I/O: one `os.preadv` / `os.pwritev` of the whole shard on a thread pool (no GIL:
 it overlaps the host optimizer step), O_DIRECT where the filesystem has it (`self.direct`).
 A read into a slot waits for the slot's last write, a read of a shard for that shard's
 pending write. A background I/O error is raised by the next call and every later one.
@@ -32,6 +30,8 @@ from itertools import count
 from pathlib import Path
 
 import torch
+
+from .cpu_offload import NAMES
 
 ALIGN = 4096   # file sizes, I/O lengths and buffer addresses: a multiple of the block size
 
@@ -79,22 +79,14 @@ def _aligned(nbytes: int, pin: bool = False) -> torch.Tensor:
 
 
 class NvmeStateStore:
-    """Per-shard optimizer tensors (`names`, each of numels[i] elements) in files under `root`.
-    Slots are pinned (for asynchronous copies to the GPU) if `pin`, by default if CUDA is
-    available; `threads` I/O threads, by default max(2, slots)."""
+    """Per-shard fp32 optimizer tensors (`NAMES`, each of numels[i] elements) in files under
+    `root`. Slots are pinned (for asynchronous copies to the GPU) if `pin`, by default if CUDA
+    is available; `threads` I/O threads, by default max(2, slots)."""
 
-    def __init__(self, root: str | Path, numels: list[int],
-                 names: tuple[str, ...] = ("master", "exp_avg", "exp_avg_sq"),
-                 slots: int = 2, dtype: torch.dtype = torch.float32,
+    def __init__(self, root: str | Path, numels: list[int], slots: int = 2,
                  pin: bool | None = None, threads: int | None = None, direct: bool = True):
-        for bad, what in ((not numels or min(numels) <= 0, f"shard sizes {list(numels)}"),
-                          (not names or len(set(names)) < len(names), f"tensor names {names}"),
-                          (slots < 1, f"slots {slots}")):
-            if bad:
-                raise StoreError(f"disk store: {what} (sizes and slots > 0, distinct names)")
-        self.root, self.names, self.dtype = Path(root), tuple(names), dtype
+        self.root = Path(root)
         self.numels = [int(n) for n in numels]
-        self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.paths = [self.root / f"shard{i:05d}.bin" for i in range(len(self.numels))]
         spans = [self._span(i) for i in range(len(self.numels))]
         self.nbytes = sum(spans)
@@ -106,10 +98,10 @@ class NvmeStateStore:
         self._pool = ThreadPoolExecutor(max_workers=threads or max(2, slots),
                                         thread_name_prefix="state-store")
         self._error, self._error_lock = None, threading.Lock()  # the first background failure
-        self._ticks, self._closed = count(), False
+        self._ticks = count()
 
     def _span(self, i: int) -> int:   # bytes of shard i's file: its tensors, padded to ALIGN
-        return -(-len(self.names) * self.numels[i] * self.itemsize // ALIGN) * ALIGN
+        return -(-len(NAMES) * self.numels[i] * 4 // ALIGN) * ALIGN
 
     def _open_files(self, direct: bool) -> bool:
         """Create root and the shard files (StoreError if not writable or too small); O_DIRECT?"""
@@ -234,65 +226,13 @@ class NvmeStateStore:
         self._writes = {i: f for i, f in self._writes.items() if not f.done()}
         self._raise_failed()
 
-    def close(self) -> None:
-        """Flush, stop the threads and close the files (which stay on disk)."""
-        if self._closed:
-            return
-        try:
-            self.flush()
-        finally:
-            self._closed = True
-            self._pool.shutdown(wait=True)
-            self._close_files()
-
-    def __enter__(self) -> NvmeStateStore:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _scratch(self, i: int) -> torch.Tensor:
-        """Once nothing is pending on shard i, bytes for its synchronous I/O: its slot, else the
-        least recently used free one (its pages are in memory already), else new ones."""
-        self._check(i)
-        slot = self._find(i) or self._take_slot()
-        if slot is not None and slot.held:
-            raise RuntimeError(f"shard {i} of the disk store is acquired; release it first")
-        wait([f for f in (slot and slot.future, self._writes.get(i)) if f is not None])
-        self._raise_failed()
-        if slot is None:
-            return _aligned(self._span(i))
-        slot.shard = slot.future = None      # its bytes are not a shard's any more
-        return slot.buf[:self._span(i)]
-
-    def read_shard(self, i: int) -> dict[str, torch.Tensor]:
-        """Shard i's tensors as they are on disk, in fresh (unshared) CPU tensors."""
-        buf = self._scratch(i)
-        _read_all(self._fds[i], _bytes_of(buf))
-        return {name: t.clone() for name, t in self._views(i, buf).items()}
-
-    def write_shard(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Write shard i's tensors (any float dtype / shape of numels[i] elements) to disk now."""
-        self._check(i)
-        if set(tensors) != set(self.names):
-            raise StoreError(f"shard {i} takes tensors {list(self.names)}, got {list(tensors)}")
-        sizes = {name: t.numel() for name, t in tensors.items() if t.numel() != self.numels[i]}
-        if sizes:
-            raise StoreError(f"shard {i} holds {self.numels[i]} elements a tensor, got {sizes}")
-        buf = self._scratch(i)
-        for name, view in self._views(i, buf).items():
-            view.copy_(tensors[name].detach().reshape(-1))
-        _write_all(self._fds[i], _bytes_of(buf))
-
     def _views(self, i: int, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         n = self.numels[i]
-        flat = buf[:len(self.names) * n * self.itemsize].view(self.dtype)
-        return {name: flat[k * n:(k + 1) * n] for k, name in enumerate(self.names)}
+        flat = buf[:len(NAMES) * n * 4].view(torch.float32)
+        return {name: flat[k * n:(k + 1) * n] for k, name in enumerate(NAMES)}
 
     def _check(self, i: int) -> None:
-        """RuntimeError if closed, IndexError for a shard out of range, the store's failure."""
-        if self._closed:
-            raise RuntimeError("the disk store is closed")
+        """IndexError for a shard out of range; the store's failure."""
         if not 0 <= i < len(self.numels):
             raise IndexError(f"shard {i} out of range: the disk store has {len(self.numels)}")
         self._raise_failed()
