@@ -32,14 +32,11 @@ def machine_budgets(nvme_path: str | None, dry: bool) -> list[str]:
         return ["--gpu-memory", "80", "--host-memory", "125", "--disk-memory", "64"]
     import torch
 
-    try:  # (main reads MemAvailable in the planner now)
-        from megazoo.plan.offload import host_memory_bytes as available_host_bytes
-    except ImportError:
-        from megazoo.training.backends.cpu_offload import available_host_bytes
+    from megazoo.plan.offload import host_memory_bytes
 
     free, _ = torch.cuda.mem_get_info()
     out = ["--gpu-memory", f"{free / 1e9:.1f}",
-           "--host-memory", f"{(available_host_bytes() or 0) / 1e9:.1f}"]
+           "--host-memory", f"{(host_memory_bytes() or 0) / 1e9:.1f}"]
     if nvme_path:
         out += ["--disk-memory", f"{shutil.disk_usage(nvme_path).free / 1e9 * 0.95:.1f}"]
     return out
