@@ -11,7 +11,6 @@ checkpoint continues the same sample stream.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,8 +133,5 @@ def build_data(args: PretrainArgs, state: ParallelState, eval_samples: int) -> T
 
 
 def tokens_per_step(args: PretrainArgs) -> int:
+    """Tokens in one global batch (one iteration)."""
     return args.training.global_batch_size * args.data.seq_length
-
-
-def nats_to_bits(x: float) -> float:
-    return x / math.log(2)

@@ -192,16 +192,6 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def clip_gradients(model: nn.Module, norm: float, max_norm: float) -> None:
-    """Scale every `.grad` by 1 / clip_divisor (a DTensor gradient on its local shard)."""
-    divisor = clip_divisor(norm, max_norm)
-    if divisor == 1.0:
-        return
-    for p in model.parameters():
-        if p.grad is not None:
-            local(p.grad).mul_(1.0 / divisor)
-
-
 # -- completion -------------------------------------------------------------------------
 def tied_embedding_weight(model: nn.Module, state: ParallelState):
     """The parameter this stage holds of a tied embedding split over pipeline ends (None
