@@ -37,7 +37,7 @@ from ..checkpoint.layout import METADATA_FILE
 from ..checkpoint.output import check_only_ours, fault_point
 from ..checkpoint.resolve import LATEST, iteration_dir, read_latest, resolve_checkpoint
 
-# The temp file `_write_latest` renames over `latest` (left behind only by a killed run).
+# The temp file `_write_note` renames over `latest` (left behind only by a killed run).
 LATEST_TMP = r"\.latest\.tmp(?P<pid>\d+)"
 # The note naming the iteration being saved, from before its folder is written until
 # `latest` names it: a complete folder it names was left by a killed save, not by the user.
@@ -73,19 +73,17 @@ def _write_note(save_dir: str, name: str, iteration: int) -> None:
     os.replace(tmp, os.path.join(save_dir, name))
 
 
-def _write_latest(save_dir: str, iteration: int) -> None:
-    _write_note(save_dir, LATEST, iteration)
-
-
-def _saving(save_dir: str) -> int | None:
-    """The iteration the `SAVING` note names (None: no note)."""
-    return read_latest(save_dir, SAVING)
+def where_latest_is(save_dir: str) -> str:
+    """What `latest` names after a refused save, for the run's last line."""
+    kept = read_latest(save_dir)
+    return f"{LATEST} still names iteration {kept}" if kept is not None else \
+        f"no {LATEST} was written"
 
 
 def forget_saving(save_dir: str, unless_after: int | None = None) -> None:
     """Remove the `SAVING` note (rank 0), or keep it when it names an iteration later than
     `unless_after` (the note of a save killed before `latest` moved)."""
-    noted = _saving(save_dir)
+    noted = read_latest(save_dir, SAVING)
     if noted is not None and (unless_after is None or noted <= unless_after):
         try:
             os.remove(os.path.join(save_dir, SAVING))
@@ -103,7 +101,7 @@ def check_save_target(save_dir: str, iteration: int, kind: str, overwrite: bool,
     if not os.path.lexists(path):
         return False
     latest = read_latest(save_dir)
-    killed = _saving(save_dir) == iteration and (latest is None or iteration > latest)
+    killed = read_latest(save_dir, SAVING) == iteration and (latest is None or iteration > latest)
     complete = os.path.isfile(os.path.join(path, METADATA_FILE))
     if complete and not (overwrite or killed):
         raise ValueError(f"--save {save_dir} holds {path}, a complete checkpoint later than "
@@ -143,13 +141,10 @@ def save_training_checkpoint(engine, save_dir: str, iteration: int, extra: dict,
     except NonFiniteError as exc:
         if state.global_rank == 0:
             forget_saving(save_dir)
-        kept = read_latest(save_dir)
-        where = f"{LATEST} still names iteration {kept}" if kept is not None else \
-            f"no {LATEST} was written"
-        raise NonFiniteError(f"{exc}; {where}") from None
+        raise NonFiniteError(f"{exc}; {where_latest_is(save_dir)}") from None
     if state.global_rank == 0:
         fault_point("before-latest", path)
-        _write_latest(save_dir, iteration)
+        _write_note(save_dir, LATEST, iteration)
         forget_saving(save_dir)
     if state.world_size > 1:
         dist.barrier()

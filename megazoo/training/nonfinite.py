@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 
 from ..checkpoint.files import NonFiniteError
-from ..checkpoint.resolve import LATEST, read_latest
 from .backends.base import StepResult, TrainingStopped
+from .checkpoint import where_latest_is
 
 
 def _bad(result: StepResult) -> bool:
@@ -76,11 +76,8 @@ def refuse_nonfinite_loss(iteration: int, result: StepResult, valid: float | Non
            if value is not None and not math.isfinite(value)]
     if not bad:
         return
-    kept = read_latest(save_dir)
-    where = f"{LATEST} still names iteration {kept}" if kept is not None else \
-        f"no {LATEST} was written"
     raise TrainingStopped(f"iteration {iteration}: not saving a checkpoint, the "
-                          f"{' and the '.join(bad)}; {where}; likely cause: "
+                          f"{' and the '.join(bad)}; {where_latest_is(save_dir)}; likely cause: "
                           f"{watch.cause(result)}")
 
 
