@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..data import (GPTDatasetConfig, IndexedDataset, Tokenizer, build_tokenizer,
                     build_train_valid_test_datasets, parse_data_prefix)
@@ -98,7 +99,7 @@ class TrainData:
         return self._batch(self.valid, index * self.global_batch_size, state)
 
 
-def resolve_data_source(args: PretrainArgs, is_rank0: bool, barrier, log) -> None:
+def resolve_data_source(args: PretrainArgs, state: ParallelState, log) -> None:
     """Fill data_path / tokenizer flags for the default run (rank 0 prepares, others wait)."""
     d = args.data
     if d.data_path is not None:
@@ -109,9 +110,10 @@ def resolve_data_source(args: PretrainArgs, is_rank0: bool, barrier, log) -> Non
             return prepare_default_corpus(d.data_cache_path, d.default_corpus_mb,
                                           d.default_vocab_size, log)
 
-    if is_rank0:
+    if state.global_rank == 0:
         prepare()
-    barrier()
+    if state.world_size > 1:
+        dist.barrier()
     prefix, model = prepare()
     d.data_path, d.tokenizer_type, d.tokenizer_model = [prefix], "SentencePieceTokenizer", model
 

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from ..config.flags import parse_args
 from ..config.run import PretrainArgs
 from ..layers.fp8 import check_fp8_run
-from ..models.parts import check_sequence_length
 from ..errors import report_error
 from ..parallel.device import local_device
 from ..parallel.state import ParallelState
@@ -52,10 +51,6 @@ class Run:
     owns_process_group: bool
 
 
-def _barrier(state: ParallelState):
-    return (lambda: dist.barrier()) if state.world_size > 1 else (lambda: None)
-
-
 def _one_rank_group_for_zero(args: PretrainArgs) -> None:
     """DeepSpeed and FSDP2 need torch.distributed even in a plain one-process run (no
     launcher): give them a one-rank group (an in-memory store, no port) and the LOCAL_RANK
@@ -79,12 +74,7 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     state = ParallelState.initialize(args.parallel)
     rank0 = state.global_rank == 0
     log = print_fn if rank0 else (lambda *a, **k: None)
-    check_sequence_length(args.data.seq_length, state)
-    if args.model.position_embedding == "learned" and \
-            args.data.seq_length > args.model.max_position_embeddings:
-        raise ValueError(f"--seq-length {args.data.seq_length} exceeds "
-                         f"--max-position-embeddings {args.model.max_position_embeddings}")
-    resolve_data_source(args, rank0, _barrier(state), log)
+    resolve_data_source(args, state, log)
     eval_samples = args.logging.eval_iters * args.training.global_batch_size
     data = build_data(args, state, eval_samples)
     prepare_save_dir(args, rank0, log)
