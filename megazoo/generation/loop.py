@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from ..pipeline.p2p import Channel
-from .cache import KVCache, StepInputs
+from .cache import KVCache
 from .graphs import DecodeStep
 from .recompute import recompute_ids
 from .sampling import Sampling, choose
-from .step import check_sequence_unsharded, chunk_step, embed, head, local_step
+from .step import check_sequence_unsharded, model_step
 
 STOP_CHECK = 8  # decode steps between checks whether every row has stopped
 
@@ -69,35 +68,6 @@ def build_cache(model, pad: torch.Tensor, total: int) -> KVCache:
     weight = first.qkv.weight
     return KVCache(first.attention, held, pad, cache_length(total, model.config),
                    dtype=weight.dtype, device=weight.device)
-
-
-def pipeline_step(model, ids: torch.Tensor, cache: KVCache, inp: StepInputs) -> torch.Tensor | None:
-    """ids [b, s] through every stage and chunk; logits [b, vocab] on the last, else None."""
-    state = model.state
-    pp, rank = state.pp.size, state.pp.rank
-    prev, nxt = state.pp.ranks[(rank - 1) % pp], state.pp.ranks[(rank + 1) % pp]
-    n = len(model.chunks)
-    shape = (ids.shape[1], ids.shape[0], model.config.hidden_size)  # [s, b, h]
-    channel, logits = Channel(state.pp.group), None
-    for c in range(n):
-        if c == 0 and model.pre_process:
-            x = embed(model, ids, inp.positions)
-        else:
-            x = channel.recv(shape, cache.dtype, cache.device, prev)
-        x = chunk_step(model, c, x, cache, inp)
-        if c == n - 1 and model.post_process:
-            logits = head(model, x)
-        else:
-            channel.send(x, nxt)
-    channel.drain()
-    return logits
-
-
-def model_step(model, ids: torch.Tensor, cache: KVCache, inp: StepInputs) -> torch.Tensor | None:
-    """One forward step at this rank's layout (see `pipeline_step`)."""
-    if model.state.pp.size == 1:
-        return local_step(model, ids, cache, inp)
-    return pipeline_step(model, ids, cache, inp)
 
 
 def left_pad(prompts: list[list[int]], device, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
