@@ -89,14 +89,10 @@ def run_schedule(model, microbatches: list[tuple[torch.Tensor, torch.Tensor | No
     return buffers.losses if state.is_last_stage else None
 
 
-def _is_last(state: ParallelState, model, chunk: int) -> bool:
-    return state.is_last_stage and chunk == len(model.chunks) - 1
-
-
 def _forward(model, state, microbatches, key, buffers: _StageBuffers, forward_only: bool):
     chunk, mb = key
     ids, labels = microbatches[mb]
-    last = _is_last(state, model, chunk)
+    last = state.is_last_stage and chunk == len(model.chunks) - 1
     labels = labels if last else None
     with torch.set_grad_enabled(not forward_only):
         if state.is_first_stage and chunk == 0:

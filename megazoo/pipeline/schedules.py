@@ -46,16 +46,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = [
-    "Action",
-    "ActionKind",
-    "build_schedule",
-    "interleaved_schedule",
-    "no_pipeline_schedule",
-    "one_f_one_b_schedule",
-    "virtual_stage",
-]
-
 
 class ActionKind(enum.StrEnum):
     """What an action does; the string value is the short name used in tables."""
