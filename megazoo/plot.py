@@ -39,15 +39,11 @@ PANELS = (  # (title, keys drawn in it, y scale)
 )
 
 
-def log_file(path: str) -> str:
-    """The JSON-lines file `path` means: itself, or a --save folder's metrics.jsonl."""
-    return os.path.join(path, METRICS_FILE) if os.path.isdir(path) else path
-
-
 def read_log(path: str) -> tuple[list[dict], int | None]:
     """(records with an iteration, tokens per step or None) of one --log-json file or --save
     folder, later segments replacing what earlier ones logged past their start."""
-    path = log_file(path)
+    if os.path.isdir(path):  # a --save folder: its metrics.jsonl
+        path = os.path.join(path, METRICS_FILE)
     records, tokens_per_step = [], None
     for n, line in enumerate(read_text(path).splitlines(), 1):
         if not line.strip():

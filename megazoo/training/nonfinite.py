@@ -24,10 +24,6 @@ from .backends.base import StepResult, TrainingStopped
 from .checkpoint import where_latest_is
 
 
-def _bad(result: StepResult) -> bool:
-    return result.skipped or not math.isfinite(result.loss)
-
-
 class SkipWatch:
     """Counts skipped steps (in a row and in all) and stops the run after too many."""
 
@@ -38,7 +34,7 @@ class SkipWatch:
 
     def after_step(self, iteration: int, result: StepResult) -> None:
         """`iteration`: 1-based number of the step just taken."""
-        if not _bad(result):
+        if not result.skipped and math.isfinite(result.loss):
             self.in_a_row, self.first_of_streak = 0, None
             return
         self.in_a_row += 1

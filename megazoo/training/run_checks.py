@@ -12,16 +12,14 @@ files, so a refusal happens on all ranks before any collective.
 """
 from __future__ import annotations
 
-import json
 import os
-
 import re
 
 from ..checkpoint.load import SHAPE_FIELDS
 from ..checkpoint.output import remove_leftovers
 from ..checkpoint.resolve import (iteration_dir, previous_checkpoint, read_latest,
                                   resolve_checkpoint)
-from ..errors import user_path
+from ..errors import read_json, user_path
 from .checkpoint import LATEST_TMP, check_save_target, forget_saving
 
 
@@ -41,9 +39,8 @@ def _newest_checkpoint(save: str) -> tuple[int, dict] | None:
     if path is None:
         return None
     try:
-        with open(os.path.join(path, "megazoo.json")) as f:
-            meta = json.load(f)
-    except (OSError, ValueError):
+        meta = read_json(os.path.join(path, "megazoo.json"))
+    except ValueError:  # unreadable: no settings to compare
         meta = {}
     return int(os.path.basename(path).removeprefix("iter_")), meta
 
