@@ -41,14 +41,9 @@ def _file_in_the_way(path: str) -> str | None:
     """The part of `path` (itself or a parent, spelt as given) that exists and is not a
     folder, if any."""
     path = os.path.normpath(path)
-    while path:
-        if os.path.exists(path) and not os.path.isdir(path):
-            return path
-        parent = os.path.dirname(path)
-        if parent == path:
-            return None
-        path = parent
-    return None
+    while path and not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path if os.path.exists(path) and not os.path.isdir(path) else None
 
 
 def _problem(exc: OSError, target: str, flag: str) -> tuple[str, str]:
