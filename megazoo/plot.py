@@ -10,12 +10,9 @@ host RSS). Tokens seen are counted from the log itself: iteration x tokens per s
 the iteration. A run resumed from iteration N starts a new segment with a
 `{"start_iteration": N, ...}` record; what an earlier segment logged after N (steps redone
 after a kill) is replaced by the new segment's, so a resumed run draws as one. A --save folder
-stands for the metrics.jsonl every training run keeps there. matplotlib is an optional
-dependency (`pip install -e ".[plot]"`): without it the command says so in one line.
-
-A training run draws its own curves when it ends (`draw_run_curves`, called by
-`megazoo.training.run`: the training loop itself only reports metrics), from the whole run's
-SAVE/metrics.jsonl.
+stands for the metrics.jsonl every training run keeps there, from which a run draws its
+own curves when it ends (`draw_run_curves`). matplotlib is an optional dependency
+(`pip install -e ".[plot]"`): without it the command says so in one line.
 """
 from __future__ import annotations
 

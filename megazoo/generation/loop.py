@@ -4,16 +4,14 @@
 
 `model` is a `TransformerModel` at any tp x pp layout (sp = 1, no Megatron SP; with
 `cache=False` any layout, see recompute.py); every rank of the model calls this with the same
-arguments. Prefill runs the padded prompts through the
-model once, writing the cache; each decode step then runs one token per row. Under pipeline
-parallelism a step passes the hidden states [s, b, h] from stage to stage (and chunk to chunk
-of an interleaved model), the last stage picks the tokens and broadcasts them to its
-pipeline group, so the first stage embeds them in the next step. tp ranks hold the same
-gathered logits and the same seeded generator, so they pick the same tokens.
+arguments. Prefill runs the padded prompts through the model once (`step.model_step`),
+writing the cache; each decode step then runs one token per row. The last stage picks the
+tokens and broadcasts them to its pipeline group; tp ranks hold the same gathered logits and
+the same seeded generator, so they pick the same tokens.
 
-The decode step has fixed shapes (the static cache of cache.py, the slot a device tensor) and
-is the same code on CPU and GPU; on CUDA at tp = pp = 1 it is captured once as a CUDA graph
-and replayed per token (graphs.py), unless `cuda_graphs=False`.
+The decode step has fixed shapes (the static cache of cache.py, the slot a device tensor);
+on CUDA at tp = pp = 1 it is captured once as a CUDA graph and replayed per token
+(graphs.py), unless `cuda_graphs=False`.
 """
 from __future__ import annotations
 

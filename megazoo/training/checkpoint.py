@@ -3,24 +3,16 @@
     save_training_checkpoint(engine, save_dir, iteration, extra, state)
     extra = load_training_checkpoint(engine, load_dir)      # restores RNGs too
 
-A checkpoint directory is written by `engine.save` (collective; `megazoo.save_checkpoint`
-publishes it atomically), with `extra` = {iteration, consumed_samples, rng, args, ...}
-plus the engine's own (optimizer step, loss scaler). Only after it is complete does rank 0
-replace `latest` (a text file holding the iteration) by write-to-temp + os.replace, so a
-crash mid-save leaves the previous checkpoint loadable and `latest` pointing at it.
-RNG states are stored as lists of ints (JSON), never pickled. A save refused for inf / nan
-in a tensor (`NonFiniteError`, raised by every engine's save) leaves `latest` where it was,
-and the error says so; the training loop turns it into the run's stop
-(`nonfinite.stopped_by_nonfinite_save`).
+`engine.save` writes the folder (collective), with `extra` = {iteration, consumed_samples,
+rng, args, ...}; only then does rank 0 replace `latest` (write-to-temp + os.replace), so a
+crash mid-save, or a save refused for inf / nan (`NonFiniteError`, which the loop turns into
+the run's stop), leaves `latest` naming the previous checkpoint. RNG states are lists of ints
+(JSON), never pickled.
 
-**A complete checkpoint is never replaced implicitly** (`check_save_target`, made at setup
-for every folder the run will write and again just before each save): an `iter_N` folder
-holding a checkpoint is replaced only with `--overwrite-checkpoints`, or when it is the one
-a save killed before moving `latest` left (named by the `SAVING` note rank 0 writes before
-a save and removes once `latest` names it, and only while `latest` names an earlier one);
-and even then only when it holds nothing but what the engine writes (the converters' rule,
-`output.check_only_ours`): any other file is named and the run refused. Pointing `latest`
-back at an earlier iteration and resuming therefore never deletes the later iterations.
+**A complete checkpoint is never replaced implicitly** (`check_save_target`, at setup and
+before each save): only with `--overwrite-checkpoints` or when a save killed before moving
+`latest` left it (the `SAVING` note names it), and then only when it holds nothing but what
+the engine writes. Resuming from an earlier iteration therefore never deletes later ones.
 """
 from __future__ import annotations
 
