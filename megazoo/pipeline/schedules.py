@@ -228,7 +228,7 @@ def one_f_one_b_schedule(pp: int, m: int) -> list[list[Action]]:
     return _with_communication(orders, 1)
 
 
-def _interleaved_order(pp: int, vpp: int, m: int, k: int, forward: bool) -> tuple[int, int]:
+def _interleaved_order(pp: int, vpp: int, k: int, forward: bool) -> tuple[int, int]:
     """(chunk, micro-batch) of a rank's k-th forward (or backward) in the interleaved order.
 
     Micro-batches go in groups of pp: a group runs through chunk 0, then chunk 1, ...
@@ -254,8 +254,8 @@ def interleaved_schedule(pp: int, vpp: int, m: int) -> list[list[Action]]:
     _check_sizes(pp, vpp, m)
     _check_interleavable(pp, vpp, m)
     total = m * vpp
-    fwd = [_interleaved_order(pp, vpp, m, k, True) for k in range(total)]
-    bwd = [_interleaved_order(pp, vpp, m, k, False) for k in range(total)]
+    fwd = [_interleaved_order(pp, vpp, k, True) for k in range(total)]
+    bwd = [_interleaved_order(pp, vpp, k, False) for k in range(total)]
     orders = [
         _warmup_then_1f1b(fwd, bwd, (pp - rank - 1) * 2 + (vpp - 1) * pp)
         for rank in range(pp)

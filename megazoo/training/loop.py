@@ -30,8 +30,8 @@ class _Progress:
     a file, its redraws would be carriage-return noise, so a log gets the log lines only);
     log lines go through it."""
 
-    def __init__(self, run, print_fn):
-        self.bar, self.print = None, print_fn
+    def __init__(self, run):
+        self.bar = None
         cfg = run.args
         if run.state.global_rank == 0 and cfg.logging.progress and _on_terminal():
             try:
@@ -137,7 +137,7 @@ def complete(run) -> str | None:
             f"train; to extend it, pass --train-iters N with N > {done}")
 
 
-def train(run, print_fn=print) -> dict:
+def train(run) -> dict:
     """Train from run.start_iteration to --train-iters; return the final numbers."""
     a, log = run.args, run.args.logging
     finished = complete(run)
@@ -146,7 +146,7 @@ def train(run, print_fn=print) -> dict:
         return {"train_loss": None, "valid_loss": None, "losses": [], "steps": [],
                 "complete": True}
     _header(run)
-    progress, steps = _Progress(run, print_fn), []
+    progress, steps = _Progress(run), []
     valid = None
     start = window_start = time.perf_counter()
     window_steps = 0

@@ -149,7 +149,7 @@ def run_training(argv: list[str] | None = None, print_fn=print) -> dict:
             run.logger.print(generate_hint(run.args))
             out = {"valid_loss": loss, "losses": []}
         else:
-            out = train(run, print_fn)
+            out = train(run)
             draw_run_curves(run)
         if run.owns_process_group and run.state.world_size > 1:
             dist.barrier()  # no rank tears gloo down while a peer still talks to it
