@@ -28,15 +28,6 @@ from .default_corpus import prepare_default_corpus
 ENTROPY_MAX_TOKENS = 50_000_000
 
 
-def accumulation_steps(global_batch: int, micro_batch: int, dp: int) -> int:
-    """global / (micro x dp); ValueError saying what to change when it does not divide."""
-    if global_batch % (micro_batch * dp):
-        raise ValueError(f"--global-batch-size {global_batch} must be a multiple of "
-                         f"--micro-batch-size {micro_batch} x data-parallel size {dp} = "
-                         f"{micro_batch * dp}: change one of them")
-    return global_batch // (micro_batch * dp)
-
-
 def check_vocabulary(prefixes: list[str], tokenizer: Tokenizer, model_vocab: int) -> None:
     """ValueError when a data file holds ids the tokenizer (or the model) cannot have."""
     for prefix in prefixes:
@@ -121,7 +112,6 @@ def resolve_data_source(args: PretrainArgs, state: ParallelState, log) -> None:
 def build_data(args: PretrainArgs, state: ParallelState, eval_samples: int) -> TrainData:
     """Tokenizer, checked data files and the train / valid datasets of this run."""
     d, t = args.data, args.training
-    accumulation_steps(t.global_batch_size, t.micro_batch_size, state.dp.size)
     tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model)
     args.model = dataclasses.replace(args.model, vocab_size=tokenizer.vocab_size)
     prefixes = [p for _, p in parse_data_prefix(d.data_path)]

@@ -10,6 +10,7 @@ turns into one "error: ..." line and exit status 2.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shlex
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.flags import parse_args
+from ..config.validate import check_args
 from ..config.run import PretrainArgs
 from ..layers.fp8 import check_fp8_run
 from ..errors import report_error
@@ -72,6 +74,7 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     owns = not dist.is_initialized()
     _one_rank_group_for_zero(args)
     state = ParallelState.initialize(args.parallel)
+    check_args(dataclasses.replace(args, parallel=state.config))  # the batch against dp now
     rank0 = state.global_rank == 0
     log = print_fn if rank0 else (lambda *a, **k: None)
     resolve_data_source(args, state, log)
