@@ -22,7 +22,7 @@ import sys
 
 from .cli_parser import HintingParser
 from .errors import read_text, report_error
-from .matplotlib_figure import INSTALL, has_matplotlib, new_figure
+from .matplotlib_figure import INSTALL, new_figure
 
 METRICS_FILE = "metrics.jsonl"  # what a training run keeps in its --save folder
 
@@ -109,7 +109,9 @@ def draw_run_curves(run) -> None:
             or not run.logger.records:
         return
     out = os.path.join(a.checkpoint.save, "curves.png")
-    if not has_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
         say(f"no {out}: matplotlib is not installed: {INSTALL}")
         return
     try:
