@@ -1,6 +1,6 @@
 """Data for a training run: tokenizer, train/valid datasets, checks, and batches per rank.
 
-    data = build_data(args, state, log)                # every rank, before training
+    data = build_data(args, state)                     # every rank, before training
     micro_batches = data.train_batch(iteration, state) # this dp rank's part of a global batch
 
 Global batch `i` is training samples `[i * G, (i + 1) * G)` (G = --global-batch-size);
@@ -109,7 +109,7 @@ def resolve_data_source(args: PretrainArgs, state: ParallelState, log) -> None:
     d.data_path, d.tokenizer_type, d.tokenizer_model = [prefix], "SentencePieceTokenizer", model
 
 
-def build_data(args: PretrainArgs, state: ParallelState, eval_samples: int) -> TrainData:
+def build_data(args: PretrainArgs, state: ParallelState) -> TrainData:
     """Tokenizer, checked data files and the train / valid datasets of this run."""
     d, t = args.data, args.training
     tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model)
@@ -117,7 +117,8 @@ def build_data(args: PretrainArgs, state: ParallelState, eval_samples: int) -> T
     prefixes = [p for _, p in parse_data_prefix(d.data_path)]
     check_vocabulary(prefixes, tokenizer, args.model.padded_vocab(state.tp.size))
     config = GPTDatasetConfig(seq_length=d.seq_length, seed=t.seed, split=d.split)
-    samples = (t.train_iters * t.global_batch_size, eval_samples, 0)
+    batch = t.global_batch_size
+    samples = (t.train_iters * batch, args.logging.eval_iters * batch, 0)
     train, valid, _ = build_train_valid_test_datasets(d.data_path, samples, config)
     if train is None:
         raise ValueError(f"--split {d.split} leaves no training documents: give train a share")

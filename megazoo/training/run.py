@@ -78,8 +78,7 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     rank0 = state.global_rank == 0
     log = print_fn if rank0 else (lambda *a, **k: None)
     resolve_data_source(args, state, log)
-    eval_samples = args.logging.eval_iters * args.training.global_batch_size
-    data = build_data(args, state, eval_samples)
+    data = build_data(args, state)
     prepare_save_dir(args, rank0, log)
     entropy = unigram_entropy(data.prefixes, data.tokenizer.vocab_size)
     device = data.device = local_device()
@@ -164,10 +163,9 @@ def run_training(argv: list[str] | None = None, print_fn=print) -> dict:
 
 
 def _shutdown() -> None:
-    """Destroy the process group we created, except gloo's: with torch 2.13, destroying it
-    after a no-grad tensor-parallel forward (the sample at the end) aborts the process at
-    exit about one time in three ("terminate called without an active exception"); a gloo
-    group needs no teardown before exit, NCCL's does."""
+    """Destroy the process group we created, except gloo's, which needs no teardown: with
+    torch 2.13, destroying it after a no-grad tensor-parallel forward (the sample at the end)
+    can abort the process at exit ("terminate called without an active exception")."""
     if dist.get_backend() != "gloo":
         dist.destroy_process_group()
 
