@@ -3,13 +3,13 @@
     prepare_ops(ds_config, announce=rank0)   # before deepspeed.initialize, on every rank
 
 A first build takes minutes and prints nothing, so each op this run will build gets one line
-first ("building DeepSpeed's cpu_adam op, about 2 minutes the first time"). torch serialises builds with a `lock` file in the op's build folder
-(`~/.cache/torch_extensions/py311_cpu/<op>/lock`, or under $TORCH_EXTENSIONS_DIR) and waits
-for it to vanish even when the op is already built; a build killed midway leaves it there
-and every later run waits forever. A lock that no process on this host holds open (the
-builder keeps its descriptor until it removes the file) and that is older than
-`HOLDER_GRACE_S`, or that is older than any build could take (`STALE_AFTER_S`), is reported
-as an error naming the file to remove.
+first ("building DeepSpeed's cpu_adam op, about 2 minutes the first time"). torch serialises
+builds with a `lock` file in the op's build folder (`~/.cache/torch_extensions/py311_cpu/
+<op>/lock`, or under $TORCH_EXTENSIONS_DIR) and waits for it to vanish even when the op is
+built; a build killed midway leaves it there and every later run waits forever. A lock that
+no process on this host holds open (the builder keeps its descriptor until it removes the
+file) and that is older than `HOLDER_GRACE_S`, or that is older than any build could take
+(`STALE_AFTER_S`), is reported as an error naming the file to remove.
 
 Ops this run does not need are not built: `shm_comm` serves only DeepSpeed's inference
 all-reduce (training reduces through torch.distributed), so it is marked unavailable in

@@ -8,12 +8,10 @@
         raise stopped_by_nonfinite_save(exc, iteration, watch, result)
 
 Every engine skips a step whose loss or gradient norm is inf / nan (fp16 overflow is one
-case) and does not advance its learning-rate clock for it. A skip is logged with the
-running counts; `--max-skipped-steps` consecutive ones stop the run with one line naming the
-iteration and the likely cause. A checkpoint is never written from non-finite weights or
-optimizer state: every engine's save refuses them (one check, made while writing or just
-before; `Engine.save`), `latest` keeps naming the last good one, and the run stops with the
-same kind of line, exit status 1.
+case) without advancing its learning-rate clock. A skip is logged with the running counts;
+`--max-skipped-steps` consecutive ones stop the run with one line naming the iteration and
+the likely cause. Every engine's save refuses non-finite weights or optimizer state, so
+`latest` keeps naming the last good checkpoint and the run stops the same way, exit status 1.
 """
 from __future__ import annotations
 
