@@ -110,7 +110,8 @@ def simulate_flags(args: argparse.Namespace) -> SimulationResult:
     forward / backward time (so 1F1B and interleaved share one time axis)."""
     pp, vpp, m = args.pp, args.vpp, args.microbatches
     build = interleaved_schedule if args.schedule == "interleaved" else build_schedule
-    return simulate(build(pp, vpp, m), args.forward_time / vpp, args.backward_time / vpp, args.p2p_time)
+    return simulate(build(pp, vpp, m), args.forward_time / vpp, args.backward_time / vpp,
+                    args.p2p_time)
 
 
 def main(argv: Sequence[str] | None = None) -> Path:
