@@ -127,22 +127,13 @@ def _header(run) -> None:
                       "seq_length": a.data.seq_length}, show=False)
 
 
-def complete(run) -> str | None:
-    """The line saying a resumed run has nothing left to do (its checkpoint is at or past
-    --train-iters), else None."""
-    done, total = run.start_iteration, run.args.training.train_iters
-    if done < total:
-        return None
-    return (f"the run is complete at iteration {done} (--train-iters {total}): nothing to "
-            f"train; to extend it, pass --train-iters N with N > {done}")
-
-
 def train(run) -> dict:
     """Train from run.start_iteration to --train-iters; return the final numbers."""
-    a, log = run.args, run.args.logging
-    finished = complete(run)
-    if finished:
-        run.logger.print(finished)
+    a, log, done = run.args, run.args.logging, run.start_iteration
+    if done >= a.training.train_iters:  # resumed from a checkpoint at or past the end
+        run.logger.print(f"the run is complete at iteration {done} (--train-iters "
+                         f"{a.training.train_iters}): nothing to train; to extend it, pass "
+                         f"--train-iters N with N > {done}")
         return {"train_loss": None, "valid_loss": None, "losses": [], "steps": [],
                 "complete": True}
     _header(run)
@@ -168,10 +159,9 @@ def train(run) -> dict:
             valid = evaluate(run)
             if valid is not None:
                 run.logger.write({"iteration": n, "valid_loss": valid})
-        stop = bool(a.training.exit_interval) and n % a.training.exit_interval == 0
         if a.checkpoint.save and saved_iterations(a, run.start_iteration, [n]):
             _save(run, n, watch, result, valid)
-        if stop:
+        if a.training.exit_interval and n % a.training.exit_interval == 0:
             break
     progress.close()
     return _summary(run, steps, valid, time.perf_counter() - start)
