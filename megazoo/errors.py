@@ -106,11 +106,6 @@ def user_path(flag: str | dict, path=None):
         raise explain(exc, flag if isinstance(flag, dict) else {flag: path}) from None
 
 
-def _not_utf8(path, exc: UnicodeDecodeError, what: str) -> ValueError:
-    return ValueError(f"{what}{path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
-                      f"offset {exc.start}): fix or replace the file")
-
-
 def read_text(path, what: str = "") -> str:
     """The file's text (UTF-8); one-line ValueError naming it when it cannot be read or does
     not decode. `what` is the flag that named the file ("--prompt-file "), if one did."""
@@ -124,7 +119,8 @@ def read_text(path, what: str = "") -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise _not_utf8(path, exc, what) from None
+        raise ValueError(f"{what}{path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "
+                         f"at offset {exc.start}): fix or replace the file") from None
 
 
 def read_json(path, what: str = "", advice: str = "fix or replace the file") -> dict:

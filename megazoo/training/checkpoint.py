@@ -34,8 +34,6 @@ LATEST_TMP = r"\.latest\.tmp(?P<pid>\d+)"
 # The note naming the iteration being saved, from before its folder is written until
 # `latest` names it: a complete folder it names was left by a killed save, not by the user.
 SAVING = ".megazoo-saving"
-# How `output`'s messages call a training run's output and the flag allowing its replacement.
-RUN_NAMES = ("checkpoint folder", "--overwrite-checkpoints")
 
 
 def rng_state() -> dict:
@@ -106,7 +104,8 @@ def check_save_target(save_dir: str, iteration: int, kind: str, overwrite: bool,
         raise ValueError(f"--save {save_dir} holds {path}, which is not a complete checkpoint "
                          f"({METADATA_FILE} is missing) nor left by a killed save of this run: "
                          f"move it away or choose another --save")
-    check_only_ours(path, kind, RUN_NAMES)  # a save killed mid-way, or a checkpoint to replace
+    # a save killed mid-way, or a checkpoint to replace: named as a run's output and its flag
+    check_only_ours(path, kind, ("checkpoint folder", "--overwrite-checkpoints"))
     return True
 
 
