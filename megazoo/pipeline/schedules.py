@@ -98,13 +98,11 @@ def virtual_stage(rank: int, chunk: int, pp: int) -> int:
 
 
 def _check_positive(name: str, value: int, hint: str) -> None:
-    """Raise a ValueError unless ``value`` is an int >= 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}; {hint}")
 
 
 def _check_sizes(pp: int, vpp: int, m: int) -> None:
-    """Validate the pipeline size, chunks per rank and micro-batch count."""
     _check_positive("pp (pipeline-parallel size)", pp, "use pp=1 for no pipeline")
     _check_positive("vpp (model chunks per rank)", vpp, "use vpp=1 for plain 1F1B")
     _check_positive("the number of micro-batches", m, "use at least pp micro-batches")

@@ -1,9 +1,7 @@
-"""Checks of a run against the checkpoints around it, made at setup before the first step.
-
-    read_options(args)                  # how --load is read: checksums, inf / nan
-    prepare_save_dir(args, rank0, log)  # writable; leftovers removed; another run's refused
-    check_save_targets(args, start, kind)  # no complete checkpoint replaced implicitly
-    resume_warnings(args, extra)        # --seq-length / tokenizer differing from the checkpoint's
+"""Checks of a run against the checkpoints around it, made at setup before the first step:
+--save writable and not another run's (`prepare_save_dir`), no complete checkpoint replaced
+implicitly (`check_save_targets`), data settings that differ from the checkpoint's
+(`resume_warnings`), and how --load is read (`read_options`).
 
 A `--save` folder belongs to one run: a run that does not resume from it (no `--load` of that
 folder) and finds checkpoints there is refused, so it never moves another run's `latest`;
