@@ -77,7 +77,6 @@ def refuse_nonfinite_loss(iteration: int, result: StepResult, valid: float | Non
 
 def stopped_by_nonfinite_save(exc: NonFiniteError, iteration: int, watch: SkipWatch,
                               result: StepResult) -> TrainingStopped:
-    """The run's one error for a save refused for inf / nan (the engine's save check,
-    `megazoo.checkpoint.save.refuse_nonfinite` or the writer's: the same on every rank): it
-    names the iteration, the tensor and checkpoint (in `exc`) and the likely cause."""
+    """The run's one error for a save refused for inf / nan (the same on every rank): the
+    iteration, the tensor and checkpoint (in `exc`) and the likely cause."""
     return TrainingStopped(f"iteration {iteration}: {exc}; likely cause: {watch.cause(result)}")

@@ -142,7 +142,6 @@ def run_training(argv: list[str] | None = None, print_fn=print) -> dict:
 
     Bad input raises USER_ERRORS before any step, on every rank.
     """
-
     run = setup(parse_args(argv), print_fn)
     try:
         if run.args.logging.eval_only:
@@ -158,16 +157,10 @@ def run_training(argv: list[str] | None = None, print_fn=print) -> dict:
         return out
     finally:
         run.logger.close()
-        if run.owns_process_group and dist.is_initialized():
-            _shutdown()
-
-
-def _shutdown() -> None:
-    """Destroy the process group we created, except gloo's, which needs no teardown: with
-    torch 2.13, destroying it after a no-grad tensor-parallel forward (the sample at the end)
-    can abort the process at exit ("terminate called without an active exception")."""
-    if dist.get_backend() != "gloo":
-        dist.destroy_process_group()
+        # gloo needs no teardown, and destroying it after a no-grad tensor-parallel forward
+        # (the sample at the end) can abort the process at exit with torch 2.13
+        if run.owns_process_group and dist.is_initialized() and dist.get_backend() != "gloo":
+            dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None, print_fn=print) -> int:
