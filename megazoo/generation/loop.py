@@ -97,7 +97,7 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int,
                              stop_id=stop_id, max_context=max_context)
     check_sequence_unsharded(model)
     model.eval()
-    state, device = model.state, model.layers[str(model.chunks[0][0])].attention.qkv.weight.device
+    state, device = model.state, next(model.parameters()).device
     graphs = use_graphs(cuda_graphs, device, state)
     ids, pad = left_pad(prompts, device)
     batch, longest = ids.shape

@@ -73,14 +73,6 @@ def block_step(block, x: torch.Tensor, cache: KVCache, inp: StepInputs) -> torch
     return x + block.mlp(block.post_attention_norm(x))
 
 
-def chunk_step(model, chunk: int, x: torch.Tensor, cache: KVCache,
-               inp: StepInputs) -> torch.Tensor:
-    """The blocks of `model.chunks[chunk]` on x [s, b, h]."""
-    for i in model.chunks[chunk]:
-        x = block_step(model.layers[str(i)], x, cache, inp)
-    return x
-
-
 def head(model, x: torch.Tensor) -> torch.Tensor:
     """x [s, b, h] -> logits [b, vocab] of the last token (gathered over tp)."""
     shard = lm_logits(model.final_norm(x[-1:]), model.head_weight(), model.state)
@@ -101,7 +93,8 @@ def model_step(model, ids: torch.Tensor, cache: KVCache, inp: StepInputs) -> tor
             x = embed(model, ids, inp.positions)
         elif pp > 1:
             x = channel.recv(shape, cache.dtype, cache.device, prev)
-        x = chunk_step(model, c, x, cache, inp)
+        for i in model.chunks[c]:
+            x = block_step(model.layers[str(i)], x, cache, inp)
         if c == last and model.post_process:
             logits = head(model, x)
         elif pp > 1:

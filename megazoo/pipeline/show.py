@@ -18,13 +18,13 @@ status 2. It draws off-screen on the Agg canvas.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from megazoo.pipeline.schedules import ActionKind, build_schedule, interleaved_schedule
 from megazoo.pipeline.simulate import SimulationResult, simulate
 from ..cli_parser import HintingParser
+from ..errors import report_error
 from ..matplotlib_figure import new_figure
 
 _FORWARD_SHADES = ("#9ecae1", "#6baed6", "#4292c6", "#2171b5", "#08519c", "#08306b")
@@ -127,8 +127,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     try:
         path = draw_timeline(result, args.out, title)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(report_error(str(exc))) from None
     print(f"wrote {path}: {title}")
     return path
 

@@ -108,17 +108,12 @@ def needed_ops(ds: dict) -> list[str]:
     return ["async_io"] if "nvme" in devices else []
 
 
-def skip_unneeded_ops() -> None:
-    """Tell DeepSpeed not to build `shm_comm` (used by its inference all-reduce only)."""
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
 def prepare_ops(ds: dict, announce: bool = True) -> None:
     """Before deepspeed.initialize: skip what training does not use, and check / announce
     the builds it does (`cpu_adam` is handled where it is loaded). Lines go to stderr."""
+    import deepspeed.ops
+
     log = (lambda text: print(text, file=sys.stderr, flush=True)) if announce else (lambda _: None)
-    skip_unneeded_ops()
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # its inference all-reduce
     for name in needed_ops(ds):
         before_build(name, log)
