@@ -106,7 +106,7 @@ def child(name: str, dry_run: bool) -> None:
     with recording([]) as phases:
         run = setup(parse_args(flags_of(name, dry_run)), print_fn=lambda *a, **k: None)
         after_setup = {"setup_alloc_gb": mem(), "setup_rss_gb": rss()}
-        out = train(run, print_fn=lambda *a, **k: None)
+        out = train(run)
     row = {"name": name, **after_setup, "peak_alloc_gb": mem(), "host_rss_gb": rss(),
            "loss_first": out["losses"][0], "loss_last": out["losses"][-1], "host_phases": phases}
     if cuda:

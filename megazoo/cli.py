@@ -1,33 +1,14 @@
-"""megazoo's command lines, in one table: the console commands `pip install` creates.
+"""megazoo's command lines: the console commands `pip install` creates (`COMMANDS`), each a
+function that the script at Megatron's path (`pretrain_gpt.py`, `generate.py`,
+`checkpoints_tools/*.py`, ...) or the `python -m` module also runs; README.md has the table.
 
-Every command exists in up to three spellings that run the same function of the package:
-
-| console command | script at Megatron's path | module |
-|---|---|---|
-| `megazoo-pretrain` | `pretrain_gpt.py` | |
-| `megazoo-convert-hf` | `checkpoints_tools/hf_to_megazoo.py` | |
-| `megazoo-export-hf` | `checkpoints_tools/megazoo_to_hf.py` | |
-| `megazoo-reshard` | `checkpoints_tools/reshard.py` | |
-| `megazoo-convert-zero` | `checkpoints_tools/zero_to_megazoo.py` | |
-| `megazoo-preprocess-data` | `tools/preprocess_data.py` | |
-| `megazoo-generate` | `generate.py` | |
-| `megazoo-plan` | | `python -m megazoo.plan` |
-| `megazoo-kernels` | | `python -m megazoo.kernels` |
-| `megazoo-pipeline-show` | | `python -m megazoo.pipeline.show` |
-| `megazoo-plot` | | `python -m megazoo.plot` |
-| `megazoo-sparse-layout` | | |
-
-The scripts are three-line shims (import, call, exit) with no path set-up: they need megazoo
-importable, which `pip install -e .` gives. Each function below returns the exit code (0, or
-2 after a one-line error for bad input: `megazoo.errors.report_error`, which under torchrun
-prints the line on rank 0 only and hands it to torchrun's failure summary as its root cause;
-argparse's errors included, with abbreviated flags refused); the work happens in the module
-it imports, loaded only when the command runs (`megazoo-sparse-layout`, a picture of a
-layer's data, is written out here so that `layers/` holds no command line).
+Each function returns the exit code: 0, or 2 after one `error: ...` line for bad input
+(`megazoo.errors.report_error`: rank 0 only under torchrun, and torchrun's failure summary
+shows it as the root cause). The module doing the work is imported only when its command runs.
+`megazoo-sparse-layout` (a picture of a layer's data) is written out here so that `layers/`
+holds no command line.
 """
 from __future__ import annotations
-
-import sys
 
 #: console command -> "module:function" (setup.py's console_scripts are built from this text).
 COMMANDS = {
@@ -131,6 +112,7 @@ def sparse_layout(argv: list[str] | None = None) -> int:
     --deepspeed_config, merged as a run merges them."""
     from .cli_parser import HintingParser
     from .config.sparse_attention import add_sparse_flags
+    from .errors import report_error
 
     p = HintingParser(prog="megazoo-sparse-layout",
                       description="Draw a block-sparse attention layout.")
@@ -159,8 +141,7 @@ def sparse_layout(argv: list[str] | None = None) -> int:
                                 f"{config.mode}, block {config.block}, s = {args.seq}")
             print(f"wrote {args.out}")
     except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report_error(str(e))
     return 0
 
 

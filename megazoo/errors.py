@@ -41,14 +41,9 @@ def _file_in_the_way(path: str) -> str | None:
     """The part of `path` (itself or a parent, spelt as given) that exists and is not a
     folder, if any."""
     path = os.path.normpath(path)
-    while path:
-        if os.path.exists(path) and not os.path.isdir(path):
-            return path
-        parent = os.path.dirname(path)
-        if parent == path:
-            return None
-        path = parent
-    return None
+    while path and not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path if os.path.exists(path) and not os.path.isdir(path) else None
 
 
 def _problem(exc: OSError, target: str, flag: str) -> tuple[str, str]:
@@ -111,11 +106,6 @@ def user_path(flag: str | dict, path=None):
         raise explain(exc, flag if isinstance(flag, dict) else {flag: path}) from None
 
 
-def _not_utf8(path, exc: UnicodeDecodeError, what: str) -> ValueError:
-    return ValueError(f"{what}{path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
-                      f"offset {exc.start}): fix or replace the file")
-
-
 def read_text(path, what: str = "") -> str:
     """The file's text (UTF-8); one-line ValueError naming it when it cannot be read or does
     not decode. `what` is the flag that named the file ("--prompt-file "), if one did."""
@@ -129,7 +119,8 @@ def read_text(path, what: str = "") -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise _not_utf8(path, exc, what) from None
+        raise ValueError(f"{what}{path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "
+                         f"at offset {exc.start}): fix or replace the file") from None
 
 
 def read_json(path, what: str = "", advice: str = "fix or replace the file") -> dict:

@@ -12,15 +12,6 @@ from __future__ import annotations
 INSTALL = 'pip install -e ".[plot]" (or pip install matplotlib)'
 
 
-def has_matplotlib() -> bool:
-    """Whether matplotlib imports here."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def new_figure(what: str, **kwargs):
     """A matplotlib Figure on an Agg canvas (kwargs go to Figure); ValueError without
     matplotlib, naming `what` needed it."""

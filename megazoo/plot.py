@@ -10,12 +10,9 @@ host RSS). Tokens seen are counted from the log itself: iteration x tokens per s
 the iteration. A run resumed from iteration N starts a new segment with a
 `{"start_iteration": N, ...}` record; what an earlier segment logged after N (steps redone
 after a kill) is replaced by the new segment's, so a resumed run draws as one. A --save folder
-stands for the metrics.jsonl every training run keeps there. matplotlib is an optional
-dependency (`pip install -e ".[plot]"`): without it the command says so in one line.
-
-A training run draws its own curves when it ends (`draw_run_curves`, called by
-`megazoo.training.run`: the training loop itself only reports metrics), from the whole run's
-SAVE/metrics.jsonl.
+stands for the metrics.jsonl every training run keeps there, from which a run draws its
+own curves when it ends (`draw_run_curves`). matplotlib is an optional dependency
+(`pip install -e ".[plot]"`): without it the command says so in one line.
 """
 from __future__ import annotations
 
@@ -25,7 +22,7 @@ import sys
 
 from .cli_parser import HintingParser
 from .errors import read_text, report_error
-from .matplotlib_figure import INSTALL, has_matplotlib, new_figure
+from .matplotlib_figure import INSTALL, new_figure
 
 METRICS_FILE = "metrics.jsonl"  # what a training run keeps in its --save folder
 
@@ -39,15 +36,11 @@ PANELS = (  # (title, keys drawn in it, y scale)
 )
 
 
-def log_file(path: str) -> str:
-    """The JSON-lines file `path` means: itself, or a --save folder's metrics.jsonl."""
-    return os.path.join(path, METRICS_FILE) if os.path.isdir(path) else path
-
-
 def read_log(path: str) -> tuple[list[dict], int | None]:
     """(records with an iteration, tokens per step or None) of one --log-json file or --save
     folder, later segments replacing what earlier ones logged past their start."""
-    path = log_file(path)
+    if os.path.isdir(path):  # a --save folder: its metrics.jsonl
+        path = os.path.join(path, METRICS_FILE)
     records, tokens_per_step = [], None
     for n, line in enumerate(read_text(path).splitlines(), 1):
         if not line.strip():
@@ -116,7 +109,9 @@ def draw_run_curves(run) -> None:
             or not run.logger.records:
         return
     out = os.path.join(a.checkpoint.save, "curves.png")
-    if not has_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
         say(f"no {out}: matplotlib is not installed: {INSTALL}")
         return
     try:

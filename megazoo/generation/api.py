@@ -84,14 +84,6 @@ def find_tokenizer(checkpoint: str, override: str | None = None) -> Tokenizer:
                      f"tokenizer.json or tokenizer.model is next to it; {TOKENIZER_HINT}")
 
 
-def load_model(path, state=None, device=None, dtype=None):
-    """The checkpoint at `path` (iter_* or --save folder) built at `state`'s layout."""
-    from ..checkpoint import load_pretrained
-
-    return load_pretrained(resolve_checkpoint(path), state=state,
-                           device=device or local_device(), dtype=dtype)
-
-
 def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
     """A prompt's ids: an HF tokenizer adds its template's special tokens (LLaMA's <s>), as
     transformers does for a prompt; the others encode the text alone, as megazoo's data is."""
@@ -107,15 +99,8 @@ def decode_text(tokenizer: Tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids)
 
 
-def _as_ids(prompts, tokenizer) -> tuple[list[list[int]], bool]:
-    """(token ids per prompt, whether the prompts were text)."""
-    if isinstance(prompts, str) or (prompts and all(isinstance(p, str) for p in prompts)):
-        texts = [prompts] if isinstance(prompts, str) else list(prompts)
-        if tokenizer is None:
-            raise ValueError("text prompts need a tokenizer: pass tokenizer= (or a checkpoint "
-                             "folder, whose tokenizer is found for you)")
-        return [encode_prompt(tokenizer, t) for t in texts], True
-    return [list(p) for p in prompts], False
+def _is_text(prompts) -> bool:
+    return isinstance(prompts, str) or (bool(prompts) and all(isinstance(p, str) for p in prompts))
 
 
 def generate(model_or_dir, prompts, max_new_tokens: int = 64, *, temperature: float = 1.0,
@@ -134,16 +119,23 @@ def generate(model_or_dir, prompts, max_new_tokens: int = 64, *, temperature: fl
     any layout, any engine's model (`loop.generate_ids`).
     """
     sampling = Sampling(greedy, temperature, top_k, top_p)
+    text = _is_text(prompts)
     if isinstance(tokenizer, str):
         tokenizer = tokenizer_from(tokenizer)
+    model = model_or_dir
     if isinstance(model_or_dir, (str, os.PathLike)):
+        from ..checkpoint import load_pretrained
+
         checkpoint = resolve_checkpoint(model_or_dir)
-        if tokenizer is None and _needs_tokenizer(prompts):
+        if tokenizer is None and text:
             tokenizer = find_tokenizer(checkpoint)
-        model = load_model(checkpoint, state, device, dtype)
-    else:
-        model = model_or_dir
-    ids, text = _as_ids(prompts, tokenizer)
+        model = load_pretrained(checkpoint, state=state, device=device or local_device(),
+                                dtype=dtype)
+    if text and tokenizer is None:
+        raise ValueError("text prompts need a tokenizer: pass tokenizer= (or a checkpoint "
+                         "folder, whose tokenizer is found for you)")
+    texts = [prompts] if isinstance(prompts, str) else prompts
+    ids = [encode_prompt(tokenizer, t) for t in texts] if text else [list(p) for p in prompts]
     stop = tokenizer.eod if (text and stop_at_eos) else None
     new = generate_ids(model, ids, max_new_tokens, sampling, seed=seed, stop_id=stop,
                        cuda_graphs=cuda_graphs, cache=cache, max_context=max_context)
@@ -151,7 +143,3 @@ def generate(model_or_dir, prompts, max_new_tokens: int = 64, *, temperature: fl
         return new
     out = [decode_text(tokenizer, p + n) for p, n in zip(ids, new)]
     return out[0] if isinstance(prompts, str) else out
-
-
-def _needs_tokenizer(prompts) -> bool:
-    return isinstance(prompts, str) or any(isinstance(p, str) for p in prompts)

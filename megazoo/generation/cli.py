@@ -11,6 +11,7 @@ process group is set up or any weight is read.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -66,7 +67,7 @@ def build_parser() -> HintingParser:
                    "checksum megazoo.json recorded for it")
     p.add_argument("--allow-nonfinite-load", action="store_true", help="load a checkpoint "
                    "holding inf / nan values (refused by default)")
-    p.add_argument("--cuda-graphs", action=__import__("argparse").BooleanOptionalAction,
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
                    default=None, help="capture the decode step as a CUDA graph (default: on "
                    "CUDA at tp = pp = 1, with an eager fallback)")
     return p

@@ -21,7 +21,7 @@ from .cache import KVCache
 class DecodeStep:
     """`step(tokens [b]) -> logits [b, vocab]` of the next slot, starting at `first_slot`.
 
-    `run(tokens [b, 1], inputs)` is the model step (loop.model_step); `use_graph` captures it
+    `run(tokens [b, 1], inputs)` is the model step (step.model_step); `use_graph` captures it
     on CUDA, falling back to eager (one warning line) if the capture fails.
     """
 

@@ -4,27 +4,24 @@
 
 `model` is a `TransformerModel` at any tp x pp layout (sp = 1, no Megatron SP; with
 `cache=False` any layout, see recompute.py); every rank of the model calls this with the same
-arguments. Prefill runs the padded prompts through the
-model once, writing the cache; each decode step then runs one token per row. Under pipeline
-parallelism a step passes the hidden states [s, b, h] from stage to stage (and chunk to chunk
-of an interleaved model), the last stage picks the tokens and broadcasts them to its
-pipeline group, so the first stage embeds them in the next step. tp ranks hold the same
-gathered logits and the same seeded generator, so they pick the same tokens.
+arguments. Prefill runs the padded prompts through the model once (`step.model_step`),
+writing the cache; each decode step then runs one token per row. The last stage picks the
+tokens and broadcasts them to its pipeline group; tp ranks hold the same gathered logits and
+the same seeded generator, so they pick the same tokens.
 
-The decode step has fixed shapes (the static cache of cache.py, the slot a device tensor) and
-is the same code on CPU and GPU; on CUDA at tp = pp = 1 it is captured once as a CUDA graph
-and replayed per token (graphs.py), unless `cuda_graphs=False`.
+The decode step has fixed shapes (the static cache of cache.py, the slot a device tensor);
+on CUDA at tp = pp = 1 it is captured once as a CUDA graph and replayed per token
+(graphs.py), unless `cuda_graphs=False`.
 """
 from __future__ import annotations
 
 import torch
 
-from ..pipeline.p2p import Channel
-from .cache import KVCache, StepInputs
+from .cache import KVCache
 from .graphs import DecodeStep
 from .recompute import recompute_ids
 from .sampling import Sampling, choose
-from .step import check_sequence_unsharded, chunk_step, embed, head, local_step
+from .step import check_sequence_unsharded, model_step
 
 STOP_CHECK = 8  # decode steps between checks whether every row has stopped
 
@@ -71,35 +68,6 @@ def build_cache(model, pad: torch.Tensor, total: int) -> KVCache:
                    dtype=weight.dtype, device=weight.device)
 
 
-def pipeline_step(model, ids: torch.Tensor, cache: KVCache, inp: StepInputs) -> torch.Tensor | None:
-    """ids [b, s] through every stage and chunk; logits [b, vocab] on the last, else None."""
-    state = model.state
-    pp, rank = state.pp.size, state.pp.rank
-    prev, nxt = state.pp.ranks[(rank - 1) % pp], state.pp.ranks[(rank + 1) % pp]
-    n = len(model.chunks)
-    shape = (ids.shape[1], ids.shape[0], model.config.hidden_size)  # [s, b, h]
-    channel, logits = Channel(state.pp.group), None
-    for c in range(n):
-        if c == 0 and model.pre_process:
-            x = embed(model, ids, inp.positions)
-        else:
-            x = channel.recv(shape, cache.dtype, cache.device, prev)
-        x = chunk_step(model, c, x, cache, inp)
-        if c == n - 1 and model.post_process:
-            logits = head(model, x)
-        else:
-            channel.send(x, nxt)
-    channel.drain()
-    return logits
-
-
-def model_step(model, ids: torch.Tensor, cache: KVCache, inp: StepInputs) -> torch.Tensor | None:
-    """One forward step at this rank's layout (see `pipeline_step`)."""
-    if model.state.pp.size == 1:
-        return local_step(model, ids, cache, inp)
-    return pipeline_step(model, ids, cache, inp)
-
-
 def left_pad(prompts: list[list[int]], device, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [b, P] left-padded with pad_id, pad [b]: how many pads each row has)."""
     longest = max(len(p) for p in prompts)
@@ -129,7 +97,7 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int,
                              stop_id=stop_id, max_context=max_context)
     check_sequence_unsharded(model)
     model.eval()
-    state, device = model.state, model.layers[str(model.chunks[0][0])].attention.qkv.weight.device
+    state, device = model.state, next(model.parameters()).device
     graphs = use_graphs(cuda_graphs, device, state)
     ids, pad = left_pad(prompts, device)
     batch, longest = ids.shape

@@ -13,26 +13,16 @@ the same token with no broadcast. The context is at most `max_context` tokens (a
 window), right-padded to a multiple of the sequence-parallel size (a block-sparse model's to
 `max_context`, the run's sequence length its layout is defined for); with causal attention the
 padding cannot change the logits at the last real position. With pp > 1 every rank runs the
-forward-only pipeline schedule; the last stage picks the token and sends it to its pipeline
-group.
+forward-only pipeline (`megazoo.pipeline.forward`); the last stage picks the token and sends
+it to its pipeline group.
 """
 from __future__ import annotations
 
 import torch
 
 from ..models.parts import sequence_shard
-from ..pipeline.executor import run_pipeline
+from ..pipeline.forward_only import forward
 from .sampling import Sampling, choose
-
-
-def last_logits(model, ids: torch.Tensor, position: int) -> torch.Tensor | None:
-    """float32 logits [1, vocab] at `position` of ids [1, s] (None on stages other than the
-    last)."""
-    state = model.state
-    if state.pp.size == 1:
-        return model(ids)[:, position].float()
-    logits = run_pipeline(model, [(ids, None)], state, forward_only=True)  # last stage: [[1, s, V]]
-    return logits[0][:, position].float() if state.is_last_stage else None
 
 
 def recompute_ids(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, *,
@@ -54,8 +44,9 @@ def recompute_ids(model, prompts: list[list[int]], max_new_tokens: int, sampling
             # of 3 blocks needs 3 blocks): pad to it; dense attention: to the sp shards
             length = limit if sparse else -(-len(context) // shard) * shard
             padded = context + [0] * (length - len(context))
-            logits = last_logits(model, torch.tensor([padded], device=device), len(context) - 1)
-            token = int(choose(logits, sampling, generator, model.state, 1, device)[0])
+            logits = forward(model, torch.tensor([padded], device=device))  # last stage: [1, s, V]
+            last = None if logits is None else logits[:, len(context) - 1].float()
+            token = int(choose(last, sampling, generator, model.state, 1, device)[0])
             if token == stop_id:
                 break
             new.append(token)

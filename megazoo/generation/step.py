@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..layers.positions import apply_rope
 from ..models.parts import full_logits, lm_logits
+from ..pipeline.p2p import Channel
 from .cache import KVCache, StepInputs
 
 
@@ -72,23 +73,31 @@ def block_step(block, x: torch.Tensor, cache: KVCache, inp: StepInputs) -> torch
     return x + block.mlp(block.post_attention_norm(x))
 
 
-def chunk_step(model, chunk: int, x: torch.Tensor, cache: KVCache,
-               inp: StepInputs) -> torch.Tensor:
-    """The blocks of `model.chunks[chunk]` on x [s, b, h]."""
-    for i in model.chunks[chunk]:
-        x = block_step(model.layers[str(i)], x, cache, inp)
-    return x
-
-
 def head(model, x: torch.Tensor) -> torch.Tensor:
     """x [s, b, h] -> logits [b, vocab] of the last token (gathered over tp)."""
     shard = lm_logits(model.final_norm(x[-1:]), model.head_weight(), model.state)
     return full_logits(shard, model.config.vocab_size, model.state)[:, -1]
 
 
-def local_step(model, ids: torch.Tensor, cache: KVCache, inp: StepInputs) -> torch.Tensor:
-    """The whole model held by this rank (pp = 1): ids [b, s] -> logits [b, vocab]."""
-    x = embed(model, ids, inp.positions)
-    for c in range(len(model.chunks)):
-        x = chunk_step(model, c, x, cache, inp)
-    return head(model, x)
+def model_step(model, ids: torch.Tensor, cache: KVCache, inp: StepInputs) -> torch.Tensor | None:
+    """ids [b, s] through this rank's chunks -> logits [b, vocab] on the last pipeline stage,
+    None on the others. With pp > 1 the hidden states [s, b, h] go from stage to stage and
+    chunk to chunk (the last stage's chunk c feeds the first stage's chunk c + 1)."""
+    state = model.state
+    pp, rank = state.pp.size, state.pp.rank
+    prev, nxt = state.pp.ranks[(rank - 1) % pp], state.pp.ranks[(rank + 1) % pp]
+    shape = (ids.shape[1], ids.shape[0], model.config.hidden_size)  # [s, b, h]
+    channel, last, logits = Channel(state.pp.group), len(model.chunks) - 1, None
+    for c in range(last + 1):
+        if c == 0 and model.pre_process:
+            x = embed(model, ids, inp.positions)
+        elif pp > 1:
+            x = channel.recv(shape, cache.dtype, cache.device, prev)
+        for i in model.chunks[c]:
+            x = block_step(model.layers[str(i)], x, cache, inp)
+        if c == last and model.post_process:
+            logits = head(model, x)
+        elif pp > 1:
+            channel.send(x, nxt)
+    channel.drain()
+    return logits

@@ -4,16 +4,15 @@
     out = run_pipeline(model, microbatches, state, forward_only=True)
 
 `model` is this rank's stage (`TransformerModel` with one chunk, or `vpp` chunks for the
-interleaved schedule; it tells the executor the shape it sends, `model.activation_shape`): `model(ids, labels, chunk=c)` on the first chunk of the first stage,
+interleaved schedule; `model.activation_shape` is the shape it sends):
+`model(ids, labels, chunk=c)` on the first chunk of the first stage,
 `model(hidden_states=x, labels=..., chunk=c)` elsewhere; the last chunk of the last stage
 returns the micro-batch's mean loss (or logits when there are no labels).
 
 Three phases, as the schedule's action list orders them: warm-up forwards, steady 1F1B, and
-cool-down backwards; the executor just walks the list. The loss is the mean over
-micro-batches (each micro-batch's loss is scaled by 1/m before its backward), so gradients
-equal those of the whole batch on one process once `megazoo.training.gradients`
-has summed the partial ones: the tied embedding's two copies (first and last stage), and
-the sp / dp / Megatron-SP reductions. The executor leaves that call to the training step.
+cool-down backwards; the executor just walks the list. Each micro-batch's loss is scaled by
+1/m before its backward, so the gradients are the whole batch's once the training step has
+completed them (`megazoo.training.gradients`: tied embedding, sp / dp / Megatron-SP sums).
 """
 from __future__ import annotations
 
@@ -89,14 +88,10 @@ def run_schedule(model, microbatches: list[tuple[torch.Tensor, torch.Tensor | No
     return buffers.losses if state.is_last_stage else None
 
 
-def _is_last(state: ParallelState, model, chunk: int) -> bool:
-    return state.is_last_stage and chunk == len(model.chunks) - 1
-
-
 def _forward(model, state, microbatches, key, buffers: _StageBuffers, forward_only: bool):
     chunk, mb = key
     ids, labels = microbatches[mb]
-    last = _is_last(state, model, chunk)
+    last = state.is_last_stage and chunk == len(model.chunks) - 1
     labels = labels if last else None
     with torch.set_grad_enabled(not forward_only):
         if state.is_first_stage and chunk == 0:

@@ -6,10 +6,8 @@
     logits = forward(model, ids, state, broadcast=True)  # the same on every rank
 
 `model(ids)` runs this rank's pipeline stage only; `forward` runs the forward-only schedule
-(`run_schedule(..., forward_only=True)`; the interleaved one on micro-batches padded to a
-multiple of pp with copies whose outputs are dropped) over all stages and returns what the one-process
-model returns on the last stage and None on the others, or, with `broadcast=True`, on
-every rank of the pipeline. At pp = 1 it is `model(ids, labels)` under `torch.no_grad()`.
+over all stages (the interleaved one on micro-batches padded to a multiple of pp with copies
+whose outputs are dropped). At pp = 1 it is `model(ids, labels)` under `torch.no_grad()`.
 Every rank passes the same ids (and labels); tp / sp ranks shard them inside the model.
 """
 from __future__ import annotations

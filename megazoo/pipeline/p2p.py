@@ -52,11 +52,12 @@ class Channel:
         dist.irecv(buffer, src, group=self.group).wait()
         return buffer
 
-    def reap(self) -> None:
-        """Retire completed sends, freeing the storage of those marked `free_after`."""
+    def reap(self, wait: bool = False) -> None:
+        """Retire completed sends (with `wait`, every send: the end of a step), freeing the
+        storage of those marked `free_after`."""
         still = []
         for work, tensor, free_after in self._pending:
-            if work.is_completed():
+            if wait or work.is_completed():
                 work.wait()
                 if free_after:
                     free_output_storage(tensor)
@@ -66,8 +67,4 @@ class Channel:
 
     def drain(self) -> None:
         """Wait for every send still in flight (end of a step)."""
-        for work, tensor, free_after in self._pending:
-            work.wait()
-            if free_after:
-                free_output_storage(tensor)
-        self._pending = []
+        self.reap(wait=True)

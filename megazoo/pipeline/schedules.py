@@ -46,16 +46,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = [
-    "Action",
-    "ActionKind",
-    "build_schedule",
-    "interleaved_schedule",
-    "no_pipeline_schedule",
-    "one_f_one_b_schedule",
-    "virtual_stage",
-]
-
 
 class ActionKind(enum.StrEnum):
     """What an action does; the string value is the short name used in tables."""
@@ -108,13 +98,11 @@ def virtual_stage(rank: int, chunk: int, pp: int) -> int:
 
 
 def _check_positive(name: str, value: int, hint: str) -> None:
-    """Raise a ValueError unless ``value`` is an int >= 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}; {hint}")
 
 
 def _check_sizes(pp: int, vpp: int, m: int) -> None:
-    """Validate the pipeline size, chunks per rank and micro-batch count."""
     _check_positive("pp (pipeline-parallel size)", pp, "use pp=1 for no pipeline")
     _check_positive("vpp (model chunks per rank)", vpp, "use vpp=1 for plain 1F1B")
     _check_positive("the number of micro-batches", m, "use at least pp micro-batches")
@@ -238,7 +226,7 @@ def one_f_one_b_schedule(pp: int, m: int) -> list[list[Action]]:
     return _with_communication(orders, 1)
 
 
-def _interleaved_order(pp: int, vpp: int, m: int, k: int, forward: bool) -> tuple[int, int]:
+def _interleaved_order(pp: int, vpp: int, k: int, forward: bool) -> tuple[int, int]:
     """(chunk, micro-batch) of a rank's k-th forward (or backward) in the interleaved order.
 
     Micro-batches go in groups of pp: a group runs through chunk 0, then chunk 1, ...
@@ -264,8 +252,8 @@ def interleaved_schedule(pp: int, vpp: int, m: int) -> list[list[Action]]:
     _check_sizes(pp, vpp, m)
     _check_interleavable(pp, vpp, m)
     total = m * vpp
-    fwd = [_interleaved_order(pp, vpp, m, k, True) for k in range(total)]
-    bwd = [_interleaved_order(pp, vpp, m, k, False) for k in range(total)]
+    fwd = [_interleaved_order(pp, vpp, k, True) for k in range(total)]
+    bwd = [_interleaved_order(pp, vpp, k, False) for k in range(total)]
     orders = [
         _warmup_then_1f1b(fwd, bwd, (pp - rank - 1) * 2 + (vpp - 1) * pp)
         for rank in range(pp)

@@ -18,21 +18,14 @@ status 2. It draws off-screen on the Agg canvas.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from megazoo.pipeline.schedules import (
-    ActionKind,
-    build_schedule,
-    interleaved_schedule,
-    one_f_one_b_schedule,
-)
+from megazoo.pipeline.schedules import ActionKind, build_schedule, interleaved_schedule
 from megazoo.pipeline.simulate import SimulationResult, simulate
 from ..cli_parser import HintingParser
+from ..errors import report_error
 from ..matplotlib_figure import new_figure
-
-__all__ = ["draw_timeline", "main"]
 
 _FORWARD_SHADES = ("#9ecae1", "#6baed6", "#4292c6", "#2171b5", "#08519c", "#08306b")
 _BACKWARD_SHADES = ("#fdae6b", "#fd8d3c", "#f16913", "#d94801", "#a63603", "#7f2704")
@@ -116,13 +109,9 @@ def simulate_flags(args: argparse.Namespace) -> SimulationResult:
     """The simulated schedule the flags describe, each chunk taking 1/vpp of the rank's
     forward / backward time (so 1F1B and interleaved share one time axis)."""
     pp, vpp, m = args.pp, args.vpp, args.microbatches
-    if args.schedule == "interleaved":
-        schedule = interleaved_schedule(pp, vpp, m)
-    elif pp > 1:
-        schedule = one_f_one_b_schedule(pp, m)
-    else:
-        schedule = build_schedule(pp, vpp, m)
-    return simulate(schedule, args.forward_time / vpp, args.backward_time / vpp, args.p2p_time)
+    build = interleaved_schedule if args.schedule == "interleaved" else build_schedule
+    return simulate(build(pp, vpp, m), args.forward_time / vpp, args.backward_time / vpp,
+                    args.p2p_time)
 
 
 def main(argv: Sequence[str] | None = None) -> Path:
@@ -138,8 +127,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     try:
         path = draw_timeline(result, args.out, title)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(report_error(str(exc))) from None
     print(f"wrote {path}: {title}")
     return path
 

@@ -26,8 +26,6 @@ from typing import NamedTuple
 
 from megazoo.pipeline.schedules import Action, ActionKind
 
-__all__ = ["PipelineDeadlockError", "SimulationResult", "TimelineEntry", "simulate"]
-
 _F, _B = ActionKind.F, ActionKind.B
 _SEND_F, _SEND_B, _RECV_F = ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F
 

@@ -3,24 +3,16 @@
     save_training_checkpoint(engine, save_dir, iteration, extra, state)
     extra = load_training_checkpoint(engine, load_dir)      # restores RNGs too
 
-A checkpoint directory is written by `engine.save` (collective; `megazoo.save_checkpoint`
-publishes it atomically), with `extra` = {iteration, consumed_samples, rng, args, ...}
-plus the engine's own (optimizer step, loss scaler). Only after it is complete does rank 0
-replace `latest` (a text file holding the iteration) by write-to-temp + os.replace, so a
-crash mid-save leaves the previous checkpoint loadable and `latest` pointing at it.
-RNG states are stored as lists of ints (JSON), never pickled. A save refused for inf / nan
-in a tensor (`NonFiniteError`, raised by every engine's save) leaves `latest` where it was,
-and the error says so; the training loop turns it into the run's stop
-(`nonfinite.stopped_by_nonfinite_save`).
+`engine.save` writes the folder (collective), with `extra` = {iteration, consumed_samples,
+rng, args, ...}; only then does rank 0 replace `latest` (write-to-temp + os.replace), so a
+crash mid-save, or a save refused for inf / nan (`NonFiniteError`, which the loop turns into
+the run's stop), leaves `latest` naming the previous checkpoint. RNG states are lists of ints
+(JSON), never pickled.
 
-**A complete checkpoint is never replaced implicitly** (`check_save_target`, made at setup
-for every folder the run will write and again just before each save): an `iter_N` folder
-holding a checkpoint is replaced only with `--overwrite-checkpoints`, or when it is the one
-a save killed before moving `latest` left (named by the `SAVING` note rank 0 writes before
-a save and removes once `latest` names it, and only while `latest` names an earlier one);
-and even then only when it holds nothing but what the engine writes (the converters' rule,
-`output.check_only_ours`): any other file is named and the run refused. Pointing `latest`
-back at an earlier iteration and resuming therefore never deletes the later iterations.
+**A complete checkpoint is never replaced implicitly** (`check_save_target`, at setup and
+before each save): only with `--overwrite-checkpoints` or when a save killed before moving
+`latest` left it (the `SAVING` note names it), and then only when it holds nothing but what
+the engine writes. Resuming from an earlier iteration therefore never deletes later ones.
 """
 from __future__ import annotations
 
@@ -37,13 +29,11 @@ from ..checkpoint.layout import METADATA_FILE
 from ..checkpoint.output import check_only_ours, fault_point
 from ..checkpoint.resolve import LATEST, iteration_dir, read_latest, resolve_checkpoint
 
-# The temp file `_write_latest` renames over `latest` (left behind only by a killed run).
+# The temp file `_write_note` renames over `latest` (left behind only by a killed run).
 LATEST_TMP = r"\.latest\.tmp(?P<pid>\d+)"
 # The note naming the iteration being saved, from before its folder is written until
 # `latest` names it: a complete folder it names was left by a killed save, not by the user.
 SAVING = ".megazoo-saving"
-# How `output`'s messages call a training run's output and the flag allowing its replacement.
-RUN_NAMES = ("checkpoint folder", "--overwrite-checkpoints")
 
 
 def rng_state() -> dict:
@@ -73,19 +63,17 @@ def _write_note(save_dir: str, name: str, iteration: int) -> None:
     os.replace(tmp, os.path.join(save_dir, name))
 
 
-def _write_latest(save_dir: str, iteration: int) -> None:
-    _write_note(save_dir, LATEST, iteration)
-
-
-def _saving(save_dir: str) -> int | None:
-    """The iteration the `SAVING` note names (None: no note)."""
-    return read_latest(save_dir, SAVING)
+def where_latest_is(save_dir: str) -> str:
+    """What `latest` names after a refused save, for the run's last line."""
+    kept = read_latest(save_dir)
+    return f"{LATEST} still names iteration {kept}" if kept is not None else \
+        f"no {LATEST} was written"
 
 
 def forget_saving(save_dir: str, unless_after: int | None = None) -> None:
     """Remove the `SAVING` note (rank 0), or keep it when it names an iteration later than
     `unless_after` (the note of a save killed before `latest` moved)."""
-    noted = _saving(save_dir)
+    noted = read_latest(save_dir, SAVING)
     if noted is not None and (unless_after is None or noted <= unless_after):
         try:
             os.remove(os.path.join(save_dir, SAVING))
@@ -103,7 +91,7 @@ def check_save_target(save_dir: str, iteration: int, kind: str, overwrite: bool,
     if not os.path.lexists(path):
         return False
     latest = read_latest(save_dir)
-    killed = _saving(save_dir) == iteration and (latest is None or iteration > latest)
+    killed = read_latest(save_dir, SAVING) == iteration and (latest is None or iteration > latest)
     complete = os.path.isfile(os.path.join(path, METADATA_FILE))
     if complete and not (overwrite or killed):
         raise ValueError(f"--save {save_dir} holds {path}, a complete checkpoint later than "
@@ -116,7 +104,8 @@ def check_save_target(save_dir: str, iteration: int, kind: str, overwrite: bool,
         raise ValueError(f"--save {save_dir} holds {path}, which is not a complete checkpoint "
                          f"({METADATA_FILE} is missing) nor left by a killed save of this run: "
                          f"move it away or choose another --save")
-    check_only_ours(path, kind, RUN_NAMES)  # a save killed mid-way, or a checkpoint to replace
+    # a save killed mid-way, or a checkpoint to replace: named as a run's output and its flag
+    check_only_ours(path, kind, ("checkpoint folder", "--overwrite-checkpoints"))
     return True
 
 
@@ -143,13 +132,10 @@ def save_training_checkpoint(engine, save_dir: str, iteration: int, extra: dict,
     except NonFiniteError as exc:
         if state.global_rank == 0:
             forget_saving(save_dir)
-        kept = read_latest(save_dir)
-        where = f"{LATEST} still names iteration {kept}" if kept is not None else \
-            f"no {LATEST} was written"
-        raise NonFiniteError(f"{exc}; {where}") from None
+        raise NonFiniteError(f"{exc}; {where_latest_is(save_dir)}") from None
     if state.global_rank == 0:
         fault_point("before-latest", path)
-        _write_latest(save_dir, iteration)
+        _write_note(save_dir, LATEST, iteration)
         forget_saving(save_dir)
     if state.world_size > 1:
         dist.barrier()

@@ -1,6 +1,6 @@
 """Data for a training run: tokenizer, train/valid datasets, checks, and batches per rank.
 
-    data = build_data(args, state, log)                # every rank, before training
+    data = build_data(args, state)                     # every rank, before training
     micro_batches = data.train_batch(iteration, state) # this dp rank's part of a global batch
 
 Global batch `i` is training samples `[i * G, (i + 1) * G)` (G = --global-batch-size);
@@ -11,11 +11,11 @@ checkpoint continues the same sample stream.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..data import (GPTDatasetConfig, IndexedDataset, Tokenizer, build_tokenizer,
                     build_train_valid_test_datasets, parse_data_prefix)
@@ -26,15 +26,6 @@ from ..parallel.state import ParallelState
 from .default_corpus import prepare_default_corpus
 
 ENTROPY_MAX_TOKENS = 50_000_000
-
-
-def accumulation_steps(global_batch: int, micro_batch: int, dp: int) -> int:
-    """global / (micro x dp); ValueError saying what to change when it does not divide."""
-    if global_batch % (micro_batch * dp):
-        raise ValueError(f"--global-batch-size {global_batch} must be a multiple of "
-                         f"--micro-batch-size {micro_batch} x data-parallel size {dp} = "
-                         f"{micro_batch * dp}: change one of them")
-    return global_batch // (micro_batch * dp)
 
 
 def check_vocabulary(prefixes: list[str], tokenizer: Tokenizer, model_vocab: int) -> None:
@@ -99,7 +90,7 @@ class TrainData:
         return self._batch(self.valid, index * self.global_batch_size, state)
 
 
-def resolve_data_source(args: PretrainArgs, is_rank0: bool, barrier, log) -> None:
+def resolve_data_source(args: PretrainArgs, state: ParallelState, log) -> None:
     """Fill data_path / tokenizer flags for the default run (rank 0 prepares, others wait)."""
     d = args.data
     if d.data_path is not None:
@@ -110,23 +101,24 @@ def resolve_data_source(args: PretrainArgs, is_rank0: bool, barrier, log) -> Non
             return prepare_default_corpus(d.data_cache_path, d.default_corpus_mb,
                                           d.default_vocab_size, log)
 
-    if is_rank0:
+    if state.global_rank == 0:
         prepare()
-    barrier()
+    if state.world_size > 1:
+        dist.barrier()
     prefix, model = prepare()
     d.data_path, d.tokenizer_type, d.tokenizer_model = [prefix], "SentencePieceTokenizer", model
 
 
-def build_data(args: PretrainArgs, state: ParallelState, eval_samples: int) -> TrainData:
+def build_data(args: PretrainArgs, state: ParallelState) -> TrainData:
     """Tokenizer, checked data files and the train / valid datasets of this run."""
     d, t = args.data, args.training
-    accumulation_steps(t.global_batch_size, t.micro_batch_size, state.dp.size)
     tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model)
     args.model = dataclasses.replace(args.model, vocab_size=tokenizer.vocab_size)
     prefixes = [p for _, p in parse_data_prefix(d.data_path)]
     check_vocabulary(prefixes, tokenizer, args.model.padded_vocab(state.tp.size))
     config = GPTDatasetConfig(seq_length=d.seq_length, seed=t.seed, split=d.split)
-    samples = (t.train_iters * t.global_batch_size, eval_samples, 0)
+    batch = t.global_batch_size
+    samples = (t.train_iters * batch, args.logging.eval_iters * batch, 0)
     train, valid, _ = build_train_valid_test_datasets(d.data_path, samples, config)
     if train is None:
         raise ValueError(f"--split {d.split} leaves no training documents: give train a share")
@@ -134,8 +126,5 @@ def build_data(args: PretrainArgs, state: ParallelState, eval_samples: int) -> T
 
 
 def tokens_per_step(args: PretrainArgs) -> int:
+    """Tokens in one global batch (one iteration)."""
     return args.training.global_batch_size * args.data.seq_length
-
-
-def nats_to_bits(x: float) -> float:
-    return x / math.log(2)

@@ -2,21 +2,19 @@
 
     prepare_ops(ds_config, announce=rank0)   # before deepspeed.initialize, on every rank
 
-A first build takes minutes (`shm_comm` took 277 s on 2 cores) and prints nothing, so each op
-this run will build gets one line first ("building DeepSpeed's cpu_adam op, about 2 minutes
-the first time"). torch serialises builds with a `lock` file in the op's build folder
-(`~/.cache/torch_extensions/py311_cpu/<op>/lock`, or under $TORCH_EXTENSIONS_DIR) and waits
-for it to vanish even when the op is already built; a build killed midway leaves it there
-and every later run waits forever. A lock that no process on this host holds open (the
-builder keeps its descriptor until it removes the file) and that is older than
-`HOLDER_GRACE_S`, or that is older than any build could take (`STALE_AFTER_S`), is reported
-as an error naming the file to remove.
+A first build takes minutes and prints nothing, so each op this run will build gets one line
+first ("building DeepSpeed's cpu_adam op, about 2 minutes the first time"). torch serialises
+builds with a `lock` file in the op's build folder (`~/.cache/torch_extensions/py311_cpu/
+<op>/lock`, or under $TORCH_EXTENSIONS_DIR) and waits for it to vanish even when the op is
+built; a build killed midway leaves it there and every later run waits forever. A lock that
+no process on this host holds open (the builder keeps its descriptor until it removes the
+file) and that is older than `HOLDER_GRACE_S`, or that is older than any build could take
+(`STALE_AFTER_S`), is reported as an error naming the file to remove.
 
-Ops this run does not need are not built: `shm_comm` serves only DeepSpeed's
-inference all-reduce (training reduces through torch.distributed), so it is marked
-unavailable in `deepspeed.ops.__compatible_ops__`, the dict DeepSpeed keeps for that purpose
-and reads before building it; `cpu_adam` is built only with an offloaded optimizer and
-`async_io` only with NVMe offload.
+Ops this run does not need are not built: `shm_comm` serves only DeepSpeed's inference
+all-reduce (training reduces through torch.distributed), so it is marked unavailable in
+`deepspeed.ops.__compatible_ops__` (which DeepSpeed reads before building it); `cpu_adam` is
+built only with an offloaded optimizer and `async_io` only with NVMe offload.
 """
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ import time
 import torch
 
 # op name -> (name in messages, minutes a first build takes on a 2-core host, rounded up)
-OPS = {"deepspeed_shm_comm": ("shm_comm", 5), "cpu_adam": ("cpu_adam", 2),
-       "async_io": ("async_io", 1)}
+OPS = {"cpu_adam": ("cpu_adam", 2), "async_io": ("async_io", 1)}
 STALE_AFTER_S = 2 * 3600
 HOLDER_GRACE_S = 30
 
@@ -111,17 +108,12 @@ def needed_ops(ds: dict) -> list[str]:
     return ["async_io"] if "nvme" in devices else []
 
 
-def skip_unneeded_ops() -> None:
-    """Tell DeepSpeed not to build `shm_comm` (used by its inference all-reduce only)."""
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
 def prepare_ops(ds: dict, announce: bool = True) -> None:
     """Before deepspeed.initialize: skip what training does not use, and check / announce
     the builds it does (`cpu_adam` is handled where it is loaded). Lines go to stderr."""
+    import deepspeed.ops
+
     log = (lambda text: print(text, file=sys.stderr, flush=True)) if announce else (lambda _: None)
-    skip_unneeded_ops()
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # its inference all-reduce
     for name in needed_ops(ds):
         before_build(name, log)

@@ -100,12 +100,17 @@ def sum_over(total: torch.Tensor, groups) -> None:
 
 def flat_grad_norm(views: list[torch.Tensor], state: ParallelState, sharded: bool) -> float:
     """L2 norm of the model's gradient from the counted views of a flat fp32 buffer (one
-    multi-tensor norm kernel), summed over tp and pp (and dp x sp for shards); one host
-    sync. inf / nan propagate."""
+    multi-tensor norm kernel)."""
     device = views[0].device if views else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
     if views:
         total += torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).square().sum()
+    return _global_norm(total, state, sharded)
+
+
+def _global_norm(total: torch.Tensor, state: ParallelState, sharded: bool) -> float:
+    """The norm from this rank's sum of squares `total`: summed over tp and pp (and dp x sp
+    for shards); one host sync, inf / nan kept."""
     sum_over(total, [state.tp, state.pp] + ([state.dp_sp] if sharded else []))
     value = float(total)
     return math.sqrt(value) if math.isfinite(value) else value
@@ -145,9 +150,8 @@ _ROW = 1 << 16
 
 
 def _norm(g: torch.Tensor) -> torch.Tensor:
-    """L2 norm in fp32, one pass, no squared copy. On the host a whole-tensor norm runs on one
-    thread (ATen parallelises its L2 fast path over output elements): there the tensor is cut
-    into rows of 64k elements, whose norms run in parallel (1.3B host gradients: 0.5 s -> ~0.05 s)."""
+    """L2 norm in fp32, one pass, no squared copy. On the host ATen runs a whole-tensor norm
+    on one thread, so a large tensor is cut into rows of 64k elements normed in parallel."""
     if g.device.type != "cpu" or g.numel() < 4 * _ROW:
         return torch.linalg.vector_norm(g, dtype=torch.float32)
     flat = g.reshape(-1)
@@ -170,10 +174,7 @@ def global_grad_norm(model: nn.Module, state: ParallelState) -> float:
     total = torch.zeros((), dtype=torch.float32)
     for norms in by_device.values():
         total += torch.stack(norms).square().sum().cpu()
-    sharded = any(hasattr(p, "placements") for p in params)
-    sum_over(total, [state.tp, state.pp] + ([state.dp_sp] if sharded else []))
-    value = float(total)
-    return math.sqrt(value) if math.isfinite(value) else value
+    return _global_norm(total, state, any(hasattr(p, "placements") for p in params))
 
 
 def on_comm_device(t: torch.Tensor, op) -> None:
@@ -190,16 +191,6 @@ def on_comm_device(t: torch.Tensor, op) -> None:
 def local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (or the tensor itself)."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def clip_gradients(model: nn.Module, norm: float, max_norm: float) -> None:
-    """Scale every `.grad` by 1 / clip_divisor (a DTensor gradient on its local shard)."""
-    divisor = clip_divisor(norm, max_norm)
-    if divisor == 1.0:
-        return
-    for p in model.parameters():
-        if p.grad is not None:
-            local(p.grad).mul_(1.0 / divisor)
 
 
 # -- completion -------------------------------------------------------------------------

@@ -67,11 +67,6 @@ def _wandb_key_configured() -> bool:
         return False
 
 
-def wandb_dir(cfg, save_dir: str | None) -> str:
-    """--wandb-save-dir, else SAVE/wandb, else ./wandb."""
-    return cfg.wandb_save_dir or os.path.join(save_dir or ".", "wandb")
-
-
 def open_writers(cfg, save_dir: str | None, run_config: dict, print_fn) -> list:
     """The writers `cfg` (LoggingConfig) asks for whose packages import; a line for the rest."""
     writers = []
@@ -82,9 +77,10 @@ def open_writers(cfg, save_dir: str | None, run_config: dict, print_fn) -> list:
             print_fn(f"tensorboard is not installed: --tensorboard-dir ignored "
                      f"(pip install tensorboard, or {INSTALL})")
     if cfg.wandb_project:
+        folder = cfg.wandb_save_dir or os.path.join(save_dir or ".", "wandb")
         try:
-            writers.append(WandbWriter(cfg.wandb_project, cfg.wandb_exp_name,
-                                       wandb_dir(cfg, save_dir), run_config, print_fn))
+            writers.append(WandbWriter(cfg.wandb_project, cfg.wandb_exp_name, folder,
+                                       run_config, print_fn))
         except ImportError:
             print_fn(f"wandb is not installed: --wandb-project ignored "
                      f"(pip install wandb, or {INSTALL})")

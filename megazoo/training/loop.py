@@ -16,6 +16,7 @@ import torch
 from ..generation.api import generate
 from ..models.flops import flops_per_iteration
 from .checkpoint import save_training_checkpoint
+from .data import tokens_per_step
 from ..checkpoint.files import NonFiniteError
 from ..errors import user_path
 from .nonfinite import SkipWatch, refuse_nonfinite_loss, stopped_by_nonfinite_save
@@ -29,8 +30,8 @@ class _Progress:
     a file, its redraws would be carriage-return noise, so a log gets the log lines only);
     log lines go through it."""
 
-    def __init__(self, run, print_fn):
-        self.bar, self.print = None, print_fn
+    def __init__(self, run):
+        self.bar = None
         cfg = run.args
         if run.state.global_rank == 0 and cfg.logging.progress and _on_terminal():
             try:
@@ -86,7 +87,6 @@ def _save(run, iteration: int, watch: SkipWatch, result, valid: float | None) ->
 
 def _log_record(run, iteration, result, seconds, steps, skipped_total) -> dict:
     a, t = run.args, run.args.training
-    tokens = t.global_batch_size * a.data.seq_length * steps
     flops = steps * flops_per_iteration(t.global_batch_size, a.data.seq_length,
                                         a.model.num_layers, a.model.hidden_size,
                                         a.model.padded_vocab(1))
@@ -98,7 +98,8 @@ def _log_record(run, iteration, result, seconds, steps, skipped_total) -> dict:
         record["skipped"] = True
     record["skipped_steps"] = skipped_total
     record.update(getattr(run.engine, "comm_stats", dict)())
-    record.update(run.logger.throughput(flops, seconds, run.state.world_size, tokens))
+    record.update(run.logger.throughput(flops, seconds, run.state.world_size,
+                                        steps * tokens_per_step(a)))
     record.update(run.logger.memory())
     return record
 
@@ -112,7 +113,7 @@ def evaluate(run: Run) -> float | None:
     return sum(losses) / len(losses)
 
 
-def _header(run, tokens_per_iter: int) -> None:
+def _header(run) -> None:
     """The run's first lines, and the --log-json record the curves' token axis comes from."""
     a = run.args
     run.logger.print(f"{run.state} | model {a.model.family} L{a.model.num_layers} "
@@ -121,32 +122,22 @@ def _header(run, tokens_per_iter: int) -> None:
     run.logger.print(f"each logged loss is that one iteration's mean over its "
                      f"{a.training.global_batch_size} x {a.data.seq_length} tokens; the final "
                      f"train loss averages the last {SUMMARY_STEPS} iterations' losses")
-    run.logger.write({"tokens_per_step": tokens_per_iter, "start_iteration": run.start_iteration,
+    run.logger.write({"tokens_per_step": tokens_per_step(a), "start_iteration": run.start_iteration,
                       "global_batch_size": a.training.global_batch_size,
                       "seq_length": a.data.seq_length}, show=False)
 
 
-def complete(run) -> str | None:
-    """The line saying a resumed run has nothing left to do (its checkpoint is at or past
-    --train-iters), else None."""
-    done, total = run.start_iteration, run.args.training.train_iters
-    if done < total:
-        return None
-    return (f"the run is complete at iteration {done} (--train-iters {total}): nothing to "
-            f"train; to extend it, pass --train-iters N with N > {done}")
-
-
-def train(run, print_fn=print) -> dict:
+def train(run) -> dict:
     """Train from run.start_iteration to --train-iters; return the final numbers."""
-    a, log = run.args, run.args.logging
-    finished = complete(run)
-    if finished:
-        run.logger.print(finished)
+    a, log, done = run.args, run.args.logging, run.start_iteration
+    if done >= a.training.train_iters:  # resumed from a checkpoint at or past the end
+        run.logger.print(f"the run is complete at iteration {done} (--train-iters "
+                         f"{a.training.train_iters}): nothing to train; to extend it, pass "
+                         f"--train-iters N with N > {done}")
         return {"train_loss": None, "valid_loss": None, "losses": [], "steps": [],
                 "complete": True}
-    tokens_per_iter = a.training.global_batch_size * a.data.seq_length
-    _header(run, tokens_per_iter)
-    progress, losses, steps = _Progress(run, print_fn), [], []
+    _header(run)
+    progress, steps = _Progress(run), []
     valid = None
     start = window_start = time.perf_counter()
     window_steps = 0
@@ -155,10 +146,9 @@ def train(run, print_fn=print) -> dict:
         step_start = time.perf_counter()
         seed_step(a.training.seed, it, run.state)
         result = run.engine.train_step(run.data.train_batch(it, run.state))
-        losses.append(result.loss)
         steps.append(result)
         window_steps += 1
-        progress.update(result.loss, tokens_per_iter / (time.perf_counter() - step_start))
+        progress.update(result.loss, tokens_per_step(a) / (time.perf_counter() - step_start))
         n = it + 1
         watch.after_step(n, result)
         if n % log.log_interval == 0:
@@ -169,26 +159,22 @@ def train(run, print_fn=print) -> dict:
             valid = evaluate(run)
             if valid is not None:
                 run.logger.write({"iteration": n, "valid_loss": valid})
-        stop = bool(a.training.exit_interval) and n % a.training.exit_interval == 0
         if a.checkpoint.save and saved_iterations(a, run.start_iteration, [n]):
             _save(run, n, watch, result, valid)
-        if stop:
+        if a.training.exit_interval and n % a.training.exit_interval == 0:
             break
     progress.close()
-    elapsed = time.perf_counter() - start
-    out = _summary(run, losses, valid, elapsed, print_fn)
-    out["steps"] = steps
-    return out
+    return _summary(run, steps, valid, time.perf_counter() - start)
 
 
-def _summary(run, losses, valid, elapsed, print_fn) -> dict:
+def _summary(run, steps: list, valid, elapsed) -> dict:
     a = run.args
-    steps = len(losses)
-    tail = losses[-max(1, min(SUMMARY_STEPS, steps)):] if losses else [math.nan]
+    losses = [r.loss for r in steps]
+    tail = losses[-SUMMARY_STEPS:] or [math.nan]
     train_loss = sum(tail) / len(tail)
-    tok_s = steps * a.training.global_batch_size * a.data.seq_length / max(elapsed, 1e-9)
+    tok_s = len(steps) * tokens_per_step(a) / max(elapsed, 1e-9)
     out = {"train_loss": train_loss, "valid_loss": valid, "unigram_entropy": run.entropy,
-           "tokens_per_s": tok_s, "seconds": elapsed, "losses": losses}
+           "tokens_per_s": tok_s, "seconds": elapsed, "losses": losses, "steps": steps}
     if a.logging.generate_tokens:
         k = a.logging.generate_top_k
         # No KV cache: the training layout may shard the sequence, and the engine's model
@@ -199,14 +185,14 @@ def _summary(run, losses, valid, elapsed, print_fn) -> dict:
                         max_context=a.data.seq_length)
         how = "greedy" if k == 1 else f"top-{k} sampling, temperature 0.8"
         run.logger.print(f"sample ({how}):\n{text}")
-    if valid is not None:
-        gap = run.entropy - valid
-        where = "below" if gap >= 0 else "ABOVE"
-        run.logger.print(
-            f"done: {steps} steps in {elapsed:.0f} s, {tok_s:,.0f} tokens/s | train loss "
-            f"{train_loss:.3f} (last {len(tail)} iterations), valid loss {valid:.3f} nats/token: {abs(gap):.3f} {where} the "
-            f"unigram entropy {run.entropy:.3f} of the data ({abs(100 * gap / run.entropy):.0f}%)")
-    else:
-        run.logger.print(f"done: {steps} steps in {elapsed:.0f} s, train loss {train_loss:.3f} "
-                         f"(last {len(tail)} iterations)")
+    done = f"done: {len(steps)} steps in {elapsed:.0f} s"
+    last = f"train loss {train_loss:.3f} (last {len(tail)} iterations)"
+    if valid is None:
+        run.logger.print(f"{done}, {last}")
+        return out
+    gap = run.entropy - valid
+    where = "below" if gap >= 0 else "ABOVE"
+    run.logger.print(f"{done}, {tok_s:,.0f} tokens/s | {last}, valid loss {valid:.3f} nats/token: "
+                     f"{abs(gap):.3f} {where} the unigram entropy {run.entropy:.3f} of the data "
+                     f"({abs(100 * gap / run.entropy):.0f}%)")
     return out

@@ -42,13 +42,6 @@ def host_rss_gb() -> float:
     return peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9
 
 
-def _open_append(flag: str, path: str):
-    """`path` opened for appending (its folder created), OSErrors as one line naming `flag`."""
-    with user_path(flag, path):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        return open(path, "a")
-
-
 class MetricsLogger:
     """Formats, prints (rank 0) and records metrics; `write` takes a dict of numbers.
 
@@ -58,15 +51,17 @@ class MetricsLogger:
     def __init__(self, logging_cfg, device: torch.device, is_rank0: bool, print_fn=print,
                  save_dir: str | None = None, run_config: dict | None = None,
                  metrics_dir: str | None = None):
-        self.cfg, self.device, self.is_rank0, self.print = logging_cfg, device, is_rank0, print_fn
+        self.device, self.is_rank0, self.print = device, is_rank0, print_fn
         self.sinks, self.writers = [], []  # (flag, path, open file) of each JSON-lines file
         self.records: list[dict] = []  # this segment's, kept to tell whether it logged any
         self.metrics_path = os.path.join(metrics_dir, METRICS_FILE) if metrics_dir else None
         if is_rank0:
             for flag, path in (("--log-json", logging_cfg.log_json),
                                ("--save", self.metrics_path)):
-                if path:
-                    self.sinks.append((flag, path, _open_append(flag, path)))
+                if path:  # appended to, its folder created; an OSError is one line
+                    with user_path(flag, path):
+                        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                        self.sinks.append((flag, path, open(path, "a")))
             self.writers = open_writers(logging_cfg, save_dir, run_config or {}, print_fn)
         self.peak = logging_cfg.peak_tflops
         if self.peak is None:

@@ -8,24 +8,18 @@
         raise stopped_by_nonfinite_save(exc, iteration, watch, result)
 
 Every engine skips a step whose loss or gradient norm is inf / nan (fp16 overflow is one
-case) and does not advance its learning-rate clock for it. A skip is logged with the
-running counts; `--max-skipped-steps` consecutive ones stop the run with one line naming the
-iteration and the likely cause. A checkpoint is never written from non-finite weights or
-optimizer state: every engine's save refuses them (one check, made while writing or just
-before; `Engine.save`), `latest` keeps naming the last good one, and the run stops with the
-same kind of line, exit status 1.
+case) without advancing its learning-rate clock. A skip is logged with the running counts;
+`--max-skipped-steps` consecutive ones stop the run with one line naming the iteration and
+the likely cause. Every engine's save refuses non-finite weights or optimizer state, so
+`latest` keeps naming the last good checkpoint and the run stops the same way, exit status 1.
 """
 from __future__ import annotations
 
 import math
 
 from ..checkpoint.files import NonFiniteError
-from ..checkpoint.resolve import LATEST, read_latest
 from .backends.base import StepResult, TrainingStopped
-
-
-def _bad(result: StepResult) -> bool:
-    return result.skipped or not math.isfinite(result.loss)
+from .checkpoint import where_latest_is
 
 
 class SkipWatch:
@@ -38,7 +32,7 @@ class SkipWatch:
 
     def after_step(self, iteration: int, result: StepResult) -> None:
         """`iteration`: 1-based number of the step just taken."""
-        if not _bad(result):
+        if not result.skipped and math.isfinite(result.loss):
             self.in_a_row, self.first_of_streak = 0, None
             return
         self.in_a_row += 1
@@ -76,17 +70,13 @@ def refuse_nonfinite_loss(iteration: int, result: StepResult, valid: float | Non
            if value is not None and not math.isfinite(value)]
     if not bad:
         return
-    kept = read_latest(save_dir)
-    where = f"{LATEST} still names iteration {kept}" if kept is not None else \
-        f"no {LATEST} was written"
     raise TrainingStopped(f"iteration {iteration}: not saving a checkpoint, the "
-                          f"{' and the '.join(bad)}; {where}; likely cause: "
+                          f"{' and the '.join(bad)}; {where_latest_is(save_dir)}; likely cause: "
                           f"{watch.cause(result)}")
 
 
 def stopped_by_nonfinite_save(exc: NonFiniteError, iteration: int, watch: SkipWatch,
                               result: StepResult) -> TrainingStopped:
-    """The run's one error for a save refused for inf / nan (the engine's save check,
-    `megazoo.checkpoint.save.refuse_nonfinite` or the writer's: the same on every rank): it
-    names the iteration, the tensor and checkpoint (in `exc`) and the likely cause."""
+    """The run's one error for a save refused for inf / nan (the same on every rank): the
+    iteration, the tensor and checkpoint (in `exc`) and the likely cause."""
     return TrainingStopped(f"iteration {iteration}: {exc}; likely cause: {watch.cause(result)}")

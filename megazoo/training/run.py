@@ -10,6 +10,7 @@ turns into one "error: ..." line and exit status 2.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shlex
@@ -20,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ..config.flags import parse_args
+from ..config.validate import check_args
 from ..config.run import PretrainArgs
 from ..layers.fp8 import check_fp8_run
-from ..models.parts import check_sequence_length
 from ..errors import report_error
 from ..parallel.device import local_device
 from ..parallel.state import ParallelState
@@ -52,10 +53,6 @@ class Run:
     owns_process_group: bool
 
 
-def _barrier(state: ParallelState):
-    return (lambda: dist.barrier()) if state.world_size > 1 else (lambda: None)
-
-
 def _one_rank_group_for_zero(args: PretrainArgs) -> None:
     """DeepSpeed and FSDP2 need torch.distributed even in a plain one-process run (no
     launcher): give them a one-rank group (an in-memory store, no port) and the LOCAL_RANK
@@ -77,16 +74,11 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     owns = not dist.is_initialized()
     _one_rank_group_for_zero(args)
     state = ParallelState.initialize(args.parallel)
+    check_args(dataclasses.replace(args, parallel=state.config))  # the batch against dp now
     rank0 = state.global_rank == 0
     log = print_fn if rank0 else (lambda *a, **k: None)
-    check_sequence_length(args.data.seq_length, state)
-    if args.model.position_embedding == "learned" and \
-            args.data.seq_length > args.model.max_position_embeddings:
-        raise ValueError(f"--seq-length {args.data.seq_length} exceeds "
-                         f"--max-position-embeddings {args.model.max_position_embeddings}")
-    resolve_data_source(args, rank0, _barrier(state), log)
-    eval_samples = args.logging.eval_iters * args.training.global_batch_size
-    data = build_data(args, state, eval_samples)
+    resolve_data_source(args, state, log)
+    data = build_data(args, state)
     prepare_save_dir(args, rank0, log)
     entropy = unigram_entropy(data.prefixes, data.tokenizer.vocab_size)
     device = data.device = local_device()
@@ -150,7 +142,6 @@ def run_training(argv: list[str] | None = None, print_fn=print) -> dict:
 
     Bad input raises USER_ERRORS before any step, on every rank.
     """
-
     run = setup(parse_args(argv), print_fn)
     try:
         if run.args.logging.eval_only:
@@ -159,24 +150,17 @@ def run_training(argv: list[str] | None = None, print_fn=print) -> dict:
             run.logger.print(generate_hint(run.args))
             out = {"valid_loss": loss, "losses": []}
         else:
-            out = train(run, print_fn)
+            out = train(run)
             draw_run_curves(run)
         if run.owns_process_group and run.state.world_size > 1:
             dist.barrier()  # no rank tears gloo down while a peer still talks to it
         return out
     finally:
         run.logger.close()
-        if run.owns_process_group and dist.is_initialized():
-            _shutdown()
-
-
-def _shutdown() -> None:
-    """Destroy the process group we created, except gloo's: with torch 2.13, destroying it
-    after a no-grad tensor-parallel forward (the sample at the end) aborts the process at
-    exit about one time in three ("terminate called without an active exception"); a gloo
-    group needs no teardown before exit, NCCL's does."""
-    if dist.get_backend() != "gloo":
-        dist.destroy_process_group()
+        # gloo needs no teardown, and destroying it after a no-grad tensor-parallel forward
+        # (the sample at the end) can abort the process at exit with torch 2.13
+        if run.owns_process_group and dist.is_initialized() and dist.get_backend() != "gloo":
+            dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None, print_fn=print) -> int:

@@ -1,9 +1,7 @@
-"""Checks of a run against the checkpoints around it, made at setup before the first step.
-
-    read_options(args)                  # how --load is read: checksums, inf / nan
-    prepare_save_dir(args, rank0, log)  # writable; leftovers removed; another run's refused
-    check_save_targets(args, start, kind)  # no complete checkpoint replaced implicitly
-    resume_warnings(args, extra)        # --seq-length / tokenizer differing from the checkpoint's
+"""Checks of a run against the checkpoints around it, made at setup before the first step:
+--save writable and not another run's (`prepare_save_dir`), no complete checkpoint replaced
+implicitly (`check_save_targets`), data settings that differ from the checkpoint's
+(`resume_warnings`), and how --load is read (`read_options`).
 
 A `--save` folder belongs to one run: a run that does not resume from it (no `--load` of that
 folder) and finds checkpoints there is refused, so it never moves another run's `latest`;
@@ -12,16 +10,14 @@ files, so a refusal happens on all ranks before any collective.
 """
 from __future__ import annotations
 
-import json
 import os
-
 import re
 
 from ..checkpoint.load import SHAPE_FIELDS
 from ..checkpoint.output import remove_leftovers
 from ..checkpoint.resolve import (iteration_dir, previous_checkpoint, read_latest,
                                   resolve_checkpoint)
-from ..errors import user_path
+from ..errors import read_json, user_path
 from .checkpoint import LATEST_TMP, check_save_target, forget_saving
 
 
@@ -41,9 +37,8 @@ def _newest_checkpoint(save: str) -> tuple[int, dict] | None:
     if path is None:
         return None
     try:
-        with open(os.path.join(path, "megazoo.json")) as f:
-            meta = json.load(f)
-    except (OSError, ValueError):
+        meta = read_json(os.path.join(path, "megazoo.json"))
+    except ValueError:  # unreadable: no settings to compare
         meta = {}
     return int(os.path.basename(path).removeprefix("iter_")), meta
 
