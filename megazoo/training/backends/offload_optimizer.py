@@ -81,8 +81,8 @@ class OffloadAdamW:
                        False: ResidentStore([s.numel for s in self.slots if not s.host],
                                             self.device, pin=False)}
         self._initial = {}  # GPU slots: fp32 initial masters until their state exists
-        with torch.no_grad():
-            for slot in self.slots:
+        with torch.no_grad():  # GPU slots first: their host values go before host state comes
+            for slot in sorted(self.slots, key=lambda s: s.host):
                 init_steps(slot, torch.device("cpu") if slot.host else self.device)
                 self._init_master(slot, data, initial)
                 if slot.host:
@@ -105,22 +105,26 @@ class OffloadAdamW:
             hook_bucket_waits(model, buffers, self.wait_params)
 
     def _init_master(self, slot, data: torch.Tensor, initial: dict | None) -> None:
-        """The slot's fp32 initial master: from the flat buffer (still fp32 then), or from
-        `initial` (host tensors: a host slot takes them without a GPU round trip)."""
-        if initial is None:
-            values = data[slot.lo:slot.hi]
-        else:
-            values = torch.empty(slot.numel, dtype=torch.float32)
-            fill_flat_(values, slot.lo, slot.hi, slot.bucket, self.buffers.offsets, initial)
-            drop_values(slot.bucket, initial)  # (a bucket's parameters are in no other)
+        """The slot's fp32 initial master, straight into its place (the GPU, or the host
+        state): from the flat buffer (still fp32 then), or from `initial` (host tensors,
+        dropped once taken: no staging copy, no value held longer than it is needed)."""
         if not slot.host:
-            self._initial[slot.index] = values.to(self.device, copy=True)
+            self._initial[slot.index] = torch.empty(slot.numel, dtype=torch.float32,
+                                                    device=self.device)
+            self._fill(self._initial[slot.index], slot, data, initial)
             return
         state = self._acquire(slot)
-        state["master"].copy_(values)
+        self._fill(state["master"], slot, data, initial)
         for k in NAMES[1:]:  # (a disk store may hold an older run's files)
             state[k].zero_()
         self._release(slot)
+
+    def _fill(self, dst: torch.Tensor, slot, data: torch.Tensor, initial: dict | None) -> None:
+        if initial is None:
+            dst.copy_(data[slot.lo:slot.hi])
+            return
+        fill_flat_(dst, slot.lo, slot.hi, slot.bucket, self.buffers.offsets, initial)
+        drop_values(slot.bucket, initial)  # (a bucket's parameters are in no other)
 
     # -- state access -----------------------------------------------------------------------
     def _acquire(self, slot) -> dict:
