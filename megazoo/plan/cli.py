@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         options = PlanOptions(**given)
         if ns.largest:
             return _largest(ns, options, argv)
-        args = args_from_namespace(ns)  # the run's own configs and checks
+        args = _default_corpus_vocab(args_from_namespace(ns))  # the run's configs and checks
         layout = resolve(args, options)
         est = _estimate(args.model, layout)
         name = args.model_name or "the default model"
@@ -130,6 +130,15 @@ def main(argv: list[str] | None = None) -> int:
         if ns.out:
             print(picture)
     return 0
+
+
+def _default_corpus_vocab(args: PretrainArgs) -> PretrainArgs:
+    """Without --data-path or a --model preset the run trains on the default corpus, whose
+    tokenizer has --default-vocab-size tokens (`training.data.resolve_data_source`): plan that
+    vocabulary, not the model config's placeholder."""
+    if args.data.data_path is None and args.model_name is None:
+        args.model = dataclasses.replace(args.model, vocab_size=args.data.default_vocab_size)
+    return args
 
 
 def _draw(name: str, args: PretrainArgs, layout, out: str) -> str:

@@ -95,3 +95,17 @@ def test_module_error_has_no_traceback():
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("error: num_heads (16) is not divisible by tp*sp = 3*1")
 
+
+
+@pytest.mark.parametrize("argv, vocab", [
+    ([], 2048),                                    # the default corpus's tokenizer
+    (["--default-vocab-size", "4096"], 4096),
+    (["--data-path", "corpus", "--tokenizer-type", "GPT2BPETokenizer"], 1000),  # unknown: kept
+    (["--model", "gpt-125m"], 50257),              # a preset keeps its own
+])
+def test_planner_plans_the_vocabulary_the_run_trains_with(argv, vocab, capsys):
+    """Without --data-path the run trains on the default corpus, whose tokenizer has
+    --default-vocab-size tokens; the plan's parameters are that model's."""
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["args"]["model"]["vocab_size"] == vocab

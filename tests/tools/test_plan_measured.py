@@ -51,6 +51,26 @@ def test_the_issue_runs(impl, gpu_gb, host_gb):
     assert not plan(ISSUE + ["--zero-impl", impl], gpu_memory=20).fits
 
 
+# bench/offload_bench.py's shape (positions 2048: no parameters depend on them in LLaMA)
+PLAIN = ISSUE[:-4] + ["--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d"]
+
+
+@pytest.mark.parametrize("extra, gpu_gb, host_gb", [
+    (["--optimizer-offload-fraction", "0.5"], 64.739, 55.367),
+    (["--accumulate-grads-in-bf16", "--optimizer-offload-fraction", "0.2"], 73.531, 22.071),
+])
+def test_plain_offload_rows_at_5b(extra, gpu_gb, host_gb):
+    """The plain engine with optimizer offload at the issue's 5.2B shape, one H100
+    (bench/results/plan_memory_plain_h100_2026-11-25.md, bench/offload_bench.py rows offload16
+    and bf16grads16). Host: half the state on the host peaks in training (pinned masters,
+    moments and gradients per bucket, the upload ring); a fifth with bf16 gradients peaks
+    while the model is built (the fp32 model on the host, 4 B per parameter) - the engine
+    drops each value as its master takes it, GPU share first, so no phase holds both."""
+    est = plan(PLAIN + extra)
+    assert est.peak_allocated / GB == pytest.approx(gpu_gb, rel=0.05)
+    assert est.host_per_gpu / GB == pytest.approx(host_gb * KIB, rel=0.05)
+
+
 GPT = ["--family", "gpt", "--num-attention-heads", "16", "--seq-length", "2048",
        "--max-position-embeddings", "2048", "--bf16", "--deepspeed", "--zero-stage", "3",
        "--offload-optimizer", "cpu"]

@@ -95,3 +95,37 @@ def test_lean_build_applies_only_to_the_offloaded_low_precision_plain_engine():
     assert not lean_build.lean_build_applies(
         checks.make_args(par, **{**BF16, "optimizer_cpu_offload": False,
                                  "optimizer_offload_fraction": 1.0}))
+
+
+def test_host_state_comes_after_the_gpu_shares_initial_values_are_gone(monkeypatch):
+    """The host's peak while the engine starts: when a host bucket's pinned state is
+    allocated, the fp32 initial values still held are host buckets' own (the GPU share's have
+    gone up and been dropped), so the host never holds the GPU share's fp32 values and the
+    host state at once (at 5.2B that was 10-17 GB over the plan)."""
+    from megazoo.training.backends import cpu_offload
+
+    args = checks.make_args(ParallelConfig(), **BF16)
+    held, seen = {}, []
+    real_values, real_acquire = lean_build.initial_values, cpu_offload.ResidentStore.acquire
+
+    def values(*a):
+        held["values"] = real_values(*a)
+        return held["values"]
+
+    def acquire(store, i):
+        if store.tensors[i] is None:
+            seen.append((store, set(held["values"])))
+        return real_acquire(store, i)
+
+    monkeypatch.setattr("megazoo.training.backends.plain.initial_values", values)
+    monkeypatch.setattr(cpu_offload.ResidentStore, "acquire", acquire)
+    with lean_build.units_to_host():
+        model = build_model(args.model, None, device="cpu", seed=args.training.seed)
+    engine = _engine(args, model)
+    opt = engine.optimizer
+    host_params = {id(p) for s in opt.slots if s.host for p in s.bucket.params}
+    gpu_params = {id(p) for s in opt.slots if not s.host for p in s.bucket.params}
+    on_host = [left for store, left in seen if store is opt.stores[True]]
+    assert gpu_params and len(on_host) == sum(s.host for s in opt.slots) > 1
+    assert all(left <= host_params for left in on_host), "GPU share's values still held"
+    assert not held["values"]  # every value dropped once the masters hold it

@@ -78,8 +78,8 @@ class OffloadAdamW:
                        False: ResidentStore([s.numel for s in self.slots if not s.host],
                                             self.device, pin=False)}
         self._initial = {}  # GPU slots: fp32 initial masters until their state exists
-        with torch.no_grad():
-            for slot in self.slots:
+        with torch.no_grad():  # GPU slots first: their host values go before host state comes
+            for slot in sorted(self.slots, key=lambda s: s.host):
                 self._init_master(slot, data, initial)
                 if slot.host:
                     slot.grad = self.copies.host_empty(slot.numel, buffers.main_grad.dtype)
@@ -101,20 +101,24 @@ class OffloadAdamW:
             hook_bucket_waits(model, buffers, self.wait_params)
 
     def _init_master(self, slot, data: torch.Tensor, initial: dict | None) -> None:
-        """The slot's fp32 initial master: from the flat buffer (still fp32 then), or from
-        `initial` (host tensors: a host slot takes them without a GPU round trip)."""
-        if initial is None:
-            values = data[slot.lo:slot.hi]
-        else:
-            values = torch.empty(slot.numel, dtype=torch.float32)
-            fill_flat_(values, slot.lo, slot.hi, slot.bucket, self.buffers, initial)
-            for p in slot.bucket.params:  # they live in the masters now (and in no other bucket)
-                initial.pop(id(p), None)
+        """The slot's fp32 initial master, straight into its place (the GPU, or the host
+        state): from the flat buffer (still fp32 then), or from `initial` (host tensors,
+        dropped once taken: no staging copy, no value held longer than it is needed)."""
         if not slot.host:
-            self._initial[slot.index] = values.to(self.device, copy=True)
+            self._initial[slot.index] = torch.empty(slot.numel, dtype=torch.float32,
+                                                    device=self.device)
+            self._fill(self._initial[slot.index], slot, data, initial)
             return
-        self._acquire(slot)["master"].copy_(values)  # (the moments start as zeros in every store)
+        self._fill(self._acquire(slot)["master"], slot, data, initial)  # (moments start at 0)
         self.stores[True].release(slot.index)
+
+    def _fill(self, dst: torch.Tensor, slot, data: torch.Tensor, initial: dict | None) -> None:
+        if initial is None:
+            dst.copy_(data[slot.lo:slot.hi])
+            return
+        fill_flat_(dst, slot.lo, slot.hi, slot.bucket, self.buffers, initial)
+        for p in slot.bucket.params:  # they live in the masters now (and in no other bucket)
+            initial.pop(id(p), None)
 
     # -- state access -----------------------------------------------------------------------
     def _acquire(self, slot) -> dict:
