@@ -78,6 +78,10 @@ def plain_parts(config: ModelConfig, layout: Resolved, n: int, unit: float = 0.0
         if not layout.nvme:  # in memory: per bucket, pinned buffers rounded to powers of two
             parts.host = pinned_host_bytes(slots, grad_b, layout.param_bytes) \
                 + TORCH_HOST_RUNTIME_BYTES
+        if layout.saves:  # OffloadAdamW.full_state: full flat fp32 masters, m and v
+            parts.host += 12 * n
+            parts.notes.append(f"checkpoint save: {12 * n / 1e9:.1f} GB of full fp32 masters "
+                               "and moments on the host while a checkpoint is written")
         place = "the disk (--nvme-path)" if layout.nvme else "the host"
         parts.notes.append(f"optimizer offload: {layout.optimizer_offload_fraction:.0%} of the "
                            f"masters and moments ({state_b} B/param) on {place}")

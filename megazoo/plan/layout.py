@@ -76,6 +76,8 @@ class Resolved:
     """Plain engine with --optimizer-cpu-offload and --nvme-path: the host's share on disk."""
     grads_bf16: bool = False
     """Plain engine: bf16 main gradients (--accumulate-grads-in-bf16)."""
+    saves: bool = False
+    """--save is set: the run writes checkpoints (the offload gathers its state to save it)."""
     bucket_elements: int = 40_000_000
     """Plain engine: elements per gradient bucket (default Megatron's max(40M, 1M x dp x sp))."""
     reduce_bytes: int = 4
@@ -143,7 +145,7 @@ def resolve(args: PretrainArgs, options: PlanOptions | None = None) -> Resolved:
         optimizer_cpu_offload=t.optimizer_cpu_offload,
         optimizer_offload_fraction=t.optimizer_offload_fraction,
         nvme=bool(t.optimizer_cpu_offload and args.zero.nvme_path),
-        grads_bf16=t.accumulate_grads_in_bf16,
+        grads_bf16=t.accumulate_grads_in_bf16, saves=bool(args.checkpoint.save),
         bucket_elements=t.ddp_bucket_size or max(40_000_000, 1_000_000 * dp * par.sp),
         reduce_bytes=2 if args.compression.communication_data_type in ("bf16", "fp16") else 4,
         fsdp_reduce_every_microbatch=args.zero.fsdp_reduce_every_microbatch)

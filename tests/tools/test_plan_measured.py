@@ -52,7 +52,7 @@ def test_the_issue_runs(impl, gpu_gb, host_gb):
 
 
 # bench/offload_bench.py's shape (positions 2048: no parameters depend on them in LLaMA)
-PLAIN = ISSUE[:-4] + ["--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d"]
+PLAIN = ISSUE[:-4] + ["--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--save", ""]
 
 
 @pytest.mark.parametrize("extra, gpu_gb, host_gb", [
@@ -69,6 +69,17 @@ def test_plain_offload_rows_at_5b(extra, gpu_gb, host_gb):
     est = plan(PLAIN + extra)
     assert est.peak_allocated / GB == pytest.approx(gpu_gb, rel=0.05)
     assert est.host_per_gpu / GB == pytest.approx(host_gb * KIB, rel=0.05)
+
+
+def test_a_saving_offload_run_plans_the_gathered_state():
+    """A run with --save (the default) gathers full fp32 masters, m and v on the host to
+    write them (OffloadAdamW.full_state): 12 B per parameter on top of training's host
+    memory, so the plan of a run that saves must hold them (the rows above ran with --save "")."""
+    flags = PLAIN[:-2] + ["--optimizer-offload-fraction", "0.5"]
+    quiet, saving = plan(flags + ["--save", ""]), plan(flags + ["--save", "ck"])
+    n = saving.parameters_per_gpu
+    assert saving.host_per_gpu == pytest.approx(quiet.host_per_gpu + 12 * n)
+    assert saving.peak_allocated == quiet.peak_allocated
 
 
 GPT = ["--family", "gpt", "--num-attention-heads", "16", "--seq-length", "2048",

@@ -69,7 +69,9 @@ def test_planner_buckets_are_the_engines():
 
 
 def plain(*extra, **options):
-    return estimate_memory(parse_args(SHAPE + list(extra)), PlanOptions(**options))
+    """The plan of a run that does not save (saving adds the gathered state: test_plan_measured)."""
+    return estimate_memory(parse_args(SHAPE + ["--save", ""] + list(extra)),
+                           PlanOptions(**options))
 
 
 def test_plain_engine_plan_with_offload():
