@@ -54,9 +54,5 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
                 init_method(block)
             start, full_start = start + local, full_start + full
 
-    def split_output(self, y_shard: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """This rank's output of each block: y_shard [.., sum/tp] -> ([.., part_i/tp], ...)."""
-        return y_shard.split(self.local_parts, dim=-1)
-
     def extra_repr(self) -> str:
         return f"parts={self.parts}, " + super().extra_repr()

@@ -11,7 +11,7 @@ from megazoo.config.sparse_attention import SparseAttentionConfig as Config
 from megazoo.layers.positions import alibi_slopes
 from megazoo.layers.sparse_attention import (SparseAttention, block_mask_from_layout,
                                              sparse_attention, tile_layout)
-from megazoo.layers.sparse_layouts import density, layout, rank_layout
+from megazoo.layers.sparse_layouts import density, layout
 
 # float32 math (and FlexAttention's eager float32 path) against a float64 reference over at
 # most 320 keys of unit-variance inputs: rounding stays near 1e-6; 2e-5 leaves margin and
@@ -232,7 +232,7 @@ def test_seed_heads_and_slicing():
     assert not torch.equal(full, layout(c, 8, 512, seed=2))
     assert not torch.equal(full[0], full[1])  # per-head random draws
     for h0, h1 in [(0, 2), (2, 4), (5, 8)]:
-        assert torch.equal(rank_layout(c, 8, 512, (h0, h1), seed=1), full[h0:h1])
+        assert torch.equal(layout(c, 8, 512, seed=1, heads=(h0, h1)), full[h0:h1])
     shared = layout(_config("bigbird", False, "bidirectional"), 8, 512, seed=1)
     assert all(torch.equal(shared[0], shared[h]) for h in range(8))
     fixed = layout(_config("fixed", True, "bidirectional"), 4, 512)
