@@ -107,7 +107,8 @@ def select_backend(requested: str, req: AttentionRequest) -> str:
     return "sdpa"
 
 
-def _check_inputs(q, k, v, padding_mask, alibi_slopes, causal) -> None:
+def check_attention_inputs(q, k, v, padding_mask, alibi_slopes, causal) -> None:
+    """ValueError unless the shapes fit (module docstring), before any work."""
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"attention expects q [s, b, hq, d] and k, v [s, b, hk, d]; got "
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -135,7 +136,7 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     outside training). Raises ValueError for shapes that do not fit or a backend that cannot
     compute the request, before any work.
     """
-    _check_inputs(q, k, v, padding_mask, alibi_slopes, causal)
+    check_attention_inputs(q, k, v, padding_mask, alibi_slopes, causal)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     req = AttentionRequest(q.device.type, q.dtype, q.shape[-1], alibi_slopes is not None,
                            padding_mask is not None, dropout_p > 0.0,

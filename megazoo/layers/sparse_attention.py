@@ -40,8 +40,9 @@ import torch
 
 from ..config.sparse_attention import SparseAttentionConfig
 from . import attention_kernels as kernels
-from .attention import AttentionRequest, math_attention, unsupported_reason
-from .sparse_gather import block_masks, gather_attention
+from .attention import (AttentionRequest, check_attention_inputs, math_attention,
+                        unsupported_reason)
+from .sparse_gather import gather_attention
 from .sparse_layouts import layout as make_layout
 from .sparse_plan import TILE as KERNEL_BLOCK
 from .sparse_plan import GatherPlan, build_plan, kv_blocks
@@ -57,25 +58,25 @@ def token_mask(block_layout: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def tile_layout(block_layout: torch.Tensor, block: int, causal: bool,
-                kernel_block: int = KERNEL_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partial, full), each bool [h, n, n] over kernel tiles (n = ceil(s / kernel_block)):
-    tiles to compute with the element mask, and tiles to compute without it."""
-    heads, nb, _ = block_layout.shape
-    n = -(-nb * block // kernel_block)
-    if block % kernel_block == 0:
-        r = block // kernel_block
-        needed = block_layout.repeat_interleave(r, dim=1).repeat_interleave(r, dim=2)
-        full = needed.clone()
-    elif kernel_block % block == 0:
-        r = kernel_block // block
-        padded = torch.zeros(heads, n * r, n * r, dtype=torch.bool, device=block_layout.device)
-        padded[:, :nb, :nb] = block_layout  # a short last tile is never full
-        grid = padded.view(heads, n, r, n, r)
-        needed = grid.any(dim=4).any(dim=2)
-        full = grid.all(dim=4).all(dim=2)
-    else:
+                seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full), each bool [h, n, n] over kernel tiles (n = ceil(s / KERNEL_BLOCK)):
+    tiles to compute with the element mask, and tiles to compute without it. seq_len: the
+    real length s when the last block is short (default: nb * block); a tile holding tokens
+    past it is never full."""
+    if block % KERNEL_BLOCK and KERNEL_BLOCK % block:
         raise ValueError(f"sparse attention block {block} neither divides nor is a multiple of "
-                         f"the kernel block {kernel_block}; use a power of two")
+                         f"the kernel block {KERNEL_BLOCK}; use a power of two")
+    heads, nb, _ = block_layout.shape
+    s = nb * block if seq_len is None else seq_len
+    n, r = -(-s // KERNEL_BLOCK), max(KERNEL_BLOCK // block, 1)  # r: layout units per tile
+    units = token_mask(block_layout, max(block // KERNEL_BLOCK, 1))  # units of min(block, tile)
+    padded = torch.zeros(heads, n * r, n * r, dtype=torch.bool, device=block_layout.device)
+    m = min(n * r, units.shape[-1])
+    padded[:, :m, :m] = units[:, :m, :m]
+    grid = padded.view(heads, n, r, n, r)
+    needed, full = grid.any(dim=4).any(dim=2), grid.all(dim=4).all(dim=2)
+    inside = torch.arange(1, n + 1, device=block_layout.device) * KERNEL_BLOCK <= s
+    full = full & inside[:, None] & inside[None, :]
     if causal:
         lower = torch.ones(n, n, dtype=torch.bool, device=block_layout.device)
         needed = needed & lower.tril()
@@ -95,23 +96,9 @@ def _layout_mask_mod(table: torch.Tensor, unit: int, causal: bool):
     return mask_mod
 
 
-def _crop_tiles(partial, full, s: int, padded: int, kernel_block: int):
-    """Tiles of a sequence s shorter than the layout's padded length: the last tile row and
-    column hold tokens beyond s, so they are never full; tiles past ceil(s / kernel) go."""
-    if s == padded:
-        return partial, full
-    n = -(-s // kernel_block)
-    partial, full = partial[:, :n, :n].clone(), full[:, :n, :n].clone()
-    partial[:, -1, :] |= full[:, -1, :]
-    partial[:, :, -1] |= full[:, :, -1]
-    full[:, -1, :] = False
-    full[:, :, -1] = False
-    return partial, full
-
-
 def block_mask_from_layout(block_layout: torch.Tensor, block: int, *, causal: bool,
-                           device=None, kernel_block: int = KERNEL_BLOCK,
-                           lookup_block: int | None = None, seq_len: int | None = None):
+                           device=None, lookup_block: int | None = None,
+                           seq_len: int | None = None):
     """The FlexAttention BlockMask of a layout (see the module docstring for the tiling).
 
     Built from the layout directly (`BlockMask.from_kv_blocks`), without evaluating the mask
@@ -126,39 +113,29 @@ def block_mask_from_layout(block_layout: torch.Tensor, block: int, *, causal: bo
 
     device = block_layout.device if device is None else torch.device(device)
     heads, nb, _ = block_layout.shape
-    shared = heads == 1 or block_layout.stride(0) == 0
-    lay = (block_layout[:1] if shared else block_layout).to(device=device, dtype=torch.bool)
+    lay = _heads_of(block_layout).to(device=device, dtype=torch.bool)
     s = nb * block if seq_len is None else seq_len
-    partial, full = _crop_tiles(*tile_layout(lay, block, causal, kernel_block), s, nb * block,
-                                kernel_block)
+    partial, full = tile_layout(lay, block, causal, s)
     partial, full = partial.expand(heads, -1, -1), full.expand(heads, -1, -1)
     kv_num, kv_idx = kv_blocks(partial)
     full_num, full_idx = kv_blocks(full)
     unit = block if lookup_block is None else lookup_block
     if unit < 1 or block % unit:
         raise ValueError(f"lookup_block {unit} must divide the block {block}")
-    table = lay.repeat_interleave(block // unit, dim=1).repeat_interleave(block // unit, dim=2)
+    table = token_mask(lay, block // unit)
     mask_mod = _layout_mask_mod(table.expand(heads, -1, -1).contiguous(), unit, causal)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=kernel_block,
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=KERNEL_BLOCK,
                                     mask_mod=mask_mod, seq_lengths=(s, s))
 
 
 def _check(q, k, v, block_layout, block, alibi_slopes) -> None:
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or k.shape[0] != q.shape[0]:
-        raise ValueError(f"sparse attention expects q [s, b, hq, d] and k, v [s, b, hk, d] of the "
-                         f"same s; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    s, b, hq, d = q.shape
-    if k.shape[1] != b or k.shape[3] != d or hq % k.shape[2]:
-        raise ValueError(f"k, v {tuple(k.shape)} do not fit q {tuple(q.shape)}: batch and head "
-                         f"dim must match and the query heads be a multiple of the kv heads")
+    check_attention_inputs(q, k, v, None, alibi_slopes, causal=True)  # causal: one s for all
+    s, hq = q.shape[0], q.shape[2]
     nb = -(-s // block) if block > 0 else -1
     if block_layout.dtype != torch.bool or block_layout.shape != (hq, nb, nb):
         raise ValueError(f"sparse attention layout must be bool [hq, ceil(s/block), "
                          f"ceil(s/block)] = [{hq}, {nb}, {nb}] (s {s}, block {block}); got "
                          f"{block_layout.dtype} {tuple(block_layout.shape)}")
-    if alibi_slopes is not None and alibi_slopes.shape != (hq,):
-        raise ValueError(f"alibi_slopes must have one slope per query head ([{hq}]), "
-                         f"got {tuple(alibi_slopes.shape)}")
 
 
 def _select(backend: str, q, k, v, alibi: bool, block: int) -> str:
@@ -195,11 +172,23 @@ def choose_plan(block_layout, block: int, causal: bool, seq_len: int, device) ->
     if KERNEL_BLOCK % block or block == KERNEL_BLOCK:
         return None
     lay = _heads_of(block_layout).to(device)
-    partial, full = _crop_tiles(*tile_layout(lay, block, causal), seq_len,
-                                lay.shape[-1] * block, KERNEL_BLOCK)
+    partial, full = tile_layout(lay, block, causal, seq_len)
     plan = build_plan(lay, block, seq_len, causal)
     cost = sum(plan.tiles()) + GATHER_KEY_COST * plan.gathered_tiles()
     return plan if cost <= GATHER_GAIN * int(partial.sum() + full.sum()) else None
+
+
+def prepare(block_layout, block: int, causal: bool, seq_len: int, device, backend: str):
+    """(block_mask, plan) for backend "flex", "gather" or "auto" on `device`, one of them None:
+    the gather plan for "gather", and for "auto" where `choose_plan` gives one; else the
+    BlockMask. Build it once per (s, device) and pass both to `sparse_attention`."""
+    if backend == "gather":
+        return None, build_plan(_heads_of(block_layout).to(device), block, seq_len, causal)
+    plan = choose_plan(block_layout, block, causal, seq_len, device) if backend == "auto" else None
+    if plan is not None:
+        return None, plan
+    return block_mask_from_layout(block_layout, block, causal=causal, device=device,
+                                  seq_len=seq_len), None
 
 
 def sparse_attention(q, k, v, layout, block, *, causal: bool = True, scale: float | None = None,
@@ -211,27 +200,22 @@ def sparse_attention(q, k, v, layout, block, *, causal: bool = True, scale: floa
     forward-only on CPU), "gather" (the gather plan: FlexAttention on CUDA, float32 math over
     the gathered keys on CPU), "math" (float32, an explicit [h, s, s] mask: small sizes and
     checking) or "auto" (on CUDA the gather plan when `choose_plan` gives one, else flex; math
-    elsewhere). block_mask / plan: built beforehand and reused across calls (built when None).
+    elsewhere). block_mask / plan: what `prepare` gives, reused across calls (built when both
+    are None).
     """
     _check(q, k, v, layout, block, alibi_slopes)
     s = q.shape[0]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     name = _select(backend, q, k, v, alibi_slopes is not None, block)
-    if name == "auto" and block_mask is None:
-        plan = plan if plan is not None else choose_plan(layout, block, causal, s, q.device)
-        name = "flex" if plan is None else "gather"
     if name == "math":
         mask = token_mask(layout.to(q.device), block)[None, :, :s, :s]  # [1, hq, s, s]
         return math_attention(q, k, v, causal, None, alibi_slopes, scale, 0.0, mask=mask)
-    if name == "gather":
-        if plan is None:
-            plan = build_plan(_heads_of(layout).to(q.device), block, s, causal)
+    if block_mask is None and plan is None:
+        block_mask, plan = prepare(layout, block, causal, s, q.device, name)
+    if plan is not None:
         kernel = "flex" if q.device.type == "cuda" else "math"
         return gather_attention(q, k, v, plan, scale=scale, alibi_slopes=alibi_slopes,
                                 kernel=kernel)
-    if block_mask is None:
-        block_mask = block_mask_from_layout(layout, block, causal=causal, device=q.device,
-                                            seq_len=s)
     return kernels.flex_with_block_mask(q, k, v, block_mask, alibi_slopes, scale)
 
 
@@ -264,30 +248,19 @@ class SparseAttention:
         return self._layouts[seq_len]
 
     def prepared(self, seq_len: int, device, backend: str):
-        """(block_mask, plan) for a CUDA backend, built once per (s, device, backend)."""
+        """`prepare`'s (block_mask, plan), built once per (s, device, backend)."""
         key = (seq_len, str(device), backend)
         if key not in self._masks:
-            lay, block = self.layout(seq_len), self.config.block
-            plan = None
-            if backend == "auto":
-                plan = choose_plan(lay, block, self.causal, seq_len, device)
-            elif backend == "gather":
-                plan = build_plan(_heads_of(lay).to(device), block, seq_len, self.causal)
-            if plan is not None:
-                block_masks(plan)  # kept on the plan
-                self._masks[key] = (None, plan)
-            else:
-                self._masks[key] = (block_mask_from_layout(lay, block, causal=self.causal,
-                                                           device=device, seq_len=seq_len), None)
+            self._masks[key] = prepare(self.layout(seq_len), self.config.block, self.causal,
+                                       seq_len, device, backend)
         return self._masks[key]
 
     def __call__(self, q, k, v, *, alibi_slopes=None, scale=None) -> torch.Tensor:
         lay = self.layout(q.shape[0])
         name = _select(self.backend, q, k, v, alibi_slopes is not None, self.config.block)
         mask, plan = None, None
-        if name != "math" and q.device.type == "cuda":
+        if name != "math":
             mask, plan = self.prepared(q.shape[0], q.device, name)
-            name = "gather" if plan is not None else "flex"
         return sparse_attention(q, k, v, lay, self.config.block, causal=self.causal, scale=scale,
                                 alibi_slopes=alibi_slopes, backend=name, block_mask=mask,
                                 plan=plan)
