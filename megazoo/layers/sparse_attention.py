@@ -45,7 +45,7 @@ from .attention import (AttentionRequest, check_attention_inputs, math_attention
 from .sparse_gather import gather_attention
 from .sparse_layouts import layout as make_layout
 from .sparse_plan import TILE as KERNEL_BLOCK
-from .sparse_plan import GatherPlan, build_plan, kv_blocks
+from .sparse_plan import GatherPlan, build_plan, kv_blocks, zero_pad
 
 BACKENDS = ("auto", "flex", "gather", "math")
 GATHER_GAIN = 0.8  # "auto" gathers when its plan costs at most this share of the tiles
@@ -70,10 +70,7 @@ def tile_layout(block_layout: torch.Tensor, block: int, causal: bool,
     s = nb * block if seq_len is None else seq_len
     n, r = -(-s // KERNEL_BLOCK), max(KERNEL_BLOCK // block, 1)  # r: layout units per tile
     units = token_mask(block_layout, max(block // KERNEL_BLOCK, 1))  # units of min(block, tile)
-    padded = torch.zeros(heads, n * r, n * r, dtype=torch.bool, device=block_layout.device)
-    m = min(n * r, units.shape[-1])
-    padded[:, :m, :m] = units[:, :m, :m]
-    grid = padded.view(heads, n, r, n, r)
+    grid = zero_pad(units[:, :n * r, :n * r], n * r).view(heads, n, r, n, r)
     needed, full = grid.any(dim=4).any(dim=2), grid.all(dim=4).all(dim=2)
     inside = torch.arange(1, n + 1, device=block_layout.device) * KERNEL_BLOCK <= s
     full = full & inside[:, None] & inside[None, :]
