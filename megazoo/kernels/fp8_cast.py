@@ -27,12 +27,11 @@ Three implementations compute it; `quantize(..., impl=)` picks one:
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 
 import torch
 
 from ..config.precision import CAST_IMPLS
+from ._dispatch import triton_module, triton_status
 
 EPS = 1e-12
 
@@ -73,12 +72,7 @@ def _compiled_transpose():
 @functools.lru_cache(maxsize=1)
 def _triton_kernels():
     """The Triton kernels module, or None when triton does not import (no GPU stack)."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    try:
-        return importlib.import_module("megazoo.kernels.triton_fp8")
-    except Exception:  # a broken triton install must not break FP8: use the compiled path
-        return None
+    return triton_module("fp8") if triton_status()[0] else None
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:

@@ -98,20 +98,14 @@ def _row(inv: torch.Tensor) -> torch.Tensor:
     return inv.reshape(1, -1) if inv.dim() > 0 else inv
 
 
+def _impl(recipe: FP8Recipe) -> str:
+    """The recipe's cast implementation; the emulation uses the eager definition."""
+    return "eager" if recipe.emulate else recipe.cast
+
+
 def _cast(t: torch.Tensor, dtype: torch.dtype, recipe: FP8Recipe, transpose: bool = False):
-    """Quantize t (or t.t()) by the recipe's scaling; the emulation uses the eager definition."""
-    impl = "eager" if recipe.emulate else recipe.cast
-    return quantize(t, dtype, recipe.rowwise, transpose, impl=impl)
-
-
-def _t(q: torch.Tensor, recipe: FP8Recipe) -> torch.Tensor:
-    """A saved FP8 tensor transposed to row-major (tensorwise: same values, same scale)."""
-    return transpose(q, "eager" if recipe.emulate else recipe.cast)
-
-
-def _cast_both(t: torch.Tensor, dtype: torch.dtype, recipe: FP8Recipe):
-    """Tensorwise cast of t in both layouts, (q, q.t() contiguous, inv), from one read of t."""
-    return quantize_both(t, dtype, "eager" if recipe.emulate else recipe.cast)
+    """Quantize t (or t.t()) by the recipe's scaling."""
+    return quantize(t, dtype, recipe.rowwise, transpose, impl=_impl(recipe))
 
 
 _WEIGHT_CASTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
@@ -166,7 +160,7 @@ class _WeightCasts:
                 self._bwd = _cast(self.weight.detach(), r.fwd_dtype, r, transpose=True)
             else:
                 wq, inv_w = self.forward()
-                self._bwd = (_t(wq, r), inv_w)
+                self._bwd = (transpose(wq, _impl(r)), inv_w)  # same values, same scale
         return self._bwd
 
 
@@ -186,7 +180,7 @@ class _FP8Linear(torch.autograd.Function):
             xq, inv_x = _cast(x, f, recipe)                               # [M, K]
             xtq = None
         else:
-            xq, xtq, inv_x = _cast_both(x, f, recipe)                     # [M, K], [K, M]
+            xq, xtq, inv_x = quantize_both(x, f, _impl(recipe))           # [M, K], [K, M]
         wq, inv_w = casts.forward()                                       # [N, K]
         y = scaled_mm(xq, wq.t(), inv_x, _row(inv_w), x.dtype, recipe.emulate,
                       recipe.fast_accum)                                  # [M, N]
@@ -207,7 +201,7 @@ class _FP8Linear(torch.autograd.Function):
         if not r.rowwise:
             xtq, inv_x = ctx.saved_tensors
             if need_dw:
-                dyq, dytq, inv_dy = _cast_both(dy, g, r)                  # [M, N], [N, M]
+                dyq, dytq, inv_dy = quantize_both(dy, g, _impl(r))        # [M, N], [N, M]
             else:
                 dyq, inv_dy = _cast(dy, g, r)
         if need_dx:

@@ -231,8 +231,7 @@ def _main_tiles(owner, vblock, vcode, whole, causal, r):
 
 def _add_rows(plan: GatherPlan, whole: torch.Tensor) -> None:
     """The dense rows: their query positions, output slots and kernel tiles over the s keys."""
-    hp, nb, _ = plan.owner.shape
-    block, s = plan.block, plan.seq_len
+    nb, block, s = plan.owner.shape[1], plan.block, plan.seq_len
     r = TILE // block
     is_row = (plan.owner == ROW).any(-1)  # [hp, nb]
     if not is_row.any():
