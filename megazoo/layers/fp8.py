@@ -19,9 +19,7 @@ and the weight's transposed operand is its forward cast transposed. Recipe "roww
 scale per row of `a` and per column of `b`, i.e. per index of the non-reduced dimension, so
 each GEMM casts its operands afresh along its own reduction.
 
-Weights change only at the optimizer step: inside `fp8_weight_cache()` (the training
-engines open it around a step's micro-batches) a weight's FP8 operands are computed by its
-first use and reused by every later micro-batch of the step.
+Inside `fp8_weight_cache()` a weight is cast once per step, however many micro-batches use it.
 
 On CUDA the GEMMs are `torch._scaled_mm` (needs compute capability 8.9+: Ada, Hopper), on
 other devices (or with `emulate=True`) an emulation computing the recipe's definition:
@@ -53,11 +51,8 @@ def _cuda_fp8_capable(index: int) -> tuple[bool, str]:
 
 
 def check_fp8_device(recipe: FP8Recipe | None, device: torch.device) -> None:
-    """Raise one line when `recipe` asks for FP8 GEMMs a CUDA device cannot run.
-
-    CPU (and any non-CUDA device) runs the emulation: correct numbers, no speed-up. Layers
-    call this before their first collective, so every rank raises the same error.
-    """
+    """Raise one line when `recipe` asks for FP8 GEMMs a CUDA device cannot run (other devices
+    run the emulation). Layers call it before their first collective, so every rank raises."""
     if recipe is None or recipe.emulate or device.type != "cuda":
         return
     ok, arch = _cuda_fp8_capable(device.index if device.index is not None else 0)
@@ -80,11 +75,8 @@ def check_fp8_run(recipe: FP8Recipe | None, device: torch.device) -> None:
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
               out_dtype: torch.dtype, emulate: bool, fast_accum: bool = False) -> torch.Tensor:
-    """(a @ b) * inv_a * inv_b: a [M, K] row-major fp8, b [K, N] column-major fp8.
-
-    inv_a is [] or [M, 1], inv_b is [] or [1, N] (float32). Emulated: dequantize and multiply
-    in float32, then round to `out_dtype` (the kernel accumulates in float32 too).
-    """
+    """(a @ b) * inv_a * inv_b: a [M, K] row-major fp8, b [K, N] column-major fp8, inv_a []
+    or [M, 1], inv_b [] or [1, N] (float32). Emulated: dequantized, multiplied in float32."""
     if emulate or a.device.type != "cuda":
         return ((a.float() @ b.float()) * inv_a * inv_b).to(out_dtype)
     rowwise = inv_a.dim() > 0

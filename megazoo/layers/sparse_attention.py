@@ -14,21 +14,12 @@ Query i of head h sees key j when layout[h, i // block, j // block] and, if caus
 A query that sees no key outputs 0 (as in attention.py). RoPE is applied to q and k before
 this call; ALiBi is a score_mod on FlexAttention (no s x s bias) and an added bias in math.
 
-From a layout to FlexAttention's tiles. FlexAttention's kernel skips whole tiles of
-KERNEL_BLOCK = 128 queries x 128 keys. A layout with block >= 128 (a multiple of it) maps
-onto whole tiles: each of its blocks is (block / 128)^2 tiles, all computed without a mask
-except the causal diagonal. A layout with a smaller block (16, 32, 64) is grouped in squares
-of (128 / block)^2 of its blocks per tile: a tile whose blocks are all set is computed without
-a mask ("full"), a tile with some set is computed with the mask evaluated per element
-("partial": the layout looked up at [h, i // block, j // block]), a tile with none is skipped.
-So the work is that of the 128-tiles touched, not the layout's own density: a 16-block
-sliding window of w blocks costs about ceil(w * 16 / 128) + 1 tiles per tile row.
-
-Small blocks at their own density: backend "gather" (`sparse_plan.py`, `sparse_gather.py`)
-computes the same function over a rearranged key axis (windows in place, global columns
-gathered once per head, other blocks gathered per query tile, dense rows apart), whose tiles
-are mostly full. "auto" on CUDA takes it for a block below 128 when the plan's tiles plus the
-cost of its copied keys stay well below the tiles of the layout in place (`choose_plan`).
+FlexAttention skips whole tiles of KERNEL_BLOCK = 128 queries x 128 keys (`tile_layout`): a
+tile whose tokens the layout all sets runs without a mask ("full"), one it partly sets runs
+with the layout looked up per element ("partial"), the rest are skipped. So the work is that
+of the 128-tiles touched, not the layout's density; for blocks below 128, backend "gather"
+(`sparse_plan.py`) computes the same function over a rearranged key axis whose tiles are
+mostly full, and "auto" takes it where it costs well less (`choose_plan`).
 
 s need not be a multiple of the block: the layout then has ceil(s / block) blocks per side
 (the layout of the length rounded up to the block, as generation uses it) and its last block
@@ -163,9 +154,8 @@ def _heads_of(block_layout: torch.Tensor) -> torch.Tensor:
 def choose_plan(block_layout, block: int, causal: bool, seq_len: int, device) -> GatherPlan | None:
     """The gather plan of a layout when its cost (tiles computed, plus GATHER_KEY_COST per
     tile of keys copied out of place) is at most GATHER_GAIN of the kernel tiles of the layout
-    in place, else None. Measured on an H100 (bench/sparse_attention_bench.py): gathering
-    pays where shared global columns make the tiles (fixed), not where random blocks gathered
-    per query tile do (bigbird, variable: their copies cost more than the tiles saved)."""
+    in place, else None: gathering pays where shared global columns make the tiles (fixed),
+    not where random blocks gathered per query tile do (their copies cost more)."""
     if KERNEL_BLOCK % block or block == KERNEL_BLOCK:
         return None
     lay = _heads_of(block_layout).to(device)

@@ -41,6 +41,7 @@ from .mappings import (all_to_all_heads_to_sequence, all_to_all_sequence_to_head
                        scatter_to_sequence_parallel_region)
 from .positions import alibi_slopes, rope_cos_sin, rope_cos_sin_first
 from .qkv_split import split_qkv
+from .sparse_attention import SparseAttention
 
 POSITION_EMBEDDINGS = ("none", "alibi", "rope")
 
@@ -127,11 +128,8 @@ class UlyssesAttention(nn.Module):
             self._on_device["slopes", device] = full[self.first_head:self.first_head + heads]
         return self._on_device["slopes", device]
 
-    def _sparse(self, config, causal: bool, dropout: float):
-        """SparseAttention over the global heads this rank holds (imported here: the layout
-        module is also a `python -m` script and must not load with the package)."""
-        from .sparse_attention import SparseAttention
-
+    def _sparse(self, config, causal: bool, dropout: float) -> SparseAttention:
+        """SparseAttention over the global heads this rank holds."""
         if dropout > 0:
             raise ValueError(f"attention_dropout {dropout} is not supported with sparse "
                              f"attention: set it to 0")
