@@ -36,7 +36,7 @@ from .attention import (AttentionRequest, check_attention_inputs, math_attention
 from .sparse_gather import gather_attention
 from .sparse_layouts import layout as make_layout
 from .sparse_plan import TILE as KERNEL_BLOCK
-from .sparse_plan import GatherPlan, build_plan, kv_blocks, zero_pad
+from .sparse_plan import GatherPlan, build_plan, tile_block_mask, zero_pad
 
 BACKENDS = ("auto", "flex", "gather", "math")
 GATHER_GAIN = 0.8  # "auto" gathers when its plan costs at most this share of the tiles
@@ -97,23 +97,18 @@ def block_mask_from_layout(block_layout: torch.Tensor, block: int, *, causal: bo
     kernel (the graph depends on the table's shape and the granularity). seq_len: the real
     length when the last block is short (default: nb * block).
     """
-    from torch.nn.attention.flex_attention import BlockMask
-
     device = block_layout.device if device is None else torch.device(device)
     heads, nb, _ = block_layout.shape
     lay = _heads_of(block_layout).to(device=device, dtype=torch.bool)
     s = nb * block if seq_len is None else seq_len
     partial, full = tile_layout(lay, block, causal, s)
-    partial, full = partial.expand(heads, -1, -1), full.expand(heads, -1, -1)
-    kv_num, kv_idx = kv_blocks(partial)
-    full_num, full_idx = kv_blocks(full)
     unit = block if lookup_block is None else lookup_block
     if unit < 1 or block % unit:
         raise ValueError(f"lookup_block {unit} must divide the block {block}")
     table = token_mask(lay, block // unit)
     mask_mod = _layout_mask_mod(table.expand(heads, -1, -1).contiguous(), unit, causal)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=KERNEL_BLOCK,
-                                    mask_mod=mask_mod, seq_lengths=(s, s))
+    return tile_block_mask(partial.expand(heads, -1, -1), full.expand(heads, -1, -1), mask_mod,
+                           (s, s))
 
 
 def _check(q, k, v, block_layout, block, alibi_slopes) -> None:

@@ -85,12 +85,21 @@ class GatherPlan:
         return p, f
 
 
-def kv_blocks(tiles: torch.Tensor):
+def _kv_blocks(tiles: torch.Tensor):
     """[h, n, m] bool -> ([1, h, n] counts, [1, h, n, m] column indices, set ones first): the
     form `BlockMask.from_kv_blocks` takes."""
     counts = tiles.sum(dim=-1, dtype=torch.int32)
     order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True)
     return counts[None], order.to(torch.int32)[None]
+
+
+def tile_block_mask(partial: torch.Tensor, full: torch.Tensor, mask_mod, lengths):
+    """The FlexAttention BlockMask over TILE x TILE kernel tiles partial / full [h, n, m]
+    (bool: computed with mask_mod / without it) of a (queries, keys) = lengths problem."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return BlockMask.from_kv_blocks(*_kv_blocks(partial), *_kv_blocks(full), BLOCK_SIZE=TILE,
+                                    mask_mod=mask_mod, seq_lengths=lengths)
 
 
 def build_plan(block_layout: torch.Tensor, block: int, seq_len: int, causal: bool) -> GatherPlan:
