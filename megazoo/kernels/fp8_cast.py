@@ -54,19 +54,14 @@ def quantize_reference(t: torch.Tensor, dtype: torch.dtype, rowwise: bool,
     return q, scale.reciprocal()
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled():
-    # dynamic=None: a second shape makes the sizes symbolic instead of recompiling per layer.
-    return torch.compile(quantize_reference, dynamic=None)
-
-
 def _transpose_reference(q: torch.Tensor) -> torch.Tensor:
     return q.t().contiguous()
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled_transpose():
-    return torch.compile(_transpose_reference, dynamic=None)
+@functools.lru_cache(maxsize=2)
+def _compiled(fn):
+    # dynamic=None: a second shape makes the sizes symbolic instead of recompiling per layer.
+    return torch.compile(fn, dynamic=None)
 
 
 @functools.lru_cache(maxsize=1)
@@ -96,7 +91,7 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, rowwise: bool, transpose: bool
     if impl == "eager":
         return quantize_reference(t, dtype, rowwise, transpose)
     if impl == "compile":
-        return _compiled()(t, dtype, rowwise, transpose)
+        return _compiled(quantize_reference)(t, dtype, rowwise, transpose)
     kernels = _triton_kernels()
     return (kernels.quantize_rows(t, dtype, fp8_max(dtype), EPS, transpose) if rowwise
             else kernels.quantize_tensor(t, dtype, fp8_max(dtype), EPS, transpose))
@@ -118,5 +113,5 @@ def transpose(q: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     if impl == "eager":
         return _transpose_reference(q)
     if impl == "compile":
-        return _compiled_transpose()(q)
+        return _compiled(_transpose_reference)(q)
     return _triton_kernels().transpose_bytes(q)

@@ -94,7 +94,9 @@ def default_init(std: float = 0.02, key: str = "weight") -> NormalInit:
 
 
 def init_shard_(weight: torch.Tensor, init_method, row_offset: int, col_offset: int) -> None:
-    """Initialise a weight shard: NormalInit fills its slice; any other callable gets the shard."""
+    """Initialise a weight shard: NormalInit fills its slice; any other callable gets the shard;
+    None means `default_init()`."""
+    init_method = init_method or default_init()
     if isinstance(init_method, NormalInit):
         init_method.fill_(weight, row_offset, col_offset)
     elif weight.device.type != "meta":
