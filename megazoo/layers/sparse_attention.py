@@ -218,7 +218,7 @@ class SparseAttention:
         self.head_range = (0, num_heads) if head_range is None else tuple(head_range)
         self.seed, self.backend = seed, backend
         self._layouts: dict = {}
-        self._masks: dict = {}
+        self._prepared: dict = {}
 
     def layout(self, seq_len: int) -> torch.Tensor:
         """Bool [h1 - h0, nb, nb] on CPU, nb = ceil(s / block): the layout of s rounded up to
@@ -229,20 +229,13 @@ class SparseAttention:
                                                  causal=self.causal, heads=self.head_range)
         return self._layouts[seq_len]
 
-    def prepared(self, seq_len: int, device, backend: str):
-        """`prepare`'s (block_mask, plan), built once per (s, device, backend)."""
-        key = (seq_len, str(device), backend)
-        if key not in self._masks:
-            self._masks[key] = prepare(self.layout(seq_len), self.config.block, self.causal,
-                                       seq_len, device, backend)
-        return self._masks[key]
-
     def __call__(self, q, k, v, *, alibi_slopes=None, scale=None) -> torch.Tensor:
-        lay = self.layout(q.shape[0])
-        name = _select(self.backend, q, k, v, alibi_slopes is not None, self.config.block)
-        mask, plan = None, None
-        if name != "math":
-            mask, plan = self.prepared(q.shape[0], q.device, name)
-        return sparse_attention(q, k, v, lay, self.config.block, causal=self.causal, scale=scale,
+        s, block = q.shape[0], self.config.block
+        name = _select(self.backend, q, k, v, alibi_slopes is not None, block)
+        key = (s, str(q.device), name)
+        if name != "math" and key not in self._prepared:  # `prepare` once per (s, device)
+            self._prepared[key] = prepare(self.layout(s), block, self.causal, s, q.device, name)
+        mask, plan = self._prepared.get(key, (None, None))
+        return sparse_attention(q, k, v, self.layout(s), block, causal=self.causal, scale=scale,
                                 alibi_slopes=alibi_slopes, backend=name, block_mask=mask,
                                 plan=plan)

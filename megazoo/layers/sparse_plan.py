@@ -116,10 +116,8 @@ def build_plan(block_layout: torch.Tensor, block: int, seq_len: int, causal: boo
     vblock, vcode = _key_blocks(owner, TILE // block)
     key_pos, key_code = _to_tokens(vblock, vcode, block, seq_len)
     partial, full = _main_tiles(owner, vblock, vcode, whole, causal, TILE // block)
-    plan = GatherPlan(block, seq_len, causal, owner, key_pos, key_code, partial, full,
-                      None, None, None, None)
-    _add_rows(plan, whole)
-    return plan
+    rows = _dense_rows(owner, whole, block, seq_len, causal)
+    return GatherPlan(block, seq_len, causal, owner, key_pos, key_code, partial, full, *rows)
 
 
 def _owners(lay: torch.Tensor, r: int, causal: bool) -> torch.Tensor:
@@ -238,20 +236,18 @@ def _main_tiles(owner, vblock, vcode, whole, causal, r):
     return _grid(seen, fullable, r)
 
 
-def _add_rows(plan: GatherPlan, whole: torch.Tensor) -> None:
-    """The dense rows: their query positions, output slots and kernel tiles over the s keys."""
-    nb, block, s = plan.owner.shape[1], plan.block, plan.seq_len
-    r = TILE // block
-    is_row = (plan.owner == ROW).any(-1)  # [hp, nb]
+def _dense_rows(owner: torch.Tensor, whole: torch.Tensor, block: int, s: int, causal: bool):
+    """The dense rows' (row_pos, row_dst, row_partial, row_full): query positions, output slots
+    and kernel tiles over the s keys; all None without dense rows."""
+    nb, r = owner.shape[1], TILE // block
+    is_row = (owner == ROW).any(-1)  # [hp, nb]
     if not is_row.any():
-        return
+        return None, None, None, None
     rows, real = _selected(is_row, r)  # [hp, Rb]
     pos = (rows[:, :, None] * block + torch.arange(block, device=rows.device)).flatten(1)
     keep = real.repeat_interleave(block, 1) & (pos < s)
-    plan.row_pos = torch.where(keep, pos, 0)
-    plan.row_dst = torch.where(keep, pos, s)
-    seen = (plan.owner.gather(1, rows[:, :, None].expand(-1, -1, nb)) == ROW) & real[:, :, None]
+    seen = (owner.gather(1, rows[:, :, None].expand(-1, -1, nb)) == ROW) & real[:, :, None]
     fullable = whole[rows][:, :, None] & whole[None, None, :]
-    if plan.causal:
+    if causal:
         fullable = fullable & (torch.arange(nb, device=rows.device)[None, None, :] < rows[:, :, None])
-    plan.row_partial, plan.row_full = _grid(seen, fullable, r)
+    return (torch.where(keep, pos, 0), torch.where(keep, pos, s), *_grid(seen, fullable, r))
