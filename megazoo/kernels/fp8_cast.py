@@ -13,16 +13,9 @@ with largest finite value `fp8_max` (448 for e4m3fn, 57344 for e5m2):
 With `transpose=True` the same is computed for `t.t()` and `q` is written `[C, R]`
 row-major: the backward GEMMs need the operands along the other axis (see `fp8.py`).
 
-Three implementations compute it; `quantize(..., impl=)` picks one:
-
-* ``"eager"``   -- the definition as separate PyTorch ops (amax, divide, multiply, cast):
-  the CPU emulation, and the unfused baseline on a GPU;
-* ``"compile"`` -- the same function through ``torch.compile`` (one generated kernel per
-  reduction and cast; the transpose folds into the cast's store);
-* ``"triton"``  -- the hand-written kernels of ``megazoo.kernels.triton_fp8`` (imported
-  only when triton is installed and the tensor is on a GPU).
-
-``"auto"`` is eager on CPU, else triton where it imports, else compile.
+`quantize(..., impl=)` computes it as separate PyTorch ops (``"eager"``: the CPU emulation),
+through ``torch.compile`` (``"compile"``) or with the kernels of ``triton_fp8``
+(``"triton"``); ``"auto"`` is eager on CPU, else triton where it imports, else compile.
 """
 from __future__ import annotations
 

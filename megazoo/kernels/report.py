@@ -1,4 +1,4 @@
-"""Which implementation each fused kernel uses on this machine, and why (``python -m megazoo.kernels``).
+"""Which implementation each fused kernel uses here, and why (``python -m megazoo.kernels``).
 
 On a GPU each kernel also runs once through Triton, forward and backward, on a small probe, so
 that a kernel that fails to compile shows up here with its error's first line rather than in

@@ -50,9 +50,7 @@ class AttentionRequest:
     """CUDA compute capability of the device ((0, 0) elsewhere)."""
 
 
-# From this compute capability on, SDPA's causal kernel (cuDNN's fused attention on Hopper)
-# is faster than flash-attn 2 for attention without ALiBi, so `auto` prefers sdpa there
-# (bench/README.md, stream_priority_probe.py, has the comparison).
+# From Hopper on, SDPA's causal kernel (cuDNN's fused attention) beats flash-attn 2 without ALiBi.
 SDPA_FIRST_CAPABILITY = (9, 0)
 
 

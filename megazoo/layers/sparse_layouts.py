@@ -33,8 +33,7 @@ the attention is causal.
 `causal=True` (decoder models) intersects any layout with the block lower triangle; the
 token-level causality inside diagonal tiles is applied by the attention itself.
 
-`megazoo-sparse-layout --sparse-attention-mode bigbird --sparse-block 64 --seq 4096 --out
-layout.png` prints a layout's density per head and draws it (`megazoo.cli.sparse_layout`).
+`megazoo-sparse-layout` (`megazoo.cli.sparse_layout`) prints a layout's density and draws it.
 """
 from __future__ import annotations
 

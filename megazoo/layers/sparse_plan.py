@@ -249,5 +249,6 @@ def _dense_rows(owner: torch.Tensor, whole: torch.Tensor, block: int, s: int, ca
     seen = (owner.gather(1, rows[:, :, None].expand(-1, -1, nb)) == ROW) & real[:, :, None]
     fullable = whole[rows][:, :, None] & whole[None, None, :]
     if causal:
-        fullable = fullable & (torch.arange(nb, device=rows.device)[None, None, :] < rows[:, :, None])
+        earlier = torch.arange(nb, device=rows.device)[None, None, :] < rows[:, :, None]
+        fullable = fullable & earlier
     return (torch.where(keep, pos, 0), torch.where(keep, pos, s), *_grid(seen, fullable, r))
