@@ -111,7 +111,13 @@ class UlyssesAttention(nn.Module):
         heads = num_heads // (self.layout.tp * self.layout.sp)
         self.head_range = (self.first_head, self.first_head + heads)  # global heads held
         self._send_index = self.layout.ulysses_send_index()  # [sp * f] int64, or None
-        self.sparse = None if sparse is None else self._sparse(sparse, causal, attention_dropout)
+        self.sparse = None  # or SparseAttention over the global heads this rank holds
+        if sparse is not None:
+            if attention_dropout > 0:
+                raise ValueError(f"attention_dropout {attention_dropout} is not supported with "
+                                 f"sparse attention: set it to 0")
+            self.sparse = SparseAttention(sparse, num_heads, self.head_range, causal=causal,
+                                          backend="math" if attention_backend == "math" else "auto")
         # Per-device caches, not buffers: module.to(bfloat16) must not round the slopes.
         self._on_device: dict[tuple[str, torch.device], torch.Tensor] = {}
 
@@ -123,14 +129,6 @@ class UlyssesAttention(nn.Module):
             full = alibi_slopes(self.layout.num_heads, device=device)
             self._on_device["slopes", device] = full[slice(*self.head_range)]
         return self._on_device["slopes", device]
-
-    def _sparse(self, config, causal: bool, dropout: float) -> SparseAttention:
-        """SparseAttention over the global heads this rank holds."""
-        if dropout > 0:
-            raise ValueError(f"attention_dropout {dropout} is not supported with sparse "
-                             f"attention: set it to 0")
-        return SparseAttention(config, self.layout.num_heads, self.head_range, causal=causal,
-                               backend="math" if self.attention_backend == "math" else "auto")
 
     def send_index(self, device) -> torch.Tensor | None:
         """Feature indices of the first all-to-all's send buffer when kv heads are replicated."""
