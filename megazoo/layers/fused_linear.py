@@ -38,9 +38,9 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
         set_tp_layout(self.weight, 0, parts=parts)
         if self.bias is not None:
             set_tp_layout(self.bias, 0, parts=parts)
-        first_rows = itertools.accumulate(parts[:-1], initial=0)  # of each block, in the full
+        first_rows = itertools.accumulate(parts[:-1], initial=0)  # each block's, in the full W
         for block, first, n in zip(self.weight.split(local), first_rows, local):
-            init_shard_(block, init_method, first + group_rank(group) * n, 0)  # its rows of it
+            init_shard_(block, init_method, first + group_rank(group) * n, 0)
 
     def extra_repr(self) -> str:
         return f"parts={self.parts}, " + super().extra_repr()
