@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-#: Implementation names, in the order the report lists them.
+#: Implementation names.
 IMPLS = ("triton", "cuda", "torch")
 #: A CUDA C++ loader: device index -> (the extension module or None, one line saying why).
 CudaLoader = Callable[[int], "tuple[ModuleType | None, str]"]
@@ -38,9 +38,6 @@ class Choice:
     impl: str
     """``"triton"``, ``"cuda"`` or ``"torch"``."""
     reason: str
-
-    def __str__(self) -> str:
-        return f"{self.impl} ({self.reason})"
 
 
 def first_line(exc: BaseException, limit: int = 160) -> str:

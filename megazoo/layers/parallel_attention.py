@@ -92,15 +92,13 @@ class _FusedQKVInit:
     def __init__(self, init, blocks: list[tuple[int, int]]):
         self.init, self.blocks = init, blocks
 
-    @torch.no_grad()
-    def __call__(self, weight: torch.Tensor) -> None:
+    def __call__(self, weight: torch.Tensor) -> None:  # under no_grad (`init_shard_`)
         if not isinstance(self.init, NormalInit):  # a plain callable sees the local shard
             self.init(weight)
             return
-        local = 0
-        for first_row, rows in self.blocks:
-            self.init.fill_(weight[local:local + rows], first_row, 0)
-            local += rows
+        blocks = weight.split([rows for _, rows in self.blocks])
+        for block, (first_row, _) in zip(blocks, self.blocks):
+            self.init.fill_(block, first_row, 0)
 
 
 class SumReplicatedKV:
