@@ -1,14 +1,9 @@
 """Which implementation runs a fused kernel, and why: Triton, CUDA C++ or PyTorch.
 
-Three implementations compute each function (see the package docstring):
-
-* ``"torch"``  -- the pure-PyTorch fallback, always available, the reference;
-* ``"triton"`` -- a Triton kernel (``megazoo.kernels.triton_*``), where triton imports
-  and the tensor is on a CUDA device (or, on CPU, when ``TRITON_INTERPRET=1`` is set
-  and the caller asks for ``impl="triton"`` explicitly: that is how CPU tests run them);
-* ``"cuda"``   -- a CUDA C++ kernel, for a caller that passes its loader (``cuda=``:
-  device index -> (module or None, why)); none of the library's kernels has one
-  (bench/experimental/kernels/gelu.py does).
+``"torch"`` is the pure-PyTorch reference, always available; ``"triton"`` a kernel of
+``megazoo.kernels.triton_*``, for CUDA tensors where triton imports (CPU tests run it under
+``TRITON_INTERPRET=1`` by asking for it); ``"cuda"`` a CUDA C++ kernel, for a caller that
+passes its loader (``cuda=``: device index -> (module or None, why)).
 
 Everything loaded is cached with ``functools.lru_cache`` (the only module state): a
 failure is remembered with its first line, so it is tried once per process.
