@@ -6,11 +6,9 @@
                               tp_group=state.tp, sp_group=state.sp, megatron_sp=True)
     y = dense(attention(qkv(x)))
 
-`AttentionConfig` says what the layer computes (sizes, positions, biases, dropout, backend);
-the constructor adds where it runs (the tp and Ulysses groups, Megatron sequence
-parallelism), how its weights start, and whether its parameter-free core (RoPE, the Ulysses
-all-to-alls, softmax(QK^T)V) is recomputed in backward (`recompute_core`, selective
-recompute).
+`AttentionConfig` says what the layer computes; the constructor adds where it runs, how its
+weights start, and whether its parameter-free core (RoPE, the all-to-alls, softmax(QK^T)V)
+is recomputed in backward (`recompute_core`).
 
 | tensor | shape on rank (tp r, sp j) |
 |---|---|

@@ -30,10 +30,9 @@ is empty"); DeepSpeed's code left a few tiles above the diagonal (global ranges 
 block, variable's random blocks). Within a diagonal tile tokens still see later tokens unless
 the attention is causal.
 
-`causal=True` (decoder models) intersects any layout with the block lower triangle; the
-token-level causality inside diagonal tiles is applied by the attention itself.
-
-`megazoo-sparse-layout` (`megazoo.cli.sparse_layout`) prints a layout's density and draws it.
+`causal=True` (decoder models) intersects any layout with the block lower triangle (the
+attention applies the token-level causality inside diagonal tiles). `megazoo-sparse-layout`
+prints a layout's density and draws it.
 """
 from __future__ import annotations
 
