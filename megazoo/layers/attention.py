@@ -84,12 +84,8 @@ def unsupported_reason(backend: str, req: AttentionRequest) -> str | None:
 
 
 def select_backend(requested: str, req: AttentionRequest) -> str:
-    """The backend to run: `requested` if it can, else a ValueError; "auto" picks one that can.
-
-    auto: sdpa without ALiBi on CUDA from SDPA_FIRST_CAPABILITY on; else flash when it can;
-    FlexAttention for ALiBi on CUDA (no s x s bias); otherwise sdpa, which handles every
-    feature (ALiBi through a materialised bias).
-    """
+    """The backend to run: `requested` if it can, else a ValueError; "auto" picks one that can
+    (the module docstring's order)."""
     if requested != "auto":
         reason = unsupported_reason(requested, req)
         if reason is not None:

@@ -106,13 +106,9 @@ _WEIGHT_CASTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def fp8_weight_cache():
-    """Within this block each FP8 weight is cast once, however many micro-batches use it.
-
-    The training engines wrap one step's micro-batches (forward and backward) in it: the
-    weights cannot change before the optimizer step, so the forward operand (and the
-    backward's transposed one) of a weight is computed by its first micro-batch and reused by
-    the others. Outside the block every call casts afresh. The casts are dropped on exit.
-    """
+    """Within this block each FP8 weight is cast once, however many micro-batches use it:
+    the training engines wrap one step's micro-batches in it (the weights cannot change before
+    the optimizer step). Outside it every call casts afresh; the casts are dropped on exit."""
     token = _WEIGHT_CASTS.set({})
     try:
         yield
