@@ -70,19 +70,6 @@ def triton_module(family: str) -> ModuleType:
     return importlib.import_module(family if "." in family else f"megazoo.kernels.triton_{family}")
 
 
-def check_requested(impl: str, x: torch.Tensor) -> None:
-    """Raise a RuntimeError saying why an explicitly requested `impl` cannot run on `x`."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
-    if impl == "triton":
-        ok, reason = triton_status()
-        if not ok:
-            raise RuntimeError(f"impl='triton' requested but {reason}")
-        if not x.is_cuda and not interpreting():
-            raise RuntimeError("impl='triton' on a CPU tensor needs TRITON_INTERPRET=1 "
-                               "(set before megazoo.kernels' Triton kernels are imported)")
-
-
 def automatic(x: torch.Tensor, *, unsupported: str | None = None) -> list[Choice]:
     """Implementations usable for `x` when the caller names none, best first; torch last.
 
@@ -106,7 +93,15 @@ def pick(x: torch.Tensor, impl: str | None, *, unsupported: str | None = None) -
     """
     if impl is None:
         return automatic(x, unsupported=unsupported)[0].impl
-    check_requested(impl, x)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
+    if impl == "triton":
+        ok, reason = triton_status()
+        if not ok:
+            raise RuntimeError(f"impl='triton' requested but {reason}")
+        if not x.is_cuda and not interpreting():
+            raise RuntimeError("impl='triton' on a CPU tensor needs TRITON_INTERPRET=1 "
+                               "(set before megazoo.kernels' Triton kernels are imported)")
     if impl != "torch" and unsupported:
         raise RuntimeError(f"impl={impl!r} cannot take these arguments: {unsupported}")
     return impl
