@@ -34,7 +34,7 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(parts), group=group, bias=bias,
                          sequence_parallel=sequence_parallel, init_method=lambda w: None,
                          device=device, dtype=dtype, fp8=fp8)
-        self.parts, self.local_parts = parts, tuple(local)
+        self.parts = parts
         set_tp_layout(self.weight, 0, parts=parts)
         if self.bias is not None:
             set_tp_layout(self.bias, 0, parts=parts)
