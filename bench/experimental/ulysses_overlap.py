@@ -51,12 +51,38 @@ its context). Use it where the attention is built directly (bench/ulysses_bench.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from megazoo.layers.groups import Group, group_size
-from megazoo.layers.mappings import start_all_to_all
+from megazoo.layers.groups import Group, group_size, process_group
 from megazoo.layers.ulysses import UlyssesAttention
 
 DEFAULT_MAX_CHUNKS = 4
+
+
+class PendingAllToAll:
+    """An all_to_all_single in flight (`start_all_to_all`); `wait()` returns the received tensor.
+
+    On NCCL the collective runs on the communication stream and `wait()` makes the current
+    stream wait for it, so compute issued in between overlaps the transfer; on gloo it runs on
+    a background thread. Keep the send buffer alive until `wait()` (this object holds it).
+    """
+
+    def __init__(self, work, send: torch.Tensor, recv: torch.Tensor):
+        self.work, self.send, self.recv = work, send, recv
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        self.send = None
+        return self.recv
+
+
+def start_all_to_all(send: torch.Tensor, group: Group) -> PendingAllToAll:
+    """Asynchronous all-to-all of `send` [n, ...] (block j to rank j) -> recv [n, ...] (block j
+    from rank j), same shape. No autograd: the pipeline schedules its own backward."""
+    send = send.contiguous()
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=process_group(group), async_op=True)
+    return PendingAllToAll(work, send, recv)
 
 
 def choose_num_chunks(kv_groups: int, requested: int | None) -> int:

@@ -13,14 +13,9 @@ device and dtype):
 Softmax, bias + GeLU and RoPE kernels, which no model selects, live in
 ``bench/experimental/kernels`` on the same dispatcher.
 
-Every function takes ``impl=None`` (automatic: the fused kernel for CUDA tensors where one
-can run, else PyTorch) or ``"triton"``, ``"cuda"``, ``"torch"`` to force one. All of them
-compute in float32 and return the input's dtype (bf16, fp16, fp32), forward and backward.
-``python -m megazoo.kernels`` prints which implementation each kernel uses here, and why,
-and whether the C++ dataset helpers are built.
-
-Nothing compiled is imported by ``import megazoo.kernels``: Triton kernels load on the first
-call on a GPU.
+Every function takes ``impl=None`` (automatic, `_dispatch.py`) or a name to force one, and
+computes in float32, returning the input's dtype. ``python -m megazoo.kernels`` prints which
+implementation each kernel uses here, and why. Triton kernels load on the first GPU call.
 """
 from .norms import fused_norm_runs, layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from .report import kernel_report

@@ -1,14 +1,8 @@
-"""Which implementation runs a fused kernel, and why: Triton, CUDA C++ or PyTorch.
+"""Which implementation runs a fused kernel, and why: Triton or PyTorch.
 
-Three implementations compute each function (see the package docstring):
-
-* ``"torch"``  -- the pure-PyTorch fallback, always available, the reference;
-* ``"triton"`` -- a Triton kernel (``megazoo.kernels.triton_*``), where triton imports
-  and the tensor is on a CUDA device (or, on CPU, when ``TRITON_INTERPRET=1`` is set
-  and the caller asks for ``impl="triton"`` explicitly: that is how CPU tests run them);
-* ``"cuda"``   -- a CUDA C++ kernel, for a caller that passes its loader (``cuda=``:
-  device index -> (module or None, why)); none of the library's kernels has one
-  (bench/experimental/kernels/gelu.py does).
+``"torch"`` is the pure-PyTorch reference, always available; ``"triton"`` a kernel of
+``megazoo.kernels.triton_*``, for CUDA tensors where triton imports (CPU tests run it under
+``TRITON_INTERPRET=1`` by asking for it).
 
 Everything loaded is cached with ``functools.lru_cache`` (the only module state): a
 failure is remembered with its first line, so it is tried once per process.
@@ -21,14 +15,11 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
 
 import torch
 
-#: Implementation names, in the order the report lists them.
-IMPLS = ("triton", "cuda", "torch")
-#: A CUDA C++ loader: device index -> (the extension module or None, one line saying why).
-CudaLoader = Callable[[int], "tuple[ModuleType | None, str]"]
+#: Implementation names.
+IMPLS = ("triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -36,11 +27,8 @@ class Choice:
     """The implementation a call uses and one line saying why."""
 
     impl: str
-    """``"triton"``, ``"cuda"`` or ``"torch"``."""
+    """``"triton"`` or ``"torch"`` (the data helpers': ``"cpp"`` or ``"numpy"``)."""
     reason: str
-
-    def __str__(self) -> str:
-        return f"{self.impl} ({self.reason})"
 
 
 def first_line(exc: BaseException, limit: int = 160) -> str:
@@ -82,8 +70,29 @@ def triton_module(family: str) -> ModuleType:
     return importlib.import_module(family if "." in family else f"megazoo.kernels.triton_{family}")
 
 
-def check_requested(impl: str, x: torch.Tensor, cuda: CudaLoader | None) -> None:
-    """Raise a RuntimeError saying why an explicitly requested `impl` cannot run on `x`."""
+def automatic(x: torch.Tensor, *, unsupported: str | None = None) -> list[Choice]:
+    """Implementations usable for `x` when the caller names none, best first; torch last.
+
+    `unsupported` is why the fused kernels cannot take these arguments (a shape limit, a
+    dtype), or None.
+    """
+    if not x.is_cuda:
+        return [Choice("torch", f"tensor on {x.device.type}: fused kernels need a CUDA GPU")]
+    if unsupported:
+        return [Choice("torch", unsupported)]
+    ok, reason = triton_status()
+    if not ok:
+        return [Choice("torch", reason)]
+    return [Choice("triton", reason), Choice("torch", "fallback")]
+
+
+def pick(x: torch.Tensor, impl: str | None, *, unsupported: str | None = None) -> str:
+    """The implementation to run: the caller's `impl` if it can run, else the first automatic.
+
+    A requested impl that cannot run raises RuntimeError saying why (never silently slower).
+    """
+    if impl is None:
+        return automatic(x, unsupported=unsupported)[0].impl
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
     if impl == "triton":
@@ -93,51 +102,6 @@ def check_requested(impl: str, x: torch.Tensor, cuda: CudaLoader | None) -> None
         if not x.is_cuda and not interpreting():
             raise RuntimeError("impl='triton' on a CPU tensor needs TRITON_INTERPRET=1 "
                                "(set before megazoo.kernels' Triton kernels are imported)")
-    if impl == "cuda":
-        if cuda is None:
-            raise RuntimeError("impl='cuda': this kernel has no CUDA C++ implementation")
-        if not x.is_cuda:
-            raise RuntimeError("impl='cuda' needs a CUDA tensor")
-        module, reason = cuda(x.device.index or 0)
-        if module is None:
-            raise RuntimeError(f"impl='cuda' requested but {reason}")
-
-
-def automatic(x: torch.Tensor, *, cuda: CudaLoader | None = None,
-              unsupported: str | None = None) -> list[Choice]:
-    """Implementations usable for `x` when the caller names none, best first; torch last.
-
-    `unsupported` is why the fused kernels cannot take these arguments (a shape limit, a
-    dtype), or None. The fused candidates come first; the caller picks among them.
-    """
-    if not x.is_cuda:
-        return [Choice("torch", f"tensor on {x.device.type}: fused kernels need a CUDA GPU")]
-    if unsupported:
-        return [Choice("torch", unsupported)]
-    choices = []
-    ok, reason = triton_status()
-    if ok:
-        choices.append(Choice("triton", reason))
-    if cuda is not None:
-        module, cuda_reason = cuda(x.device.index or 0)
-        if module is not None:
-            choices.append(Choice("cuda", cuda_reason))
-        else:
-            reason = f"{reason}; {cuda_reason}"
-    if not choices:
-        return [Choice("torch", reason)]
-    return choices + [Choice("torch", "fallback")]
-
-
-def pick(x: torch.Tensor, impl: str | None, *, cuda: CudaLoader | None = None,
-         unsupported: str | None = None) -> str:
-    """The implementation to run: the caller's `impl` if it can run, else the first automatic.
-
-    A requested impl that cannot run raises RuntimeError saying why (never silently slower).
-    """
-    if impl is None:
-        return automatic(x, cuda=cuda, unsupported=unsupported)[0].impl
-    check_requested(impl, x, cuda)
     if impl != "torch" and unsupported:
         raise RuntimeError(f"impl={impl!r} cannot take these arguments: {unsupported}")
     return impl

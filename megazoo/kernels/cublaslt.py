@@ -19,11 +19,8 @@ already loaded.
 It is an optional accelerator: `gemm` returns False, writing nothing, where it cannot run
 (not Linux, no CUDA, a layout or alignment it does not take, cuBLASLt finding no algorithm),
 and the caller computes the same thing with torch ops. Enum values are cuBLASLt's (the
-same in CUDA 12 and 13). Descriptors and the chosen algorithm are cached per shape, dtype
-and epilogue; the pointers (bias, aux, scales) are set on the cached descriptor before each
-launch, which reads them on the host. The operands are validated once per problem (their
-dtypes, shapes and strides are the cache key); a launch checks only the pointers' alignment
-and passes plain integers to the library.
+same in CUDA 12 and 13). Descriptors and algorithm are validated and cached once per problem
+(dtypes, shapes, strides, epilogue); a launch sets the pointers and checks their alignment.
 """
 from __future__ import annotations
 

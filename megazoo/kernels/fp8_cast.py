@@ -13,26 +13,18 @@ with largest finite value `fp8_max` (448 for e4m3fn, 57344 for e5m2):
 With `transpose=True` the same is computed for `t.t()` and `q` is written `[C, R]`
 row-major: the backward GEMMs need the operands along the other axis (see `fp8.py`).
 
-Three implementations compute it; `quantize(..., impl=)` picks one:
-
-* ``"eager"``   -- the definition as separate PyTorch ops (amax, divide, multiply, cast):
-  the CPU emulation, and the unfused baseline on a GPU;
-* ``"compile"`` -- the same function through ``torch.compile`` (one generated kernel per
-  reduction and cast; the transpose folds into the cast's store);
-* ``"triton"``  -- the hand-written kernels of ``megazoo.kernels.triton_fp8`` (imported
-  only when triton is installed and the tensor is on a GPU).
-
-``"auto"`` is eager on CPU, else triton where it imports, else compile.
+`quantize(..., impl=)` computes it as separate PyTorch ops (``"eager"``: the CPU emulation),
+through ``torch.compile`` (``"compile"``) or with the kernels of ``triton_fp8``
+(``"triton"``); ``"auto"`` is eager on CPU, else triton where it imports, else compile.
 """
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 
 import torch
 
 from ..config.precision import CAST_IMPLS
+from ._dispatch import triton_module, triton_status
 
 EPS = 1e-12
 
@@ -55,30 +47,20 @@ def quantize_reference(t: torch.Tensor, dtype: torch.dtype, rowwise: bool,
     return q, scale.reciprocal()
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled():
-    # dynamic=None: a second shape makes the sizes symbolic instead of recompiling per layer.
-    return torch.compile(quantize_reference, dynamic=None)
-
-
 def _transpose_reference(q: torch.Tensor) -> torch.Tensor:
     return q.t().contiguous()
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled_transpose():
-    return torch.compile(_transpose_reference, dynamic=None)
+@functools.lru_cache(maxsize=2)
+def _compiled(fn):
+    # dynamic=None: a second shape makes the sizes symbolic instead of recompiling per layer.
+    return torch.compile(fn, dynamic=None)
 
 
 @functools.lru_cache(maxsize=1)
 def _triton_kernels():
     """The Triton kernels module, or None when triton does not import (no GPU stack)."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    try:
-        return importlib.import_module("megazoo.kernels.triton_fp8")
-    except Exception:  # a broken triton install must not break FP8: use the compiled path
-        return None
+    return triton_module("fp8") if triton_status()[0] else None
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -102,7 +84,7 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, rowwise: bool, transpose: bool
     if impl == "eager":
         return quantize_reference(t, dtype, rowwise, transpose)
     if impl == "compile":
-        return _compiled()(t, dtype, rowwise, transpose)
+        return _compiled(quantize_reference)(t, dtype, rowwise, transpose)
     kernels = _triton_kernels()
     return (kernels.quantize_rows(t, dtype, fp8_max(dtype), EPS, transpose) if rowwise
             else kernels.quantize_tensor(t, dtype, fp8_max(dtype), EPS, transpose))
@@ -124,5 +106,5 @@ def transpose(q: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     if impl == "eager":
         return _transpose_reference(q)
     if impl == "compile":
-        return _compiled_transpose()(q)
+        return _compiled(_transpose_reference)(q)
     return _triton_kernels().transpose_bytes(q)

@@ -40,13 +40,9 @@ rms_norm = fused_on_gpu(rms_norm_reference)
 
 @fused_on_gpu
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of gate_up = [gate, up] (equal halves of the last dimension).
-
-    It takes the fused matmul's output whole, not its two halves: the backward of splitting
-    outside the compiled function would be a separate `cat` of the two gradients (a read and
-    write of the whole [tokens, 2 ffn] gradient); inside it, the fused backward kernel writes
-    both halves of one gradient itself.
-    """
+    """silu(gate) * up of gate_up = [gate, up] (equal halves of the last dimension), taken
+    whole so that the fused backward kernel writes both halves of one gradient (split outside,
+    their gradients would be joined by a separate `cat`)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

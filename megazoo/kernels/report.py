@@ -1,8 +1,7 @@
-"""Which implementation each fused kernel uses on this machine, and why (``python -m megazoo.kernels``).
+"""Which implementation each fused kernel uses here, and why (``python -m megazoo.kernels``).
 
-For each kernel the report builds a small probe input on the device, asks the dispatcher
-what an automatic call would run, and (on a GPU) runs it once forward and backward so that
-a kernel that fails to compile shows up here with its error's first line rather than in
+On a GPU each kernel also runs once through Triton, forward and backward, on a small probe, so
+that a kernel that fails to compile shows up here with its error's first line rather than in
 training. On a CPU-only machine nothing is compiled or run.
 """
 from __future__ import annotations
@@ -12,6 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from . import _dispatch, norms
+
+#: kernel name -> (function, whether the probe passes the weight as a bias too)
+KERNELS = {"layer_norm": (norms.layer_norm, True), "rms_norm": (norms.rms_norm, False)}
 
 
 @dataclass(frozen=True)
@@ -25,45 +27,17 @@ class KernelStatus:
     reason: str
 
 
-def _probes(device: torch.device, dtype: torch.dtype) -> dict:
-    """kernel name -> (call(impl) running forward + backward, unsupported reason)."""
-    def run(fn):
-        out = fn()
-        out.float().sum().backward()
-        return out
-
-    x = torch.randn(8, 1000, device=device, dtype=dtype, requires_grad=True)
-    w = torch.randn(1000, device=device, dtype=dtype, requires_grad=True)
-    return {
-        "layer_norm": (lambda i: run(lambda: norms.layer_norm(x, w, w, impl=i)),
-                       norms.unsupported(x)),
-        "rms_norm": (lambda i: run(lambda: norms.rms_norm(x, w, impl=i)), norms.unsupported(x)),
-    }
-
-
-def _try(call, impl: str) -> str:
-    """'ok' if impl runs forward + backward on the probe, else the error's first line."""
+def _try_triton(kernel: str, device: torch.device) -> str:
+    """'ok' if the kernel runs through Triton forward + backward on a probe, else the error's
+    first line."""
+    fn, with_bias = KERNELS[kernel]
+    x = torch.randn(8, 1000, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1000, device=device, dtype=torch.bfloat16, requires_grad=True)
     try:
-        call(impl)
+        fn(x, w, *([w] if with_bias else []), impl="triton").float().sum().backward()
         return "ok"
     except Exception as exc:  # report, do not raise: the table is a diagnosis
         return f"failed: {_dispatch.first_line(exc)}"
-
-
-def _status_of(name: str, call, unsupported, device: torch.device) -> KernelStatus:
-    """The report row of one kernel on `device`."""
-    triton_ok, triton_reason = _dispatch.triton_status()
-    triton_col = triton_reason if triton_ok else f"no: {triton_reason}"
-    if device.type != "cuda":
-        why = f"no CUDA GPU (device {device.type})"
-        if not triton_ok:
-            why += f"; {triton_reason}"
-        return KernelStatus(name, "torch", triton_col, why)
-    if triton_ok:
-        triton_col = f"{triton_reason}: {_try(call, 'triton')}"
-    probe = torch.empty(1, device=device)
-    choice = _dispatch.automatic(probe, unsupported=unsupported)[0]
-    return KernelStatus(name, choice.impl, triton_col, choice.reason)
 
 
 def kernel_report(device: str | torch.device | None = None) -> list[KernelStatus]:
@@ -71,10 +45,20 @@ def kernel_report(device: str | torch.device | None = None) -> list[KernelStatus
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    triton_ok, triton_reason = _dispatch.triton_status()
     rows = []
-    for name, (call, unsupported) in _probes(device, dtype).items():
-        rows.append(_status_of(name, call, unsupported, device))
+    for kernel in KERNELS:
+        triton_col = triton_reason if triton_ok else f"no: {triton_reason}"
+        if device.type != "cuda":
+            why = f"no CUDA GPU (device {device.type})"
+            rows.append(KernelStatus(kernel, "torch", triton_col,
+                                     why if triton_ok else f"{why}; {triton_reason}"))
+            continue
+        if triton_ok:
+            triton_col = f"{triton_reason}: {_try_triton(kernel, device)}"
+        probe = torch.empty(8, 1000, device=device, dtype=torch.bfloat16)
+        choice = _dispatch.automatic(probe, unsupported=norms.unsupported(probe))[0]
+        rows.append(KernelStatus(kernel, choice.impl, triton_col, choice.reason))
     return rows
 
 

@@ -9,8 +9,7 @@ Imported only where triton works (CUDA tensors, or CPU tensors under TRITON_INTE
 
 One program per (row, block of BLOCK elements): the error-feedback add, the block's scale,
 the codes, their bit packing, the decoded value and the new residual happen in registers, so
-the encoder reads x and err once and writes err and the wire once (~12 bytes per fp32
-element plus the wire), where the eager chain makes 10-15 passes. The decoder reads each
+the encoder reads x and err once and writes err and the wire once. The decoder reads each
 row's bytes once; summing, it adds the rows in rank order in registers (every rank runs the
 same kernel, so every rank gets the same bits).
 

@@ -17,8 +17,7 @@ into one float32 with `atomic_max` (values are non-negative, so float ordering i
 ordering), then an elementwise cast kernel reads that amax on the GPU: no host
 synchronisation; `quantize_tensor_both`'s cast kernel writes each tile twice, as it is and
 transposed, so a tensor both backward GEMMs need in both layouts is read once.
-`transpose_bytes` moves FP8 bytes in square tiles (PyTorch's strided copy
-of 1-byte elements is several times slower).
+`transpose_bytes` moves FP8 bytes in square tiles.
 """
 from __future__ import annotations
 

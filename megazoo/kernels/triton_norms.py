@@ -23,8 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-#: Widest row a single program holds (elements); wider rows use the PyTorch fallback.
-MAX_N = 65536
 _WARP_CONFIGS = [triton.Config({}, num_warps=w) for w in (4, 8, 16)]
 
 

@@ -5,10 +5,9 @@ Imported only where triton works (CUDA tensors, or CPU tensors under TRITON_INTE
     wire = encode_with_error(x, err, weight, chunk=65536, k=656, wire_dtype=torch.float32)
 
 One program per chunk finds the chunk's k-th largest score exactly by radix selection and
-writes the chosen entries, where the eager codec runs torch.topk (a multi-kernel radix
-select over the whole bucket) between an add, an abs, a gather and a scatter, each launched
-per bucket. The score is |x| (times `weight`), a non-negative float, so its bits read as an
-int32 sort like the float; the program walks the chunk five times:
+writes the chosen entries, in one launch per bucket. The score is |x| (times `weight`), a
+non-negative float, so its bits read as an int32 sort like the float; the program walks the
+chunk five times:
 
 1. sum: err += x (stored: err is the error-feedback sum from here on), and a histogram of
    the score's bits 30-23;
@@ -19,9 +18,7 @@ int32 sort like the float; the program walks the chunk five times:
    k are taken, is written to the wire (value in the wire dtype, uint16 offset as int16 -
    32768) in index order, and its residual becomes its wire rounding.
 
-It reads ~28 bytes per fp32 element (+20 with a weight, read in every pass) in one launch
-per bucket, where the eager path launches about ten kernels besides torch.topk's own. The
-choice is the k largest scores with ties to the lowest index: the same set as torch.topk's
+The choice is the k largest scores with ties to the lowest index: the same set as torch.topk's
 wherever no two scores tie at the k-th largest (torch breaks such ties in no stated order),
 and the positions of a padded last chunk score 0, as the eager codec's zero padding does.
 """

@@ -50,9 +50,7 @@ class AttentionRequest:
     """CUDA compute capability of the device ((0, 0) elsewhere)."""
 
 
-# From this compute capability on, SDPA's causal kernel (cuDNN's fused attention on Hopper)
-# is faster than flash-attn 2 for attention without ALiBi, so `auto` prefers sdpa there
-# (bench/README.md, stream_priority_probe.py, has the comparison).
+# From Hopper on, SDPA's causal kernel (cuDNN's fused attention) beats flash-attn 2 without ALiBi.
 SDPA_FIRST_CAPABILITY = (9, 0)
 
 
@@ -86,12 +84,8 @@ def unsupported_reason(backend: str, req: AttentionRequest) -> str | None:
 
 
 def select_backend(requested: str, req: AttentionRequest) -> str:
-    """The backend to run: `requested` if it can, else a ValueError; "auto" picks one that can.
-
-    auto: sdpa without ALiBi on CUDA from SDPA_FIRST_CAPABILITY on; else flash when it can;
-    FlexAttention for ALiBi on CUDA (no s x s bias); otherwise sdpa, which handles every
-    feature (ALiBi through a materialised bias).
-    """
+    """The backend to run: `requested` if it can, else a ValueError; "auto" picks one that can
+    (the module docstring's order)."""
     if requested != "auto":
         reason = unsupported_reason(requested, req)
         if reason is not None:
@@ -107,7 +101,8 @@ def select_backend(requested: str, req: AttentionRequest) -> str:
     return "sdpa"
 
 
-def _check_inputs(q, k, v, padding_mask, alibi_slopes, causal) -> None:
+def check_attention_inputs(q, k, v, padding_mask, alibi_slopes, causal) -> None:
+    """ValueError unless the shapes fit (module docstring), before any work."""
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"attention expects q [s, b, hq, d] and k, v [s, b, hk, d]; got "
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -135,7 +130,7 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     outside training). Raises ValueError for shapes that do not fit or a backend that cannot
     compute the request, before any work.
     """
-    _check_inputs(q, k, v, padding_mask, alibi_slopes, causal)
+    check_attention_inputs(q, k, v, padding_mask, alibi_slopes, causal)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     req = AttentionRequest(q.device.type, q.dtype, q.shape[-1], alibi_slopes is not None,
                            padding_mask is not None, dropout_p > 0.0,

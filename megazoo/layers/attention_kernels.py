@@ -3,10 +3,9 @@
 Both take the shapes of `attention.core_attention` (q [s, b, hq, d], k, v [s, b, hk, d]) and
 return [s, b, hq, d]; the pure-PyTorch backends in attention.py compute the same function.
 
-FlexAttention is compiled (torch.compile) on CUDA, once per process on first use; the
-compiled callable and the causal block masks are memoised by `functools.lru_cache` (a cache,
-not configuration: nothing outside this file reads it). On CPU it runs eagerly, forward only
-(torch 2.13 has no CPU backward for it), which is enough to check it computes the same function.
+FlexAttention is compiled (torch.compile) on CUDA, once per process on first use (the
+compiled callable and the causal block masks are cached). On CPU it runs eagerly, forward
+only (torch 2.13 has no CPU backward for it): enough to check it computes the same function.
 """
 from __future__ import annotations
 

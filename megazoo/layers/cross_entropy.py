@@ -27,9 +27,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits_shard, target, group, vocab_size, ignore_index, smoothing):
         shard = logits_shard.shape[-1]
         start = group_rank(group) * shard
-        x = logits_shard.float()  # a copy for fp16/bf16 input, the tensor itself for fp32
-        if x.data_ptr() == logits_shard.data_ptr():
-            x = x.clone()
+        x = logits_shard.to(torch.float32, copy=True)  # one new tensor, worked on in place
         padded = torch.arange(start, start + shard, device=x.device) >= vocab_size
         if start + shard > vocab_size:  # this rank holds padded columns (no device sync)
             x.masked_fill_(padded, float("-inf"))

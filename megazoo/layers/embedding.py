@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .groups import Group, group_rank, group_size
-from .init import default_init, init_shard_
+from .init import init_shard_
 from .mappings import reduce_from_tensor_parallel_region
 from .sharding import set_tp_layout
 
@@ -57,7 +57,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim,
                                                device=device, dtype=dtype))
         set_tp_layout(self.weight, 0, unpadded=num_embeddings)
-        init_shard_(self.weight, init_method or default_init(), self.vocab_start, 0)
+        init_shard_(self.weight, init_method, self.vocab_start, 0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         check_token_ids(ids, self.num_embeddings)

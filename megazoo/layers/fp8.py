@@ -19,9 +19,7 @@ and the weight's transposed operand is its forward cast transposed. Recipe "roww
 scale per row of `a` and per column of `b`, i.e. per index of the non-reduced dimension, so
 each GEMM casts its operands afresh along its own reduction.
 
-Weights change only at the optimizer step: inside `fp8_weight_cache()` (the training
-engines open it around a step's micro-batches) a weight's FP8 operands are computed by its
-first use and reused by every later micro-batch of the step.
+Inside `fp8_weight_cache()` a weight is cast once per step, however many micro-batches use it.
 
 On CUDA the GEMMs are `torch._scaled_mm` (needs compute capability 8.9+: Ada, Hopper), on
 other devices (or with `emulate=True`) an emulation computing the recipe's definition:
@@ -53,11 +51,8 @@ def _cuda_fp8_capable(index: int) -> tuple[bool, str]:
 
 
 def check_fp8_device(recipe: FP8Recipe | None, device: torch.device) -> None:
-    """Raise one line when `recipe` asks for FP8 GEMMs a CUDA device cannot run.
-
-    CPU (and any non-CUDA device) runs the emulation: correct numbers, no speed-up. Layers
-    call this before their first collective, so every rank raises the same error.
-    """
+    """Raise one line when `recipe` asks for FP8 GEMMs a CUDA device cannot run (other devices
+    run the emulation). Layers call it before their first collective, so every rank raises."""
     if recipe is None or recipe.emulate or device.type != "cuda":
         return
     ok, arch = _cuda_fp8_capable(device.index if device.index is not None else 0)
@@ -80,11 +75,8 @@ def check_fp8_run(recipe: FP8Recipe | None, device: torch.device) -> None:
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
               out_dtype: torch.dtype, emulate: bool, fast_accum: bool = False) -> torch.Tensor:
-    """(a @ b) * inv_a * inv_b: a [M, K] row-major fp8, b [K, N] column-major fp8.
-
-    inv_a is [] or [M, 1], inv_b is [] or [1, N] (float32). Emulated: dequantize and multiply
-    in float32, then round to `out_dtype` (the kernel accumulates in float32 too).
-    """
+    """(a @ b) * inv_a * inv_b: a [M, K] row-major fp8, b [K, N] column-major fp8, inv_a []
+    or [M, 1], inv_b [] or [1, N] (float32). Emulated: dequantized, multiplied in float32."""
     if emulate or a.device.type != "cuda":
         return ((a.float() @ b.float()) * inv_a * inv_b).to(out_dtype)
     rowwise = inv_a.dim() > 0
@@ -98,20 +90,14 @@ def _row(inv: torch.Tensor) -> torch.Tensor:
     return inv.reshape(1, -1) if inv.dim() > 0 else inv
 
 
+def _impl(recipe: FP8Recipe) -> str:
+    """The recipe's cast implementation; the emulation uses the eager definition."""
+    return "eager" if recipe.emulate else recipe.cast
+
+
 def _cast(t: torch.Tensor, dtype: torch.dtype, recipe: FP8Recipe, transpose: bool = False):
-    """Quantize t (or t.t()) by the recipe's scaling; the emulation uses the eager definition."""
-    impl = "eager" if recipe.emulate else recipe.cast
-    return quantize(t, dtype, recipe.rowwise, transpose, impl=impl)
-
-
-def _t(q: torch.Tensor, recipe: FP8Recipe) -> torch.Tensor:
-    """A saved FP8 tensor transposed to row-major (tensorwise: same values, same scale)."""
-    return transpose(q, "eager" if recipe.emulate else recipe.cast)
-
-
-def _cast_both(t: torch.Tensor, dtype: torch.dtype, recipe: FP8Recipe):
-    """Tensorwise cast of t in both layouts, (q, q.t() contiguous, inv), from one read of t."""
-    return quantize_both(t, dtype, "eager" if recipe.emulate else recipe.cast)
+    """Quantize t (or t.t()) by the recipe's scaling."""
+    return quantize(t, dtype, recipe.rowwise, transpose, impl=_impl(recipe))
 
 
 _WEIGHT_CASTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
@@ -120,13 +106,9 @@ _WEIGHT_CASTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def fp8_weight_cache():
-    """Within this block each FP8 weight is cast once, however many micro-batches use it.
-
-    The training engines wrap one step's micro-batches (forward and backward) in it: the
-    weights cannot change before the optimizer step, so the forward operand (and the
-    backward's transposed one) of a weight is computed by its first micro-batch and reused by
-    the others. Outside the block every call casts afresh. The casts are dropped on exit.
-    """
+    """Within this block each FP8 weight is cast once, however many micro-batches use it:
+    the training engines wrap one step's micro-batches in it (the weights cannot change before
+    the optimizer step). Outside it every call casts afresh; the casts are dropped on exit."""
     token = _WEIGHT_CASTS.set({})
     try:
         yield
@@ -166,7 +148,7 @@ class _WeightCasts:
                 self._bwd = _cast(self.weight.detach(), r.fwd_dtype, r, transpose=True)
             else:
                 wq, inv_w = self.forward()
-                self._bwd = (_t(wq, r), inv_w)
+                self._bwd = (transpose(wq, _impl(r)), inv_w)  # same values, same scale
         return self._bwd
 
 
@@ -186,7 +168,7 @@ class _FP8Linear(torch.autograd.Function):
             xq, inv_x = _cast(x, f, recipe)                               # [M, K]
             xtq = None
         else:
-            xq, xtq, inv_x = _cast_both(x, f, recipe)                     # [M, K], [K, M]
+            xq, xtq, inv_x = quantize_both(x, f, _impl(recipe))           # [M, K], [K, M]
         wq, inv_w = casts.forward()                                       # [N, K]
         y = scaled_mm(xq, wq.t(), inv_x, _row(inv_w), x.dtype, recipe.emulate,
                       recipe.fast_accum)                                  # [M, N]
@@ -207,7 +189,7 @@ class _FP8Linear(torch.autograd.Function):
         if not r.rowwise:
             xtq, inv_x = ctx.saved_tensors
             if need_dw:
-                dyq, dytq, inv_dy = _cast_both(dy, g, r)                  # [M, N], [N, M]
+                dyq, dytq, inv_dy = quantize_both(dy, g, _impl(r))        # [M, N], [N, M]
             else:
                 dyq, inv_dy = _cast(dy, g, r)
         if need_dx:

@@ -8,10 +8,10 @@ of one rank's blocks sit side by side and need no communication to be taken apar
 """
 from __future__ import annotations
 
-import torch
+import itertools
 
 from .groups import Group, divide, group_rank, group_size
-from .init import NormalInit, default_init
+from .init import default_init, init_shard_
 from .linear import ColumnParallelLinear
 from .sharding import set_tp_layout
 
@@ -34,29 +34,13 @@ class FusedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(parts), group=group, bias=bias,
                          sequence_parallel=sequence_parallel, init_method=lambda w: None,
                          device=device, dtype=dtype, fp8=fp8)
-        self.parts, self.local_parts = parts, tuple(local)
+        self.parts = parts
         set_tp_layout(self.weight, 0, parts=parts)
         if self.bias is not None:
             set_tp_layout(self.bias, 0, parts=parts)
-        self._init_blocks(init_method, group_rank(group))
-
-    @torch.no_grad()
-    def _init_blocks(self, init_method, rank: int) -> None:
-        """Fill each local block with its rows of the full stacked matrix."""
-        if self.weight.device.type == "meta":
-            return
-        start, full_start = 0, 0
-        for full, local in zip(self.parts, self.local_parts):
-            block = self.weight[start:start + local]
-            if isinstance(init_method, NormalInit):
-                init_method.fill_(block, full_start + rank * local, 0)
-            else:
-                init_method(block)
-            start, full_start = start + local, full_start + full
-
-    def split_output(self, y_shard: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """This rank's output of each block: y_shard [.., sum/tp] -> ([.., part_i/tp], ...)."""
-        return y_shard.split(self.local_parts, dim=-1)
+        first_rows = itertools.accumulate(parts[:-1], initial=0)  # each block's, in the full W
+        for block, first, n in zip(self.weight.split(local), first_rows, local):
+            init_shard_(block, init_method, first + group_rank(group) * n, 0)
 
     def extra_repr(self) -> str:
         return f"parts={self.parts}, " + super().extra_repr()

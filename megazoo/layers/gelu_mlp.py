@@ -24,10 +24,8 @@ import torch.nn.functional as F
 from ..kernels.cublaslt import gemm
 from .wgrad import weight_grad
 
-#: Smallest [tokens, ffn] activation (elements, per rank) worth the fused path. The kernels
-#: it saves take time in proportion to that size, while its Python autograd Function and
-#: ctypes launches cost the host a fixed amount per call; below this the GPU saves less than
-#: a host that is the bottleneck loses (bench/README.md, "GELU MLP epilogues").
+#: Smallest [tokens, ffn] activation (elements, per rank) worth the fused path: below it the
+#: GPU time saved is less than the host time its Python and ctypes launches cost.
 MIN_ACTIVATION = 1 << 25
 
 

@@ -83,18 +83,19 @@ class NormalInit:
         return shard
 
 
-def default_init(std: float = 0.02, key: str = "weight") -> NormalInit:
-    """A NormalInit whose seed is drawn from torch's global generator.
+def default_init() -> NormalInit:
+    """A NormalInit (std 0.02) whose seed is drawn from torch's global generator.
 
     Every rank seeded alike (torch.manual_seed) draws the same seed, one draw per layer
     whatever the layout, so the layer is layout-independent without the caller naming seeds.
     """
-    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=None).item())
-    return NormalInit(std=std, seed=seed, key=key)
+    return NormalInit(seed=int(torch.randint(0, 2**31 - 1, (1,)).item()))
 
 
 def init_shard_(weight: torch.Tensor, init_method, row_offset: int, col_offset: int) -> None:
-    """Initialise a weight shard: NormalInit fills its slice; any other callable gets the shard."""
+    """Initialise a weight shard: NormalInit fills its slice; any other callable gets the shard;
+    None means `default_init()`."""
+    init_method = init_method or default_init()
     if isinstance(init_method, NormalInit):
         init_method.fill_(weight, row_offset, col_offset)
     elif weight.device.type != "meta":

@@ -23,7 +23,7 @@ from torch import nn
 from ..config.precision import FP8Recipe
 from .fp8 import check_fp8_device, fp8_linear
 from .groups import Group, divide, group_rank, group_size
-from .init import default_init, init_shard_
+from .init import init_shard_
 from .mappings import (all_reduce, copy_to_tensor_parallel_region,
                        gather_from_sequence_parallel_region, gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
                        reduce_scatter_to_sequence_parallel_region,
@@ -74,7 +74,6 @@ class ColumnParallelLinear(nn.Module):
         set_tp_layout(self.weight, 0)
         if self.bias is not None:
             set_tp_layout(self.bias, 0)
-        init_method = init_method or default_init()
         init_shard_(self.weight, init_method, group_rank(group) * self.out_per_rank, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +122,6 @@ class RowParallelLinear(nn.Module):
         set_tp_layout(self.weight, 1)
         if self.bias is not None and sequence_parallel:
             mark_sequence_parallel(self.bias)
-        init_method = init_method or default_init()
         init_shard_(self.weight, init_method, 0, group_rank(group) * self.in_per_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -194,32 +194,6 @@ def _heads_to_sequence(y: torch.Tensor, group) -> torch.Tensor:
     return out.reshape((s_local,) + mid + (n * f,))
 
 
-class PendingAllToAll:
-    """An all_to_all_single in flight (`start_all_to_all`); `wait()` returns the received tensor.
-
-    On NCCL the collective runs on the communication stream and `wait()` makes the current
-    stream wait for it, so compute issued in between overlaps the transfer; on gloo it runs on
-    a background thread. Keep the send buffer alive until `wait()` (this object holds it).
-    """
-
-    def __init__(self, work, send: torch.Tensor, recv: torch.Tensor):
-        self.work, self.send, self.recv = work, send, recv
-
-    def wait(self) -> torch.Tensor:
-        self.work.wait()
-        self.send = None
-        return self.recv
-
-
-def start_all_to_all(send: torch.Tensor, group: Group) -> PendingAllToAll:
-    """Asynchronous all-to-all of `send` [n, ...] (block j to rank j) -> recv [n, ...] (block j
-    from rank j), same shape. No autograd: for pipelines that schedule their own backward."""
-    send = send.contiguous()
-    recv = torch.empty_like(send)
-    work = dist.all_to_all_single(recv, send, group=process_group(group), async_op=True)
-    return PendingAllToAll(work, send, recv)
-
-
 class _SequenceToHeads(torch.autograd.Function):
     """Ulysses' first all-to-all: from a sequence shard of every head to the full sequence of
     a block of heads. forward: sequence-to-heads all-to-all, backward: heads-to-sequence.

@@ -4,12 +4,10 @@ Both are replicated over tensor-parallel ranks. Under Megatron sequence parallel
 rank normalises only its sequence shard, so its weight gradient is a partial sum: the
 parameters are then tagged with `mark_sequence_parallel` and summed over tp before the step.
 
-On CUDA (with Triton) both run the fused Triton kernels of `megazoo.kernels`: one kernel
-forward and one backward, which end to end beat both F.layer_norm and the compiled RMSNorm
-chain (bench/README.md has the figures). Elsewhere F.layer_norm and the RMSNorm of
-kernels/fusion.py (the kernels' reference, compiled on GPUs) compute the same function;
-RMSNorm rounds the same way on every path (float32 inside, one rounding to x's dtype after
-the weight).
+On CUDA (with Triton) both run the fused Triton kernels of `megazoo.kernels`, one kernel
+forward and one backward. Elsewhere F.layer_norm and the RMSNorm of kernels/fusion.py (the
+kernels' reference, compiled on GPUs) compute the same function; RMSNorm rounds the same way
+on every path (float32 inside, one rounding to x's dtype after the weight).
 """
 from __future__ import annotations
 

@@ -6,11 +6,9 @@
                               tp_group=state.tp, sp_group=state.sp, megatron_sp=True)
     y = dense(attention(qkv(x)))
 
-`AttentionConfig` says what the layer computes (sizes, positions, biases, dropout, backend);
-the constructor adds where it runs (the tp and Ulysses groups, Megatron sequence
-parallelism), how its weights start, and whether its parameter-free core (RoPE, the Ulysses
-all-to-alls, softmax(QK^T)V) is recomputed in backward (`recompute_core`, selective
-recompute).
+`AttentionConfig` says what the layer computes; the constructor adds where it runs, how its
+weights start, and whether its parameter-free core (RoPE, the all-to-alls, softmax(QK^T)V)
+is recomputed in backward (`recompute_core`).
 
 | tensor | shape on rank (tp r, sp j) |
 |---|---|
@@ -20,17 +18,11 @@ recompute).
 | padding_mask | [b, s] bool, full sequence, True = real token (padded keys are masked) |
 | position_ids | [s] or [b, s], full sequence, global positions (RoPE only; default arange(s)) |
 
-**Sharding of the sequence.** Megatron sequence parallelism (over tp) and Ulysses (over sp)
-compose: rank (tp r, sp j) holds the contiguous chunk j*tp + r of s/(tp sp) tokens (chunk j of
-s/sp without Megatron SP); `shard_sequence` / `sequence_shard_range` in ulysses.py give it.
-The QKV layer all-gathers over tp (Megatron SP) to sp shard j, Ulysses trades the sequence for
-heads over sp, and the output layer reduce-scatters over tp back to chunk j*tp + r.
-
-**Fused QKV weight at tp = 1**: kv group after kv group, `[q heads of the group..., k, v]`,
-each head d rows (heads.py has the exact row formula; `qkv_rows(tp_rank)` lists the tp=1
-rows a rank holds). With fewer kv heads than tp ranks the kv heads are replicated: each
-replica's initial value is the tp=1 head (NormalInit fills every block at its tp=1 rows), and
-a gradient hook sums the replicas' gradients over tp, so each copy gets the full tp=1 gradient.
+The sequence shards are those of `sequence_shard_range` (ulysses.py): the QKV layer
+all-gathers over tp (Megatron SP), Ulysses trades the sequence for heads over sp, and the
+output layer reduce-scatters over tp. The fused QKV rows are laid out as heads.py says. With
+fewer kv heads than tp ranks the kv heads are replicated: each replica starts as the tp=1
+head, and a gradient hook sums the replicas' gradients over tp (`SumReplicatedKV`).
 
 **Gradients the caller reduces** (as for every layer): over dp x sp for all parameters (each sp
 rank saw part of the sequence), and `allreduce_sequence_parallel_grads(module, tp)` for the
@@ -98,15 +90,13 @@ class _FusedQKVInit:
     def __init__(self, init, blocks: list[tuple[int, int]]):
         self.init, self.blocks = init, blocks
 
-    @torch.no_grad()
-    def __call__(self, weight: torch.Tensor) -> None:
+    def __call__(self, weight: torch.Tensor) -> None:  # under no_grad (`init_shard_`)
         if not isinstance(self.init, NormalInit):  # a plain callable sees the local shard
             self.init(weight)
             return
-        local = 0
-        for first_row, rows in self.blocks:
-            self.init.fill_(weight[local:local + rows], first_row, 0)
-            local += rows
+        blocks = weight.split([rows for _, rows in self.blocks])
+        for block, (first_row, _) in zip(blocks, self.blocks):
+            self.init.fill_(block, first_row, 0)
 
 
 class SumReplicatedKV:
@@ -140,12 +130,8 @@ class SumReplicatedKV:
 
 class ParallelAttention(nn.Module):
     """Self-attention with tensor parallelism (heads over tp), Megatron sequence parallelism
-    and Ulysses (heads over sp). See the module docstring for shapes and layouts.
-
-    `ParallelAttention(config, *, tp_group=None, sp_group=None, megatron_sp=False,
-    init_method=None, output_init_method=None, recompute_core=False, device=None,
-    dtype=None, fp8=None)`; groups: GroupInfo, ProcessGroup or None (one rank).
-    """
+    and Ulysses (heads over sp). See the module docstring for shapes and layouts; groups:
+    GroupInfo, ProcessGroup or None (one rank)."""
 
     def __init__(self, config: AttentionConfig, *, tp_group: Group = None, sp_group: Group = None,
                  megatron_sp: bool = False, init_method=None, output_init_method=None,
@@ -181,10 +167,6 @@ class ParallelAttention(nn.Module):
                 p.sum_replicated_kv = SumReplicatedKV(tp_group, layout.num_kv_heads, kv_group,
                                                       q_rows)
                 p.register_hook(p.sum_replicated_kv)
-
-    def qkv_rows(self) -> torch.Tensor:
-        """The rows of the tp=1 fused QKV weight (and bias) this rank holds, in local order."""
-        return self.layout.qkv_rows(group_rank(self.tp_group))
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -52,14 +52,6 @@ def alibi_bias(slopes: torch.Tensor, s_q: int, s_k: int, dtype=torch.float32) ->
     return (-slopes.float()[:, None, None] * distance).to(dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float = 10000.0, device=None) -> torch.Tensor:
-    """theta^(-2i/d) for i < d/2 (float32, [d/2]), LLaMA's default rotary frequencies."""
-    if head_dim % 2 != 0:
-        raise ValueError(f"RoPE needs an even head dimension, got head_dim={head_dim}")
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    return 1.0 / (theta ** exponent)
-
-
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float = 10000.0,
                  dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary factors for global positions, laid out sequence first.
@@ -67,9 +59,12 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float = 10000
     position_ids [s] or [b, s] -> cos, sin [s, 1, d] or [s, b, d] (in `dtype`). Angles are
     computed in float32 and rounded to `dtype` afterwards, as `LlamaRotaryEmbedding` does.
     """
+    if head_dim % 2 != 0:
+        raise ValueError(f"RoPE needs an even head dimension, got head_dim={head_dim}")
     if position_ids.dim() == 1:
         position_ids = position_ids[None, :]
-    inv_freq = rope_inv_freq(head_dim, theta, device=position_ids.device)
+    exponent = torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponent)  # theta^(-2i/d): LLaMA's rotary frequencies, [d/2]
     freqs = position_ids.float()[..., None] * inv_freq  # [b, s, d/2]
     angles = torch.cat((freqs, freqs), dim=-1).transpose(0, 1)  # [s, b, d]
     return angles.cos().to(dtype), angles.sin().to(dtype)

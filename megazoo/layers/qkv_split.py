@@ -8,11 +8,9 @@ Forward, without RoPE: k and v are views of qkv, q is a view for gs = 1 and a co
 (the query heads of one group are not adjacent to the next group's). With RoPE: v is a view,
 and q and k are rotated straight out of qkv by one fused kernel on CUDA (no copy of q first).
 
-Backward writes the one gradient of qkv in one fused kernel on CUDA: dq and dk rotated back
-(RoPE is a rotation: the gradient goes through its transpose, the inverse rotation) and dv,
-each into its heads' place. Autograd's own backward of the split would be a `cat` along the
-interleaved head axis after RoPE's own backward kernel; torch's strided copies into the
-interleaved layout are slow too. CPU runs eagerly (`fusion.fused_on_gpu`).
+Backward writes the one gradient of qkv in one fused kernel on CUDA (rather than autograd's
+RoPE backward then a `cat` along the interleaved head axis): dq and dk rotated back (the
+inverse rotation) and dv, each into its heads' place. CPU runs eagerly (`fused_on_gpu`).
 """
 from __future__ import annotations
 

@@ -14,21 +14,12 @@ Query i of head h sees key j when layout[h, i // block, j // block] and, if caus
 A query that sees no key outputs 0 (as in attention.py). RoPE is applied to q and k before
 this call; ALiBi is a score_mod on FlexAttention (no s x s bias) and an added bias in math.
 
-From a layout to FlexAttention's tiles. FlexAttention's kernel skips whole tiles of
-KERNEL_BLOCK = 128 queries x 128 keys. A layout with block >= 128 (a multiple of it) maps
-onto whole tiles: each of its blocks is (block / 128)^2 tiles, all computed without a mask
-except the causal diagonal. A layout with a smaller block (16, 32, 64) is grouped in squares
-of (128 / block)^2 of its blocks per tile: a tile whose blocks are all set is computed without
-a mask ("full"), a tile with some set is computed with the mask evaluated per element
-("partial": the layout looked up at [h, i // block, j // block]), a tile with none is skipped.
-So the work is that of the 128-tiles touched, not the layout's own density: a 16-block
-sliding window of w blocks costs about ceil(w * 16 / 128) + 1 tiles per tile row.
-
-Small blocks at their own density: backend "gather" (`sparse_plan.py`, `sparse_gather.py`)
-computes the same function over a rearranged key axis (windows in place, global columns
-gathered once per head, other blocks gathered per query tile, dense rows apart), whose tiles
-are mostly full. "auto" on CUDA takes it for a block below 128 when the plan's tiles plus the
-cost of its copied keys stay well below the tiles of the layout in place (`choose_plan`).
+FlexAttention skips whole tiles of KERNEL_BLOCK = 128 queries x 128 keys (`tile_layout`): a
+tile whose tokens the layout all sets runs without a mask ("full"), one it partly sets runs
+with the layout looked up per element ("partial"), the rest are skipped. So the work is that
+of the 128-tiles touched, not the layout's density; for blocks below 128, backend "gather"
+(`sparse_plan.py`) computes the same function over a rearranged key axis whose tiles are
+mostly full, and "auto" takes it where it costs well less (`choose_plan`).
 
 s need not be a multiple of the block: the layout then has ceil(s / block) blocks per side
 (the layout of the length rounded up to the block, as generation uses it) and its last block
@@ -40,11 +31,12 @@ import torch
 
 from ..config.sparse_attention import SparseAttentionConfig
 from . import attention_kernels as kernels
-from .attention import AttentionRequest, math_attention, unsupported_reason
-from .sparse_gather import block_masks, gather_attention
+from .attention import (AttentionRequest, check_attention_inputs, math_attention,
+                        unsupported_reason)
+from .sparse_gather import gather_attention
 from .sparse_layouts import layout as make_layout
 from .sparse_plan import TILE as KERNEL_BLOCK
-from .sparse_plan import GatherPlan, build_plan, kv_blocks
+from .sparse_plan import GatherPlan, build_plan, tile_block_mask, zero_pad
 
 BACKENDS = ("auto", "flex", "gather", "math")
 GATHER_GAIN = 0.8  # "auto" gathers when its plan costs at most this share of the tiles
@@ -57,25 +49,22 @@ def token_mask(block_layout: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def tile_layout(block_layout: torch.Tensor, block: int, causal: bool,
-                kernel_block: int = KERNEL_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partial, full), each bool [h, n, n] over kernel tiles (n = ceil(s / kernel_block)):
-    tiles to compute with the element mask, and tiles to compute without it."""
-    heads, nb, _ = block_layout.shape
-    n = -(-nb * block // kernel_block)
-    if block % kernel_block == 0:
-        r = block // kernel_block
-        needed = block_layout.repeat_interleave(r, dim=1).repeat_interleave(r, dim=2)
-        full = needed.clone()
-    elif kernel_block % block == 0:
-        r = kernel_block // block
-        padded = torch.zeros(heads, n * r, n * r, dtype=torch.bool, device=block_layout.device)
-        padded[:, :nb, :nb] = block_layout  # a short last tile is never full
-        grid = padded.view(heads, n, r, n, r)
-        needed = grid.any(dim=4).any(dim=2)
-        full = grid.all(dim=4).all(dim=2)
-    else:
+                seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full), each bool [h, n, n] over kernel tiles (n = ceil(s / KERNEL_BLOCK)):
+    tiles to compute with the element mask, and tiles to compute without it. seq_len: the
+    real length s when the last block is short (default: nb * block); a tile holding tokens
+    past it is never full."""
+    if block % KERNEL_BLOCK and KERNEL_BLOCK % block:
         raise ValueError(f"sparse attention block {block} neither divides nor is a multiple of "
-                         f"the kernel block {kernel_block}; use a power of two")
+                         f"the kernel block {KERNEL_BLOCK}; use a power of two")
+    heads, nb, _ = block_layout.shape
+    s = nb * block if seq_len is None else seq_len
+    n, r = -(-s // KERNEL_BLOCK), max(KERNEL_BLOCK // block, 1)  # r: layout units per tile
+    units = token_mask(block_layout, max(block // KERNEL_BLOCK, 1))  # units of min(block, tile)
+    grid = zero_pad(units[:, :n * r, :n * r], n * r).view(heads, n, r, n, r)
+    needed, full = grid.any(dim=4).any(dim=2), grid.all(dim=4).all(dim=2)
+    inside = torch.arange(1, n + 1, device=block_layout.device) * KERNEL_BLOCK <= s
+    full = full & inside[:, None] & inside[None, :]
     if causal:
         lower = torch.ones(n, n, dtype=torch.bool, device=block_layout.device)
         needed = needed & lower.tril()
@@ -95,23 +84,9 @@ def _layout_mask_mod(table: torch.Tensor, unit: int, causal: bool):
     return mask_mod
 
 
-def _crop_tiles(partial, full, s: int, padded: int, kernel_block: int):
-    """Tiles of a sequence s shorter than the layout's padded length: the last tile row and
-    column hold tokens beyond s, so they are never full; tiles past ceil(s / kernel) go."""
-    if s == padded:
-        return partial, full
-    n = -(-s // kernel_block)
-    partial, full = partial[:, :n, :n].clone(), full[:, :n, :n].clone()
-    partial[:, -1, :] |= full[:, -1, :]
-    partial[:, :, -1] |= full[:, :, -1]
-    full[:, -1, :] = False
-    full[:, :, -1] = False
-    return partial, full
-
-
 def block_mask_from_layout(block_layout: torch.Tensor, block: int, *, causal: bool,
-                           device=None, kernel_block: int = KERNEL_BLOCK,
-                           lookup_block: int | None = None, seq_len: int | None = None):
+                           device=None, lookup_block: int | None = None,
+                           seq_len: int | None = None):
     """The FlexAttention BlockMask of a layout (see the module docstring for the tiling).
 
     Built from the layout directly (`BlockMask.from_kv_blocks`), without evaluating the mask
@@ -122,43 +97,28 @@ def block_mask_from_layout(block_layout: torch.Tensor, block: int, *, causal: bo
     kernel (the graph depends on the table's shape and the granularity). seq_len: the real
     length when the last block is short (default: nb * block).
     """
-    from torch.nn.attention.flex_attention import BlockMask
-
     device = block_layout.device if device is None else torch.device(device)
     heads, nb, _ = block_layout.shape
-    shared = heads == 1 or block_layout.stride(0) == 0
-    lay = (block_layout[:1] if shared else block_layout).to(device=device, dtype=torch.bool)
+    lay = _heads_of(block_layout).to(device=device, dtype=torch.bool)
     s = nb * block if seq_len is None else seq_len
-    partial, full = _crop_tiles(*tile_layout(lay, block, causal, kernel_block), s, nb * block,
-                                kernel_block)
-    partial, full = partial.expand(heads, -1, -1), full.expand(heads, -1, -1)
-    kv_num, kv_idx = kv_blocks(partial)
-    full_num, full_idx = kv_blocks(full)
+    partial, full = tile_layout(lay, block, causal, s)
     unit = block if lookup_block is None else lookup_block
     if unit < 1 or block % unit:
         raise ValueError(f"lookup_block {unit} must divide the block {block}")
-    table = lay.repeat_interleave(block // unit, dim=1).repeat_interleave(block // unit, dim=2)
+    table = token_mask(lay, block // unit)
     mask_mod = _layout_mask_mod(table.expand(heads, -1, -1).contiguous(), unit, causal)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=kernel_block,
-                                    mask_mod=mask_mod, seq_lengths=(s, s))
+    return tile_block_mask(partial.expand(heads, -1, -1), full.expand(heads, -1, -1), mask_mod,
+                           (s, s))
 
 
 def _check(q, k, v, block_layout, block, alibi_slopes) -> None:
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or k.shape[0] != q.shape[0]:
-        raise ValueError(f"sparse attention expects q [s, b, hq, d] and k, v [s, b, hk, d] of the "
-                         f"same s; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    s, b, hq, d = q.shape
-    if k.shape[1] != b or k.shape[3] != d or hq % k.shape[2]:
-        raise ValueError(f"k, v {tuple(k.shape)} do not fit q {tuple(q.shape)}: batch and head "
-                         f"dim must match and the query heads be a multiple of the kv heads")
+    check_attention_inputs(q, k, v, None, alibi_slopes, causal=True)  # causal: one s for all
+    s, hq = q.shape[0], q.shape[2]
     nb = -(-s // block) if block > 0 else -1
     if block_layout.dtype != torch.bool or block_layout.shape != (hq, nb, nb):
         raise ValueError(f"sparse attention layout must be bool [hq, ceil(s/block), "
                          f"ceil(s/block)] = [{hq}, {nb}, {nb}] (s {s}, block {block}); got "
                          f"{block_layout.dtype} {tuple(block_layout.shape)}")
-    if alibi_slopes is not None and alibi_slopes.shape != (hq,):
-        raise ValueError(f"alibi_slopes must have one slope per query head ([{hq}]), "
-                         f"got {tuple(alibi_slopes.shape)}")
 
 
 def _select(backend: str, q, k, v, alibi: bool, block: int) -> str:
@@ -189,17 +149,28 @@ def _heads_of(block_layout: torch.Tensor) -> torch.Tensor:
 def choose_plan(block_layout, block: int, causal: bool, seq_len: int, device) -> GatherPlan | None:
     """The gather plan of a layout when its cost (tiles computed, plus GATHER_KEY_COST per
     tile of keys copied out of place) is at most GATHER_GAIN of the kernel tiles of the layout
-    in place, else None. Measured on an H100 (bench/sparse_attention_bench.py): gathering
-    pays where shared global columns make the tiles (fixed), not where random blocks gathered
-    per query tile do (bigbird, variable: their copies cost more than the tiles saved)."""
+    in place, else None: gathering pays where shared global columns make the tiles (fixed),
+    not where random blocks gathered per query tile do (their copies cost more)."""
     if KERNEL_BLOCK % block or block == KERNEL_BLOCK:
         return None
     lay = _heads_of(block_layout).to(device)
-    partial, full = _crop_tiles(*tile_layout(lay, block, causal), seq_len,
-                                lay.shape[-1] * block, KERNEL_BLOCK)
+    partial, full = tile_layout(lay, block, causal, seq_len)
     plan = build_plan(lay, block, seq_len, causal)
     cost = sum(plan.tiles()) + GATHER_KEY_COST * plan.gathered_tiles()
     return plan if cost <= GATHER_GAIN * int(partial.sum() + full.sum()) else None
+
+
+def prepare(block_layout, block: int, causal: bool, seq_len: int, device, backend: str):
+    """(block_mask, plan) for backend "flex", "gather" or "auto" on `device`, one of them None:
+    the gather plan for "gather", and for "auto" where `choose_plan` gives one; else the
+    BlockMask. Build it once per (s, device) and pass both to `sparse_attention`."""
+    if backend == "gather":
+        return None, build_plan(_heads_of(block_layout).to(device), block, seq_len, causal)
+    plan = choose_plan(block_layout, block, causal, seq_len, device) if backend == "auto" else None
+    if plan is not None:
+        return None, plan
+    return block_mask_from_layout(block_layout, block, causal=causal, device=device,
+                                  seq_len=seq_len), None
 
 
 def sparse_attention(q, k, v, layout, block, *, causal: bool = True, scale: float | None = None,
@@ -211,27 +182,22 @@ def sparse_attention(q, k, v, layout, block, *, causal: bool = True, scale: floa
     forward-only on CPU), "gather" (the gather plan: FlexAttention on CUDA, float32 math over
     the gathered keys on CPU), "math" (float32, an explicit [h, s, s] mask: small sizes and
     checking) or "auto" (on CUDA the gather plan when `choose_plan` gives one, else flex; math
-    elsewhere). block_mask / plan: built beforehand and reused across calls (built when None).
+    elsewhere). block_mask / plan: what `prepare` gives, reused across calls (built when both
+    are None).
     """
     _check(q, k, v, layout, block, alibi_slopes)
     s = q.shape[0]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     name = _select(backend, q, k, v, alibi_slopes is not None, block)
-    if name == "auto" and block_mask is None:
-        plan = plan if plan is not None else choose_plan(layout, block, causal, s, q.device)
-        name = "flex" if plan is None else "gather"
     if name == "math":
         mask = token_mask(layout.to(q.device), block)[None, :, :s, :s]  # [1, hq, s, s]
         return math_attention(q, k, v, causal, None, alibi_slopes, scale, 0.0, mask=mask)
-    if name == "gather":
-        if plan is None:
-            plan = build_plan(_heads_of(layout).to(q.device), block, s, causal)
+    if block_mask is None and plan is None:
+        block_mask, plan = prepare(layout, block, causal, s, q.device, name)
+    if plan is not None:
         kernel = "flex" if q.device.type == "cuda" else "math"
         return gather_attention(q, k, v, plan, scale=scale, alibi_slopes=alibi_slopes,
                                 kernel=kernel)
-    if block_mask is None:
-        block_mask = block_mask_from_layout(layout, block, causal=causal, device=q.device,
-                                            seq_len=s)
     return kernels.flex_with_block_mask(q, k, v, block_mask, alibi_slopes, scale)
 
 
@@ -252,7 +218,7 @@ class SparseAttention:
         self.head_range = (0, num_heads) if head_range is None else tuple(head_range)
         self.seed, self.backend = seed, backend
         self._layouts: dict = {}
-        self._masks: dict = {}
+        self._prepared: dict = {}
 
     def layout(self, seq_len: int) -> torch.Tensor:
         """Bool [h1 - h0, nb, nb] on CPU, nb = ceil(s / block): the layout of s rounded up to
@@ -263,31 +229,13 @@ class SparseAttention:
                                                  causal=self.causal, heads=self.head_range)
         return self._layouts[seq_len]
 
-    def prepared(self, seq_len: int, device, backend: str):
-        """(block_mask, plan) for a CUDA backend, built once per (s, device, backend)."""
-        key = (seq_len, str(device), backend)
-        if key not in self._masks:
-            lay, block = self.layout(seq_len), self.config.block
-            plan = None
-            if backend == "auto":
-                plan = choose_plan(lay, block, self.causal, seq_len, device)
-            elif backend == "gather":
-                plan = build_plan(_heads_of(lay).to(device), block, seq_len, self.causal)
-            if plan is not None:
-                block_masks(plan)  # kept on the plan
-                self._masks[key] = (None, plan)
-            else:
-                self._masks[key] = (block_mask_from_layout(lay, block, causal=self.causal,
-                                                           device=device, seq_len=seq_len), None)
-        return self._masks[key]
-
     def __call__(self, q, k, v, *, alibi_slopes=None, scale=None) -> torch.Tensor:
-        lay = self.layout(q.shape[0])
-        name = _select(self.backend, q, k, v, alibi_slopes is not None, self.config.block)
-        mask, plan = None, None
-        if name != "math" and q.device.type == "cuda":
-            mask, plan = self.prepared(q.shape[0], q.device, name)
-            name = "gather" if plan is not None else "flex"
-        return sparse_attention(q, k, v, lay, self.config.block, causal=self.causal, scale=scale,
+        s, block = q.shape[0], self.config.block
+        name = _select(self.backend, q, k, v, alibi_slopes is not None, block)
+        key = (s, str(q.device), name)
+        if name != "math" and key not in self._prepared:  # `prepare` once per (s, device)
+            self._prepared[key] = prepare(self.layout(s), block, self.causal, s, q.device, name)
+        mask, plan = self._prepared.get(key, (None, None))
+        return sparse_attention(q, k, v, self.layout(s), block, causal=self.causal, scale=scale,
                                 alibi_slopes=alibi_slopes, backend=name, block_mask=mask,
                                 plan=plan)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .sparse_plan import PRIVATE, PRIVATE_BASE, ROW, TILE, GatherPlan, kv_blocks
+from .sparse_plan import PRIVATE, PRIVATE_BASE, ROW, TILE, GatherPlan, tile_block_mask
 
 
 def _head(h, table: torch.Tensor):
@@ -57,22 +57,15 @@ def rows_mask_mod(plan: GatherPlan):
 def block_masks(plan: GatherPlan):
     """(main, rows) FlexAttention BlockMasks of a plan (rows None without dense rows), built
     once and kept on the plan."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     if plan.masks is not None:
         return plan.masks
-
-    def make(partial, full, mask_mod, lengths):
-        kv_num, kv_idx = kv_blocks(partial)
-        full_num, full_idx = kv_blocks(full)
-        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE,
-                                        mask_mod=mask_mod, seq_lengths=lengths)
     s = plan.seq_len
-    main = make(plan.partial, plan.full, main_mask_mod(plan), (s, plan.key_pos.shape[1]))
+    main = tile_block_mask(plan.partial, plan.full, main_mask_mod(plan),
+                           (s, plan.key_pos.shape[1]))
     rows = None
     if plan.row_pos is not None:
-        rows = make(plan.row_partial, plan.row_full, rows_mask_mod(plan),
-                    (plan.row_pos.shape[1], s))
+        rows = tile_block_mask(plan.row_partial, plan.row_full, rows_mask_mod(plan),
+                               (plan.row_pos.shape[1], s))
     plan.masks = (main, rows)
     return plan.masks
 

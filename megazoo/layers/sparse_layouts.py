@@ -3,7 +3,7 @@
 `layout(config, num_heads, seq_len, seed)` returns a bool tensor [heads, nb, nb] (nb = s /
 block; True = the block x block tile of scores is computed). It is a pure function of its
 arguments, so every rank (any tp / Ulysses split) computes the same layout; a rank holding the
-global heads [h0, h1) takes rows h0:h1 (`rank_layout`). Random blocks come from a generator
+global heads [h0, h1) takes rows h0:h1 (`heads=(h0, h1)`). Random blocks come from a generator
 seeded by (seed, head), never from global random state.
 
 What each mode draws, per head (DeepSpeed's sparsity configs; r = query block, c = key block):
@@ -30,11 +30,9 @@ is empty"); DeepSpeed's code left a few tiles above the diagonal (global ranges 
 block, variable's random blocks). Within a diagonal tile tokens still see later tokens unless
 the attention is causal.
 
-`causal=True` (decoder models) intersects any layout with the block lower triangle; the
-token-level causality inside diagonal tiles is applied by the attention itself.
-
-`megazoo-sparse-layout --sparse-attention-mode bigbird --sparse-block 64 --seq 4096 --out
-layout.png` prints a layout's density per head and draws it (`megazoo.cli.sparse_layout`).
+`causal=True` (decoder models) intersects any layout with the block lower triangle (the
+attention applies the token-level causality inside diagonal tiles). `megazoo-sparse-layout`
+prints a layout's density and draws it.
 """
 from __future__ import annotations
 
@@ -44,7 +42,7 @@ import torch
 
 from ..config.sparse_attention import SparseAttentionConfig
 
-__all__ = ["SparseAttentionConfig", "check_sequence", "layout", "rank_layout", "density"]
+__all__ = ["SparseAttentionConfig", "check_sequence", "layout", "density"]
 
 
 def check_sequence(config: SparseAttentionConfig, seq_len: int) -> int:
@@ -86,13 +84,6 @@ def layout(config: SparseAttentionConfig, num_heads: int, seq_len: int, seed: in
     if causal or config.attention == "unidirectional":
         out.tril_()  # unidirectional: the lower block triangle of what the mode draws
     return out.expand(h1 - h0, nb, nb)
-
-
-def rank_layout(config: SparseAttentionConfig, num_heads: int, seq_len: int,
-                head_range: tuple[int, int], seed: int = 0, *, causal: bool = False):
-    """The layout of a rank holding global heads head_range = [h0, h1) (tp and/or Ulysses):
-    rows h0:h1 of the full layout, computed without the other heads' rows."""
-    return layout(config, num_heads, seq_len, seed, causal=causal, heads=head_range)
 
 
 def density(block_layout: torch.Tensor, block: int, causal: bool) -> float:

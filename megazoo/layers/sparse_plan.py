@@ -85,12 +85,21 @@ class GatherPlan:
         return p, f
 
 
-def kv_blocks(tiles: torch.Tensor):
+def _kv_blocks(tiles: torch.Tensor):
     """[h, n, m] bool -> ([1, h, n] counts, [1, h, n, m] column indices, set ones first): the
     form `BlockMask.from_kv_blocks` takes."""
     counts = tiles.sum(dim=-1, dtype=torch.int32)
     order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True)
     return counts[None], order.to(torch.int32)[None]
+
+
+def tile_block_mask(partial: torch.Tensor, full: torch.Tensor, mask_mod, lengths):
+    """The FlexAttention BlockMask over TILE x TILE kernel tiles partial / full [h, n, m]
+    (bool: computed with mask_mod / without it) of a (queries, keys) = lengths problem."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return BlockMask.from_kv_blocks(*_kv_blocks(partial), *_kv_blocks(full), BLOCK_SIZE=TILE,
+                                    mask_mod=mask_mod, seq_lengths=lengths)
 
 
 def build_plan(block_layout: torch.Tensor, block: int, seq_len: int, causal: bool) -> GatherPlan:
@@ -107,10 +116,8 @@ def build_plan(block_layout: torch.Tensor, block: int, seq_len: int, causal: boo
     vblock, vcode = _key_blocks(owner, TILE // block)
     key_pos, key_code = _to_tokens(vblock, vcode, block, seq_len)
     partial, full = _main_tiles(owner, vblock, vcode, whole, causal, TILE // block)
-    plan = GatherPlan(block, seq_len, causal, owner, key_pos, key_code, partial, full,
-                      None, None, None, None)
-    _add_rows(plan, whole)
-    return plan
+    rows = _dense_rows(owner, whole, block, seq_len, causal)
+    return GatherPlan(block, seq_len, causal, owner, key_pos, key_code, partial, full, *rows)
 
 
 def _owners(lay: torch.Tensor, r: int, causal: bool) -> torch.Tensor:
@@ -125,7 +132,7 @@ def _owners(lay: torch.Tensor, r: int, causal: bool) -> torch.Tensor:
     seen_by = nb - idx if causal else torch.full_like(idx, nb)
     global_col = (2 * col_count >= seen_by) & (col_count >= 2 * r)
     nt = -(-nb // r)
-    local = _pad(rest & ~global_col[:, None, :], nt * r)  # [hp, nt r, nt r]
+    local = zero_pad(rest & ~global_col[:, None, :], nt * r)  # [hp, nt r, nt r]
     distinct = local.view(hp, nt, r, nt, r).any(2).sum(-1)  # [hp, nt, nt] key blocks per tile
     direct_tile = (2 * distinct >= r) | torch.eye(nt, dtype=torch.bool, device=lay.device)
     direct = direct_tile.repeat_interleave(r, 1).repeat_interleave(r, 2)[:, :nb, :nb]
@@ -137,7 +144,7 @@ def _owners(lay: torch.Tensor, r: int, causal: bool) -> torch.Tensor:
     return owner
 
 
-def _pad(x: torch.Tensor, n: int, m: int | None = None) -> torch.Tensor:
+def zero_pad(x: torch.Tensor, n: int, m: int | None = None) -> torch.Tensor:
     """x [h, a, b] zero-padded to [h, n, m] (m defaults to n)."""
     m = n if m is None else m
     out = torch.zeros(x.shape[0], n, m, dtype=x.dtype, device=x.device)
@@ -152,16 +159,22 @@ def _key_blocks(owner: torch.Tensor, r: int):
     dev, nt = owner.device, -(-nb // r)
     direct = torch.arange(nt * r, device=dev).expand(hp, -1)
     direct_code = torch.where(direct < nb, DIRECT, NEVER)
-    used = (owner == SHARED).any(1)  # [hp, nb] global columns with a shared block
-    n_shared = used.sum(1)  # [hp]
-    width = -(-int(n_shared.max()) // r) * r if hp else 0
-    order = torch.argsort((~used).to(torch.int8), dim=1, stable=True)  # used ones, ascending
-    shared = _pad(order[:, None, :], 1, max(width, nb))[:, 0, :width]
-    shared_code = torch.where(torch.arange(width, device=dev) < n_shared[:, None], SHARED, NEVER)
+    shared, real = _selected((owner == SHARED).any(1), r)  # global columns with a shared block
+    shared_code = torch.where(real, SHARED, NEVER)
     private, private_code = _private_blocks(owner, r)
     blocks = torch.cat([direct, shared, private], 1)
     codes = torch.cat([direct_code, shared_code, private_code], 1).to(torch.int32)
     return blocks, codes
+
+
+def _selected(chosen: torch.Tensor, r: int):
+    """(index, real), each [hp, W]: per head the indices where chosen [hp, n] is set, ascending,
+    then filler indices (real False); W is the largest count rounded up to a multiple of r."""
+    count = chosen.sum(1)
+    width = -(-int(count.max()) // r) * r if chosen.shape[0] else 0
+    order = torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)  # chosen ones first
+    index = zero_pad(order[:, None, :], 1, max(width, chosen.shape[1]))[:, 0, :width]
+    return index, torch.arange(width, device=chosen.device) < count[:, None]
 
 
 def _private_blocks(owner: torch.Tensor, r: int):
@@ -169,7 +182,7 @@ def _private_blocks(owner: torch.Tensor, r: int):
     tile's list starting on a kernel tile; every head padded to the longest."""
     hp, nb, _ = owner.shape
     nt = -(-nb // r)
-    wanted = _pad(owner == PRIVATE, nt * r, nb).view(hp, nt, r, nb).any(2)  # [hp, nt, nb]
+    wanted = zero_pad(owner == PRIVATE, nt * r, nb).view(hp, nt, r, nb).any(2)  # [hp, nt, nb]
     count = wanted.sum(-1)  # [hp, nt]
     padded = -(-count // r) * r
     offset = padded.cumsum(1) - padded
@@ -200,7 +213,7 @@ def _grid(seen: torch.Tensor, fullable: torch.Tensor, r: int):
     blocks are seen and fullable, partial where some are seen and the tile is not full."""
     hp, rows, cols = seen.shape
     n, m = -(-rows // r), -(-cols // r)
-    seen, fullable = _pad(seen, n * r, m * r), _pad(fullable, n * r, m * r)
+    seen, fullable = zero_pad(seen, n * r, m * r), zero_pad(fullable, n * r, m * r)
     any_ = seen.view(hp, n, r, m, r).any(4).any(2)
     full = (seen & fullable).view(hp, n, r, m, r).all(4).all(2)
     return any_ & ~full, full
@@ -223,25 +236,19 @@ def _main_tiles(owner, vblock, vcode, whole, causal, r):
     return _grid(seen, fullable, r)
 
 
-def _add_rows(plan: GatherPlan, whole: torch.Tensor) -> None:
-    """The dense rows: their query positions, output slots and kernel tiles over the s keys."""
-    hp, nb, _ = plan.owner.shape
-    block, s = plan.block, plan.seq_len
-    r = TILE // block
-    is_row = (plan.owner == ROW).any(-1)  # [hp, nb]
+def _dense_rows(owner: torch.Tensor, whole: torch.Tensor, block: int, s: int, causal: bool):
+    """The dense rows' (row_pos, row_dst, row_partial, row_full): query positions, output slots
+    and kernel tiles over the s keys; all None without dense rows."""
+    nb, r = owner.shape[1], TILE // block
+    is_row = (owner == ROW).any(-1)  # [hp, nb]
     if not is_row.any():
-        return
-    n_rows = is_row.sum(1)
-    width = -(-int(n_rows.max()) // r) * r
-    order = torch.argsort((~is_row).to(torch.int8), dim=1, stable=True)
-    rows = _pad(order[:, None, :], 1, max(width, nb))[:, 0, :width]  # [hp, Rb]
-    real = torch.arange(width, device=rows.device) < n_rows[:, None]
+        return None, None, None, None
+    rows, real = _selected(is_row, r)  # [hp, Rb]
     pos = (rows[:, :, None] * block + torch.arange(block, device=rows.device)).flatten(1)
     keep = real.repeat_interleave(block, 1) & (pos < s)
-    plan.row_pos = torch.where(keep, pos, 0)
-    plan.row_dst = torch.where(keep, pos, s)
-    seen = (plan.owner.gather(1, rows[:, :, None].expand(-1, -1, nb)) == ROW) & real[:, :, None]
+    seen = (owner.gather(1, rows[:, :, None].expand(-1, -1, nb)) == ROW) & real[:, :, None]
     fullable = whole[rows][:, :, None] & whole[None, None, :]
-    if plan.causal:
-        fullable = fullable & (torch.arange(nb, device=rows.device)[None, None, :] < rows[:, :, None])
-    plan.row_partial, plan.row_full = _grid(seen, fullable, r)
+    if causal:
+        earlier = torch.arange(nb, device=rows.device)[None, None, :] < rows[:, :, None]
+        fullable = fullable & earlier
+    return (torch.where(keep, pos, 0), torch.where(keep, pos, s), *_grid(seen, fullable, r))

@@ -41,6 +41,7 @@ from .mappings import (all_to_all_heads_to_sequence, all_to_all_sequence_to_head
                        scatter_to_sequence_parallel_region)
 from .positions import alibi_slopes, rope_cos_sin, rope_cos_sin_first
 from .qkv_split import split_qkv
+from .sparse_attention import SparseAttention
 
 POSITION_EMBEDDINGS = ("none", "alibi", "rope")
 
@@ -64,15 +65,10 @@ def shard_sequence(x: torch.Tensor, *, tp_group: Group = None, sp_group: Group =
     The sp split is a slice (its gradient is completed by the dp x sp gradient reduction); the
     tp split goes through Megatron's scatter region, whose backward all-gathers over tp.
     """
-    rows = sequence_shard_range(x.shape[0], tp_group=tp_group, sp_group=sp_group,
-                                megatron_sp=megatron_sp)
+    check_sequence_split(x.shape[0], group_size(tp_group), group_size(sp_group), megatron_sp)
     window = sequence_shard_range(x.shape[0], sp_group=sp_group)
     x_sp = x[window.start:window.stop]  # [s/sp, b, h]
-    if not megatron_sp:
-        return x_sp
-    x_local = scatter_to_sequence_parallel_region(x_sp, tp_group)
-    assert x_local.shape[0] == len(rows)
-    return x_local
+    return scatter_to_sequence_parallel_region(x_sp, tp_group) if megatron_sp else x_sp
 
 
 def check_global_inputs(seq_len: int, batch: int, padding_mask, position_ids, where: str) -> None:
@@ -112,8 +108,16 @@ class UlyssesAttention(nn.Module):
         self.rope_theta, self.causal = rope_theta, causal
         self.attention_dropout, self.attention_backend = attention_dropout, attention_backend
         self.first_head = self.layout.first_head(group_rank(tp_group), group_rank(sp_group))
+        heads = num_heads // (self.layout.tp * self.layout.sp)
+        self.head_range = (self.first_head, self.first_head + heads)  # global heads held
         self._send_index = self.layout.ulysses_send_index()  # [sp * f] int64, or None
-        self.sparse = None if sparse is None else self._sparse(sparse, causal, attention_dropout)
+        self.sparse = None  # or SparseAttention over the global heads this rank holds
+        if sparse is not None:
+            if attention_dropout > 0:
+                raise ValueError(f"attention_dropout {attention_dropout} is not supported with "
+                                 f"sparse attention: set it to 0")
+            self.sparse = SparseAttention(sparse, num_heads, self.head_range, causal=causal,
+                                          backend="math" if attention_backend == "math" else "auto")
         # Per-device caches, not buffers: module.to(bfloat16) must not round the slopes.
         self._on_device: dict[tuple[str, torch.device], torch.Tensor] = {}
 
@@ -122,23 +126,9 @@ class UlyssesAttention(nn.Module):
         if self.position_embedding != "alibi":
             return None
         if ("slopes", device) not in self._on_device:
-            heads = self.layout.num_heads // (self.layout.tp * self.layout.sp)
             full = alibi_slopes(self.layout.num_heads, device=device)
-            self._on_device["slopes", device] = full[self.first_head:self.first_head + heads]
+            self._on_device["slopes", device] = full[slice(*self.head_range)]
         return self._on_device["slopes", device]
-
-    def _sparse(self, config, causal: bool, dropout: float):
-        """SparseAttention over the global heads this rank holds (imported here: the layout
-        module is also a `python -m` script and must not load with the package)."""
-        from .sparse_attention import SparseAttention
-
-        if dropout > 0:
-            raise ValueError(f"attention_dropout {dropout} is not supported with sparse "
-                             f"attention: set it to 0")
-        heads = self.layout.num_heads // (self.layout.tp * self.layout.sp)
-        return SparseAttention(config, self.layout.num_heads,
-                               (self.first_head, self.first_head + heads), causal=causal,
-                               backend="math" if self.attention_backend == "math" else "auto")
 
     def send_index(self, device) -> torch.Tensor | None:
         """Feature indices of the first all-to-all's send buffer when kv heads are replicated."""

@@ -1,13 +1,10 @@
 """Gradient-accumulation fusion: a linear's weight gradient summed straight into its fp32
 main gradient (Megatron's `--gradient-accumulation-fusion`).
 
-Without it each micro-batch's backward writes dW = dy^T x in the weight's dtype and the
-gradient owner's hook adds it into the fp32 main gradient: one more pass over the weights
-per micro-batch (read 2 + 4, write 4 bytes per element for bf16). With it the weight-gradient
-GEMM takes the main gradient as its accumulator (beta = 1; beta = 0 for the first
-micro-batch of a step, so nothing needs zeroing): `torch.addmm(..., out_dtype=float32)` for
-bf16 / fp16, plain `addmm` for fp32, and for FP8 the cuBLASLt call in `cublaslt`. It is
-also more exact: the sum over micro-batches never rounds to bf16.
+The weight-gradient GEMM takes the main gradient as its accumulator (beta = 1; beta = 0 for
+the first micro-batch of a step, so nothing needs zeroing), which saves a pass over the
+weights per micro-batch and never rounds the sum to bf16: `torch.addmm(...,
+out_dtype=float32)` for bf16 / fp16, plain `addmm` for fp32, cuBLASLt (`cublaslt`) for FP8.
 
 The contract between a gradient owner (the plain engine's `GradBuffer`) and the linears, as
 attributes of the weight:

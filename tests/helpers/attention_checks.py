@@ -75,7 +75,7 @@ def _pair(state, case, sequence_parallel, device, seed, overlap=None):
 
         layer.attention = UlyssesOverlapAttention(heads, D, num_kv_heads=kv, position_embedding=pe,
                                                   sp_group=state.sp, tp_group=state.tp, **overlap)
-    rows = layer.qkv_rows().to(device)
+    rows = layer.layout.qkv_rows(state.tp.rank).to(device)
     cols = slice(state.tp.rank * hidden // state.tp.size, (state.tp.rank + 1) * hidden // state.tp.size)
     assert torch.equal(layer.qkv.weight, ref.qkv.weight[rows]), f"{case}: qkv init is not the tp=1 rows"
     assert torch.equal(layer.dense.weight, ref.dense.weight[:, cols]), f"{case}: dense init not sliced"

@@ -11,7 +11,7 @@ from megazoo.config.sparse_attention import SparseAttentionConfig as Config
 from megazoo.layers.positions import alibi_slopes
 from megazoo.layers.sparse_attention import (SparseAttention, block_mask_from_layout,
                                              sparse_attention, tile_layout)
-from megazoo.layers.sparse_layouts import density, layout, rank_layout
+from megazoo.layers.sparse_layouts import density, layout
 
 # float32 math (and FlexAttention's eager float32 path) against a float64 reference over at
 # most 320 keys of unit-variance inputs: rounding stays near 1e-6; 2e-5 leaves margin and
@@ -232,7 +232,7 @@ def test_seed_heads_and_slicing():
     assert not torch.equal(full, layout(c, 8, 512, seed=2))
     assert not torch.equal(full[0], full[1])  # per-head random draws
     for h0, h1 in [(0, 2), (2, 4), (5, 8)]:
-        assert torch.equal(rank_layout(c, 8, 512, (h0, h1), seed=1), full[h0:h1])
+        assert torch.equal(layout(c, 8, 512, seed=1, heads=(h0, h1)), full[h0:h1])
     shared = layout(_config("bigbird", False, "bidirectional"), 8, 512, seed=1)
     assert all(torch.equal(shared[0], shared[h]) for h in range(8))
     fixed = layout(_config("fixed", True, "bidirectional"), 4, 512)
@@ -269,16 +269,17 @@ def test_block_mask_tiles_equal_create_block_mask(block, causal):
     assert not (partial & full).any()
 
 
-@pytest.mark.parametrize("block", [16, 256])
-def test_block_mask_tiles_of_a_short_sequence(block):
-    """600 tokens (not a multiple of the block): the cropped tiles equal create_block_mask's."""
+@pytest.mark.parametrize("block, s", [(16, 600), (256, 600), (256, 384)])
+def test_block_mask_tiles_of_a_short_sequence(block, s):
+    """s not a multiple of the block: the cropped tiles equal create_block_mask's (384: the
+    last block is short but every 128-tile is whole)."""
     from torch.nn.attention.flex_attention import create_block_mask
     c = Config("bigbird", block, True, num_random_blocks=1, num_sliding_window_blocks=1)
-    lay = SparseAttention(c, 2, causal=True).layout(600)
-    idx = torch.arange(600)
+    lay = SparseAttention(c, 2, causal=True).layout(s)
+    idx = torch.arange(s)
     mask = lay[:, idx[:, None] // block, idx[None, :] // block] & (idx[None, :] <= idx[:, None])
-    want = create_block_mask(lambda b, h, qi, ki: mask[h, qi, ki], 1, 2, 600, 600, device="cpu")
-    got = block_mask_from_layout(lay, block, causal=True, seq_len=600)
+    want = create_block_mask(lambda b, h, qi, ki: mask[h, qi, ki], 1, 2, s, s, device="cpu")
+    got = block_mask_from_layout(lay, block, causal=True, seq_len=s)
     for name in ("kv_num_blocks", "full_kv_num_blocks"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
 

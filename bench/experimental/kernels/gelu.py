@@ -136,12 +136,28 @@ def unsupported(x: torch.Tensor) -> str | None:
     return None
 
 
+def _check_cuda(x: torch.Tensor) -> None:
+    """RuntimeError saying why impl="cuda" (the CUDA C++ kernel) cannot run on x."""
+    if not x.is_cuda:
+        raise RuntimeError("impl='cuda' needs a CUDA tensor")
+    module, reason = cuda_extension(x.device.index or 0)
+    if module is None:
+        raise RuntimeError(f"impl='cuda' requested but {reason}")
+    if unsupported(x):
+        raise RuntimeError(f"impl='cuda' cannot take these arguments: {unsupported(x)}")
+
+
 def _pick(x: torch.Tensor, impl: str | None, tanh: bool) -> str:
     """The caller's impl if it can run; else the measured-fastest fused one, else torch."""
+    if impl == "cuda":
+        _check_cuda(x)
+        return impl
     if impl is not None:
-        return _dispatch.pick(x, impl, cuda=cuda_extension, unsupported=unsupported(x))
-    choices = _dispatch.automatic(x, cuda=cuda_extension, unsupported=unsupported(x))
+        return _dispatch.pick(x, impl, unsupported=unsupported(x))
+    choices = _dispatch.automatic(x, unsupported=unsupported(x))
     fused = tuple(c.impl for c in choices if c.impl != "torch")
+    if x.is_cuda and not unsupported(x) and cuda_extension(x.device.index or 0)[0] is not None:
+        fused += ("cuda",)
     if not fused:
         return "torch"
     if len(fused) > 1 and torch.cuda.is_current_stream_capturing():
