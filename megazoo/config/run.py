@@ -135,6 +135,11 @@ class TrainingConfig:
     def decay_iters(self) -> int:
         return self.lr_decay_iters or self.train_iters
 
+    def bucket_elements(self, dp_sp: int) -> int:
+        """Elements per gradient bucket: --ddp-bucket-size, else Megatron's
+        max(40M, 1M x dp x sp)."""
+        return self.ddp_bucket_size or max(40_000_000, 1_000_000 * dp_sp)
+
 
 @dataclass
 class DataConfig:

@@ -125,12 +125,12 @@ def deepspeed_parts(config: ModelConfig, layout: Resolved, n: int, grad_b: int) 
     if layout.offload_optimizer == "cpu":  # the host keeps an fp32 master copy in fp32 runs too
         # ZeRO-3 steps its first int((1 - ratio) x count) sub-groups on the GPU (the ratio is
         # 1 below ZeRO-3: the config refuses others)
-        kept = sum(groups[:int((1 - ratio) * len(groups))])
+        on_gpu = int((1 - ratio) * len(groups))
         parts.host += zero3_cpu_offload_host(groups, ratio, grad_b) if stage == 3 else 16 * per
-        parts.optim, parts.grads = 16 * kept, 0.0
+        parts.optim, parts.grads = 16 * sum(groups[:on_gpu]), 0.0
         parts.notes.append(f"optimizer offload: fp32 masters + Adam m, v + fp32 grads on the "
-                           f"host" + (f", {len(groups) - int((1 - ratio) * len(groups))} of "
-                                      f"{len(groups)} sub-groups" if ratio < 1 else ""))
+                           f"host" + (f", {len(groups) - on_gpu} of {len(groups)} sub-groups"
+                                      if ratio < 1 else ""))
     elif stage >= 1 and layout.offload_optimizer != "nvme":  # torch AdamW (single-tensor) on
         # a flat fp32 group: sqrt(v), then that / its bias correction, both alive at once
         largest = max(groups) if groups else per

@@ -146,6 +146,6 @@ def resolve(args: PretrainArgs, options: PlanOptions | None = None) -> Resolved:
         optimizer_offload_fraction=t.optimizer_offload_fraction,
         nvme=bool(t.optimizer_cpu_offload and args.zero.nvme_path),
         grads_bf16=t.accumulate_grads_in_bf16, saves=bool(args.checkpoint.save),
-        bucket_elements=t.ddp_bucket_size or max(40_000_000, 1_000_000 * dp * par.sp),
+        bucket_elements=t.bucket_elements(dp * par.sp),
         reduce_bytes=2 if args.compression.communication_data_type in ("bf16", "fp16") else 4,
         fsdp_reduce_every_microbatch=args.zero.fsdp_reduce_every_microbatch)

@@ -85,7 +85,7 @@ class PlainEngine(Engine):
         cfg = self.cfg = config.training
         hook_sequence_parallel_grads(model, state)
         tied = tied_embedding_weight(model, state)
-        bucket = cfg.ddp_bucket_size or max(40_000_000, 1_000_000 * state.dp_sp.size)
+        bucket = cfg.bucket_elements(state.dp_sp.size)
         # the bucket reduction, dense or compressed (megazoo.compress)
         self.reducer = Reducer(state, config.compression, cfg)
         self.offload = plain_offload(config)
