@@ -6,8 +6,10 @@ one run on the same machine.
     python -m bench.offload_bench --dry-run        # tiny shape on CPU: checks the plumbing
 
 Rows (each `pretrain_gpt.py` row in its own process, so peaks are its own):
-- `adamw`: one AdamW step over N fp32 parameters on the host: torch's fused CPU kernel
-  (the one the offload uses), torch foreach, DeepSpeed's CPUAdam (when its op loads);
+- `adamw`: one AdamW step over N fp32 parameters on the host: torch's fused CPU kernel,
+  torch foreach, DeepSpeed's CPUAdam (when its op loads); and the offload's step as it runs
+  (bf16 gradient in, bf16 parameters out): torch's three passes against the C kernel the
+  offload uses (csrc/host_adamw.c);
 - `fwd+bwd`: the model's forward and backward with --recompute full, bf16 weights, no
   optimizer step: the rate the offloaded run is measured against (gb micro-batches);
 - `offload`: `pretrain_gpt.py --optimizer-cpu-offload --optimizer-offload-fraction F
@@ -34,6 +36,7 @@ import tempfile
 import time
 
 import torch
+from torch.optim.adamw import adamw
 
 from bench import offload_largest as largest
 from bench.common import REPO, child_env, write_json
@@ -80,7 +83,41 @@ def adamw_rows(n: int) -> list[dict]:
             del opt
         except Exception as exc:  # noqa: BLE001
             rows.append({"row": f"adamw {name}", "error": str(exc)[:200]})
+    rows += _bf16_rows(n)
     print(json.dumps(rows), flush=True)
+    return rows
+
+
+def _bf16_rows(n: int) -> list[dict]:
+    """The offload's host step as it runs (bf16 gradient in, bf16 parameters out): torch's
+    three passes (upcast, fused AdamW, cast) against the one-pass C kernel."""
+    from megazoo.kernels.host_adamw import host_adamw
+
+    state = {k: torch.rand(n) for k in ("master", "exp_avg", "exp_avg_sq")}
+    grad, out = torch.full((n,), 1e-3, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    scratch, step = torch.empty(n), torch.zeros(())
+    hyper = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8)
+
+    def torch_passes():
+        scratch.copy_(grad)
+        adamw([state["master"]], [scratch], [state["exp_avg"]], [state["exp_avg_sq"]], [],
+              [step], fused=True, amsgrad=False, weight_decay=0.1, maximize=False, **hyper)
+        out.copy_(state["master"])
+
+    kernel, calls = host_adamw(), {"torch upcast + fused + cast (bf16 in/out)": torch_passes}
+    if kernel is not None:
+        calls["megazoo C one pass (bf16 in/out)"] = lambda: kernel(
+            state, grad, [(0, n, 0.1, 1)], out=out, grad_scale=1.0, **hyper)
+    rows = []
+    for name, call in calls.items():
+        call()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        s = statistics.median(times)
+        rows.append({"row": f"adamw {name}", "params": n, "step_s": s, "params_per_s": n / s})
     return rows
 
 

@@ -1,5 +1,6 @@
 """``python -m megazoo.kernels [--device DEV]``: which implementation each fused kernel uses,
-and whether the C++ dataset helpers are built (or the NumPy fallback runs, and why)."""
+and whether the C++ dataset helpers and the offload's C AdamW are built (or which fallback
+runs, and why)."""
 from __future__ import annotations
 
 from ..cli_parser import HintingParser
@@ -17,6 +18,11 @@ def main(argv: list[str] | None = None) -> None:
     info = backend()
     state = "C++ (built)" if info.impl == "cpp" else "NumPy fallback"
     print(f"\ndataset index helpers (csrc/data_helpers.cpp): {state}: {info.reason}")
+    from .host_adamw import backend as host_backend  # the offloaded optimizer's host step
+
+    info = host_backend()
+    state = "C (one pass)" if info.impl == "c" else "torch's fused AdamW"
+    print(f"offload host AdamW (csrc/host_adamw.c): {state}: {info.reason}")
 
 
 if __name__ == "__main__":

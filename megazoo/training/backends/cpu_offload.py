@@ -108,6 +108,21 @@ def adamw_(state: dict, grad: torch.Tensor, slot: Slot, lr: float, cfg,
               maximize=False)
 
 
+def fused_adamw_(kernel, state: dict, grad: torch.Tensor, slot: Slot, lr: float, cfg,
+                 divisor: torch.Tensor, out: torch.Tensor | None) -> None:
+    """`adamw_` through the host kernel of `kernels.host_adamw` (`kernel`): one pass over the
+    slot's pieces in memory order, `grad` bf16 or fp32 as it came down, the new parameters
+    into `out` (bf16) if given; each piece's step counter advances as torch's would."""
+    pieces = []
+    for decay in (True, False):
+        sel = [(a, b) for a, b, d in slot.pieces if d is decay]
+        for (a, b), step in zip(sel, slot.steps[decay]):
+            step += 1
+            pieces.append((a, b, cfg.weight_decay if decay else 0.0, int(step)))
+    kernel(state, grad, sorted(pieces), out=out, lr=lr, beta1=cfg.adam_beta1,
+           beta2=cfg.adam_beta2, eps=cfg.adam_eps, grad_scale=float(divisor))
+
+
 class ResidentStore:
     """State kept in memory (pinned host memory, or the GPU): `NvmeStateStore`'s interface
     with nothing to read or write. A shard is allocated (zeros) when first acquired, so the

@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from ...parallel.collectives import all_gather_flat
-from .cpu_offload import NAMES, ResidentStore, Transfers, adamw_, bucket_slots
+from ...kernels.host_adamw import host_adamw
+from .cpu_offload import NAMES, ResidentStore, Transfers, adamw_, bucket_slots, fused_adamw_
 from ...plan.offload import check_offload_plan, host_memory_bytes
 from .grad_buffer import GradBuffer
 from .lean_build import fill_flat_, held_bytes
@@ -89,6 +90,7 @@ class OffloadAdamW:
         self._up = [self.copies.host_empty(largest, data.dtype) for _ in range(UP_BUFFERS)]
         self._up_events, self._up_next = [None] * UP_BUFFERS, 0
         self._scratch = {}  # fp32 upcasts of bf16 gradients, one per place
+        self._kernel = host_adamw()  # the host share's one-pass AdamW (None: torch's)
         self._divisor = {True: torch.ones((), dtype=torch.float32),
                          False: torch.ones((), dtype=torch.float32, device=self.device)}
         self.overlap_param_gather = cfg.overlap_param_gather and buffers.shard
@@ -204,21 +206,40 @@ class OffloadAdamW:
         if nxt is not None:  # the disk store reads it while this bucket steps
             store.prefetch(nxt.index)
         self.copies.host_waits(slot.d2h)
-        adamw_(state, self._fp32(slot, slot.grad), slot, lr, self.cfg, self._divisor[True])
-        if after is not False:  # (False: the delayed update sends them a step later)
-            self._stage_up(slot, state, after)
+        ring = self._ring(slot) if after is not False else None  # (False: the delayed
+        up = None if ring is None else ring[1]                   # update sends them later)
+        fused = self._kernel is not None and slot.grad.dtype in (torch.float32, torch.bfloat16)
+        if fused:  # one pass: the gradient as it came, the bf16 parameters straight into `up`
+            out = up if up is not None and up.dtype == torch.bfloat16 else None
+            fused_adamw_(self._kernel, state, slot.grad, slot, lr, self.cfg,
+                         self._divisor[True], out)
+        else:
+            adamw_(state, self._fp32(slot, slot.grad), slot, lr, self.cfg, self._divisor[True])
+        if up is not None:
+            if not fused or out is None:
+                up.copy_(state["master"])
+            self._send_ring(slot, ring, after)
         store.release(slot.index)
 
-    def _stage_up(self, slot, state: dict, after) -> None:
-        """The slot's new parameters through the next ring buffer up to the device, once the
-        compute stream has passed `after`."""
+    def _ring(self, slot) -> tuple[int, torch.Tensor]:
+        """(r, the next ring buffer for the slot's parameters), once its last upload left."""
         r = self._up_next
         self._up_next = (r + 1) % len(self._up)
-        self.copies.host_waits(self._up_events[r])  # that buffer's last upload has left
-        up = self._up[r][:slot.numel]
-        up.copy_(state["master"])
+        self.copies.host_waits(self._up_events[r])
+        return r, self._up[r][:slot.numel]
+
+    def _send_ring(self, slot, ring, after) -> None:
+        """Send ring buffer `ring` up into the slot's parameters once the compute stream has
+        passed `after`."""
+        r, up = ring
         slot.h2d = self._up_events[r] = self.copies.to_device(
             self.buffers.param_data[slot.lo:slot.hi], up, after)
+
+    def _stage_up(self, slot, state: dict, after) -> None:
+        """The slot's masters through the next ring buffer up to the device after `after`."""
+        ring = self._ring(slot)
+        ring[1].copy_(state["master"])
+        self._send_ring(slot, ring, after)
 
     # -- parameters up ----------------------------------------------------------------------
     def _gather(self, slot, async_op: bool) -> None:
