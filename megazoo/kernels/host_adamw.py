@@ -1,7 +1,7 @@
 """The offloaded optimizer's host AdamW in one pass (csrc/host_adamw.c), or None.
 
     kernel = host_adamw()          # None where no C compiler works (torch's kernel then runs)
-    kernel(state, grad, pieces, out=up, lr=..., ...)   # state {master, exp_avg, exp_avg_sq}
+    kernel(state, grad, pieces, out=up, divisor=d, lr=..., ...)  # state {master, exp_avg, exp_avg_sq}
 
 torch's fused CPU AdamW needs an fp32 gradient and leaves the bf16 parameters to another
 pass; the C kernel reads a bf16 (or fp32) gradient and writes the bf16 parameters for the
@@ -110,10 +110,11 @@ def host_adamw():
         return None
 
     def step(state: dict, grad: torch.Tensor, pieces: list[tuple[int, int, float, int]], *,
-             out: torch.Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
-             grad_scale: float) -> None:
+             out: torch.Tensor | None, divisor, lr: float, beta1: float, beta2: float,
+             eps: float) -> None:
         """AdamW over `pieces` (start, end, weight decay, step count after this step) of the
-        flat state; out, if given, gets the new parameters in bf16."""
+        flat state, the gradient divided by `divisor` (a float or a CPU scalar tensor); out,
+        if given, gets the new parameters in bf16."""
         _check(state, grad, out)
         n = len(pieces)
         starts = torch.tensor([p[0] for p in pieces], dtype=torch.int64)
@@ -125,5 +126,5 @@ def host_adamw():
                           grad.data_ptr(), int(grad.dtype == torch.bfloat16),
                           None if out is None else out.data_ptr(), n, _ptr(starts, _i64),
                           _ptr(ends, _i64), _ptr(decay, _f32), _ptr(size, _f32), _ptr(bc2, _f32),
-                          beta1, beta2, eps, grad_scale, torch.get_num_threads())
+                          beta1, beta2, eps, float(divisor), torch.get_num_threads())
     return step

@@ -109,18 +109,35 @@ def adamw_(state: dict, grad: torch.Tensor, slot: Slot, lr: float, cfg,
 
 
 def fused_adamw_(kernel, state: dict, grad: torch.Tensor, slot: Slot, lr: float, cfg,
-                 divisor: torch.Tensor, out: torch.Tensor | None) -> None:
-    """`adamw_` through the host kernel of `kernels.host_adamw` (`kernel`): one pass over the
-    slot's pieces in memory order, `grad` bf16 or fp32 as it came down, the new parameters
-    into `out` (bf16) if given; each piece's step counter advances as torch's would."""
+                 divisor: torch.Tensor, out: torch.Tensor | None, step: int | None = None) -> None:
+    """`adamw_` through a one-pass kernel (`one_pass_kernel`): the slot's pieces in memory
+    order, `grad` bf16 or fp32 as accumulated, the new parameters into `out` if given. Each
+    piece's step counter advances as torch's would; the kernel takes `step` (device slots:
+    no host sync) or, for None, the counters' own values (host slots: CPU tensors)."""
     pieces = []
     for decay in (True, False):
         sel = [(a, b) for a, b, d in slot.pieces if d is decay]
-        for (a, b), step in zip(sel, slot.steps[decay]):
-            step += 1
-            pieces.append((a, b, cfg.weight_decay if decay else 0.0, int(step)))
-    kernel(state, grad, sorted(pieces), out=out, lr=lr, beta1=cfg.adam_beta1,
-           beta2=cfg.adam_beta2, eps=cfg.adam_eps, grad_scale=float(divisor))
+        if step is not None and slot.steps[decay]:
+            torch._foreach_add_(slot.steps[decay], 1)
+        for (a, b), counter in zip(sel, slot.steps[decay]):
+            if step is None:
+                counter += 1
+            pieces.append((a, b, cfg.weight_decay if decay else 0.0,
+                           int(counter) if step is None else step))
+    kernel(state, grad, sorted(pieces), out=out, divisor=divisor, lr=lr, beta1=cfg.adam_beta1,
+           beta2=cfg.adam_beta2, eps=cfg.adam_eps)
+
+
+def one_pass_kernel(device: torch.device):
+    """The one-pass AdamW for state on `device`, or None (torch's `adamw_` then): the C
+    kernel of `kernels.host_adamw` on the host, `kernels.triton_adamw` on a CUDA GPU."""
+    if device.type == "cpu":
+        from ...kernels.host_adamw import host_adamw
+
+        return host_adamw()
+    from ...kernels._dispatch import triton_module, triton_status
+
+    return triton_module("adamw").adamw_ if device.type == "cuda" and triton_status()[0] else None
 
 
 class ResidentStore:

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from ...parallel.collectives import all_gather_flat
-from ...kernels.host_adamw import host_adamw
-from .cpu_offload import NAMES, ResidentStore, Transfers, adamw_, bucket_slots, fused_adamw_
+from .cpu_offload import (NAMES, ResidentStore, Transfers, adamw_, bucket_slots, fused_adamw_,
+                          one_pass_kernel)
 from ...plan.offload import check_offload_plan, host_memory_bytes
 from .grad_buffer import GradBuffer
 from .lean_build import fill_flat_, held_bytes
@@ -90,7 +90,9 @@ class OffloadAdamW:
         self._up = [self.copies.host_empty(largest, data.dtype) for _ in range(UP_BUFFERS)]
         self._up_events, self._up_next = [None] * UP_BUFFERS, 0
         self._scratch = {}  # fp32 upcasts of bf16 gradients, one per place
-        self._kernel = host_adamw()  # the host share's one-pass AdamW (None: torch's)
+        # one-pass AdamW kernels (None: torch's AdamW and separate casts)
+        self._kernel = {True: one_pass_kernel(torch.device("cpu")),
+                        False: one_pass_kernel(self.device) if self.copies.cuda else None}
         self._divisor = {True: torch.ones((), dtype=torch.float32),
                          False: torch.ones((), dtype=torch.float32, device=self.device)}
         self.overlap_param_gather = cfg.overlap_param_gather and buffers.shard
@@ -192,10 +194,17 @@ class OffloadAdamW:
                 self._device_step(slot, lr)
 
     def _device_step(self, slot, lr: float) -> None:
-        state = self._acquire(slot)
-        grad = self._fp32(slot, self.buffers.main_grad[slot.lo:slot.hi])
-        adamw_(state, grad, slot, lr, self.cfg, self._divisor[False])
-        self.buffers.param_data[slot.lo:slot.hi].copy_(state["master"])
+        state, params = self._acquire(slot), self.buffers.param_data[slot.lo:slot.hi]
+        grad = self.buffers.main_grad[slot.lo:slot.hi]
+        out = params if params.dtype == torch.bfloat16 else None  # (else one more copy)
+        if self._kernel[False] is not None:
+            fused_adamw_(self._kernel[False], state, grad, slot, lr, self.cfg,
+                         self._divisor[False], out, step=self.step_count)
+        else:
+            adamw_(state, self._fp32(slot, grad), slot, lr, self.cfg, self._divisor[False])
+            out = None
+        if out is None:
+            params.copy_(state["master"])
         self._gather(slot, async_op=self.overlap_param_gather)
 
     def _host_step(self, slot, nxt, lr: float, after) -> None:
@@ -208,10 +217,11 @@ class OffloadAdamW:
         self.copies.host_waits(slot.d2h)
         ring = self._ring(slot) if after is not False else None  # (False: the delayed
         up = None if ring is None else ring[1]                   # update sends them later)
-        fused = self._kernel is not None and slot.grad.dtype in (torch.float32, torch.bfloat16)
+        kernel = self._kernel[True]
+        fused = kernel is not None and slot.grad.dtype in (torch.float32, torch.bfloat16)
         if fused:  # one pass: the gradient as it came, the bf16 parameters straight into `up`
             out = up if up is not None and up.dtype == torch.bfloat16 else None
-            fused_adamw_(self._kernel, state, slot.grad, slot, lr, self.cfg,
+            fused_adamw_(kernel, state, slot.grad, slot, lr, self.cfg,
                          self._divisor[True], out)
         else:
             adamw_(state, self._fp32(slot, slot.grad), slot, lr, self.cfg, self._divisor[True])
