@@ -24,6 +24,7 @@ import shlex
 from ..config.model import ModelConfig
 from ..models.params import count_parameters
 from .layout import resolve
+from .engines import split_host_budget
 from .memory import GB, RUNTIME_BYTES, MemoryEstimate, _estimate
 from .search import drop_flags
 
@@ -40,7 +41,7 @@ DROPPED = {"--largest", "--json", "--fp32-grad-accumulation", "--model-family", 
            "--host-memory", "--disk-memory", "--gpus-per-node", "--dp", "--out",
            "--model", "--family", "--num-layers", "--hidden-size", "--num-attention-heads",
            "--num-key-value-heads", "--ffn-hidden-size", "--max-position-embeddings",
-           "--optimizer-offload-fraction", "--seq-length", "--micro-batch-size",
+           "--optimizer-offload-fraction", "--optimizer-offload-host-memory", "--seq-length", "--micro-batch-size",
            "--global-batch-size", "--recompute", "--recompute-granularity"}
 
 
@@ -77,7 +78,21 @@ def plan_shape(args, config: ModelConfig, options, pick_fraction: bool):
         est = _estimate(model, resolve(args, options))
         if est.verdicts["gpu"]:
             break
-    return est, args
+    return est, _pin_split(args, options, est)
+
+
+def _pin_split(args, options, est):
+    """With the disk tier and a --host-memory: `args` with the host budget the plan split by
+    as --optimizer-offload-host-memory (rounded down to 0.1 GB), so the printed command
+    splits as planned whatever the host has free when it starts."""
+    t = args.training
+    if not (t.optimizer_cpu_offload and args.zero.nvme_path and options.host_memory) \
+            or t.optimizer_offload_host_memory is not None:
+        return args
+    layout = resolve(args, options)
+    budget = split_host_budget(layout, est.parameters_per_gpu)
+    return dataclasses.replace(args, training=dataclasses.replace(
+        t, optimizer_offload_host_memory=max(0.0, int(budget / 1e8) / 10)))
 
 
 def search(args, options, family: str, pick_fraction: bool, with_build: bool = True):
@@ -111,6 +126,8 @@ def run_command(argv: list[str], args, config: ModelConfig) -> str:
         flags.append("--bf16")
     if t.optimizer_cpu_offload:
         flags += ["--optimizer-offload-fraction", f"{t.optimizer_offload_fraction:g}"]
+    if t.optimizer_offload_host_memory is not None:
+        flags += ["--optimizer-offload-host-memory", f"{t.optimizer_offload_host_memory:g}"]
     par = args.parallel
     world = par.tp * par.sp * par.pp * (par.dp or 1)
     launch = ["python"] if world == 1 else ["torchrun", "--nproc-per-node", world]
