@@ -6,9 +6,20 @@ fraction its `bf16grads` rows use.
     rows = largest_rows(name, planned, gbs, iters, dry, left)
 
 The budgets are this machine's: free GPU memory, MemAvailable of the host, free disk under
---nvme-path (GB, 1e9 bytes). The plain engine asks with --optimizer-cpu-offload
---accumulate-grads-in-bf16 --nvme-path DIR; the peer (DeepSpeed ZeRO-3) with its CPU
-optimizer and parameter offload (the planner models DeepSpeed's cpu offload, not its nvme).
+--nvme-path (GB, 1e9 bytes), the disk capped at --largest-disk (DISK_GB by default). The
+plain engine asks with --optimizer-cpu-offload --accumulate-grads-in-bf16 --nvme-path DIR
+--save "" (the rows do not save): its host share stays in host memory where it fits and
+the rest goes to disk, and the planner's command pins that split with
+--optimizer-offload-host-memory. The peer (DeepSpeed ZeRO-3) asks with its CPU optimizer
+and parameter offload (the planner models DeepSpeed's cpu offload, not its nvme).
+
+Why a disk cap. The state on disk is read and written once per step, so the step takes at
+least 2 x disk share / disk rate: the 13.2B LLaMA the planner answers on 80 GB / 125 GB /
+40 GB puts 37.7 GB there, ~40 s per step at 2 GB/s each way, and 10 steps with the start
+(~1.5 min: the fp32 model to the host, 100 GB of state filled) take ~7-8 minutes: one
+global batch per 10-minute call. Without the cap the search answers the largest the whole
+disk holds (13.8B with 64 GB on disk), which no 10-minute call trains 10 steps of.
+`disk_rates` measures the disk's rates first (O_DIRECT, as the store does).
 """
 from __future__ import annotations
 
@@ -18,18 +29,24 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 from bench.common import REPO, child_env
 
 PLAIN = ["--optimizer-cpu-offload", "--accumulate-grads-in-bf16"]
 PEER = ["--deepspeed", "--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-param", "cpu"]
 DROP = {"--global-batch-size", "--micro-batch-size"}  # the rows set their own
+DISK_GB = 40.0  # default cap of the disk share (see the module docstring)
+# the dry run's disk tier: small buckets and a host budget that sends the tiny model to disk
+DRY_SPLIT = ["--ddp-bucket-size", "10000", "--optimizer-offload-host-memory", "0.01"]
 
 
-def machine_budgets(nvme_path: str | None, dry: bool) -> list[str]:
-    """--gpu-memory / --host-memory / --disk-memory of this machine (GB), for the planner."""
+def machine_budgets(nvme_path: str | None, dry: bool, disk_cap: float = DISK_GB) -> list[str]:
+    """--gpu-memory / --host-memory / --disk-memory of this machine (GB), for the planner;
+    the disk: 95% of what is free under `nvme_path`, at most `disk_cap`."""
     if dry:
-        return ["--gpu-memory", "80", "--host-memory", "125", "--disk-memory", "64"]
+        return ["--gpu-memory", "80", "--host-memory", "125", "--disk-memory",
+                f"{min(64, disk_cap):g}"]
     import torch
 
     from megazoo.plan.offload import host_memory_bytes
@@ -38,14 +55,15 @@ def machine_budgets(nvme_path: str | None, dry: bool) -> list[str]:
     out = ["--gpu-memory", f"{free / 1e9:.1f}",
            "--host-memory", f"{(host_memory_bytes() or 0) / 1e9:.1f}"]
     if nvme_path:
-        out += ["--disk-memory", f"{shutil.disk_usage(nvme_path).free / 1e9 * 0.95:.1f}"]
+        free = shutil.disk_usage(nvme_path).free / 1e9 * 0.95
+        out += ["--disk-memory", f"{min(free, disk_cap):.1f}"]
     return out
 
 
 def plan_largest(budgets: list[str], flags: list[str], timeout: float = 120) -> dict:
     """The planner's answer ({"command", "num_parameters", ...}) or {"error": ...}."""
     cmd = [sys.executable, "-m", "megazoo.plan", "--largest", "--model-family", "llama",
-           "--seq-length", "2048", *budgets, *flags, "--json"]
+           "--seq-length", "2048", *budgets, *flags, "--save", "", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=child_env(),
                           timeout=timeout)
     if proc.returncode != 0:
@@ -91,11 +109,12 @@ def largest_rows(name: str, planned: dict, gbs: list[int], iters: int, dry: bool
     if "error" in planned:
         return [{"row": name, "error": planned["error"]}]
     flags = run_flags(planned["command"])
+    nvme = flags[flags.index("--nvme-path") + 1] if "--nvme-path" in flags else None
     if dry:  # the plumbing only: the tiny shape with the planned engine flags
-        keep = [f for f in ("--bf16", "--optimizer-cpu-offload", "--accumulate-grads-in-bf16",
+        keep = [f for f in ("--optimizer-cpu-offload", "--accumulate-grads-in-bf16",
                             "--deepspeed") if f in flags]
         flags = keep + (["--zero-stage", "3"] if "--deepspeed" in keep else [])
-        flags = [f for f in flags if f != "--bf16"]
+        flags += ["--nvme-path", nvme, *DRY_SPLIT] if nvme else []
     # a gentler lr than the default's 3e-3 without warmup (a spike at step 2 on large
     # models), and the overlapped offload for the plain engine
     extra = ["--lr", "3e-4", "--lr-warmup-iters", "2"]
@@ -108,10 +127,42 @@ def largest_rows(name: str, planned: dict, gbs: list[int], iters: int, dry: bool
                            dry, left() / max(len(gbs) - len(rows), 1))
         row["num_parameters"] = planned.get("num_parameters")
         row["planned_command"] = planned["command"]
+        row["planned_disk_gb"] = planned.get("disk_per_gpu", 0) / 1e9
+        row["planned_host_gb"] = planned.get("host_per_gpu", 0) / 1e9
+        row["disk_gb"] = disk_bytes(nvme) / 1e9 if nvme else 0.0  # the store's files
         losses = [x for x in row.get("losses", []) if x == x]
+        row["loss_first"], row["loss_last"] = (losses[0], losses[-1]) if losses else (None, None)
         row["loss_falls"] = bool(losses) and losses[-1] < losses[0]
         rows.append(row)
     return rows
+
+
+def disk_bytes(path: str) -> int:
+    """Bytes allocated by the files under `path` (the disk tier leaves them at exit)."""
+    return sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, files in os.walk(path)
+               for f in files)
+
+
+def disk_rates(path: str, dry: bool, nbytes: int = 2 ** 31) -> dict:
+    """The disk's sequential write and read rates under `path` (GB/s): one file of `nbytes`
+    (64 MiB dry) written and read back through the disk store's own O_DIRECT I/O."""
+    from megazoo.training.backends.state_store import NvmeStateStore
+
+    numel = (2 ** 26 if dry else nbytes) // 12
+    store = NvmeStateStore(os.path.join(path, "rate-probe"), [numel], slots=1, pin=False)
+    store.acquire(0)["master"].fill_(1.0)
+    t0 = time.perf_counter()
+    store.release(0)
+    store.flush()
+    write = time.perf_counter() - t0
+    store._slots[0].shard = None  # forget the staged copy: the next acquire reads the file
+    t0 = time.perf_counter()
+    store.acquire(0)
+    read = time.perf_counter() - t0
+    shutil.rmtree(os.path.join(path, "rate-probe"), ignore_errors=True)
+    size = store.nbytes / 1e9
+    return {"row": "disk rates", "bytes": store.nbytes, "direct_io": store.direct,
+            "write_gb_per_s": size / write, "read_gb_per_s": size / read}
 
 
 def nvme_dir(path: str | None) -> str | None:

@@ -193,16 +193,21 @@ def check_offload_plan(host_needed: float, disk_needed: float, *, host_memory: f
     plan puts there; `host_memory` / `disk_memory` None: not checked. `host_needed` and
     `disk_needed` are one rank's; `ranks_per_host` ranks share the host and the disk."""
     host_all, disk_all = host_needed * ranks_per_host, disk_needed * ranks_per_host
-    ranks = f" ({ranks_per_host} ranks x {host_needed / GB:.1f} GB)" if ranks_per_host > 1 else ""
+    ranks = f" ({ranks_per_host} ranks x {gb_text(host_needed)} GB)" if ranks_per_host > 1 else ""
     if host_memory is not None and host_all > host_memory:
         advice = ("pass --nvme-path DIR to keep the optimizer state on disk" if not nvme_path
                   else "use a smaller model or more GPUs")
-        raise ValueError(f"the plan needs {host_all / GB:.1f} GB of host memory{ranks} but "
-                         f"{host_memory / GB:.1f} GB is available: lower "
+        raise ValueError(f"the plan needs {gb_text(host_all)} GB of host memory{ranks} but "
+                         f"{gb_text(host_memory)} GB is available: lower "
                          f"--optimizer-offload-fraction (more state on the GPU) or {advice}")
     if disk_all > 0 and disk_memory is not None and disk_all > disk_memory:
         where = f"under --nvme-path {nvme_path}" if nvme_path else "on the disk"
-        raise ValueError(f"the plan needs {disk_all / GB:.1f} GB {where} but "
-                         f"{disk_memory / GB:.1f} GB is free: free space there, point "
+        raise ValueError(f"the plan needs {gb_text(disk_all)} GB {where} but "
+                         f"{gb_text(disk_memory)} GB is free: free space there, point "
                          "--nvme-path at a larger disk, or lower --optimizer-offload-fraction")
 
+
+
+def gb_text(nbytes: float) -> str:
+    """GB with one decimal, or three significant digits below 0.1 GB (no "0.0 GB")."""
+    return f"{nbytes / GB:.1f}" if nbytes >= 0.1 * GB else f"{nbytes / GB:.3g}"

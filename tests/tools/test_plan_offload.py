@@ -243,3 +243,23 @@ def test_largest_without_a_fit_is_one_line(capsys):
     assert main(["--largest", "--gpu-memory", "1", "--model-family", "gpt"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: no gpt shape fits") and err.count("\n") == 1
+
+
+def test_largest_on_the_lent_machine_splits_the_host_share(capsys):
+    """80 GB GPU, 125 GB host, 40 GB of disk for the state (bench/offload_largest.py's cap):
+    a model of at least 13B whose host share is split, memory first, the rest on disk; the
+    printed command pins the planned split (--optimizer-offload-host-memory) and plans as
+    the search said."""
+    import shlex
+
+    budgets = dict(gpu_memory=80, host_memory=125, disk_memory=40)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in budgets.items()]
+    assert main(["--largest", "--model-family", "llama", "--nvme-path", "/nonexistent/nv",
+                 "--save", ""] + flags + OFFLOAD_13B) == 0
+    out = capsys.readouterr().out
+    args = parse_args(shlex.split(out.split("command:\n", 1)[1])[2:])
+    assert args.training.optimizer_offload_host_memory is not None
+    args.model = dataclasses.replace(args.model, vocab_size=32000)
+    est = estimate_memory(args, PlanOptions(**budgets))
+    assert est.fits and est.num_parameters >= 13e9 and 0 < est.disk_per_gpu <= 40e9
+    assert "buckets in memory, the last" in out

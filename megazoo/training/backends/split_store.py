@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 import os
 
-from ...plan.offload import (GB, check_nvme_path, check_offload_plan, host_memory_bytes,
-                             host_split, split_budget)
+from ...plan.offload import (check_nvme_path, check_offload_plan, host_memory_bytes,
+                             gb_text, host_split, split_budget)
 from .cpu_offload import ResidentStore
 from .lean_build import held_bytes
 
@@ -105,8 +105,8 @@ def describe(split, buckets: int, host: list, nvme_path: str | None) -> str:
     and the disk share."""
     numel = sum(s.numel for s in host)
     line = (f"optimizer offload: {len(host)} of {buckets} buckets ({numel / 1e9:.2f}e9 "
-            f"elements) on the host, {split.host / GB:.1f} GB of host memory")
+            f"elements) on the host, {gb_text(split.host)} GB of host memory")
     if len(host) > split.memory:
         line += (f"; the last {len(host) - split.memory} of the forward on disk under "
-                 f"{nvme_path} ({split.disk / GB:.1f} GB)")
+                 f"{nvme_path} ({gb_text(split.disk)} GB)")
     return line
