@@ -180,10 +180,10 @@ def main(argv=None) -> None:
     ap.add_argument("--largest-iters", type=int, default=10)
     ap.add_argument("--largest-gbs", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--nvme-path", help="disk for the largest plain run's optimizer state")
-    ap.add_argument("--largest-disk", type=float, default=largest.DISK_GB,
+    ap.add_argument("--largest-disk", type=float, nargs="+", default=largest.DISK_CAPS,
                     help="GB of the largest plain run's optimizer state the planner may put "
-                         "on disk: it is read and written once per step, so this bounds the "
-                         "step time (offload_largest.py)")
+                         "on disk, tried in turn until the answer reaches 13B: it is read "
+                         "and written once per step, so this bounds the step time")
     a = ap.parse_args(argv)
     dry, start = a.dry_run, time.perf_counter()
     shape = TINY if dry else SHAPE
@@ -229,8 +229,9 @@ def main(argv=None) -> None:
         if not on:
             continue
         nvme = largest.nvme_dir(a.nvme_path) if name == "largest" else None
-        budgets = largest.machine_budgets(nvme, dry, a.largest_disk)
-        planned = largest.plan_largest(budgets, flags + (["--nvme-path", nvme] if nvme else []))
+        budgets = largest.machine_budgets(nvme, dry)
+        planned = largest.plan_target(budgets, flags + (["--nvme-path", nvme] if nvme else []),
+                                      a.largest_disk)
         if nvme:
             rows.append(largest.disk_rates(nvme, dry))
         rows += largest.largest_rows(name, planned, a.largest_gbs, a.largest_iters, dry, left,

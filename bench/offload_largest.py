@@ -6,20 +6,23 @@ fraction its `bf16grads` rows use.
     rows = largest_rows(name, planned, gbs, iters, dry, left)
 
 The budgets are this machine's: free GPU memory, MemAvailable of the host, free disk under
---nvme-path (GB, 1e9 bytes), the disk capped at --largest-disk (DISK_GB by default). The
+--nvme-path (GB, 1e9 bytes), the disk share capped (below). The
 plain engine asks with --optimizer-cpu-offload --accumulate-grads-in-bf16 --nvme-path DIR
 --save "" (the rows do not save): its host share stays in host memory where it fits and
 the rest goes to disk, and the planner's command pins that split with
 --optimizer-offload-host-memory. The peer (DeepSpeed ZeRO-3) asks with its CPU optimizer
 and parameter offload (the planner models DeepSpeed's cpu offload, not its nvme).
 
-Why a disk cap. The state on disk is read and written once per step, so the step takes at
-least 2 x disk share / disk rate: the 13.2B LLaMA the planner answers on 80 GB / 125 GB /
-40 GB puts 37.7 GB there, ~40 s per step at 2 GB/s each way, and 10 steps with the start
-(~1.5 min: the fp32 model to the host, 100 GB of state filled) take ~7-8 minutes: one
-global batch per 10-minute call. Without the cap the search answers the largest the whole
-disk holds (13.8B with 64 GB on disk), which no 10-minute call trains 10 steps of.
-`disk_rates` measures the disk's rates first (O_DIRECT, as the store does).
+Why a disk cap (`plan_target`). The state on disk is read and written once per step, so a
+step takes at least 2 x disk share / disk rate. Uncapped, the search answers the largest
+the whole disk holds (13.8B with 39 GB on disk on 80 GB / 125 GB / 40 GB; more with more
+disk), which a 10-minute call may not train 10 steps of. So the row asks with the disk
+share capped at 32 GB, then 36, 40, 48 GB, and trains the first answer of at least 13B
+(TARGET): on 84 GB / 125 GB (the H100 machine's free GPU memory and a MemAvailable of 125
+GB) that is a 13.35B LLaMA with 27 GB on disk, ~27 s per step at 2 GB/s each way; 10 steps
+and the start (~1.5 min: the fp32 model to the host, ~100 GB of state filled, the disk
+files written) ~6 minutes: one global batch per 10-minute call. `disk_rates` measures the
+disk's rates first (O_DIRECT, as the store does); --largest-disk sets one cap instead.
 """
 from __future__ import annotations
 
@@ -36,17 +39,17 @@ from bench.common import REPO, child_env
 PLAIN = ["--optimizer-cpu-offload", "--accumulate-grads-in-bf16"]
 PEER = ["--deepspeed", "--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-param", "cpu"]
 DROP = {"--global-batch-size", "--micro-batch-size"}  # the rows set their own
-DISK_GB = 40.0  # default cap of the disk share (see the module docstring)
+TARGET = 13e9  # parameters the largest row aims at (the issue's target)
+DISK_CAPS = (32.0, 36.0, 40.0, 48.0)  # disk shares tried, smallest first (module docstring)
 # the dry run's disk tier: small buckets and a host budget that sends the tiny model to disk
 DRY_SPLIT = ["--ddp-bucket-size", "10000", "--optimizer-offload-host-memory", "0.01"]
 
 
-def machine_budgets(nvme_path: str | None, dry: bool, disk_cap: float = DISK_GB) -> list[str]:
+def machine_budgets(nvme_path: str | None, dry: bool) -> list[str]:
     """--gpu-memory / --host-memory / --disk-memory of this machine (GB), for the planner;
-    the disk: 95% of what is free under `nvme_path`, at most `disk_cap`."""
+    the disk: 95% of what is free under `nvme_path`."""
     if dry:
-        return ["--gpu-memory", "80", "--host-memory", "125", "--disk-memory",
-                f"{min(64, disk_cap):g}"]
+        return ["--gpu-memory", "80", "--host-memory", "125", "--disk-memory", "64"]
     import torch
 
     from megazoo.plan.offload import host_memory_bytes
@@ -55,8 +58,7 @@ def machine_budgets(nvme_path: str | None, dry: bool, disk_cap: float = DISK_GB)
     out = ["--gpu-memory", f"{free / 1e9:.1f}",
            "--host-memory", f"{(host_memory_bytes() or 0) / 1e9:.1f}"]
     if nvme_path:
-        free = shutil.disk_usage(nvme_path).free / 1e9 * 0.95
-        out += ["--disk-memory", f"{min(free, disk_cap):.1f}"]
+        out += ["--disk-memory", f"{shutil.disk_usage(nvme_path).free / 1e9 * 0.95:.1f}"]
     return out
 
 
@@ -69,6 +71,24 @@ def plan_largest(budgets: list[str], flags: list[str], timeout: float = 120) -> 
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout).strip()[-400:]}
     return json.loads(proc.stdout)
+
+
+def plan_target(budgets: list[str], flags: list[str], caps=DISK_CAPS,
+                target: float = TARGET) -> dict:
+    """The planner's largest with the disk share capped, under the smallest of `caps` (GB)
+    whose answer reaches `target` parameters, else under the whole free disk: the state on
+    disk is read and written once per step, so the smallest share that reaches the target
+    is the fastest run that does. Without a --disk-memory: `plan_largest` as it is."""
+    if "--disk-memory" not in budgets:
+        return plan_largest(budgets, flags)
+    at = budgets.index("--disk-memory") + 1
+    free = float(budgets[at])
+    for cap in [c for c in caps if c < free] + [free]:
+        planned = plan_largest(budgets[:at] + [f"{cap:g}"] + budgets[at + 1:], flags)
+        planned["disk_cap_gb"] = cap
+        if planned.get("num_parameters", 0) >= target:
+            break
+    return planned
 
 
 def planned_fraction(budgets: list[str], shape_flags: list[str], gb: int) -> float | None:

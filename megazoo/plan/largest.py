@@ -11,7 +11,7 @@ The family is a grid of shapes, sorted by parameter count:
 Every candidate is planned with the layout flags given (engine, offload, tp/pp/dp, ...). The
 answer is the largest candidate that fits every budget, so every larger one, the next larger
 included, does not. With `--optimizer-cpu-offload` and no `--optimizer-offload-fraction`, each
-candidate takes the smallest fraction (steps of 0.05) whose GPU share fits: as much optimizer
+candidate takes the smallest fraction (steps of 0.01) whose GPU share fits: as much optimizer
 state on the GPU as fits, the rest on the host (or the disk with --nvme-path). Flags not given
 default to what a largest run wants: --seq-length 2048, --micro-batch-size 1, one micro-batch
 per step, --recompute full, --bf16.
@@ -72,13 +72,22 @@ def plan_shape(args, config: ModelConfig, options, pick_fraction: bool):
     `pick_fraction`, the smallest offload fraction whose GPU share fits."""
     model = dataclasses.replace(config, recompute=args.model.recompute)
     args = dataclasses.replace(args, model=model, model_name=None)
+    def planned(fraction: float):
+        run = dataclasses.replace(args, training=dataclasses.replace(
+            args.training, optimizer_offload_fraction=round(fraction, 2)))
+        return _estimate(model, resolve(run, options)), run
+
     for fraction in FRACTIONS if pick_fraction else (args.training.optimizer_offload_fraction,):
-        args = dataclasses.replace(args, training=dataclasses.replace(
-            args.training, optimizer_offload_fraction=fraction))
-        est = _estimate(model, resolve(args, options))
+        est, run = planned(fraction)
         if est.verdicts["gpu"]:
             break
-    return est, _pin_split(args, options, est)
+    if pick_fraction and est.verdicts["gpu"] and fraction > 0:  # refine to steps of 0.01
+        for finer in (fraction - k / 100 for k in range(4, 0, -1)):
+            trial = planned(finer)
+            if trial[0].verdicts["gpu"]:
+                est, run = trial
+                break
+    return est, _pin_split(run, options, est)
 
 
 def _pin_split(args, options, est):

@@ -15,7 +15,9 @@ optimizer state this rank holds: all of its stage, / (dp x sp) with --use-distri
   first keep their state in memory while it fits the host budget (`split_budget`: what the
   host has available at start, less HOST_RESERVE and the state a saving run gathers; or
   --optimizer-offload-host-memory), the rest live on disk (12 B per element, each file
-  padded to 4 KiB), streamed through STORE_SLOTS pinned staging slots;
+  padded to 4 KiB), streamed through STORE_SLOTS staging slots (pageable: only the host
+  reads them); the gradients of a split host share go down in their slot's host step
+  through one shared pinned buffer;
 - on the GPU, from fp32 main gradients the bf16 copy of a bucket is made first
   (TRANSFER_BUCKETS x 2 B per element), bf16 main gradients go down as they are;
 - pinned host memory comes from torch's caching host allocator, which rounds every
@@ -39,7 +41,7 @@ STATE_BYTES = 12  # fp32 master + AdamW m, v per parameter
 TRANSFER_BUCKETS = 2  # bf16 copies of fp32 gradient buckets on the GPU
 WIRE_BYTES = 2  # bf16 gradients down, bf16 parameters up
 UP_BUFFERS = 4  # the engine's ring of pinned parameter uploads (offload_optimizer.UP_BUFFERS)
-STORE_SLOTS = 2  # the disk tier's pinned staging slots (NvmeStateStore's default)
+STORE_SLOTS = 2  # the disk tier's staging slots (NvmeStateStore's default)
 DISK_ALIGN = 4096  # the disk tier pads each file to this (state_store.ALIGN)
 HOST_RESERVE = 4e9  # host bytes the split leaves free for everything else the run allocates
 
@@ -84,6 +86,8 @@ class HostSplit:
     """Bytes of the disk tier's files."""
     late: bool = False
     """Gradients go down in their slot's host step, through one shared pinned buffer."""
+    pageable: bool = False
+    """The state in memory is pageable (the budget did not hold it all pinned)."""
 
 
 def disk_span(numel: float) -> float:
@@ -105,7 +109,7 @@ def host_split(slots: list[float], budget: float | None, *, grad_bytes: int,
     goes through the pinned buffers); with `late_grads` the gradients go down in their
     slot's host step through one shared pinned buffer instead of one each (the next
     backward waits for the host step anyway: its forward needs the new parameters); the disk
-    tier's STORE_SLOTS pinned staging slots for the largest slot are set aside; and slots
+    tier's STORE_SLOTS staging slots (pageable too) for the largest slot are set aside; and slots
     stay in memory, in forward order, while they fit what is left: that slot and every
     later one go to disk. Disk slots are thus the last the forward uses: the host step
     reaches them last and starts reading them as it starts. `late_grads` False (the delayed
@@ -119,14 +123,14 @@ def host_split(slots: list[float], budget: float | None, *, grad_bytes: int,
         return HostSplit(len(slots), fixed + sum(landing) + sum(pinned_state), 0.0, False)
     state = [STATE_BYTES * s for s in slots]
     fixed += pinned(grad_bytes * largest) if late_grads else sum(landing)
-    left, memory = budget - fixed - STORE_SLOTS * pinned(disk_span(largest)), 0
+    left, memory = budget - fixed - STORE_SLOTS * disk_span(largest), 0
     while memory < len(slots) and state[memory] <= left:
         left -= state[memory]
         memory += 1
     disk = slots[memory:]
-    staging = STORE_SLOTS * pinned(disk_span(max(disk))) if disk else 0.0
+    staging = STORE_SLOTS * disk_span(max(disk)) if disk else 0.0
     return HostSplit(memory, fixed + sum(state[:memory]) + staging,
-                     float(sum(disk_span(s) for s in disk)), late_grads)
+                     float(sum(disk_span(s) for s in disk)), late_grads, pageable=True)
 
 
 def split_budget(available: float, saved_numel: float = 0.0) -> float:

@@ -47,10 +47,11 @@ def test_host_split_keeps_the_first_of_the_forward_in_memory():
     for budget in (None, whole):
         split = host_split(slots, budget, grad_bytes=2, param_bytes=2)
         assert (split.memory, split.host, split.disk, split.late) == (8, whole, 0, False)
-    # not all fits: pageable state (12 B), one shared landing buffer, 2 staging slots
-    fixed = ring + pinned(2 * m) + 2 * pinned(12 * m)
+        assert not split.pageable
+    # not all fits: pageable state (12 B), one shared landing buffer, 2 pageable staging slots
+    fixed = ring + pinned(2 * m) + 2 * 12 * m
     split = host_split(slots, fixed + 2 * 12 * m + 1, grad_bytes=2, param_bytes=2)
-    assert (split.memory, split.disk, split.late) == (2, 6 * 12 * m, True)
+    assert (split.memory, split.disk, split.late, split.pageable) == (2, 6 * 12 * m, True, True)
     assert split.host == fixed + 2 * 12 * m
     assert host_split(slots, fixed - 1, grad_bytes=2, param_bytes=2).host > fixed - 1
     # the delayed update keeps a landing buffer per slot

@@ -88,15 +88,16 @@ def host_store(plan, slots: list, *, pin: bool, rank: int, grad_bytes: int,
     check_offload_plan(split.host, split.disk, host_memory=limit, disk_memory=free,
                        nvme_path=plan.nvme_path, ranks_per_host=ranks)
     disk_count = len(slots) - split.memory
-    # split: state in memory is pageable, only the host reads it (host_split)
+    # split: state in memory and the disk's staging slots are pageable, only the host reads
+    # them (host_split)
     memory = ResidentStore([s.numel for s in slots[disk_count:]], "cpu",
-                           pin=pin and not split.late and not disk_count)
+                           pin=pin and not split.pageable)
     disk = None
     if disk_count:
         from .state_store import NvmeStateStore
 
         disk = NvmeStateStore(os.path.join(plan.nvme_path, f"rank{rank:05d}"),
-                              [s.numel for s in slots[:disk_count]], pin=pin)
+                              [s.numel for s in slots[:disk_count]], pin=False)
     return SplitStore(memory, disk, disk_count), split
 
 
