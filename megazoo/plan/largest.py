@@ -87,21 +87,22 @@ def plan_shape(args, config: ModelConfig, options, pick_fraction: bool):
             if trial[0].verdicts["gpu"]:
                 est, run = trial
                 break
-    return est, _pin_split(run, options, est)
+    return _pin_split(run, options, est)
 
 
 def _pin_split(args, options, est):
-    """With the disk tier and a --host-memory: `args` with the host budget the plan split by
-    as --optimizer-offload-host-memory (rounded down to 0.1 GB), so the printed command
-    splits as planned whatever the host has free when it starts."""
+    """(estimate, args): with the disk tier and a --host-memory, `args` take the host budget
+    the plan splits by as --optimizer-offload-host-memory (rounded down to 0.1 GB) and are
+    planned again, so the printed command splits as planned whatever the host has free
+    when it starts; else as they are."""
     t = args.training
     if not (t.optimizer_cpu_offload and args.zero.nvme_path and options.host_memory) \
             or t.optimizer_offload_host_memory is not None:
-        return args
-    layout = resolve(args, options)
-    budget = split_host_budget(layout, est.parameters_per_gpu)
-    return dataclasses.replace(args, training=dataclasses.replace(
+        return est, args
+    budget = split_host_budget(resolve(args, options), est.parameters_per_gpu)
+    args = dataclasses.replace(args, training=dataclasses.replace(
         t, optimizer_offload_host_memory=max(0.0, int(budget / 1e8) / 10)))
+    return _estimate(args.model, resolve(args, options)), args
 
 
 def search(args, options, family: str, pick_fraction: bool, with_build: bool = True):

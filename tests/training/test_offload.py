@@ -73,13 +73,15 @@ def test_host_share_takes_the_last_buckets_of_the_forward():
     assert host_share(buckets, 0.0) == set() and host_share(buckets, 1.0) == set(range(len(buckets)))
 
 
-def _run_on_disk(path: str, nvme: str, host_gb: float | None = None) -> dict:
+def _run_on_disk(path: str, nvme: str, host_gb: float | None = None,
+                 overlap: bool = True) -> dict:
     """3 steps with the disk tier under `nvme` (`host_gb`: --optimizer-offload-host-memory),
     then a checkpoint at `path`; the losses, the parameters, the engine's split."""
     from megazoo.config.zero import ZeroConfig
 
     engine, state = checks.engine_for(ParallelConfig(), zero=ZeroConfig(nvme_path=nvme),
-                                      **offload(0.5, optimizer_offload_host_memory=host_gb))
+                                      **offload(0.5, overlap,
+                                                optimizer_offload_host_memory=host_gb))
     assert engine.offload.nvme_path == nvme
     losses = checks.train(engine, state, range(3))
     engine.save(path, {"iteration": 3})
@@ -105,13 +107,15 @@ def split_budgets() -> dict:
     return {"disk": counts[0], "split": counts[half], "memory": None}, len(sizes), half
 
 
-@pytest.mark.parametrize("where", ["disk", "split", "memory"])
-def test_disk_tier_matches_plain_engine(reference, tmp_path, where):
-    """All host buckets on disk, the first of the forward in memory and the rest on disk,
-    all in memory (the tiny model fits any host): the same numbers as without offload."""
+@pytest.mark.parametrize("where, overlap", [("disk", True), ("split", True), ("split", False),
+                                            ("memory", True)])
+def test_disk_tier_matches_plain_engine(reference, tmp_path, where, overlap):
+    """All host buckets on disk, the first of the forward in memory and the rest on disk
+    (stepped on the worker thread or in `step`), all in memory (the tiny model fits any
+    host): the same numbers as without offload."""
     budgets, host, half = split_budgets()
     out = _one_process(_run_on_disk, str(tmp_path / "ck"), str(tmp_path / "nvme"),
-                       budgets[where])
+                       budgets[where], overlap)
     _compare(out, reference, f"nvme, {where}")
     memory = {"disk": 0, "split": half, "memory": host}[where]
     assert out["host"] == host and out["split"].memory == memory and 0 < half < host
