@@ -186,6 +186,11 @@ def disk_rates(path: str, dry: bool, nbytes: int = 2 ** 31) -> dict:
 
 
 def nvme_dir(path: str | None) -> str | None:
+    """`path` made, without the disk tier's folders an earlier run left there (rank*/: their
+    files would hide free disk from the budget)."""
     if path:
         os.makedirs(path, exist_ok=True)
+        for name in os.listdir(path):
+            if name.startswith("rank") and os.path.isdir(os.path.join(path, name)):
+                shutil.rmtree(os.path.join(path, name))
     return path

@@ -90,7 +90,7 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     if advice and not args.training.cpu_threads:
         log(f"warning: {advice}")
     placement = getattr(getattr(engine, "optimizer", None), "placement", None)
-    if isinstance(placement, str):
+    if placement and isinstance(placement, str):
         log(placement)
     start = 0
     if args.checkpoint.load:

@@ -208,6 +208,11 @@ def test_bf16_gradient_accumulation_runs_close_to_fp32(reference, tmp_path, flag
     (["--optimizer-cpu-offload", "--deepspeed", "--zero-stage", "3"],
      ["--optimizer-cpu-offload", "plain engine"]),
     (["--offload-optimizer", "nvme"], ["--nvme-path"]),
+    (["--optimizer-cpu-offload", "--optimizer-offload-host-memory", "10"],
+     ["--optimizer-offload-host-memory", "--nvme-path"]),
+    (["--optimizer-offload-host-memory", "10"], ["--optimizer-cpu-offload"]),
+    (["--optimizer-cpu-offload", "--nvme-path", "d", "--optimizer-offload-host-memory", "-1"],
+     [">= 0", "-1"]),
 ])
 def test_bad_offload_flags_are_one_line(argv, words):
     with pytest.raises(ValueError) as err:
@@ -254,3 +259,21 @@ def test_overlap_sends_gradients_down_while_backward_runs(overlap):
     deferred = sum(b.deferred for b in buffers.buckets)
     assert early == (len(buffers.buckets) - deferred if overlap else 0)
     assert events.count("send") == len(buffers.buckets)
+
+
+def test_a_rerun_counts_its_own_files_on_disk_as_free(tmp_path, monkeypatch):
+    """The files a run left under --nvme-path are allocated anew by the next: with no other
+    free byte on the disk, the same run starts again."""
+    from megazoo.config.zero import ZeroConfig
+    from megazoo.training.backends import split_store
+
+    budgets, _, _ = split_budgets()
+    flags = {**offload(0.5, optimizer_offload_host_memory=budgets["disk"]),
+             "zero": ZeroConfig(nvme_path=str(tmp_path / "nv"))}
+    checks.engine_for(ParallelConfig(), **flags)
+    assert list((tmp_path / "nv").rglob("shard*.bin"))
+    monkeypatch.setattr(split_store, "check_nvme_path", lambda path: 0.0)
+    checks.engine_for(ParallelConfig(), **flags)
+    with pytest.raises(ValueError, match="GB is free"):  # another folder has no such files
+        checks.engine_for(ParallelConfig(), **{**flags, "zero": ZeroConfig(
+            nvme_path=str(tmp_path / "other"))})

@@ -70,8 +70,8 @@ class OffloadAdamW:
         # split: gradients go down in their host step, through one buffer (host_split)
         late = host if self.split.late else []
         self._late = {id(s) for s in late}
-        shared = self.copies.host_empty(max((s.numel for s in late), default=0),
-                                        buffers.main_grad.dtype)
+        shared = self.copies.host_empty(max(s.numel for s in late),
+                                        buffers.main_grad.dtype) if late else None
         with torch.no_grad():  # GPU slots first: their host values go before host state comes
             for slot in sorted(self.slots, key=lambda s: s.host):
                 self._init_master(slot, data, initial)
@@ -304,5 +304,5 @@ class OffloadAdamW:
 
     @property
     def placement(self) -> str:
-        """One line: where the optimizer state lives (run.py logs it)."""
+        """One line: where the offloaded optimizer state lives ("" if none; run.py logs it)."""
         return describe(self.split, len(self.slots), self.host_order, self.plan.nvme_path)

@@ -84,10 +84,15 @@ def host_store(plan, slots: list, *, pin: bool, rank: int, grad_bytes: int,
     limit = available
     if plan.host_memory is not None:
         limit = min(plan.host_memory * ranks, math.inf if available is None else available)
-    free = check_nvme_path(plan.nvme_path) if split.disk else None
+    disk_count = len(slots) - split.memory
+    root = os.path.join(plan.nvme_path or "", f"rank{rank:05d}")
+    free = None
+    if split.disk:  # (a store's old files are allocated anew: their bytes count as free)
+        from .state_store import reused_bytes
+
+        free = check_nvme_path(plan.nvme_path) + reused_bytes(root, disk_count) * ranks
     check_offload_plan(split.host, split.disk, host_memory=limit, disk_memory=free,
                        nvme_path=plan.nvme_path, ranks_per_host=ranks)
-    disk_count = len(slots) - split.memory
     # split: state in memory and the disk's staging slots are pageable, only the host reads
     # them (host_split)
     memory = ResidentStore([s.numel for s in slots[disk_count:]], "cpu",
@@ -96,17 +101,18 @@ def host_store(plan, slots: list, *, pin: bool, rank: int, grad_bytes: int,
     if disk_count:
         from .state_store import NvmeStateStore
 
-        disk = NvmeStateStore(os.path.join(plan.nvme_path, f"rank{rank:05d}"),
-                              [s.numel for s in slots[:disk_count]], pin=False)
+        disk = NvmeStateStore(root, [s.numel for s in slots[:disk_count]], pin=False)
     return SplitStore(memory, disk, disk_count), split
 
 
 def describe(split, buckets: int, host: list, nvme_path: str | None) -> str:
     """One line: how many of `buckets` are on the host (`host`: their slots), the host bytes,
-    and the disk share."""
+    and the disk share ("" without host slots)."""
+    if not host:
+        return ""
     numel = sum(s.numel for s in host)
-    line = (f"optimizer offload: {len(host)} of {buckets} buckets ({numel / 1e9:.2f}e9 "
-            f"elements) on the host, {gb_text(split.host)} GB of host memory")
+    line = (f"optimizer offload: {len(host)} of {buckets} buckets ({numel:,} elements) on "
+            f"the host, {gb_text(split.host)} GB of host memory")
     if len(host) > split.memory:
         line += (f"; the last {len(host) - split.memory} of the forward on disk under "
                  f"{nvme_path} ({gb_text(split.disk)} GB)")
