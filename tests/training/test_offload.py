@@ -171,11 +171,21 @@ def test_a_disk_or_host_too_small_for_the_split_is_one_line(tmp_path, monkeypatc
 
 
 def test_dp2_distributed_optimizer_offloads_its_own_shard(reference, tmp_path):
-    jobs = [(ParallelConfig(), str(tmp_path / "dp2"),
-             offload(0.5, use_distributed_optimizer=True, overlap_grad_reduce=True,
-                     overlap_param_gather=True))]
+    """dp = 2: in memory, and split with disk (each rank its shard, its own folder)."""
+    from megazoo.config.zero import ZeroConfig
+
+    dp2 = offload(0.5, use_distributed_optimizer=True, overlap_grad_reduce=True,
+                  overlap_param_gather=True)
+    budget = split_budgets()[0]["disk"] * 0.6  # the shards are half the size
+    split = {**dp2, "optimizer_offload_host_memory": budget,
+             "zero": ZeroConfig(nvme_path=str(tmp_path / "nv"))}
+    jobs = [(ParallelConfig(), str(tmp_path / "dp2"), dp2),
+            (ParallelConfig(), str(tmp_path / "dp2-split"), split)]
     results = run_distributed(checks.layouts, 2, jobs, timeout=TIMEOUT)
     _compare(results[0][0], reference, "dp2 distributed optimizer")
+    _compare(results[0][1], reference, "dp2 distributed optimizer, split with disk")
+    for rank in (0, 1):
+        assert list((tmp_path / "nv" / f"rank{rank:05d}").glob("shard*.bin")), rank
 
 
 def test_resume_is_bit_exact_and_loads_into_the_plain_engine(tmp_path):
