@@ -77,8 +77,8 @@ class HostSplit:
     """Where the host share of the state lives (`host_split`), and its bytes."""
 
     memory: int
-    """Host slots, counted in forward order, whose state stays in (pinned) host memory; the
-    others, the last of the forward, live on disk."""
+    """Host slots, counted in forward order, whose state stays in host memory (pinned, or
+    pageable in a split); the others, the last of the forward, live on disk."""
     host: float
     """Host bytes of the offload: in-memory state, gradient landing buffers, the upload
     ring, the fp32 upcast scratch, and the disk tier's staging slots."""
@@ -209,7 +209,6 @@ def check_offload_plan(host_needed: float, disk_needed: float, *, host_memory: f
         raise ValueError(f"the plan needs {gb_text(disk_all)} GB {where} but "
                          f"{gb_text(disk_memory)} GB is free: free space there, point "
                          "--nvme-path at a larger disk, or lower --optimizer-offload-fraction")
-
 
 
 def gb_text(nbytes: float) -> str:
