@@ -21,8 +21,9 @@ Rows (each `pretrain_gpt.py` row in its own process, so peaks are its own):
 - `tolerance`: 100 steps of a 0.5B LLaMA without offload, offloaded, offloaded with bf16
   main gradients; the largest per-step relative loss difference against the first;
 - `--largest` / `--peer-largest`: the largest LLaMA `python -m megazoo.plan --largest` finds
-  for this GPU, host and --nvme-path disk, trained --largest-iters steps at global batches
-  4 and 16 (bench/offload_largest.py); the peer is DeepSpeed ZeRO-3 with cpu offload.
+  for this GPU, host and --nvme-path disk (at most --largest-disk GB of state on it), trained
+  --largest-iters steps at each --largest-gbs (bench/offload_largest.py: a disk-bound 13B
+  takes one call per global batch); the peer is DeepSpeed ZeRO-3 with cpu offload.
 tokens/s, MFU, GPU peak and host RSS peak as the runs log them (median of the logged
 intervals after the first).
 """
@@ -180,15 +181,16 @@ def pretrain_row(name: str, shape: dict, gb: int, iters: int, extra: list[str], 
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp,
                                   env=child_env(), timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"row": name, "error": f"timed out after {timeout:.0f} s"}
+            failed = proc.returncode != 0 and (proc.stderr or proc.stdout)[-600:]
+        except subprocess.TimeoutExpired:  # the steps it logged still count
+            proc, failed = None, f"timed out after {timeout:.0f} s"
         wall = time.perf_counter() - t0
         records = []
         if os.path.exists(log):
             with open(log) as f:
                 records = [json.loads(x) for x in f if '"tokens_per_s"' in x]
-        if proc.returncode != 0 or not records:
-            return {"row": name, "error": (proc.stderr or proc.stdout)[-600:]}
+        if (failed and proc is not None) or not records:
+            return {"row": name, "error": failed or (proc.stderr or proc.stdout)[-600:]}
     rates = [r["tokens_per_s"] for r in records[1:]] or [records[-1]["tokens_per_s"]]
     last = records[-1]
     mfus = [r["mfu"] for r in records[1:] if "mfu" in r]
@@ -197,7 +199,9 @@ def pretrain_row(name: str, shape: dict, gb: int, iters: int, extra: list[str], 
             "mfu": statistics.median(mfus) if mfus else None,
             "losses": [round(r.get("loss", float("nan")), 6) for r in records],
             "peak_gb": last.get("gpu_max_allocated_gb"), "host_rss_gb": last.get("host_rss_gb"),
-            "wall_s": wall, "command": " ".join(["pretrain_gpt.py", *cmd[2:]])}
+            "wall_s": wall, "steps": len(records), "timed_out": proc is None,
+            "stdout_tail": "" if proc is None else proc.stdout[-1500:],
+            "command": " ".join(["pretrain_gpt.py", *cmd[2:]])}
 
 
 def tolerance_rows(dry: bool, left) -> list[dict]:
@@ -237,6 +241,10 @@ def main(argv=None) -> None:
     ap.add_argument("--largest-iters", type=int, default=10)
     ap.add_argument("--largest-gbs", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--nvme-path", help="disk for the largest plain run's optimizer state")
+    ap.add_argument("--largest-disk", type=float, nargs="+", default=largest.DISK_CAPS,
+                    help="GB of the largest plain run's optimizer state the planner may put "
+                         "on disk, tried in turn until the answer reaches 13B: it is read "
+                         "and written once per step, so this bounds the step time")
     a = ap.parse_args(argv)
     dry, start = a.dry_run, time.perf_counter()
     shape = TINY if dry else SHAPE
@@ -285,13 +293,17 @@ def main(argv=None) -> None:
             continue
         nvme = largest.nvme_dir(a.nvme_path) if name == "largest" else None
         budgets = largest.machine_budgets(nvme, dry)
-        planned = largest.plan_largest(budgets, flags + (["--nvme-path", nvme] if nvme else []))
+        planned = largest.plan_target(budgets, flags + (["--nvme-path", nvme] if nvme else []),
+                                      a.largest_disk)
+        if nvme:
+            rows.append(largest.disk_rates(nvme, dry))
         rows += largest.largest_rows(name, planned, a.largest_gbs, a.largest_iters, dry, left,
                                      pretrain_row, shape)
         print(json.dumps(rows[-1]), flush=True)
     write_json(a.out, {"shape": shape, "fraction": a.fraction, "rows": rows})
     for r in rows:
-        keys = ("tokens_per_s", "step_s", "mfu", "peak_gb", "host_rss_gb", "error")
+        keys = ("tokens_per_s", "step_s", "mfu", "peak_gb", "host_rss_gb", "disk_gb",
+                "loss_first", "loss_last", "write_gb_per_s", "read_gb_per_s", "error")
         print(r["row"], {k: (round(r[k], 3) if isinstance(r.get(k), float) else r.get(k))
                          for k in keys if k in r})
 

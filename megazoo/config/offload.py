@@ -6,8 +6,9 @@
 The plain engine offloads with `--optimizer-cpu-offload`, or when `--offload-optimizer` /
 `--offload-param` or the JSON's sections (`device`: cpu | nvme, `nvme_path`, `pin_memory`) ask
 for it without a ZeRO engine. Its fp32 masters are optimizer state, so `offload_param` puts
-them (with the moments) where it says; the bf16 parameters stay on the GPU. The state lives on
-disk when the device is nvme, or when `--nvme-path` comes with `--optimizer-cpu-offload`.
+them (with the moments) where it says; the bf16 parameters stay on the GPU. The disk tier is
+on when the device is nvme, or when `--nvme-path` comes with `--optimizer-cpu-offload`: the
+host share then keeps in memory what fits there and puts the rest on disk.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from .ds_config import read_ds_config
 PLAIN_ONLY = (("optimizer_cpu_offload", "--optimizer-cpu-offload"),
               ("overlap_cpu_optimizer_d2h_h2d", "--overlap-cpu-optimizer-d2h-h2d"),
               ("accumulate_grads_in_bf16", "--accumulate-grads-in-bf16"),
-              ("offload_delayed_update", "--offload-delayed-update"))
+              ("offload_delayed_update", "--offload-delayed-update"),
+              ("optimizer_offload_host_memory", "--optimizer-offload-host-memory"))
 
 
 def check_offload_fraction(fraction: float) -> None:
@@ -37,7 +39,8 @@ class OffloadPlan:
     overlap: bool
     """Transfers and the host step overlapped with backward and the next forward."""
     nvme_path: str | None = None
-    """The host share lives in files under this folder (None: pinned host memory)."""
+    """The disk tier: what of the host share does not fit host memory lives in files under
+    this folder (None: all of it in pinned host memory)."""
     pin_memory: bool = True
     """Page-locked host buffers (the DMA engines copy them without a bounce through pageable
     memory); False only when a JSON says so."""
@@ -45,6 +48,12 @@ class OffloadPlan:
     """The host share's update lands one step late (`DelayedOffloadAdamW`)."""
     delay_start: int = 0
     """Optimizer steps updated at once before the delay starts."""
+    host_memory: float | None = None
+    """With nvme_path: host bytes the host share may take (--optimizer-offload-host-memory);
+    None: the host's available memory at start (`plan.offload.split_budget`)."""
+    saves: bool = False
+    """The run writes checkpoints (gathering full fp32 state on the host: the split leaves
+    room for it)."""
 
 
 def check_plain_only(args) -> None:
@@ -79,8 +88,10 @@ def plain_offload(args) -> OffloadPlan | None:
             flag = ("--optimizer-offload-fraction" if t.optimizer_offload_fraction != 1.0
                     else "--overlap-cpu-optimizer-d2h-h2d")
             raise ValueError(f"{flag} needs --optimizer-cpu-offload")
-        if t.offload_delayed_update:
-            raise ValueError("--offload-delayed-update needs --optimizer-cpu-offload")
+        if t.offload_delayed_update or t.optimizer_offload_host_memory is not None:
+            flag = ("--offload-delayed-update" if t.offload_delayed_update
+                    else "--optimizer-offload-host-memory")
+            raise ValueError(f"{flag} needs --optimizer-cpu-offload")
         return None
     if t.offload_delayed_update and not t.overlap_cpu_optimizer_d2h_h2d:
         raise ValueError("--offload-delayed-update needs --overlap-cpu-optimizer-d2h-h2d (the "
@@ -89,9 +100,15 @@ def plain_offload(args) -> OffloadPlan | None:
     on_disk = "nvme" in devices or (t.optimizer_cpu_offload and zero.nvme_path)
     if "nvme" in devices and not nvme:
         raise ValueError("offload to nvme needs a folder: pass --nvme-path DIR")
+    host_gb = t.optimizer_offload_host_memory
+    if host_gb is not None and not on_disk:
+        raise ValueError("--optimizer-offload-host-memory splits the host share between memory "
+                         "and disk: add --nvme-path DIR (or drop it)")
     pin = bool(opt.get("pin_memory", True)) and bool(par.get("pin_memory", True))
     return OffloadPlan(fraction=t.optimizer_offload_fraction,
                        overlap=t.overlap_cpu_optimizer_d2h_h2d,
                        nvme_path=nvme if on_disk else None, pin_memory=pin,
                        delayed=t.offload_delayed_update,
-                       delay_start=t.offload_delayed_update_start)
+                       delay_start=t.offload_delayed_update_start,
+                       host_memory=None if host_gb is None else host_gb * 1e9,
+                       saves=bool(args.checkpoint.save))

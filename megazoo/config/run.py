@@ -85,6 +85,11 @@ class TrainingConfig:
     optimizer_cpu_offload: bool = False
     """Plain engine: keep the fp32 masters and AdamW moments on the host (pinned memory, or
     on disk under --nvme-path) and step them there; bf16 parameters stay on the GPU."""
+    optimizer_offload_host_memory: float | None = None
+    """With --optimizer-cpu-offload --nvme-path: host memory (GB) the offloaded state may
+    take; the buckets the forward uses first keep their state in memory while it fits, the
+    rest go to disk. None: what the host has available at start, less 4 GB (and less the
+    state a run that saves gathers), divided by the ranks on the host (docs/offload.md)."""
     optimizer_offload_fraction: float = 1.0
     """With --optimizer-cpu-offload: the share of the optimizer state (whole gradient
     buckets, the last ones the forward uses) kept and stepped on the host; the rest steps
@@ -125,6 +130,9 @@ class TrainingConfig:
             raise ValueError("main gradients are always fp32 unless --accumulate-grads-in-bf16: "
                              "pass that instead of --no-accumulate-allreduce-grads-in-fp32")
         check_offload_fraction(self.optimizer_offload_fraction)
+        if (self.optimizer_offload_host_memory or 0) < 0:
+            raise ValueError(f"--optimizer-offload-host-memory must be >= 0 GB, got "
+                             f"{self.optimizer_offload_host_memory}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
         if not 1.0 <= self.min_loss_scale <= self.initial_loss_scale or self.loss_scale_window < 1:

@@ -92,7 +92,7 @@ def format_table(name: str, layout: Resolved, est: MemoryEstimate) -> str:
 def _engine(layout) -> str:
     """The engine and its offload, as the table's header says it."""
     if layout.plain_engine:
-        where = "disk" if layout.nvme else "host"
+        where = "host, what does not fit on disk" if layout.nvme else "host"
         return "megazoo engine" + (f", {layout.optimizer_offload_fraction:.0%} of the optimizer "
                                    f"on the {where}" if layout.optimizer_cpu_offload else "")
     return (f"{layout.zero_impl} ZeRO-{layout.zero_stage}, offload optimizer="

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from ..config.model import ModelConfig
 from .layout import Resolved
 from .deepspeed_host import SUB_GROUP_ELEMENTS, sub_groups, zero3_cpu_offload_host
-from .offload import (bucket_elements_of, host_slots, offload_bytes, pinned,
-                      pinned_host_bytes)
+from .offload import (GB, bucket_elements_of, host_slots, host_split, offload_bytes, pinned,
+                      split_budget)
 from .tensors import model_tensors
 
 TORCH_HOST_RUNTIME_BYTES = 1.39e9  # host side of a process without DeepSpeed (FSDP2 gpt-1.3b: 23.5 GB)
@@ -44,7 +44,7 @@ def plain_parts(config: ModelConfig, layout: Resolved, n: int, unit: float = 0.0
     AdamW moments (12 B), the latter over dp x sp with the distributed optimizer. In fp32 the
     parameters are the masters (4 + 8 B) unless the distributed optimizer keeps a master shard
     of its own. With --optimizer-cpu-offload a fraction of the optimizer state lives on the
-    host or the disk (`offload.offload_bytes`). Gradient compression adds its fp32 residuals
+    host and the disk (`_offload_parts`). Gradient compression adds its fp32 residuals
     (counted with the optimizer state): a gradient-sized worker residual, and for 1bit / 2bit
     without the distributed optimizer a 1/(dp x sp) server residual. Build: the fp32 model
     (it doubles as the masters until the cast), the main gradients, the moments kept on the
@@ -63,28 +63,7 @@ def plain_parts(config: ModelConfig, layout: Resolved, n: int, unit: float = 0.0
                        "masters + AdamW moments"
                        + (f" sharded over dp x sp = {z}" if layout.distributed_optimizer else ""))
     if layout.optimizer_cpu_offload:
-        off = offload_bytes(n / shard, fraction=layout.optimizer_offload_fraction,
-                            bucket_elements=layout.bucket_elements, grad_bytes=grad_b,
-                            nvme=layout.nvme, state_bytes=state_b)
-        parts.optim, parts.buffers = off.gpu_state, off.gpu_buffers
-        parts.host, parts.disk = off.host + TORCH_HOST_RUNTIME_BYTES, off.disk
-        tensors = [t for t, _ in model_tensors(config, layout.tp, config.num_layers // layout.pp,
-                                               last=layout.pp == 1)]
-        buckets = bucket_elements_of(tensors, layout.bucket_elements, z)
-        slots = host_slots(buckets, layout.optimizer_offload_fraction, shard)
-        on_gpu = [b / shard for b in buckets[len(slots):]]
-        if grad_b < 4 and on_gpu:  # the GPU slots' bf16 gradients upcast into fp32 scratch
-            parts.buffers += 4 * max(on_gpu)
-        if not layout.nvme:  # in memory: per bucket, pinned buffers rounded to powers of two
-            parts.host = pinned_host_bytes(slots, grad_b, layout.param_bytes) \
-                + TORCH_HOST_RUNTIME_BYTES
-        if layout.saves:  # OffloadAdamW.full_state: full flat fp32 masters, m and v
-            parts.host += 12 * n
-            parts.notes.append(f"checkpoint save: {12 * n / 1e9:.1f} GB of full fp32 masters "
-                               "and moments on the host while a checkpoint is written")
-        place = "the disk (--nvme-path)" if layout.nvme else "the host"
-        parts.notes.append(f"optimizer offload: {layout.optimizer_offload_fraction:.0%} of the "
-                           f"masters and moments ({state_b} B/param) on {place}")
+        _offload_parts(parts, config, layout, n, shard, grad_b, state_b)
     if layout.gradient_compression is not None and z > 1:
         server = layout.gradient_compression != "topk" and not layout.distributed_optimizer
         parts.optim += 4 * n * (1 + (1 / z if server else 0))
@@ -100,6 +79,58 @@ def plain_parts(config: ModelConfig, layout: Resolved, n: int, unit: float = 0.0
     cast = 2 * n if layout.low_precision else 0.0
     parts.build = 4 * n + grad_b * n + moments_on_gpu + cast
     return parts
+
+
+def _offload_parts(parts: Parts, config: ModelConfig, layout: Resolved, n: int, shard: int,
+                   grad_b: int, state_b: int) -> None:
+    """--optimizer-cpu-offload: the GPU share (`offload.offload_bytes`), the engine's host
+    slots (its buckets, `offload.host_slots`) and where they live (`offload.host_split`:
+    with --nvme-path, in memory while they fit the budget, the rest on disk)."""
+    off = offload_bytes(n / shard, fraction=layout.optimizer_offload_fraction,
+                        bucket_elements=layout.bucket_elements, grad_bytes=grad_b,
+                        state_bytes=state_b)
+    parts.optim, parts.buffers = off.gpu_state, off.gpu_buffers
+    z = layout.dp * layout.sp
+    tensors = [t for t, _ in model_tensors(config, layout.tp, config.num_layers // layout.pp,
+                                           last=layout.pp == 1)]
+    buckets = bucket_elements_of(tensors, layout.bucket_elements, z)
+    slots = host_slots(buckets, layout.optimizer_offload_fraction, shard)
+    on_gpu = [b / shard for b in buckets[len(slots):]]
+    if grad_b < 4 and on_gpu:  # the GPU slots' bf16 gradients upcast into fp32 scratch
+        parts.buffers += 4 * max(on_gpu)
+    split = host_split(slots[::-1], split_host_budget(layout, n), grad_bytes=grad_b,
+                       param_bytes=layout.param_bytes)
+    parts.host, parts.disk = split.host + TORCH_HOST_RUNTIME_BYTES, split.disk
+    if layout.saves:  # OffloadAdamW.full_state: full flat fp32 masters, m and v
+        parts.host += 12 * n
+        parts.notes.append(f"checkpoint save: {12 * n / 1e9:.1f} GB of full fp32 masters "
+                           "and moments on the host while a checkpoint is written")
+    where = "the host"
+    if split.disk:
+        on_disk = len(slots) - split.memory
+        where += (f" ({split.memory} buckets in memory, the last {on_disk} of the forward on "
+                  f"disk under --nvme-path: {split.disk / GB:.1f} GB)")
+    elif layout.nvme:
+        where += " (all in memory: --nvme-path holds nothing)"
+    parts.notes.append(f"optimizer offload: {layout.optimizer_offload_fraction:.0%} of the "
+                       f"masters and moments ({state_b} B/param) on {where}")
+
+
+def split_host_budget(layout: Resolved, n: int) -> float | None:
+    """Host bytes the offload may take with --nvme-path (`offload.split_budget`, as the
+    engine computes it): --optimizer-offload-host-memory, else this rank's share of
+    --host-memory less its runtime; None without the disk tier or a host size (all in
+    memory)."""
+    if not layout.nvme:
+        return None
+    if layout.offload_host_memory is not None:
+        return layout.offload_host_memory * GB
+    opts = layout.options
+    if not opts.host_memory:
+        return None
+    ranks = min(opts.gpus_per_node, layout.world_size)
+    available = opts.host_memory * GB / ranks - TORCH_HOST_RUNTIME_BYTES
+    return split_budget(available, n if layout.saves else 0)
 
 
 def deepspeed_parts(config: ModelConfig, layout: Resolved, n: int, grad_b: int) -> Parts:

@@ -11,7 +11,7 @@ The family is a grid of shapes, sorted by parameter count:
 Every candidate is planned with the layout flags given (engine, offload, tp/pp/dp, ...). The
 answer is the largest candidate that fits every budget, so every larger one, the next larger
 included, does not. With `--optimizer-cpu-offload` and no `--optimizer-offload-fraction`, each
-candidate takes the smallest fraction (steps of 0.05) whose GPU share fits: as much optimizer
+candidate takes the smallest fraction (steps of 0.01) whose GPU share fits: as much optimizer
 state on the GPU as fits, the rest on the host (or the disk with --nvme-path). Flags not given
 default to what a largest run wants: --seq-length 2048, --micro-batch-size 1, one micro-batch
 per step, --recompute full, --bf16.
@@ -24,6 +24,7 @@ import shlex
 from ..config.model import ModelConfig
 from ..models.params import count_parameters
 from .layout import resolve
+from .engines import split_host_budget
 from .memory import GB, RUNTIME_BYTES, MemoryEstimate, _estimate
 from .search import drop_flags
 
@@ -40,7 +41,7 @@ DROPPED = {"--largest", "--json", "--fp32-grad-accumulation", "--model-family", 
            "--host-memory", "--disk-memory", "--gpus-per-node", "--dp", "--out",
            "--model", "--family", "--num-layers", "--hidden-size", "--num-attention-heads",
            "--num-key-value-heads", "--ffn-hidden-size", "--max-position-embeddings",
-           "--optimizer-offload-fraction", "--seq-length", "--micro-batch-size",
+           "--optimizer-offload-fraction", "--optimizer-offload-host-memory", "--seq-length", "--micro-batch-size",
            "--global-batch-size", "--recompute", "--recompute-granularity"}
 
 
@@ -71,13 +72,37 @@ def plan_shape(args, config: ModelConfig, options, pick_fraction: bool):
     `pick_fraction`, the smallest offload fraction whose GPU share fits."""
     model = dataclasses.replace(config, recompute=args.model.recompute)
     args = dataclasses.replace(args, model=model, model_name=None)
+    def planned(fraction: float):
+        run = dataclasses.replace(args, training=dataclasses.replace(
+            args.training, optimizer_offload_fraction=round(fraction, 2)))
+        return _estimate(model, resolve(run, options)), run
+
     for fraction in FRACTIONS if pick_fraction else (args.training.optimizer_offload_fraction,):
-        args = dataclasses.replace(args, training=dataclasses.replace(
-            args.training, optimizer_offload_fraction=fraction))
-        est = _estimate(model, resolve(args, options))
+        est, run = planned(fraction)
         if est.verdicts["gpu"]:
             break
-    return est, args
+    if pick_fraction and est.verdicts["gpu"] and fraction > 0:  # refine to steps of 0.01
+        for finer in (fraction - k / 100 for k in range(4, 0, -1)):
+            trial = planned(finer)
+            if trial[0].verdicts["gpu"]:
+                est, run = trial
+                break
+    return _pin_split(run, options, est)
+
+
+def _pin_split(args, options, est):
+    """(estimate, args): with the disk tier and a --host-memory, `args` take the host budget
+    the plan splits by as --optimizer-offload-host-memory (rounded down to 0.1 GB) and are
+    planned again, so the printed command splits as planned whatever the host has free
+    when it starts; else as they are."""
+    t = args.training
+    if not (t.optimizer_cpu_offload and args.zero.nvme_path and options.host_memory) \
+            or t.optimizer_offload_host_memory is not None:
+        return est, args
+    budget = split_host_budget(resolve(args, options), est.parameters_per_gpu)
+    args = dataclasses.replace(args, training=dataclasses.replace(
+        t, optimizer_offload_host_memory=max(0.0, int(budget / 1e8) / 10)))
+    return _estimate(args.model, resolve(args, options)), args
 
 
 def search(args, options, family: str, pick_fraction: bool, with_build: bool = True):
@@ -111,6 +136,8 @@ def run_command(argv: list[str], args, config: ModelConfig) -> str:
         flags.append("--bf16")
     if t.optimizer_cpu_offload:
         flags += ["--optimizer-offload-fraction", f"{t.optimizer_offload_fraction:g}"]
+    if t.optimizer_offload_host_memory is not None:
+        flags += ["--optimizer-offload-host-memory", f"{t.optimizer_offload_host_memory:g}"]
     par = args.parallel
     world = par.tp * par.sp * par.pp * (par.dp or 1)
     launch = ["python"] if world == 1 else ["torchrun", "--nproc-per-node", world]

@@ -74,6 +74,8 @@ class Resolved:
     """Plain engine: the host's share of the optimizer state."""
     nvme: bool = False
     """Plain engine with --optimizer-cpu-offload and --nvme-path: the host's share on disk."""
+    offload_host_memory: float | None = None
+    """Plain engine with the disk tier: --optimizer-offload-host-memory (GB), or None."""
     grads_bf16: bool = False
     """Plain engine: bf16 main gradients (--accumulate-grads-in-bf16)."""
     saves: bool = False
@@ -145,6 +147,7 @@ def resolve(args: PretrainArgs, options: PlanOptions | None = None) -> Resolved:
         optimizer_cpu_offload=t.optimizer_cpu_offload,
         optimizer_offload_fraction=t.optimizer_offload_fraction,
         nvme=bool(t.optimizer_cpu_offload and args.zero.nvme_path),
+        offload_host_memory=t.optimizer_offload_host_memory,
         grads_bf16=t.accumulate_grads_in_bf16, saves=bool(args.checkpoint.save),
         bucket_elements=t.bucket_elements(dp * par.sp),
         reduce_bytes=2 if args.compression.communication_data_type in ("bf16", "fp16") else 4,

@@ -6,14 +6,20 @@ The model (`--optimizer-cpu-offload`, Megatron-core's flags; S = the parameters 
 optimizer state this rank holds: all of its stage, / (dp x sp) with --use-distributed-optimizer):
 
 - optimizer state: fp32 master + AdamW m, v = 12 B per parameter of S; the fraction F
-  (`--optimizer-offload-fraction`) on the host, 1 - F on the GPU (stepped there);
-- with `--nvme-path` the host's share goes to disk instead (masters and moments), and the
-  host keeps pinned staging buffers for NVME_STAGING_BUCKETS buckets of it (12 B per element:
-  read ahead, written behind);
-- transfers: each reduced gradient bucket goes down as bf16 and the updated bf16 parameters
-  come up, TRANSFER_BUCKETS buckets in flight each way, in pinned host buffers (2 B per
-  element each way); from fp32 main gradients the bf16 copy of a bucket is made on the GPU
-  first (TRANSFER_BUCKETS x 2 B per element there), bf16 main gradients go down as they are;
+  (`--optimizer-offload-fraction`, whole buckets, the last of the forward) on the host,
+  1 - F on the GPU (stepped there);
+- the host share, per bucket ("host slot"): its state in three fp32 tensors (pinned; pageable
+  with the disk tier), and a pinned landing buffer for its reduced gradient (the gradient's
+  dtype); a ring of UP_BUFFERS pinned buffers carries the updated parameters up;
+- with `--nvme-path` the host share is split (`host_split`): the slots the forward uses
+  first keep their state in memory while it fits the host budget (`split_budget`: what the
+  host has available at start, less HOST_RESERVE and the state a saving run gathers; or
+  --optimizer-offload-host-memory), the rest live on disk (12 B per element, each file
+  padded to 4 KiB), streamed through STORE_SLOTS staging slots (pageable: only the host
+  reads them); the gradients of a split host share go down in their slot's host step
+  through one shared pinned buffer;
+- on the GPU, from fp32 main gradients the bf16 copy of a bucket is made first
+  (TRANSFER_BUCKETS x 2 B per element), bf16 main gradients go down as they are;
 - pinned host memory comes from torch's caching host allocator, which rounds every
   allocation up to a power of two (`pinned`): a 160 MB buffer takes 268 MB.
 
@@ -32,10 +38,12 @@ from ..config.offload import check_offload_fraction
 
 GB = 1e9
 STATE_BYTES = 12  # fp32 master + AdamW m, v per parameter
-TRANSFER_BUCKETS = 2  # gradient / parameter buckets in flight each way
-NVME_STAGING_BUCKETS = 4  # disk tier: buckets of state staged on the host
+TRANSFER_BUCKETS = 2  # bf16 copies of fp32 gradient buckets on the GPU
 WIRE_BYTES = 2  # bf16 gradients down, bf16 parameters up
 UP_BUFFERS = 4  # the engine's ring of pinned parameter uploads (offload_optimizer.UP_BUFFERS)
+STORE_SLOTS = 2  # the disk tier's staging slots (NvmeStateStore's default)
+DISK_ALIGN = 4096  # the disk tier pads each file to this (state_store.ALIGN)
+HOST_RESERVE = 4e9  # host bytes the split leaves free for everything else the run allocates
 
 
 def pinned(nbytes: float) -> float:
@@ -46,38 +54,90 @@ def pinned(nbytes: float) -> float:
 
 @dataclass(frozen=True)
 class OffloadBytes:
-    """Bytes of the optimizer offload by place (one rank)."""
+    """GPU bytes of the optimizer offload (one rank); the host's and the disk's: `host_split`."""
 
     gpu_state: float
     """The GPU's share of masters and moments (1 - F)."""
     gpu_buffers: float
     """bf16 copies of fp32 gradient buckets on their way down."""
-    host_state: float
-    """The host's share of masters and moments (F; 0 with the disk tier)."""
-    host_staging: float
-    """Pinned transfer buffers, and the disk tier's staging buckets."""
-    disk: float
-    """What goes under --nvme-path (the host's share of the state)."""
-
-    @property
-    def host(self) -> float:
-        return self.host_state + self.host_staging
 
 
 def offload_bytes(state_params: float, *, fraction: float, bucket_elements: int,
-                  grad_bytes: int, nvme: bool, state_bytes: int = STATE_BYTES) -> OffloadBytes:
-    """The offload's bytes for `state_params` parameters of optimizer state on this rank."""
+                  grad_bytes: int, state_bytes: int = STATE_BYTES) -> OffloadBytes:
+    """The offload's GPU bytes for `state_params` parameters of optimizer state on this rank."""
     check_offload_fraction(fraction)
     state = state_bytes * state_params
     bucket = min(bucket_elements, state_params)
-    staging = 2 * TRANSFER_BUCKETS * pinned(bucket * WIRE_BYTES)  # gradients down, params up
-    if nvme:
-        staging += NVME_STAGING_BUCKETS * pinned(bucket * state_bytes)
     gpu_buffers = TRANSFER_BUCKETS * bucket * WIRE_BYTES if grad_bytes > WIRE_BYTES else 0.0
-    host_share = fraction * state
-    return OffloadBytes(gpu_state=state - host_share, gpu_buffers=gpu_buffers,
-                       host_state=0.0 if nvme else host_share, host_staging=staging,
-                       disk=host_share if nvme else 0.0)
+    return OffloadBytes(gpu_state=state - fraction * state, gpu_buffers=gpu_buffers)
+
+
+@dataclass(frozen=True)
+class HostSplit:
+    """Where the host share of the state lives (`host_split`), and its bytes."""
+
+    memory: int
+    """Host slots, counted in forward order, whose state stays in host memory (pinned, or
+    pageable in a split); the others, the last of the forward, live on disk."""
+    host: float
+    """Host bytes of the offload: in-memory state, gradient landing buffers, the upload
+    ring, the fp32 upcast scratch, and the disk tier's staging slots."""
+    disk: float
+    """Bytes of the disk tier's files."""
+    late: bool = False
+    """Gradients go down in their slot's host step, through one shared pinned buffer."""
+    pageable: bool = False
+    """The state in memory is pageable (the budget did not hold it all pinned)."""
+
+
+def disk_span(numel: float) -> float:
+    """Bytes of one slot's file on disk: master, m, v (fp32), padded to DISK_ALIGN
+    (`state_store.NvmeStateStore._span`)."""
+    return math.ceil(STATE_BYTES * numel / DISK_ALIGN) * DISK_ALIGN
+
+
+def host_split(slots: list[float], budget: float | None, *, grad_bytes: int,
+               param_bytes: int, late_grads: bool = True) -> HostSplit:
+    """The split rule, which the engine (`split_store.host_store`) and the planner both apply.
+
+    `slots`: elements of each host slot in forward order; `budget`: host bytes the offload may
+    take (None: no disk tier, all in memory). Always: UP_BUFFERS pinned uploads of the
+    largest slot's parameters, and its fp32 scratch for bf16 gradients. If every slot's state
+    (three fp32 tensors, pinned) and a pinned landing buffer for its reduced gradient fit the
+    budget beside them, all stays in memory (the in-memory offload, as measured). Otherwise:
+    the state in memory is pageable (12 B per element: only the host reads it, every copy
+    goes through the pinned buffers); with `late_grads` the gradients go down in their
+    slot's host step through one shared pinned buffer instead of one each (the next
+    backward waits for the host step anyway: its forward needs the new parameters); the disk
+    tier's STORE_SLOTS staging slots (pageable too) for the largest slot are set aside; and slots
+    stay in memory, in forward order, while they fit what is left: that slot and every
+    later one go to disk. Disk slots are thus the last the forward uses: the host step
+    reaches them last and starts reading them as it starts. `late_grads` False (the delayed
+    update, whose host step overlaps the next backward): every slot keeps its own landing
+    buffer."""
+    largest = max(slots, default=0.0)
+    landing = [pinned(grad_bytes * s) for s in slots]
+    fixed = UP_BUFFERS * pinned(param_bytes * largest) + (4 * largest if grad_bytes < 4 else 0.0)
+    pinned_state = [3 * pinned(4 * s) for s in slots]
+    if budget is None or fixed + sum(landing) + sum(pinned_state) <= budget:
+        return HostSplit(len(slots), fixed + sum(landing) + sum(pinned_state), 0.0, False)
+    state = [STATE_BYTES * s for s in slots]
+    fixed += pinned(grad_bytes * largest) if late_grads else sum(landing)
+    left, memory = budget - fixed - STORE_SLOTS * disk_span(largest), 0
+    while memory < len(slots) and state[memory] <= left:
+        left -= state[memory]
+        memory += 1
+    disk = slots[memory:]
+    staging = STORE_SLOTS * disk_span(max(disk)) if disk else 0.0
+    return HostSplit(memory, fixed + sum(state[:memory]) + staging,
+                     float(sum(disk_span(s) for s in disk)), late_grads, pageable=True)
+
+
+def split_budget(available: float, saved_numel: float = 0.0) -> float:
+    """Host bytes the offload may take when `available` bytes are free to this rank: all but
+    HOST_RESERVE, and, for a run that saves, the full fp32 masters and moments its
+    checkpoint gathers (`saved_numel` elements, STATE_BYTES each)."""
+    return available - HOST_RESERVE - STATE_BYTES * saved_numel
 
 
 def bucket_elements_of(tensors: list[int], bucket_elements: int, pad_to: int) -> list[int]:
@@ -102,16 +162,6 @@ def host_slots(buckets: list[int], fraction: float, shard: int) -> list[float]:
         out.append(numel / shard)
         taken += numel
     return out
-
-
-def pinned_host_bytes(slots: list[float], grad_bytes: int, param_bytes: int) -> float:
-    """Host bytes of the engine's offload in memory: per host slot its fp32 master, m and v
-    and its gradient's landing buffer, each pinned; a ring of UP_BUFFERS pinned uploads of
-    the largest slot's parameters; bf16 gradients' fp32 upcast scratch (pageable)."""
-    largest = max(slots, default=0.0)
-    state = sum(3 * pinned(4 * s) + pinned(grad_bytes * s) for s in slots)
-    scratch = 4 * largest if grad_bytes < 4 else 0.0
-    return state + UP_BUFFERS * pinned(param_bytes * largest) + scratch
 
 
 def check_nvme_path(path: str) -> float:
@@ -147,16 +197,20 @@ def check_offload_plan(host_needed: float, disk_needed: float, *, host_memory: f
     plan puts there; `host_memory` / `disk_memory` None: not checked. `host_needed` and
     `disk_needed` are one rank's; `ranks_per_host` ranks share the host and the disk."""
     host_all, disk_all = host_needed * ranks_per_host, disk_needed * ranks_per_host
-    ranks = f" ({ranks_per_host} ranks x {host_needed / GB:.1f} GB)" if ranks_per_host > 1 else ""
+    ranks = f" ({ranks_per_host} ranks x {gb_text(host_needed)} GB)" if ranks_per_host > 1 else ""
     if host_memory is not None and host_all > host_memory:
         advice = ("pass --nvme-path DIR to keep the optimizer state on disk" if not nvme_path
                   else "use a smaller model or more GPUs")
-        raise ValueError(f"the plan needs {host_all / GB:.1f} GB of host memory{ranks} but "
-                         f"{host_memory / GB:.1f} GB is available: lower "
+        raise ValueError(f"the plan needs {gb_text(host_all)} GB of host memory{ranks} but "
+                         f"{gb_text(host_memory)} GB is available: lower "
                          f"--optimizer-offload-fraction (more state on the GPU) or {advice}")
     if disk_all > 0 and disk_memory is not None and disk_all > disk_memory:
         where = f"under --nvme-path {nvme_path}" if nvme_path else "on the disk"
-        raise ValueError(f"the plan needs {disk_all / GB:.1f} GB {where} but "
-                         f"{disk_memory / GB:.1f} GB is free: free space there, point "
+        raise ValueError(f"the plan needs {gb_text(disk_all)} GB {where} but "
+                         f"{gb_text(disk_memory)} GB is free: free space there, point "
                          "--nvme-path at a larger disk, or lower --optimizer-offload-fraction")
 
+
+def gb_text(nbytes: float) -> str:
+    """GB with one decimal, or three significant digits below 0.1 GB (no "0.0 GB")."""
+    return f"{nbytes / GB:.1f}" if nbytes >= 0.1 * GB else f"{nbytes / GB:.3g}"

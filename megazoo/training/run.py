@@ -89,6 +89,9 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
                                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if advice and not args.training.cpu_threads:
         log(f"warning: {advice}")
+    placement = getattr(getattr(engine, "optimizer", None), "placement", None)
+    if placement and isinstance(placement, str):
+        log(placement)
     start = 0
     if args.checkpoint.load:
         extra = load_training_checkpoint(engine, args.checkpoint.load)

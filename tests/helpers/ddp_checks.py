@@ -13,6 +13,7 @@ import torch
 
 import megazoo
 from megazoo.config.run import PretrainArgs, TrainingConfig
+from megazoo.config.zero import ZeroConfig
 from megazoo.models import ModelConfig, build_model
 from megazoo.parallel import ParallelConfig, ParallelState
 
@@ -26,11 +27,11 @@ def model_config(num_layers: int = 4) -> ModelConfig:
     # which AdamW turns into lr-sized steps of either sign: not comparable across layouts
 
 
-def make_args(par: ParallelConfig, **training) -> PretrainArgs:
+def make_args(par: ParallelConfig, zero: ZeroConfig | None = None, **training) -> PretrainArgs:
     # Warmup then cosine: the lr changes every step, so a clock bug shows.
     base = dict(micro_batch_size=B, global_batch_size=B * GLOBAL_MB, train_iters=8, lr=1e-2,
                 min_lr=1e-3, lr_warmup_iters=2, weight_decay=0.1, clip_grad=1.0, seed=7)
-    return PretrainArgs(model=model_config(), parallel=par,
+    return PretrainArgs(model=model_config(), parallel=par, zero=zero or ZeroConfig(),
                         training=TrainingConfig(**{**base, **training}))
 
 

@@ -23,9 +23,16 @@ def test_dry_run_of_the_new_rows(tmp_path):
                         "--largest-iters", "3", "--nvme-path", str(tmp_path / "nvme"),
                         "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert [r["row"].split(" f=")[0] for r in rows] == ["fwd+bwd gb 16", "delayed16",
-                                                        "largest gb 4", "largest gb 16"], rows
+    assert [r["row"].split(" f=")[0] for r in rows] == [
+        "fwd+bwd gb 16", "delayed16", "disk rates", "largest gb 4", "largest gb 16"], rows
+    rates = rows.pop(2)
+    assert rates["write_gb_per_s"] > 0 and rates["read_gb_per_s"] > 0
     for r in rows:
         assert "error" not in r and r["tokens_per_s"] > 0, r
     assert "--offload-delayed-update" in rows[1]["command"]
-    assert rows[2]["num_parameters"] > 1e9 and "pretrain_gpt.py" in rows[2]["planned_command"]
+    assert rows[2]["num_parameters"] > 13e9 and "pretrain_gpt.py" in rows[2]["planned_command"]
+    # the planner's 13B: the host share split, part of it on disk; the dry run's tiny model
+    # (its budget sends it all to disk) leaves the store's files there
+    planned = rows[2]["planned_command"]
+    assert "--nvme-path" in planned and "--optimizer-offload-host-memory" in planned
+    assert 0 < rows[2]["planned_disk_gb"] <= 40 and rows[2]["disk_gb"] > 0

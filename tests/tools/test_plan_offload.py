@@ -11,8 +11,9 @@ from megazoo.plan.largest import family_shapes, search
 from megazoo.plan.layout import PlanOptions
 from megazoo.plan.memory import estimate_memory
 from megazoo.models.build import build_model
-from megazoo.plan.offload import (bucket_elements_of, check_nvme_path, check_offload_plan,
-                                  host_slots, offload_bytes, pinned)
+from megazoo.plan.offload import (HOST_RESERVE, bucket_elements_of, check_nvme_path,
+                                  check_offload_plan, host_slots, host_split, offload_bytes,
+                                  pinned, split_budget)
 from megazoo.plan.tensors import model_tensors
 from megazoo.config.flags import parse_args
 from megazoo.config.run import TrainingConfig
@@ -29,16 +30,35 @@ def test_pinned_rounds_up_to_a_power_of_two():
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_offload_moves_a_fraction_of_12_bytes(fraction):
-    """Masters + moments (12 B) split by the fraction; the buffers are whole buckets."""
+    """Masters + moments (12 B) split by the fraction; the GPU's bf16 copies are whole buckets."""
     n, bucket = 1_000_000_000, 40_000_000
-    plan = offload_bytes(n, fraction=fraction, bucket_elements=bucket, grad_bytes=4, nvme=False)
+    plan = offload_bytes(n, fraction=fraction, bucket_elements=bucket, grad_bytes=4)
     assert plan.gpu_state == pytest.approx(12 * n * (1 - fraction))
-    staging = 4 * pinned(bucket * 2)  # 2 buckets of bf16 gradients down, 2 of parameters up
-    assert plan.host == pytest.approx(12 * n * fraction + staging) and plan.disk == 0
     assert plan.gpu_buffers == 2 * bucket * 2  # bf16 copies of fp32 gradient buckets
-    disk = offload_bytes(n, fraction=fraction, bucket_elements=bucket, grad_bytes=2, nvme=True)
-    assert disk.disk == pytest.approx(12 * n * fraction) and disk.host_state == 0
-    assert disk.host_staging == staging + 4 * pinned(bucket * 12) and disk.gpu_buffers == 0
+    assert offload_bytes(n, fraction=fraction, bucket_elements=bucket, grad_bytes=2).gpu_buffers == 0
+
+
+def test_host_split_keeps_the_first_of_the_forward_in_memory():
+    """The rule, by hand: eight slots of 2^20 elements (bf16 gradients and parameters)."""
+    m = 2 ** 20
+    slots = [m] * 8
+    ring = 4 * pinned(2 * m) + 4 * m  # the upload ring and the fp32 upcast scratch
+    whole = ring + 8 * (pinned(2 * m) + 3 * pinned(4 * m))  # landing buffer + pinned state
+    for budget in (None, whole):
+        split = host_split(slots, budget, grad_bytes=2, param_bytes=2)
+        assert (split.memory, split.host, split.disk, split.late) == (8, whole, 0, False)
+        assert not split.pageable
+    # not all fits: pageable state (12 B), one shared landing buffer, 2 pageable staging slots
+    fixed = ring + pinned(2 * m) + 2 * 12 * m
+    split = host_split(slots, fixed + 2 * 12 * m + 1, grad_bytes=2, param_bytes=2)
+    assert (split.memory, split.disk, split.late, split.pageable) == (2, 6 * 12 * m, True, True)
+    assert split.host == fixed + 2 * 12 * m
+    assert host_split(slots, fixed - 1, grad_bytes=2, param_bytes=2).host > fixed - 1
+    # the delayed update keeps a landing buffer per slot
+    late = host_split(slots, fixed + 2 * 12 * m + 1, grad_bytes=2, param_bytes=2,
+                      late_grads=False)
+    assert late.memory < 2 and not late.late
+    assert split_budget(100e9, 1e9) == 100e9 - HOST_RESERVE - 12e9
 
 
 def engine_buckets(bucket=40_000_000):
@@ -89,14 +109,24 @@ def test_plain_engine_plan_with_offload():
     assert half.host_per_gpu == pytest.approx(
         sum(3 * pinned(4 * s) + pinned(2 * s) for s in slots) + 4 * pinned(2 * big) + 4 * big
         + TORCH_HOST_RUNTIME_BYTES)
-    disk = plain("--optimizer-cpu-offload", "--nvme-path", "/nonexistent/ok-for-the-planner")
-    assert disk.disk_per_gpu == pytest.approx(12 * n)  # the host keeps staging buckets only
-    assert disk.host_per_gpu == pytest.approx(4 * pinned(40e6 * 2) + 4 * pinned(40e6 * 12)
-                                              + TORCH_HOST_RUNTIME_BYTES)
+    # the disk tier: all in memory without a host size, else the engine's split of the budget
+    nvme = ["--optimizer-cpu-offload", "--nvme-path", "/nonexistent/ok-for-the-planner"]
+    assert plain(*nvme).disk_per_gpu == 0
+    forward = host_slots(engine_buckets(), 1.0, 1)[::-1]
+    budget = 2.4e9  # pinned buffers (~1.8 GB: 40M-element buckets) and about half the state
+    want = host_split(forward, budget, grad_bytes=4, param_bytes=2)
+    assert 0 < want.memory < len(forward) and want.host <= budget
+    for given in (["--optimizer-offload-host-memory", str(budget / GB)], []):
+        host_gb = (budget + HOST_RESERVE + TORCH_HOST_RUNTIME_BYTES) / GB
+        split = plain(*nvme, *given, host_memory=host_gb)
+        assert split.disk_per_gpu == pytest.approx(want.disk)
+        assert split.host_per_gpu == pytest.approx(max(want.host, 4 * n)
+                                                   + TORCH_HOST_RUNTIME_BYTES)
     # the verdict names the budget that fails
     small_host = plain("--optimizer-cpu-offload", host_memory=1.0)
     assert small_host.verdicts == {"gpu": True, "host": False} and not small_host.fits
-    small_disk = plain("--optimizer-cpu-offload", "--nvme-path", "d", disk_memory=1.0)
+    small_disk = plain(*nvme, "--optimizer-offload-host-memory", str(budget / GB),
+                       disk_memory=want.disk / GB * 0.99)
     assert small_disk.verdicts["disk"] is False
 
 
@@ -214,3 +244,23 @@ def test_largest_without_a_fit_is_one_line(capsys):
     assert main(["--largest", "--gpu-memory", "1", "--model-family", "gpt"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: no gpt shape fits") and err.count("\n") == 1
+
+
+def test_largest_on_the_lent_machine_splits_the_host_share(capsys):
+    """80 GB GPU, 125 GB host, 40 GB of disk for the state (bench/offload_largest.py's cap):
+    a model of at least 13B whose host share is split, memory first, the rest on disk; the
+    printed command pins the planned split (--optimizer-offload-host-memory) and plans as
+    the search said."""
+    import shlex
+
+    budgets = dict(gpu_memory=80, host_memory=125, disk_memory=40)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in budgets.items()]
+    assert main(["--largest", "--model-family", "llama", "--nvme-path", "/nonexistent/nv",
+                 "--save", ""] + flags + OFFLOAD_13B) == 0
+    out = capsys.readouterr().out
+    args = parse_args(shlex.split(out.split("command:\n", 1)[1])[2:])
+    assert args.training.optimizer_offload_host_memory is not None
+    args.model = dataclasses.replace(args.model, vocab_size=32000)
+    est = estimate_memory(args, PlanOptions(**budgets))
+    assert est.fits and est.num_parameters >= 13e9 and 0 < est.disk_per_gpu <= 40e9
+    assert "buckets in memory, the last" in out

@@ -187,13 +187,17 @@ class Transfers:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor):
-        """dst (host) <- src (device) after the compute stream's work so far; its event."""
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, after=None):
+        """dst (host) <- src (device) after the compute stream's work so far (or once the
+        event `after` has passed: from a worker thread); its event."""
         if not self.cuda:
             dst.copy_(src)
             return None
-        self.down.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.down):
+        if after is None:
+            self.down.wait_stream(torch.cuda.current_stream(self.device))
+        else:
+            self.down.wait_event(after)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.down):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.down)

@@ -1,6 +1,7 @@
 """`OffloadAdamW`: the plain engine's fp32 masters and AdamW moments split by gradient
-bucket between the GPU and the host (pinned memory, or disk under --nvme-path), Megatron-
-core's hybrid device optimizer in this engine's terms; `MasterAdamW`'s interface.
+bucket between the GPU and the host (pinned memory, and with --nvme-path the disk for what
+does not fit there: `split_store`), Megatron-core's hybrid device optimizer in this
+engine's terms; `MasterAdamW`'s interface.
 
     opt = OffloadAdamW(model, buffers, cfg, plan)   # plan: config.offload.OffloadPlan
     opt.start_step()                  # before backward: the last gradient copies are done
@@ -9,7 +10,9 @@ core's hybrid device optimizer in this engine's terms; `MasterAdamW`'s interface
 
 Each bucket's shard (this rank's, with the distributed optimizer) is one `cpu_offload.Slot`.
 The last buckets of the forward (`plan.fraction` of the elements) keep their state on the
-host; the others on the GPU, stepped there by the same AdamW kernel. The model's bf16
+host; the others on the GPU, stepped there by the same AdamW kernel. Of the host buckets,
+with --nvme-path, those the forward uses first keep their state in memory while it fits
+and the last ones stream from disk (`split_store.host_store`, the planner's rule). The model's bf16
 parameters and the main gradients stay on the GPU: per step each host bucket's reduced
 gradient goes down once (as soon as it is final: during backward with one rank, after the
 reduce-scatter with more) and its parameters come up once.
@@ -25,30 +28,19 @@ the same format `MasterAdamW` writes, so runs resume across the two.
 """
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
 
 from ...parallel.collectives import all_gather_flat
+from ...plan.offload import STORE_SLOTS, UP_BUFFERS
 from .cpu_offload import (NAMES, ResidentStore, Transfers, adamw_, bucket_slots, fused_adamw_,
                           one_pass_kernel)
-from ...plan.offload import check_offload_plan, host_memory_bytes
 from .grad_buffer import GradBuffer
-from .lean_build import fill_flat_, held_bytes
+from .lean_build import fill_flat_
 from .master_optimizer import hook_bucket_waits
-
-UP_BUFFERS = 4  # pinned staging buffers for parameters going up (a ring)
-
-
-def _host_store(plan, numels: list[int], pin: bool, rank: int):
-    """Pinned host memory, or files under --nvme-path (a folder per rank)."""
-    if plan.nvme_path is None or not numels:
-        return ResidentStore(numels, "cpu", pin=pin)
-    from .state_store import NvmeStateStore
-
-    return NvmeStateStore(os.path.join(plan.nvme_path, f"rank{rank:05d}"), numels, pin=pin)
+from .split_store import describe, host_store
 
 
 class OffloadAdamW:
@@ -67,23 +59,26 @@ class OffloadAdamW:
         self.host_order = [s for s in self.order if s.host]
         host = [s for s in self.slots if s.host]
         self.host_numel = sum(s.numel for s in host)
-        staging = buffers.main_grad.element_size()  # every host bucket's gradient waits
-        resident = 0 if plan.nvme_path else 12  # fp32 master + 2 moments per element
-        available = host_memory_bytes()  # (plus the initial values the fill frees)
-        if available is not None:
-            available += held_bytes(initial)
-        check_offload_plan(self.host_numel * (resident + staging), 0, nvme_path=plan.nvme_path,
-                           host_memory=available, disk_memory=None)
-        self.stores = {True: _host_store(plan, [s.numel for s in host], self.copies.pin,
-                                         buffers.state.global_rank),
+        store, self.split = host_store(plan, host, pin=self.copies.pin,
+                                       rank=buffers.state.global_rank,
+                                       grad_bytes=buffers.main_grad.element_size(),
+                                       param_bytes=data.element_size(), initial=initial,
+                                       numel=buffers.numel)
+        self.stores = {True: store,
                        False: ResidentStore([s.numel for s in self.slots if not s.host],
                                             self.device, pin=False)}
         self._initial = {}  # GPU slots: fp32 initial masters until their state exists
+        # split: gradients go down in their host step, through one buffer (host_split)
+        late = host if self.split.late else []
+        self._late = {id(s) for s in late}
+        shared = self.copies.host_empty(max(s.numel for s in late),
+                                        buffers.main_grad.dtype) if late else None
         with torch.no_grad():  # GPU slots first: their host values go before host state comes
             for slot in sorted(self.slots, key=lambda s: s.host):
                 self._init_master(slot, data, initial)
                 if slot.host:
-                    slot.grad = self.copies.host_empty(slot.numel, buffers.main_grad.dtype)
+                    slot.grad = shared[:slot.numel] if id(slot) in self._late else \
+                        self.copies.host_empty(slot.numel, buffers.main_grad.dtype)
         self.stores[True].flush()
         # parameters go up through a small ring of staging buffers (an upload takes ~ms)
         largest = max((s.numel for s in host), default=0)
@@ -152,7 +147,7 @@ class OffloadAdamW:
     def _send(self, bucket) -> None:
         """GradBuffer.on_final: bucket's reduced gradient shard leaves for the host."""
         slot = self.slots[bucket.index]
-        if not slot.host or slot.sent:
+        if not slot.host or slot.sent or id(slot) in self._late:
             return
         self._wait_slot(slot)  # its host step (and staging buffers) are done
         slot.d2h = self.copies.to_host(slot.grad, self.buffers.main_grad[slot.lo:slot.hi])
@@ -185,8 +180,13 @@ class OffloadAdamW:
         return self.copies.mark()
 
     def _host_jobs(self) -> list:
-        """(host slot, the next one to prefetch or None) in forward order."""
-        return list(zip(self.host_order, self.host_order[1:] + [None]))
+        """(host slot, the disk slots to start reading as it steps) in forward order. The
+        disk slots come last and stream through STORE_SLOTS staging slots: the memory slots
+        start reading the first of them as the host step starts, each disk slot the next."""
+        on_disk = self.stores[True].on_disk
+        disk = [s for s in self.host_order if on_disk(s.index)]
+        ahead = {id(s): disk[k + 1:k + 2] for k, s in enumerate(disk)}
+        return [(s, ahead.get(id(s), disk[:STORE_SLOTS])) for s in self.host_order]
 
     def _device_steps(self, lr: float) -> None:
         for slot in self.order:
@@ -207,13 +207,18 @@ class OffloadAdamW:
             params.copy_(state["master"])
         self._gather(slot, async_op=self.overlap_param_gather)
 
-    def _host_step(self, slot, nxt, lr: float, after) -> None:
-        """On the host (the worker thread with overlap): wait for the gradient, step, stage
-        the new parameters and send them up once the compute stream has passed `after`."""
+    def _host_step(self, slot, nxt: list, lr: float, after) -> None:
+        """On the host (the worker thread with overlap): start reading the disk slots `nxt`,
+        wait for the gradient, step, stage the new parameters and send them up once the
+        compute stream has passed `after`."""
         store = self.stores[True]
         state = store.acquire(slot.index)
-        if nxt is not None:  # the disk store reads it while this bucket steps
-            store.prefetch(nxt.index)
+        for later in nxt:  # the disk store reads them while this bucket steps
+            store.prefetch(later.index)
+        if id(slot) in self._late:  # (the next forward waits for the host step, so the
+            # next backward cannot overwrite the gradient before it has gone down)
+            slot.d2h = self.copies.to_host(slot.grad, self.buffers.main_grad[slot.lo:slot.hi],
+                                           after)
         self.copies.host_waits(slot.d2h)
         ring = self._ring(slot) if after is not False else None  # (False: the delayed
         up = None if ring is None else ring[1]                   # update sends them later)
@@ -327,3 +332,8 @@ class OffloadAdamW:
     @property
     def adam_step(self) -> int:
         return self.step_count
+
+    @property
+    def placement(self) -> str:
+        """One line: where the offloaded optimizer state lives ("" if none; run.py logs it)."""
+        return describe(self.split, len(self.slots), self.host_order, self.plan.nvme_path)

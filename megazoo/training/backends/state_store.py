@@ -49,6 +49,18 @@ class _Slot:
     tick: int = 0                # last use, for choosing which slot to reuse
 
 
+def shard_path(root: str | Path, i: int) -> Path:
+    """Shard i's file under `root`."""
+    return Path(root) / f"shard{i:05d}.bin"
+
+
+def reused_bytes(root: str | Path, count: int) -> int:
+    """Disk bytes the files of shards [0, count) already hold under `root` (a new store
+    allocates them anew: they count as free)."""
+    paths = [shard_path(root, i) for i in range(count)]
+    return sum(p.stat().st_blocks * 512 for p in paths if p.exists())
+
+
 def _transfer(call, fd: int, view: memoryview) -> None:
     """All of view from / to the file's start: `call` is os.preadv or os.pwritev."""
     done = 0
@@ -87,7 +99,7 @@ class NvmeStateStore:
                  pin: bool | None = None, threads: int | None = None, direct: bool = True):
         self.root = Path(root)
         self.numels = [int(n) for n in numels]
-        self.paths = [self.root / f"shard{i:05d}.bin" for i in range(len(self.numels))]
+        self.paths = [shard_path(self.root, i) for i in range(len(self.numels))]
         spans = [self._span(i) for i in range(len(self.numels))]
         self.nbytes = sum(spans)
         self._fds: list[int] = []
