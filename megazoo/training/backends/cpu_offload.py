@@ -140,6 +140,34 @@ def one_pass_kernel(device: torch.device):
     return triton_module("adamw").adamw_ if device.type == "cuda" and triton_status()[0] else None
 
 
+class SlotAdamW:
+    """AdamW over the slots of one place (host or GPU): the one-pass kernel where there is
+    one (`kernel`: True to look it up), else torch's AdamW over an fp32 upcast of the
+    gradient (a scratch of `size` elements) and a separate cast into the parameters."""
+
+    def __init__(self, device: torch.device, size: int, kernel: bool):
+        self.device, self.size = device, size
+        self.kernel = one_pass_kernel(device) if kernel else None
+        self.scratch = None
+
+    def __call__(self, state: dict, grad: torch.Tensor, slot: Slot, lr: float, cfg,
+                 divisor: torch.Tensor, out: torch.Tensor | None, step: int | None = None):
+        """Step `state` with `grad`; `out` (if given) gets the new parameters; `step`: as in
+        `fused_adamw_`."""
+        direct = None
+        if self.kernel is not None and grad.dtype in (torch.float32, torch.bfloat16):
+            direct = out if out is not None and out.dtype == torch.bfloat16 else None
+            fused_adamw_(self.kernel, state, grad, slot, lr, cfg, divisor, direct, step)
+        else:
+            if grad.dtype != torch.float32:
+                if self.scratch is None:
+                    self.scratch = torch.empty(self.size, dtype=torch.float32, device=self.device)
+                grad = self.scratch[:grad.numel()].copy_(grad)
+            adamw_(state, grad, slot, lr, cfg, divisor)
+        if out is not None and direct is None:
+            out.copy_(state["master"])
+
+
 class ResidentStore:
     """State kept in memory (pinned host memory, or the GPU): `NvmeStateStore`'s interface
     with nothing to read or write. A shard is allocated (zeros) when first acquired, so the

@@ -56,8 +56,11 @@ class DelayedOffloadAdamW(OffloadAdamW):
             slot.upload = self._worker.submit(self._upload, slot, after)
 
     def _upload(self, slot, after) -> None:
+        """The slot's masters through the next ring buffer up to the device after `after`."""
         store = self.stores[True]
-        self._stage_up(slot, store.acquire(slot.index), after)
+        ring = self._ring(slot)
+        ring[1].copy_(store.acquire(slot.index)["master"])
+        self._send_ring(slot, ring, after)
         store.release(slot.index, write=False)
 
     def _wait_host_steps(self) -> None:

@@ -10,7 +10,8 @@ engine's terms; `MasterAdamW`'s interface.
 
 Each bucket's shard (this rank's, with the distributed optimizer) is one `cpu_offload.Slot`.
 The last buckets of the forward (`plan.fraction` of the elements) keep their state on the
-host; the others on the GPU, stepped there by the same AdamW kernel. Of the host buckets,
+host; the others on the GPU. Both places step with a one-pass AdamW (the gradient as
+accumulated in, the bf16 parameters out: `cpu_offload.SlotAdamW`). Of the host buckets,
 with --nvme-path, those the forward uses first keep their state in memory while it fits
 and the last ones stream from disk (`split_store.host_store`, the planner's rule). The model's bf16
 parameters and the main gradients stay on the GPU: per step each host bucket's reduced
@@ -35,8 +36,7 @@ from torch import nn
 
 from ...parallel.collectives import all_gather_flat
 from ...plan.offload import STORE_SLOTS, UP_BUFFERS
-from .cpu_offload import (NAMES, ResidentStore, Transfers, adamw_, bucket_slots, fused_adamw_,
-                          one_pass_kernel)
+from .cpu_offload import NAMES, ResidentStore, SlotAdamW, Transfers, bucket_slots
 from .grad_buffer import GradBuffer
 from .lean_build import fill_flat_
 from .master_optimizer import hook_bucket_waits
@@ -84,10 +84,10 @@ class OffloadAdamW:
         largest = max((s.numel for s in host), default=0)
         self._up = [self.copies.host_empty(largest, data.dtype) for _ in range(UP_BUFFERS)]
         self._up_events, self._up_next = [None] * UP_BUFFERS, 0
-        self._scratch = {}  # fp32 upcasts of bf16 gradients, one per place
-        # one-pass AdamW kernels (None: torch's AdamW and separate casts)
-        self._kernel = {True: one_pass_kernel(torch.device("cpu")),
-                        False: one_pass_kernel(self.device) if self.copies.cuda else None}
+        self._adamw = {host: SlotAdamW(torch.device("cpu") if host else self.device,
+                                       max((x.numel for x in self.slots if x.host == host),
+                                           default=0), kernel=host or self.copies.cuda)
+                       for host in (True, False)}  # (the GPU share's kernel: CUDA only)
         self._divisor = {True: torch.ones((), dtype=torch.float32),
                          False: torch.ones((), dtype=torch.float32, device=self.device)}
         self.overlap_param_gather = cfg.overlap_param_gather and buffers.shard
@@ -125,16 +125,6 @@ class OffloadAdamW:
         if not slot.host and slot.index in self._initial:
             state["master"].copy_(self._initial.pop(slot.index))
         return state
-
-    def _fp32(self, slot, grad: torch.Tensor) -> torch.Tensor:
-        if grad.dtype == torch.float32:
-            return grad
-        size = max(s.numel for s in self.slots if s.host == slot.host)
-        scratch = self._scratch.get(slot.host)
-        if scratch is None:
-            scratch = self._scratch[slot.host] = torch.empty(size, dtype=torch.float32,
-                                                             device=grad.device)
-        return scratch[:grad.numel()].copy_(grad)
 
     # -- gradients down ---------------------------------------------------------------------
     def start_step(self) -> None:
@@ -194,17 +184,9 @@ class OffloadAdamW:
                 self._device_step(slot, lr)
 
     def _device_step(self, slot, lr: float) -> None:
-        state, params = self._acquire(slot), self.buffers.param_data[slot.lo:slot.hi]
-        grad = self.buffers.main_grad[slot.lo:slot.hi]
-        out = params if params.dtype == torch.bfloat16 else None  # (else one more copy)
-        if self._kernel[False] is not None:
-            fused_adamw_(self._kernel[False], state, grad, slot, lr, self.cfg,
-                         self._divisor[False], out, step=self.step_count)
-        else:
-            adamw_(state, self._fp32(slot, grad), slot, lr, self.cfg, self._divisor[False])
-            out = None
-        if out is None:
-            params.copy_(state["master"])
+        self._adamw[False](self._acquire(slot), self.buffers.main_grad[slot.lo:slot.hi], slot,
+                           lr, self.cfg, self._divisor[False],
+                           self.buffers.param_data[slot.lo:slot.hi], step=self.step_count)
         self._gather(slot, async_op=self.overlap_param_gather)
 
     def _host_step(self, slot, nxt: list, lr: float, after) -> None:
@@ -221,18 +203,9 @@ class OffloadAdamW:
                                            after)
         self.copies.host_waits(slot.d2h)
         ring = self._ring(slot) if after is not False else None  # (False: the delayed
-        up = None if ring is None else ring[1]                   # update sends them later)
-        kernel = self._kernel[True]
-        fused = kernel is not None and slot.grad.dtype in (torch.float32, torch.bfloat16)
-        if fused:  # one pass: the gradient as it came, the bf16 parameters straight into `up`
-            out = up if up is not None and up.dtype == torch.bfloat16 else None
-            fused_adamw_(kernel, state, slot.grad, slot, lr, self.cfg,
-                         self._divisor[True], out)
-        else:
-            adamw_(state, self._fp32(slot, slot.grad), slot, lr, self.cfg, self._divisor[True])
-        if up is not None:
-            if not fused or out is None:
-                up.copy_(state["master"])
+        self._adamw[True](state, slot.grad, slot, lr, self.cfg,  # update sends them later)
+                          self._divisor[True], None if ring is None else ring[1])
+        if ring is not None:
             self._send_ring(slot, ring, after)
         store.release(slot.index)
 
@@ -249,12 +222,6 @@ class OffloadAdamW:
         r, up = ring
         slot.h2d = self._up_events[r] = self.copies.to_device(
             self.buffers.param_data[slot.lo:slot.hi], up, after)
-
-    def _stage_up(self, slot, state: dict, after) -> None:
-        """The slot's masters through the next ring buffer up to the device after `after`."""
-        ring = self._ring(slot)
-        ring[1].copy_(state["master"])
-        self._send_ring(slot, ring, after)
 
     # -- parameters up ----------------------------------------------------------------------
     def _gather(self, slot, async_op: bool) -> None:
