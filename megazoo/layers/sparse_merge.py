@@ -1,0 +1,149 @@
+"""The rectangles of `sparse_rects.py` computed by a dense kernel and merged with the
+FlexAttention part by log-sum-exp, exactly, forward and backward.
+
+| tensor | shape | meaning |
+|---|---|---|
+| q | [b, hq, s, d] | queries |
+| keys, values | [b, hk', W, d] | segment 2 of the gathered keys (hk' = hq, or hk when grouped) |
+| out_f, lse_f | [b, hq, s, d], float32 [b, hq, s] | the FlexAttention part (lse -inf: no key) |
+| out | [b, hq, s, d] | the merged attention output |
+
+Forward: per chunk, each rectangle r gives (O_r, L_r) over its keys; with the Flex part f,
+L = log sum_i exp(L_i) and O = sum_i w_i O_i, w_i = exp(L_i - L): the softmax over the union
+of the key sets, since each pair is in exactly one part.
+
+Backward, given dO (D = rowsum(dO * O) with the merged O): softmax attention's gradient is
+dS = P * (dP - D) with P = exp(S - L), dP = dO V^T, and the parts' scores are disjoint, so
+1. each rectangle: the dense kernel's own backward, given the MERGED O and L of its rows
+   (it forms P = exp(S - L) and D from O and dO itself), returns exactly its dq, dk, dv;
+2. the Flex part: d out_f = w_f dO and d lse_f = w_f (rowsum(dO * out_f) - D). Flex's
+   backward then forms P_f * (w_f dP_f - w_f rowsum(dO * out_f) + d lse_f)
+   = w_f P_f * (dP_f - D), and w_f P_f = exp(S - lse_f + lse_f - L) = exp(S - L).
+A row the Flex part gives no key (lse_f = -inf) has w_f = 0, not NaN.
+
+Kernels (`rect_kernel`): "cudnn" (torch's cuDNN attention ops), "flash" (torch's flash ops,
+where cuDNN is off) and "math" (float32, written out: CPU, float32 inputs, checks).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def rect_kernel(q: torch.Tensor) -> str:
+    """The dense kernel for the rectangles of q's device and dtype."""
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        return "math"
+    return "cudnn" if torch.backends.cuda.cudnn_sdp_enabled() else "flash"
+
+
+def rect_forward(kind: str, q, k, v, scale: float):
+    """Non-causal attention of q [b, h, n, d] over k, v [b, h, m, d]: (out, float32 lse
+    [b, h, n], what the backward needs)."""
+    b, h, n, _ = q.shape
+    if kind == "cudnn":
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False,
+                                                                 False, scale=scale)
+        return res[0], res[1].reshape(b, h, n), (res[1].shape, *res[2:8])
+    if kind == "flash":
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False,
+                                                                 scale=scale)
+        return res[0], res[1][:, :, :n], (res[1].shape, *res[2:8])
+    scores = q.float() @ k.float().transpose(-1, -2) * scale  # [b, h, n, m]
+    lse = torch.logsumexp(scores, dim=-1)
+    return (torch.exp(scores - lse[..., None]) @ v.float()).to(q.dtype), lse, ()
+
+
+def rect_backward(kind: str, dout, q, k, v, out, lse, aux, scale: float):
+    """(dq, dk, dv) of one rectangle given the merged out [b, h, n, d] and lse [b, h, n]."""
+    if kind == "cudnn":
+        shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
+        stats = lse.reshape(shape).contiguous()
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, stats, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0,
+            False, scale=scale)
+    if kind == "flash":
+        shape, cum_q, cum_k, max_q, max_k, rng, unused = aux
+        stats = lse.new_full(shape, float("inf"))  # padded rows (if any) see no key
+        stats[:, :, :lse.shape[2]] = lse
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, stats, cum_q, cum_k, max_q, max_k, 0.0, False, rng, unused,
+            scale=scale)
+    qf, kf, vf, gf = q.float(), k.float(), v.float(), dout.float()
+    probs = torch.exp(qf @ kf.transpose(-1, -2) * scale - lse[..., None])  # [b, h, n, m]
+    dp = gf @ vf.transpose(-1, -2)
+    ds = probs * (dp - (gf * out.float()).sum(-1, keepdim=True))
+    return ds @ kf * scale, ds.transpose(-1, -2) @ qf * scale, probs.transpose(-1, -2) @ gf
+
+
+def _weight(lse_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """exp(lse_part - lse), 0 where the part saw no key (also when lse is -inf)."""
+    return torch.where(lse_part == float("-inf"), 0.0, torch.exp(lse_part - lse))
+
+
+def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[b, hk, m, d] -> [b, hk * groups, m, d] contiguous (query head h reads kv head h // g)."""
+    return (x.repeat_interleave(groups, dim=1) if groups > 1 else x).contiguous()
+
+
+def _group_sum(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[b, hk * groups, m, d] -> [b, hk, m, d]: the expansion's gradient."""
+    b, h, m, d = x.shape
+    return x.view(b, h // groups, groups, m, d).sum(2) if groups > 1 else x
+
+
+class _RectMerge(torch.autograd.Function):
+    """forward: the Flex part merged with the rectangles; backward: module docstring."""
+
+    @staticmethod
+    def forward(ctx, q, keys, values, out_f, lse_f, rects, scale, kind):
+        groups = q.shape[1] // keys.shape[1]
+        out, lse, aux = out_f.clone(), lse_f.clone(), []
+        for (q0, q1), runs in rects.chunks(q.shape[2]):
+            qc = q[:, :, q0:q1].contiguous()
+            outs, lses = [out_f[:, :, q0:q1].float()], [lse_f[:, :, q0:q1]]
+            for k0, k1 in runs:
+                o, l, a = rect_forward(kind, qc, _expand(keys[:, :, k0:k1], groups),
+                                       _expand(values[:, :, k0:k1], groups), scale)
+                outs.append(o.float())
+                lses.append(l.float())
+                aux.append(a)
+            total = torch.logsumexp(torch.stack(lses), dim=0)  # finite: a rectangle has keys
+            merged = sum(_weight(l, total)[..., None] * o for o, l in zip(outs, lses))
+            out[:, :, q0:q1] = merged.to(out.dtype)
+            lse[:, :, q0:q1] = total
+        ctx.save_for_backward(q, keys, values, out_f, lse_f, out, lse)
+        ctx.rects, ctx.scale, ctx.kind, ctx.aux = rects, scale, kind, aux
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, keys, values, out_f, lse_f, out, lse = ctx.saved_tensors
+        groups, aux = q.shape[1] // keys.shape[1], iter(ctx.aux)
+        d_out_f, d_lse_f = dout.clone(), torch.zeros_like(lse_f)
+        dq = torch.zeros_like(q)
+        dk = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device)
+        dv = torch.zeros_like(dk)
+        for (q0, q1), runs in ctx.rects.chunks(q.shape[2]):
+            do, o = dout[:, :, q0:q1].contiguous(), out[:, :, q0:q1].contiguous()
+            total = lse[:, :, q0:q1].contiguous()
+            w = _weight(lse_f[:, :, q0:q1], total)  # [b, hq, n]
+            dot = (do.float() * o.float()).sum(-1)  # D
+            dot_f = (do.float() * out_f[:, :, q0:q1].float()).sum(-1)
+            d_out_f[:, :, q0:q1] = (w[..., None] * do.float()).to(d_out_f.dtype)
+            d_lse_f[:, :, q0:q1] = w * (dot_f - dot)
+            qc, dq_c = q[:, :, q0:q1].contiguous(), 0.0
+            for k0, k1 in runs:
+                gq, gk, gv = rect_backward(ctx.kind, do, qc, _expand(keys[:, :, k0:k1], groups),
+                                           _expand(values[:, :, k0:k1], groups), o, total,
+                                           next(aux), ctx.scale)
+                dq_c = dq_c + gq.float()
+                dk[:, :, k0:k1] += _group_sum(gk.float(), groups)
+                dv[:, :, k0:k1] += _group_sum(gv.float(), groups)
+            dq[:, :, q0:q1] = dq_c.to(dq.dtype)
+        return dq, dk.to(keys.dtype), dv.to(values.dtype), d_out_f, d_lse_f, None, None, None
+
+
+def merge_rects(q, keys, values, out_f, lse_f, rects, scale: float, kind: str):
+    """The attention output: the Flex part (out_f, lse_f) merged with the rectangles of
+    `rects` over segment 2 `keys` / `values` (module docstring: shapes), computed by `kind`."""
+    return _RectMerge.apply(q, keys, values, out_f, lse_f, rects, scale, kind)
