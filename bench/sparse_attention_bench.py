@@ -48,7 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--seqs", type=int, nargs="+", default=[32768, 65536])
     p.add_argument("--blocks", type=int, nargs="+", default=[16, 64, 128])
     p.add_argument("--modes", nargs="+", default=MODES,
-                   help=f"of {MODES + ['seeds_tiles', 'seeds_gather']}")
+                   help=f"of {MODES + ['seeds_tiles', 'seeds_gather', 'seeds_c32']} (_cN: "
+                        "rectangles over about N query chunks)")
     p.add_argument("--window", type=int, default=256, help="causal window in tokens (approx.)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
@@ -61,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--with-check", action="store_true", help="the --check, then the sweep")
     p.add_argument("--compare", nargs="*", default=[], metavar="MODE",
                    help="these modes at blocks below 128 also on the other path, first length")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing each sparse row of the first length, print its top "
+                        "operators (torch.profiler)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU: build every layout and BlockMask at the real sizes, no attention")
     p.add_argument("--out", help="write the results as JSON here")
@@ -114,9 +118,30 @@ def sparse_row(s, label, cfg, data, args, device) -> dict:
         fn(*data[:3]).sum().backward()  # compiles
         row["compile_s"] = time.perf_counter() - t0
         row["ms"] = time_ms(_step(fn, *data), device, args.warmup, args.iters)
+        if args.profile and s == args.seqs[0]:
+            row["profile"] = profile(_step(fn, *data), f"{label} s={s}")
     except Exception as e:
         row["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
     return row
+
+
+def profile(step, title: str, steps: int = 2, top: int = 12) -> list[dict]:
+    """The `top` operators by CUDA time over `steps` steps (torch.profiler), printed and
+    returned as rows (name, CUDA ms per step, CPU ms per step, calls per step)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    print(f"--- profile {title}: per step, CPU total {sum(e.self_cpu_time_total for e in events) / steps / 1e3:.2f} ms")
+    print(events.table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60))
+    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]
+    return [{"name": e.key, "cuda_ms": getattr(e, key) / steps / 1e3,
+             "cpu_ms": e.self_cpu_time_total / steps / 1e3, "calls": e.count / steps} for e in ranked]
 
 
 def sweep(args, device) -> list[dict]:

@@ -2,12 +2,15 @@
 the inputs, and the path each configuration runs (built once)."""
 from __future__ import annotations
 
+import re
+
 import torch
 
 from megazoo.config.sparse_attention import SparseAttentionConfig
 from megazoo.layers.sparse_attention import block_mask_from_layout, choose_plan
 from megazoo.layers.sparse_gather import block_masks
 from megazoo.layers.sparse_plan import TILE, build_plan
+from megazoo.layers.sparse_rects import add_rects
 
 MODES = ["seeds", "bslongformer", "bigbird", "fixed", "variable"]
 
@@ -68,10 +71,13 @@ def prepare_path(label, lay, block, s, device):
     """(path, block_mask, plan, tile density) built once: what backend "auto" runs ("tiles";
     "gather"; "rects": the gather plan with its chunk rectangles on the dense kernel), or the
     path a label ending in _tiles / _gather forces (_gather: the plan without rectangles, the
-    path before them); tile density: the 128-tiles computed (FlexAttention's and the
-    rectangles') / ((s/128)^2 heads)."""
-    if label.endswith("_gather"):
+    path before them; _cN: with rectangles over about N query chunks); tile density: the
+    128-tiles computed (FlexAttention's and the rectangles') / ((s/128)^2 heads)."""
+    chunks = re.fullmatch(r".*_c(\d+)", label)
+    if label.endswith("_gather") or chunks:
         plan = gather_plan(lay, block, s, device)
+        if chunks:
+            add_rects(plan, chunk=TILE * max(1, round(s / (int(chunks[1]) * TILE))), min_share=0)
     else:
         plan = None if label.endswith("_tiles") else choose_plan(lay, block, True, s, device)
     if plan is None:

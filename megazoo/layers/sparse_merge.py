@@ -26,6 +26,8 @@ where cuDNN is off) and "math" (float32, written out: CPU, float32 inputs, check
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -80,6 +82,32 @@ def _weight(lse_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.where(lse_part == float("-inf"), 0.0, torch.exp(lse_part - lse))
 
 
+def _merge(out_f, lse_f, outs: list, lses: list):
+    """(out, lse): the parts merged, float32 math, over whole [b, h, s] rows; a row that no
+    rectangle touches keeps (out_f, lse_f) exactly (its rectangle slots hold lse -inf)."""
+    lse = torch.logsumexp(torch.stack([lse_f, *lses]), dim=0)  # -inf where no part sees a key
+    out = _weight(lse_f, lse)[..., None] * out_f.float()
+    for o, l in zip(outs, lses):
+        out = out + _weight(l, lse)[..., None] * o.float()
+    return out.to(out_f.dtype), lse
+
+
+def _flex_grads(dout, out, lse, out_f, lse_f):
+    """(d out_f, d lse_f) given dO and the merged (out, lse) (module docstring, step 2)."""
+    w = _weight(lse_f, lse)
+    dot = (dout.float() * out.float()).sum(-1)  # D
+    dot_f = (dout.float() * out_f.float()).sum(-1)
+    return (w[..., None] * dout.float()).to(out_f.dtype), w * (dot_f - dot)
+
+
+@functools.lru_cache(maxsize=4)
+def _elementwise(name: str, compiled: bool):
+    """`_merge` / `_flex_grads`, compiled on CUDA (one fused pass over the rows instead of a
+    dozen full-size temporaries), eager elsewhere."""
+    fn = {"merge": _merge, "grads": _flex_grads}[name]
+    return torch.compile(fn, dynamic=False) if compiled else fn
+
+
 def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
     """[b, hk, m, d] -> [b, hk * groups, m, d] contiguous (query head h reads kv head h // g)."""
     return (x.repeat_interleave(groups, dim=1) if groups > 1 else x).contiguous()
@@ -92,25 +120,27 @@ def _group_sum(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class _RectMerge(torch.autograd.Function):
-    """forward: the Flex part merged with the rectangles; backward: module docstring."""
+    """forward: the Flex part merged with the rectangles; backward: module docstring. The
+    rectangles run per chunk; the merge and the Flex part's gradients run once over all rows
+    (rectangle j of each chunk writes slot j: rows without one keep lse -inf there)."""
 
     @staticmethod
     def forward(ctx, q, keys, values, out_f, lse_f, rects, scale, kind):
-        groups = q.shape[1] // keys.shape[1]
-        out, lse, aux = out_f.clone(), lse_f.clone(), []
-        for (q0, q1), runs in rects.chunks(q.shape[2]):
+        groups, (b, h, s, d) = q.shape[1] // keys.shape[1], q.shape
+        chunks = rects.chunks(s)
+        slots = max((len(runs) for _, runs in chunks), default=0)
+        outs = [out_f.new_zeros(b, h, s, d) for _ in range(slots)]
+        lses = [lse_f.new_full((b, h, s), float("-inf")) for _ in range(slots)]
+        aux = []
+        for (q0, q1), runs in chunks:
             qc = q[:, :, q0:q1].contiguous()
-            outs, lses = [out_f[:, :, q0:q1].float()], [lse_f[:, :, q0:q1]]
-            for k0, k1 in runs:
+            for j, (k0, k1) in enumerate(runs):
                 o, l, a = rect_forward(kind, qc, _expand(keys[:, :, k0:k1], groups),
                                        _expand(values[:, :, k0:k1], groups), scale)
-                outs.append(o.float())
-                lses.append(l.float())
+                outs[j][:, :, q0:q1] = o
+                lses[j][:, :, q0:q1] = l
                 aux.append(a)
-            total = torch.logsumexp(torch.stack(lses), dim=0)  # finite: a rectangle has keys
-            merged = sum(_weight(l, total)[..., None] * o for o, l in zip(outs, lses))
-            out[:, :, q0:q1] = merged.to(out.dtype)
-            lse[:, :, q0:q1] = total
+        out, lse = _elementwise("merge", q.is_cuda)(out_f, lse_f, outs, lses)
         ctx.save_for_backward(q, keys, values, out_f, lse_f, out, lse)
         ctx.rects, ctx.scale, ctx.kind, ctx.aux = rects, scale, kind, aux
         return out
@@ -119,27 +149,21 @@ class _RectMerge(torch.autograd.Function):
     def backward(ctx, dout):
         q, keys, values, out_f, lse_f, out, lse = ctx.saved_tensors
         groups, aux = q.shape[1] // keys.shape[1], iter(ctx.aux)
-        d_out_f, d_lse_f = dout.clone(), torch.zeros_like(lse_f)
+        dout = dout.contiguous()
+        d_out_f, d_lse_f = _elementwise("grads", q.is_cuda)(dout, out, lse, out_f, lse_f)
         dq = torch.zeros_like(q)
         dk = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device)
         dv = torch.zeros_like(dk)
         for (q0, q1), runs in ctx.rects.chunks(q.shape[2]):
             do, o = dout[:, :, q0:q1].contiguous(), out[:, :, q0:q1].contiguous()
-            total = lse[:, :, q0:q1].contiguous()
-            w = _weight(lse_f[:, :, q0:q1], total)  # [b, hq, n]
-            dot = (do.float() * o.float()).sum(-1)  # D
-            dot_f = (do.float() * out_f[:, :, q0:q1].float()).sum(-1)
-            d_out_f[:, :, q0:q1] = (w[..., None] * do.float()).to(d_out_f.dtype)
-            d_lse_f[:, :, q0:q1] = w * (dot_f - dot)
-            qc, dq_c = q[:, :, q0:q1].contiguous(), 0.0
+            total, qc = lse[:, :, q0:q1].contiguous(), q[:, :, q0:q1].contiguous()
             for k0, k1 in runs:
                 gq, gk, gv = rect_backward(ctx.kind, do, qc, _expand(keys[:, :, k0:k1], groups),
                                            _expand(values[:, :, k0:k1], groups), o, total,
                                            next(aux), ctx.scale)
-                dq_c = dq_c + gq.float()
+                dq[:, :, q0:q1] += gq
                 dk[:, :, k0:k1] += _group_sum(gk.float(), groups)
                 dv[:, :, k0:k1] += _group_sum(gv.float(), groups)
-            dq[:, :, q0:q1] = dq_c.to(dq.dtype)
         return dq, dk.to(keys.dtype), dv.to(values.dtype), d_out_f, d_lse_f, None, None, None
 
 
