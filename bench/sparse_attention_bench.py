@@ -63,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--compare", nargs="*", default=[], metavar="MODE",
                    help="these modes at blocks below 128 also on the other path, first length")
     p.add_argument("--profile", action="store_true",
-                   help="after timing each sparse row of the first length, print its top "
+                   help="after timing each rectangle row of the first length, print its top "
                         "operators (torch.profiler)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU: build every layout and BlockMask at the real sizes, no attention")
@@ -118,7 +118,7 @@ def sparse_row(s, label, cfg, data, args, device) -> dict:
         fn(*data[:3]).sum().backward()  # compiles
         row["compile_s"] = time.perf_counter() - t0
         row["ms"] = time_ms(_step(fn, *data), device, args.warmup, args.iters)
-        if args.profile and s == args.seqs[0]:
+        if args.profile and s == args.seqs[0] and row["path"] == "rects":
             row["profile"] = profile(_step(fn, *data), f"{label} s={s}")
     except Exception as e:
         row["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"

@@ -38,17 +38,27 @@ def rect_kernel(q: torch.Tensor) -> str:
     return "cudnn" if torch.backends.cuda.cudnn_sdp_enabled() else "flash"
 
 
+def _views_or_copies(op, views: tuple, *rest, **keywords):
+    """op(*views, *rest): on the strided views as given (slices of larger tensors: the
+    kernels take their strides, so no copy per chunk), and on contiguous copies where the
+    kernel refuses them."""
+    try:
+        return op(*views, *rest, **keywords)
+    except RuntimeError:
+        return op(*(t.contiguous() for t in views), *rest, **keywords)
+
+
 def rect_forward(kind: str, q, k, v, scale: float):
     """Non-causal attention of q [b, h, n, d] over k, v [b, h, m, d]: (out, float32 lse
     [b, h, n], what the backward needs)."""
     b, h, n, _ = q.shape
     if kind == "cudnn":
-        res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False,
-                                                                 False, scale=scale)
+        res = _views_or_copies(torch.ops.aten._scaled_dot_product_cudnn_attention, (q, k, v),
+                               None, True, 0.0, False, False, scale=scale)
         return res[0], res[1].reshape(b, h, n), (res[1].shape, *res[2:8])
     if kind == "flash":
-        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False,
-                                                                 scale=scale)
+        res = _views_or_copies(torch.ops.aten._scaled_dot_product_flash_attention, (q, k, v),
+                               0.0, False, False, scale=scale)
         return res[0], res[1][:, :, :n], (res[1].shape, *res[2:8])
     scores = q.float() @ k.float().transpose(-1, -2) * scale  # [b, h, n, m]
     lse = torch.logsumexp(scores, dim=-1)
@@ -60,16 +70,16 @@ def rect_backward(kind: str, dout, q, k, v, out, lse, aux, scale: float):
     if kind == "cudnn":
         shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
         stats = lse.reshape(shape).contiguous()
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, stats, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0,
-            False, scale=scale)
+        return _views_or_copies(torch.ops.aten._scaled_dot_product_cudnn_attention_backward,
+                                (dout, q, k, v, out), stats, seed, offset, None, cum_q, cum_k,
+                                max_q, max_k, 0.0, False, scale=scale)
     if kind == "flash":
         shape, cum_q, cum_k, max_q, max_k, rng, unused = aux
         stats = lse.new_full(shape, float("inf"))  # padded rows (if any) see no key
         stats[:, :, :lse.shape[2]] = lse
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, stats, cum_q, cum_k, max_q, max_k, 0.0, False, rng, unused,
-            scale=scale)
+        return _views_or_copies(torch.ops.aten._scaled_dot_product_flash_attention_backward,
+                                (dout, q, k, v, out), stats, cum_q, cum_k, max_q, max_k, 0.0,
+                                False, rng, unused, scale=scale)
     qf, kf, vf, gf = q.float(), k.float(), v.float(), dout.float()
     probs = torch.exp(qf @ kf.transpose(-1, -2) * scale - lse[..., None])  # [b, h, n, m]
     dp = gf @ vf.transpose(-1, -2)
@@ -109,14 +119,15 @@ def _elementwise(name: str, compiled: bool):
 
 
 def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[b, hk, m, d] -> [b, hk * groups, m, d] contiguous (query head h reads kv head h // g)."""
-    return (x.repeat_interleave(groups, dim=1) if groups > 1 else x).contiguous()
+    """[b, hk, m, d] -> [b, hk * groups, m, d] (query head h reads kv head h // g); x itself
+    (a view) for groups = 1."""
+    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
 
 
 def _group_sum(x: torch.Tensor, groups: int) -> torch.Tensor:
     """[b, hk * groups, m, d] -> [b, hk, m, d]: the expansion's gradient."""
     b, h, m, d = x.shape
-    return x.view(b, h // groups, groups, m, d).sum(2) if groups > 1 else x
+    return x.reshape(b, h // groups, groups, m, d).sum(2, dtype=torch.float32) if groups > 1 else x
 
 
 class _RectMerge(torch.autograd.Function):
@@ -133,7 +144,7 @@ class _RectMerge(torch.autograd.Function):
         lses = [lse_f.new_full((b, h, s), float("-inf")) for _ in range(slots)]
         aux = []
         for (q0, q1), runs in chunks:
-            qc = q[:, :, q0:q1].contiguous()
+            qc = q[:, :, q0:q1]
             for j, (k0, k1) in enumerate(runs):
                 o, l, a = rect_forward(kind, qc, _expand(keys[:, :, k0:k1], groups),
                                        _expand(values[:, :, k0:k1], groups), scale)
@@ -155,15 +166,15 @@ class _RectMerge(torch.autograd.Function):
         dk = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device)
         dv = torch.zeros_like(dk)
         for (q0, q1), runs in ctx.rects.chunks(q.shape[2]):
-            do, o = dout[:, :, q0:q1].contiguous(), out[:, :, q0:q1].contiguous()
-            total, qc = lse[:, :, q0:q1].contiguous(), q[:, :, q0:q1].contiguous()
+            do, o, qc = dout[:, :, q0:q1], out[:, :, q0:q1], q[:, :, q0:q1]  # views
+            total = lse[:, :, q0:q1].contiguous()
             for k0, k1 in runs:
                 gq, gk, gv = rect_backward(ctx.kind, do, qc, _expand(keys[:, :, k0:k1], groups),
                                            _expand(values[:, :, k0:k1], groups), o, total,
                                            next(aux), ctx.scale)
                 dq[:, :, q0:q1] += gq
-                dk[:, :, k0:k1] += _group_sum(gk.float(), groups)
-                dv[:, :, k0:k1] += _group_sum(gv.float(), groups)
+                dk[:, :, k0:k1] += _group_sum(gk, groups)  # float32 += bf16: one pass
+                dv[:, :, k0:k1] += _group_sum(gv, groups)
         return dq, dk.to(keys.dtype), dv.to(values.dtype), d_out_f, d_lse_f, None, None, None
 
 
