@@ -124,8 +124,9 @@ def test_seeds_take_the_rectangles_and_call_the_kernel(monkeypatch):
     called, forward and backward) with the reference's result."""
     lay = layout(Config.from_ds_config(SEEDS), 2, 8192, causal=True)
     plan = choose_plan(lay, 16, True, 8192, "cpu")
-    assert plan is not None and plan.rects is not None and plan.rects.chunk == 512
-    assert [runs[0] for runs in plan.rects.runs[1:4]] == [(0, 128), (0, 256), (0, 384)]
+    assert plan is not None and plan.rects is not None and plan.rects.chunk == 1024
+    # chunk c starts at 1024 c: the 16-token globals before it, one per 64 tokens, 256 c keys
+    assert [runs[0] for runs in plan.rects.runs[1:4]] == [(0, 256), (0, 512), (0, 768)]
     assert plan.rects.pairs(8192, 1) > 0.8 * int((plan.key_code == 2).sum()) * 8192 / 2
     calls = []
     for name, real in (("rect_forward", rect_forward), ("rect_backward", rect_backward)):
@@ -141,16 +142,16 @@ def test_seeds_take_the_rectangles_and_call_the_kernel(monkeypatch):
 
 def test_rule_keeps_small_shares_on_flex():
     """`add_rects` sets rectangles only where they cover RECT_SHARE of the plan's tiles: with
-    8 global blocks (one tile of shared keys) and 1k-token windows at 2k, the rectangles
-    would cover 14 of the plan's 97 tiles; with 128-token windows 14 of 44."""
+    8 global blocks (one tile of shared keys) and 1k-token windows at 2k, rectangles of
+    one-tile chunks would cover 14 of the plan's 97 tiles; with 128-token windows 14 of 44."""
     for window, taken in ((63, False), (3, True)):
         cfg = Config.from_ds_config(dict(mode="bslongformer", block=16, attention="unidirectional",
                                          num_sliding_window_blocks=window,
                                          global_block_indices=list(range(1, 17, 2))))
         lay = SparseAttention(cfg, 2, seed=3).layout(2048)
         plan = build_plan(lay[:1], 16, 2048, True)
-        assert rect_plan(plan).pairs(2048, 1) == 14 * TILE ** 2
-        assert (add_rects(plan).rects is not None) == taken
+        assert rect_plan(plan, chunk=TILE).pairs(2048, 1) == 14 * TILE ** 2
+        assert (add_rects(plan, chunk=TILE).rects is not None) == taken
 
 
 def test_math_kernel_backward_matches_autograd():
