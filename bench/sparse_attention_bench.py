@@ -136,12 +136,15 @@ def profile(step, title: str, steps: int = 2, top: int = 12) -> list[dict]:
             step()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    print(f"--- profile {title}: per step, CPU total {sum(e.self_cpu_time_total for e in events) / steps / 1e3:.2f} ms")
+    cpu_ms = sum(e.self_cpu_time_total for e in events) / steps / 1e3
+    print(f"--- profile {title}: per step, CPU total {cpu_ms:.2f} ms")
     print(events.table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60))
-    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    key = ("self_device_time_total" if hasattr(events[0], "self_device_time_total")
+           else "self_cuda_time_total")  # the name differs across torch versions
     ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]
     return [{"name": e.key, "cuda_ms": getattr(e, key) / steps / 1e3,
-             "cpu_ms": e.self_cpu_time_total / steps / 1e3, "calls": e.count / steps} for e in ranked]
+             "cpu_ms": e.self_cpu_time_total / steps / 1e3, "calls": e.count / steps}
+            for e in ranked]
 
 
 def sweep(args, device) -> list[dict]:

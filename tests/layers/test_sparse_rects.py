@@ -12,9 +12,9 @@ from megazoo.layers import sparse_merge
 from megazoo.layers.sparse_attention import SparseAttention, choose_plan, sparse_attention
 from megazoo.layers.sparse_gather import _dense, main_mask_mod, rows_mask_mod
 from megazoo.layers.sparse_layouts import layout
-from megazoo.layers.sparse_merge import rect_backward, rect_forward
+from megazoo.layers.sparse_merge import merge_rects, rect_backward, rect_forward
 from megazoo.layers.sparse_plan import TILE, build_plan
-from megazoo.layers.sparse_rects import add_rects, flex_tiles, rect_plan
+from megazoo.layers.sparse_rects import RectPlan, add_rects, flex_tiles, rect_plan
 
 # Float32 everywhere, unit-variance inputs, at most ~1.3k keys per row: the merge sums the
 # same softmax terms as the reference in another order (two partial softmaxes rescaled by
@@ -166,3 +166,35 @@ def test_math_kernel_backward_matches_autograd():
     got = rect_backward("math", dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), aux, 0.3)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_merge_with_rows_the_flex_part_leaves_empty():
+    """The merge alone: rows 128-159 see keys only through the rectangle (the Flex part gives
+    them lse -inf and output 0), rows 0-31 see nothing at all: outputs and gradients equal one
+    softmax over the union of the two masks, with no NaN (the float32 kernel)."""
+    g = torch.Generator().manual_seed(7)
+    q, keys, values = (torch.randn(1, 2, 256, 8, generator=g).requires_grad_() for _ in range(3))
+    dout = torch.randn(1, 2, 256, 8, generator=g)
+    i = torch.arange(256)
+    flex_mask = (i[None, :] >= 128) & (i[None, :] <= i[:, None]) & ~((i[:, None] >= 128) & (i[:, None] < 160))
+    flex_mask &= (i[:, None] >= 32)[:, :1]  # rows 0-31: no key
+    rect_mask = (i[:, None] >= 128) & (i[None, :] < 128)
+    covered = torch.zeros(2, 2, dtype=torch.bool)
+    covered[1, 0] = True
+    rects = RectPlan(chunk=128, start=0, covered=covered, runs=((), ((0, 128),)))
+
+    def masked(mask):
+        scores = (q @ keys.transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        probs = torch.where(mask, torch.exp(scores - lse[..., None]), 0.0)
+        return probs @ values, lse
+
+    out_f, lse_f = masked(flex_mask)
+    got = merge_rects(q, keys, values, out_f, lse_f, rects, 0.3, "math")
+    grads = torch.autograd.grad(got, (q, keys, values), dout)
+    want = masked(flex_mask | rect_mask)[0]
+    want_grads = torch.autograd.grad(want, (q, keys, values), dout)
+    assert not got.isnan().any() and all(not t.isnan().any() for t in grads)
+    torch.testing.assert_close(got, want, atol=TOL, rtol=0)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, atol=10 * TOL, rtol=0)
