@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from bench.common import environment, print_table, time_ms, write_json
 from megazoo.layers import UlyssesAttention
 from bench.experimental.ulysses_overlap import UlyssesOverlapAttention
-from bench.sparse_attention_bench import allow_recompiles, sparse_configs
+from bench.sparse_setup import allow_recompiles, sparse_configs
 
 
 def parse_args(argv=None):

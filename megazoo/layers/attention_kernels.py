@@ -52,7 +52,9 @@ def _flex_positions_function(compiled: bool):
     distance|) when slopes are given: keys gathered out of order (sparse_gather.py)."""
     from torch.nn.attention.flex_attention import flex_attention as flex
 
-    def call(q, k, v, slopes, q_pos, k_pos, block_mask, scale, enable_gqa):
+    lse_keywords = _lse_request()  # built here: nothing imported under compile
+
+    def call(q, k, v, slopes, q_pos, k_pos, block_mask, scale, enable_gqa, lse):
         score_mod = None
         if slopes is not None:
             qh, kh = q_pos.shape[0] > 1, k_pos.shape[0] > 1  # static under compile
@@ -61,17 +63,33 @@ def _flex_positions_function(compiled: bool):
                 qp = q_pos[h if qh else 0, q_idx]
                 kp = k_pos[h if kh else 0, kv_idx]
                 return score - slopes[h] * (qp - kp).abs()
-        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                    enable_gqa=enable_gqa)
+        if not lse:
+            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                        enable_gqa=enable_gqa)
+        out, aux = flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                        enable_gqa=enable_gqa, **lse_keywords)
+        return out, (aux.lse if "return_aux" in lse_keywords else aux)
     return torch.compile(call, dynamic=False) if compiled else call
 
 
-def flex_at_positions(q, k, v, block_mask, alibi_slopes, q_pos, k_pos, scale, enable_gqa):
+def _lse_request() -> dict:
+    """The keyword asking flex_attention for its log-sum-exp: return_aux=AuxRequest(lse=True)
+    where torch has it, else the older return_lse=True."""
+    from torch.nn.attention import flex_attention as module
+
+    if hasattr(module, "AuxRequest"):
+        return {"return_aux": module.AuxRequest(lse=True)}
+    return {"return_lse": True}
+
+
+def flex_at_positions(q, k, v, block_mask, alibi_slopes, q_pos, k_pos, scale, enable_gqa,
+                      return_lse: bool = False):
     """FlexAttention on [b, h, n, d] (not the [s, b, h, d] layout) with tokens at the given
-    positions (see `_flex_positions_function`); returns [b, hq, n_q, d]."""
+    positions (see `_flex_positions_function`); returns [b, hq, n_q, d], and with return_lse
+    also its natural-log log-sum-exp, float32 [b, hq, n_q] (-inf where no key is seen)."""
     slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()
     fn = _flex_positions_function(compiled=q.device.type == "cuda")
-    return fn(q, k, v, slopes, q_pos, k_pos, block_mask, scale, enable_gqa)
+    return fn(q, k, v, slopes, q_pos, k_pos, block_mask, scale, enable_gqa, return_lse)
 
 
 @functools.lru_cache(maxsize=32)

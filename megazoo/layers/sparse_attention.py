@@ -37,6 +37,7 @@ from .sparse_gather import gather_attention
 from .sparse_layouts import layout as make_layout
 from .sparse_plan import TILE as KERNEL_BLOCK
 from .sparse_plan import GatherPlan, build_plan, tile_block_mask, zero_pad
+from .sparse_rects import add_rects
 
 BACKENDS = ("auto", "flex", "gather", "math")
 GATHER_GAIN = 0.8  # "auto" gathers when its plan costs at most this share of the tiles
@@ -150,22 +151,27 @@ def choose_plan(block_layout, block: int, causal: bool, seq_len: int, device) ->
     """The gather plan of a layout when its cost (tiles computed, plus GATHER_KEY_COST per
     tile of keys copied out of place) is at most GATHER_GAIN of the kernel tiles of the layout
     in place, else None: gathering pays where shared global columns make the tiles (fixed),
-    not where random blocks gathered per query tile do (their copies cost more)."""
+    not where random blocks gathered per query tile do (their copies cost more). The plan
+    gets its chunk rectangles (dense-kernel work, `sparse_rects.add_rects`) where they pay."""
     if KERNEL_BLOCK % block or block == KERNEL_BLOCK:
         return None
     lay = _heads_of(block_layout).to(device)
     partial, full = tile_layout(lay, block, causal, seq_len)
     plan = build_plan(lay, block, seq_len, causal)
     cost = sum(plan.tiles()) + GATHER_KEY_COST * plan.gathered_tiles()
-    return plan if cost <= GATHER_GAIN * int(partial.sum() + full.sum()) else None
+    if cost > GATHER_GAIN * int(partial.sum() + full.sum()):
+        return None
+    return add_rects(plan)
 
 
 def prepare(block_layout, block: int, causal: bool, seq_len: int, device, backend: str):
     """(block_mask, plan) for backend "flex", "gather" or "auto" on `device`, one of them None:
-    the gather plan for "gather", and for "auto" where `choose_plan` gives one; else the
-    BlockMask. Build it once per (s, device) and pass both to `sparse_attention`."""
+    the gather plan for "gather" (with its rectangles where they pay: `add_rects`), and for
+    "auto" where `choose_plan` gives one; else the BlockMask. Build it once per (s, device)
+    and pass both to `sparse_attention`."""
     if backend == "gather":
-        return None, build_plan(_heads_of(block_layout).to(device), block, seq_len, causal)
+        return None, add_rects(build_plan(_heads_of(block_layout).to(device), block, seq_len,
+                                          causal))
     plan = choose_plan(block_layout, block, causal, seq_len, device) if backend == "auto" else None
     if plan is not None:
         return None, plan

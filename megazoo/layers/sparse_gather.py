@@ -12,13 +12,18 @@ computing the same function, as float32 math with the plan's mask (CPU, checks).
 
 Exact: every (query, key) pair of the layout is scored once (by the owner rule of
 `sparse_plan.py`), so the softmax over the gathered keys is the layout's softmax; gradients
-flow through the gathers (index_select / index_copy), no log-sum-exp merge needed.
+flow through the gathers (index_select / index_copy). A plan with rectangles
+(`sparse_rects.py`) leaves the covered (query chunk, shared key tile) pairs out of the
+FlexAttention call and merges a dense kernel's rectangles in by log-sum-exp
+(`sparse_merge.py`); without ALiBi only (a dense kernel has no cheap position bias).
 """
 from __future__ import annotations
 
 import torch
 
+from .sparse_merge import merge_rects, rect_kernel
 from .sparse_plan import PRIVATE, PRIVATE_BASE, ROW, TILE, GatherPlan, tile_block_mask
+from .sparse_rects import RectPlan, flex_tiles
 
 
 def _head(h, table: torch.Tensor):
@@ -26,10 +31,13 @@ def _head(h, table: torch.Tensor):
     return h * 0 if table.shape[0] == 1 else h
 
 
-def main_mask_mod(plan: GatherPlan):
-    """mask_mod(b, h, q, i): query q sees gathered key i (the plan's owner rule)."""
+def main_mask_mod(plan: GatherPlan, rects: RectPlan | None = None):
+    """mask_mod(b, h, q, i): query q sees gathered key i (the plan's owner rule), and, given
+    rectangles, the pair is not in one of them (chunk q // C, key tile i // TILE)."""
     owner, pos, code = plan.owner, plan.key_pos, plan.key_code
     block, causal, last = plan.block, plan.causal, owner.shape[-1] - 1
+    covered = None if rects is None else rects.covered
+    chunk, last_chunk = (1, 0) if rects is None else (rects.chunk, covered.shape[0] - 1)
 
     def mask_mod(b, h, q_idx, kv_idx):
         hh = _head(h, owner)
@@ -37,6 +45,8 @@ def main_mask_mod(plan: GatherPlan):
         own = owner[hh, torch.clamp(q_idx // block, max=last), p // block]
         private = (own == PRIVATE) & (c - PRIVATE_BASE == q_idx // TILE)
         seen = torch.where(c >= PRIVATE_BASE, private, own == c)
+        if covered is not None:
+            seen = seen & ~covered[torch.clamp(q_idx // chunk, max=last_chunk), kv_idx // TILE]
         return seen & (p <= q_idx) if causal else seen
     return mask_mod
 
@@ -54,20 +64,21 @@ def rows_mask_mod(plan: GatherPlan):
     return mask_mod
 
 
-def block_masks(plan: GatherPlan):
+def block_masks(plan: GatherPlan, rects: bool = False):
     """(main, rows) FlexAttention BlockMasks of a plan (rows None without dense rows), built
-    once and kept on the plan."""
-    if plan.masks is not None:
-        return plan.masks
-    s = plan.seq_len
-    main = tile_block_mask(plan.partial, plan.full, main_mask_mod(plan),
+    once and kept on the plan; rects: the main mask leaves the plan's rectangles out."""
+    plan.masks = {} if plan.masks is None else plan.masks
+    if rects in plan.masks:
+        return plan.masks[rects]
+    s, rect_plan = plan.seq_len, plan.rects if rects else None
+    main = tile_block_mask(*flex_tiles(plan, rect_plan), main_mask_mod(plan, rect_plan),
                            (s, plan.key_pos.shape[1]))
     rows = None
     if plan.row_pos is not None:
         rows = tile_block_mask(plan.row_partial, plan.row_full, rows_mask_mod(plan),
                                (plan.row_pos.shape[1], s))
-    plan.masks = (main, rows)
-    return plan.masks
+    plan.masks[rects] = (main, rows)
+    return plan.masks[rects]
 
 
 def _gather(x: torch.Tensor, index: torch.Tensor, heads: int, in_place: int = 0):
@@ -111,9 +122,10 @@ def _dense(mask_mod, hp: int, n_q: int, n_k: int, device) -> torch.Tensor:
     return mask_mod(None, h, q, k).expand(hp, n_q, n_k)
 
 
-def _math(q, k, v, mask, scale, slopes, q_pos, k_pos, grouped):
+def _math(q, k, v, mask, scale, slopes, q_pos, k_pos, grouped, return_lse=False):
     """Float32 softmax attention on [b, h, n, d] with a bool mask [hp, n_q, n_k] and ALiBi at
-    the tokens' positions ([hp, n] tables); a query that sees no key outputs 0."""
+    the tokens' positions ([hp, n] tables); a query that sees no key outputs 0 (lse -inf).
+    return_lse: (out, float32 lse [b, h, n_q])."""
     qf, kf, vf = q.float(), k.float(), v.float()
     if grouped:
         kf, vf = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (kf, vf))
@@ -123,28 +135,38 @@ def _math(q, k, v, mask, scale, slopes, q_pos, k_pos, grouped):
         scores = scores - slopes.float()[:, None, None] * dist
     scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
     probs = torch.softmax(scores, dim=-1) * mask.any(-1, keepdim=True)
-    return (probs @ vf).to(q.dtype)
+    if not return_lse:
+        return (probs @ vf).to(q.dtype)
+    lse = torch.logsumexp(scores, dim=-1).masked_fill(~mask.any(-1), float("-inf"))
+    return (probs @ vf).to(q.dtype), lse
 
 
 def gather_attention(q, k, v, plan: GatherPlan, *, scale: float, alibi_slopes=None,
                      kernel: str = "flex") -> torch.Tensor:
     """Attention of the plan's layout (module docstring: shapes). kernel: "flex"
     (FlexAttention, compiled on CUDA, forward only on CPU) or "math" (float32, an explicit
-    [hp, s, K] mask); the BlockMasks are built on first use and kept on the plan."""
+    [hp, s, K] mask; rectangles on the float32 kernel); the BlockMasks are built on first use
+    and kept on the plan. The plan's rectangles run when no ALiBi is given."""
     from . import attention_kernels as kernels
 
     s, hq = q.shape[0], q.shape[2]
+    rects = plan.rects if alibi_slopes is None else None
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
     keys, grouped = _gather(kb, plan.key_pos, hq, plan.direct_len)
     values, _ = _gather(vb, plan.key_pos, hq, plan.direct_len)
     seq = torch.arange(s, device=q.device)[None]
     if kernel == "flex":
-        main_mask, rows_mask = block_masks(plan)
+        main_mask, rows_mask = block_masks(plan, rects is not None)
         out = kernels.flex_at_positions(qb, keys, values, main_mask, alibi_slopes, seq,
-                                        plan.key_pos, scale, grouped)
+                                        plan.key_pos, scale, grouped, rects is not None)
     else:
-        mask = _dense(main_mask_mod(plan), plan.heads, s, plan.key_pos.shape[1], q.device)
-        out = _math(qb, keys, values, mask, scale, alibi_slopes, seq, plan.key_pos, grouped)
+        mask = _dense(main_mask_mod(plan, rects), plan.heads, s, plan.key_pos.shape[1], q.device)
+        out = _math(qb, keys, values, mask, scale, alibi_slopes, seq, plan.key_pos, grouped,
+                    rects is not None)
+    if rects is not None:
+        part = slice(rects.start, plan.key_pos.shape[1])  # segment 2 on: the rectangles' keys
+        kind = "math" if kernel == "math" else rect_kernel(q)
+        out = merge_rects(qb, keys[:, :, part], values[:, :, part], *out, rects, scale, kind)
     if plan.row_pos is not None:
         q_rows, _ = _gather(qb, plan.row_pos, hq)
         grouped = hq != kb.shape[1]

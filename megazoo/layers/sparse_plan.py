@@ -61,8 +61,12 @@ class GatherPlan:
     row_dst: torch.Tensor | None
     row_partial: torch.Tensor | None
     row_full: torch.Tensor | None
-    masks: tuple | None = None
-    """The FlexAttention BlockMasks (`sparse_gather.block_masks`), once built."""
+    rects: object | None = None
+    """The chunk rectangles over segment 2 (`sparse_rects.RectPlan`) that run on a dense
+    kernel, or None: everything in the FlexAttention call (`sparse_rects.add_rects` sets it)."""
+    masks: dict | None = None
+    """The FlexAttention BlockMasks (`sparse_gather.block_masks`), once built, by whether the
+    rectangles are left out."""
 
     @property
     def heads(self) -> int:

@@ -1,0 +1,115 @@
+"""The block-sparse benchmark's correctness checks: on the GPU (`check`), every path against
+the dense-mask float32 math path, and the cuDNN rectangle kernel against float32 math; on
+CPU (`dry_run`), every layout and plan of the sweep at its real sizes and a small forward of
+each path."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.common import print_table
+from bench.sparse_setup import (gather_plan, inputs, prepare_path, rect_share, sparse_configs,
+                                tile_mask)
+from megazoo.layers.sparse_attention import SparseAttention, sparse_attention
+from megazoo.layers.sparse_layouts import density, layout
+from megazoo.layers.sparse_merge import rect_backward, rect_forward, rect_kernel
+from megazoo.layers.sparse_plan import TILE
+from megazoo.layers.sparse_rects import add_rects
+
+TABLE = ["s", "config", "block", "path", "density", "tile_density", "rect_share", "note"]
+
+
+def _paths(block: int) -> list[str]:
+    return ["flex"] + (["gather", "rects"] if 128 % block == 0 and block < 128 else [])
+
+
+def _run(path, q, k, v, lay, block, s):
+    """The output of one path: flex (the layout's tiles), gather (the plan, no rectangles) or
+    rects (the plan with rectangles forced: chunks of one tile, whatever share they cover)."""
+    if path == "flex":
+        return sparse_attention(q, k, v, lay, block, causal=True, backend="flex"), None
+    plan = gather_plan(lay, block, s, q.device)
+    if path == "rects":
+        add_rects(plan, chunk=TILE, min_share=0.0)
+    return sparse_attention(q, k, v, lay, block, causal=True, backend="gather", plan=plan), plan
+
+
+def kernel_row(device, n=300, m=256, d=128) -> dict:
+    """The rectangle kernel of bf16 CUDA inputs (cuDNN's attention ops) against float32 math:
+    output, log-sum-exp (natural log, [b, h, n]) and the backward given its own O and L."""
+    g = torch.Generator(device=device).manual_seed(1)
+    q, k, v, do = (torch.randn(1, 2, x, d, device=device, generator=g, dtype=torch.bfloat16)
+                   for x in (n, m, m, n))
+    kind, row = rect_kernel(q), {"config": "rect_kernel", "block": None}
+    try:
+        out, lse, aux = rect_forward(kind, q, k, v, 0.1)
+        ref_out, ref_lse, _ = rect_forward("math", q, k, v, 0.1)
+        grads = rect_backward(kind, do, q, k, v, out, lse, aux, 0.1)
+        ref = rect_backward("math", do, q, k, v, out, lse, (), 0.1)
+        err = max([(out.float() - ref_out.float()).abs().max().item(),
+                   (lse - ref_lse).abs().max().item()]
+                  + [(a.float() - b).abs().max().item() for a, b in zip(grads, ref)])
+        row.update(path=kind, max_error=err, ok=err < 5e-2,
+                   note=f"lse {tuple(aux[0]) if aux else None} {lse.dtype}")
+    except Exception as e:
+        row.update(path=kind, note=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+    return row
+
+
+def check(args, device, s=2000) -> list[dict]:
+    """Outputs and input gradients of each path (`_run`) against the dense-mask float32 math
+    path, bf16 inputs; s = 2000 is a multiple of 16 but not of 64 or 128 (a short last block
+    and tile). ok: the largest error below 2 % of the largest reference value (bf16 inputs
+    and outputs, ~0.4 % per rounding)."""
+    rows = [kernel_row(device)]
+    for label, cfg in sparse_configs(args.modes, args.blocks, args.window):
+        lay = SparseAttention(cfg, args.heads, seed=0).layout(s)
+        q, k, v, grad = inputs(s, args, device)
+        ref = sparse_attention(q, k, v, lay, cfg.block, causal=True, backend="math")
+        ref = (ref, *torch.autograd.grad(ref, (q, k, v), grad))
+        scale = max(t.float().abs().max().item() for t in ref)
+        for path in _paths(cfg.block):
+            row = {"s": s, "config": label, "block": cfg.block, "path": path}
+            try:
+                out, plan = _run(path, q, k, v, lay, cfg.block, s)
+                got = (out, *torch.autograd.grad(out, (q, k, v), grad))
+                err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref))
+                row.update(max_error=err, rel_error=err / scale, ok=err / scale < 2e-2,
+                           rect_share=rect_share(plan))
+            except Exception as e:
+                row["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            rows.append(row)
+    print_table(rows, ["s", "config", "block", "path", "rect_share", "max_error", "rel_error",
+                       "ok", "note"])
+    return rows
+
+
+def dry_run(args) -> list[dict]:
+    """CPU: every layout and plan of the sweep at its real sizes, then a small forward of
+    each path against the dense-mask math path."""
+    rows = []
+    for s in args.seqs:
+        for label, cfg in sparse_configs(args.modes, args.blocks, args.window):
+            t0 = time.perf_counter()
+            lay = layout(cfg, args.heads, s, seed=0, causal=True)
+            path, _, plan, tiles = prepare_path(label, lay, cfg.block, s, torch.device("cpu"))
+            rows.append({"s": s, "config": label, "block": cfg.block, "path": path,
+                         "density": density(lay, cfg.block, True), "tile_density": tiles,
+                         "rect_share": rect_share(plan),
+                         "note": f"built in {time.perf_counter() - t0:.1f} s"})
+    print_table(rows, TABLE)
+    small = argparse.Namespace(**{**vars(args), "heads": 2, "head_dim": 16})
+    for label, cfg in sparse_configs(args.modes, args.blocks, args.window):
+        lay = layout(cfg, 2, 1024, seed=0, causal=True)
+        q, k, v, _ = inputs(1024, small, torch.device("cpu"), torch.float32, requires_grad=False)
+        want = sparse_attention(q, k, v, lay, cfg.block, backend="math")
+        mask, _ = tile_mask(lay, cfg.block, torch.device("cpu"))
+        got = [sparse_attention(q, k, v, lay, cfg.block, backend="flex", block_mask=mask)]
+        got += [_run(path, q, k, v, lay, cfg.block, 1024)[0] for path in _paths(cfg.block)[1:]]
+        err = max((out - want).abs().max().item() for out in got)
+        assert err < 1e-4, (label, cfg.block, err)
+    print("dry run: CPU FlexAttention forward and the gather plan with and without rectangles "
+          "(float32 kernels) equal the dense-mask math path for every config")
+    return rows
