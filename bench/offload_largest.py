@@ -138,7 +138,7 @@ def largest_rows(name: str, planned: dict, gbs: list[int], iters: int, dry: bool
     # lr 3e-5 without warmup: at the default 3e-3, and still at 3e-4, a 14B model's loss
     # jumps at steps 2-9 of a 4-sequence batch (26.1, 37.5, 49.5 from 8.9); the overlapped
     # offload for the plain engine
-    extra = ["--lr", "3e-5", "--lr-warmup-iters", "0"]
+    extra = ["--lr", "3e-5", "--min-lr", "3e-6", "--lr-warmup-iters", "0"]
     extra += ["--overlap-cpu-optimizer-d2h-h2d"] if "--optimizer-cpu-offload" in flags else []
     rows = []
     for gb in gbs:
