@@ -14,3 +14,17 @@ def test_dry_run_paths(tmp_path):
     assert rows["seeds"]["path"] == "rects" and rows["seeds"]["rect_share"] > 0.5
     assert rows["seeds_gather"]["path"] == "gather" and rows["seeds_gather"]["rect_share"] is None
     assert rows["bslongformer"]["path"] == "tiles"
+
+
+def test_sparse_training_dry_run(tmp_path):
+    """bench/sparse_training.py: dense, the seeds' section and its gather-path child all train
+    (tiny, CPU) and the loss comparison is filled in."""
+    from bench.sparse_training import main as training
+
+    out = tmp_path / "training.json"
+    assert training(["--dry-run", "--iters", "10", "--logs", str(tmp_path / "logs"),
+                     "--out", str(out)]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"dense", "seeds", "seeds_gather"}
+    assert all(r["iterations"] == 10 for r in rows.values())
+    assert abs(rows["seeds"]["loss_vs_gather_path"]) < 1e-3  # one function, two paths
