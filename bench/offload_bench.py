@@ -292,7 +292,8 @@ def main(argv=None) -> None:
         if not on:
             continue
         nvme = largest.nvme_dir(a.nvme_path) if name == "largest" else None
-        budgets = largest.machine_budgets(nvme, dry)
+        margin = largest.PEER_HOST_MARGIN if name == "peer-largest" else 0.0
+        budgets = largest.machine_budgets(nvme, dry, margin)
         planned = largest.plan_target(budgets, flags + (["--nvme-path", nvme] if nvme else []),
                                       a.largest_disk)
         if nvme:
