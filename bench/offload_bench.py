@@ -15,6 +15,7 @@ Rows (each `pretrain_gpt.py` row in its own process, so peaks are its own):
 - `offload`: `pretrain_gpt.py --optimizer-cpu-offload --optimizer-offload-fraction F
   --overlap-cpu-optimizer-d2h-h2d` (plain engine), at gb 16 and gb 64;
 - `deepspeed`: `pretrain_gpt.py --deepspeed --zero-stage 3 --offload-optimizer cpu`;
+- `fsdp2`: `pretrain_gpt.py --zero-impl fsdp2 --zero-stage 3 --offload-optimizer cpu`;
 - `bf16grads16` / `bf16grads64`: the offload row with --accumulate-grads-in-bf16 at the lowest
   fraction the planner fits on this GPU (`offload_largest.planned_fraction`);
 - `delayed16`: that row with --offload-delayed-update;
@@ -281,6 +282,12 @@ def main(argv=None) -> None:
             rows.append(pretrain_row(f"{row} f={f}", shape, gb, a.iters, flags, dry, left()))
         elif row == "tolerance":
             rows += tolerance_rows(dry, left)
+        elif row == "fsdp2":
+            rows.append(pretrain_row("fsdp2 zero3 cpu-offload gb 16", shape, 16,
+                                     max(3, a.iters - 2), ["--zero-impl", "fsdp2",
+                                                           "--zero-stage", "3",
+                                                           "--offload-optimizer", "cpu"],
+                                     dry, left()))
         elif row == "deepspeed":
             rows.append(pretrain_row("deepspeed zero3 cpu-offload gb 16", shape, 16,
                                      max(3, a.iters - 2), ["--deepspeed", "--zero-stage", "3",

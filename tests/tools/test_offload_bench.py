@@ -1,6 +1,6 @@
 """bench/offload_bench.py's dry run (tiny shape on CPU): the rows the next GPU call measures
-(bf16 main gradients at the planned fraction, the delayed update, the largest model the
-planner finds and DeepSpeed's) run end to end and report a rate and falling losses."""
+(bf16 main gradients at the planned fraction, the delayed update, the FSDP2 peer, the
+largest model the planner finds and DeepSpeed's) run end to end and report a rate and falling losses."""
 import json
 
 import pytest
@@ -19,13 +19,16 @@ def test_run_flags_drop_the_batch_sizes_the_rows_set():
 @pytest.mark.slow
 def test_dry_run_of_the_new_rows(tmp_path):
     out = tmp_path / "rows.json"
-    offload_bench.main(["--dry-run", "--rows", "fwd", "delayed16", "--iters", "3", "--largest",
+    offload_bench.main(["--dry-run", "--rows", "fwd", "delayed16", "fsdp2", "--iters", "3",
+                        "--largest",
                         "--largest-iters", "3", "--nvme-path", str(tmp_path / "nvme"),
                         "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [r["row"].split(" f=")[0] for r in rows] == [
-        "fwd+bwd gb 16", "delayed16", "disk rates", "largest gb 4", "largest gb 16"], rows
-    rates = rows.pop(2)
+        "fwd+bwd gb 16", "delayed16", "fsdp2 zero3 cpu-offload gb 16", "disk rates",
+        "largest gb 4", "largest gb 16"], rows
+    rates = rows.pop(3)
+    assert "--zero-impl fsdp2" in rows.pop(2)["command"]
     assert rates["write_gb_per_s"] > 0 and rates["read_gb_per_s"] > 0
     for r in rows:
         assert "error" not in r and r["tokens_per_s"] > 0, r
