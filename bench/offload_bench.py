@@ -43,12 +43,13 @@ import torch
 from torch.optim.adamw import adamw
 
 from bench import offload_largest as largest
-from bench.common import REPO, child_env, write_json
+from bench.common import REPO, child_env, time_ms, write_json
 
 SHAPE = dict(family="llama", layers=24, hidden=4096, heads=32, kv_heads=8, ffn=14336, seq=2048,
              micro=2)
 TINY = dict(family="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, seq=64, micro=2)
 VOCAB = 2048  # the default corpus' tokenizer
+CPU = torch.device("cpu")
 
 
 def model_flags(shape: dict) -> list[str]:
@@ -75,13 +76,7 @@ def adamw_rows(n: int) -> list[dict]:
     for name, make in makers.items():
         try:
             opt = make()
-            opt.step()
-            times = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                opt.step()
-                times.append(time.perf_counter() - t0)
-            s = statistics.median(times)
+            s = time_ms(opt.step, CPU, warmup=1, iters=3) / 1e3
             rows.append({"row": f"adamw {name}", "params": n, "step_s": s,
                          "params_per_s": n / s})
             del opt
@@ -114,13 +109,7 @@ def _bf16_rows(n: int) -> list[dict]:
             state, grad, [(0, n, 0.1, 1)], out=out, divisor=1.0, **hyper)
     rows = []
     for name, call in calls.items():
-        call()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t0)
-        s = statistics.median(times)
+        s = time_ms(call, CPU, warmup=1, iters=3) / 1e3
         rows.append({"row": f"adamw {name}", "params": n, "step_s": s, "params_per_s": n / s})
     return rows
 

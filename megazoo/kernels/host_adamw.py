@@ -87,8 +87,8 @@ def backend() -> Choice:
     return _load()[1]
 
 
-def _ptr(t: torch.Tensor, kind=ctypes.c_void_p):
-    return ctypes.cast(t.data_ptr(), kind) if kind is not ctypes.c_void_p else t.data_ptr()
+def _ptr(t: torch.Tensor, kind):
+    return ctypes.cast(t.data_ptr(), kind)
 
 
 def _check(state: dict, grad: torch.Tensor, out: torch.Tensor | None) -> None:

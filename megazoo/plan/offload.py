@@ -40,9 +40,9 @@ GB = 1e9
 STATE_BYTES = 12  # fp32 master + AdamW m, v per parameter
 TRANSFER_BUCKETS = 2  # bf16 copies of fp32 gradient buckets on the GPU
 WIRE_BYTES = 2  # bf16 gradients down, bf16 parameters up
-UP_BUFFERS = 4  # the engine's ring of pinned parameter uploads (offload_optimizer.UP_BUFFERS)
-STORE_SLOTS = 2  # the disk tier's staging slots (NvmeStateStore's default)
-DISK_ALIGN = 4096  # the disk tier pads each file to this (state_store.ALIGN)
+UP_BUFFERS = 4  # the engine's ring of pinned parameter uploads (offload_optimizer reads it)
+STORE_SLOTS = 2  # the disk tier's staging slots (NvmeStateStore's default reads it)
+DISK_ALIGN = 4096  # the disk tier pads each file to this (state_store.ALIGN reads it)
 HOST_RESERVE = 4e9  # host bytes the split leaves free for everything else the run allocates
 
 

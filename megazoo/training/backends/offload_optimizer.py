@@ -68,16 +68,15 @@ class OffloadAdamW:
                        False: ResidentStore([s.numel for s in self.slots if not s.host],
                                             self.device, pin=False)}
         self._initial = {}  # GPU slots: fp32 initial masters until their state exists
-        # split: gradients go down in their host step, through one buffer (host_split)
-        late = host if self.split.late else []
-        self._late = {id(s) for s in late}
-        shared = self.copies.host_empty(max(s.numel for s in late),
-                                        buffers.main_grad.dtype) if late else None
+        # split: host gradients go down in their host step, through one buffer (host_split)
+        self._late = bool(self.split.late and host)
+        shared = self.copies.host_empty(max(s.numel for s in host),
+                                        buffers.main_grad.dtype) if self._late else None
         with torch.no_grad():  # GPU slots first: their host values go before host state comes
             for slot in sorted(self.slots, key=lambda s: s.host):
                 self._init_master(slot, data, initial)
                 if slot.host:
-                    slot.grad = shared[:slot.numel] if id(slot) in self._late else \
+                    slot.grad = shared[:slot.numel] if self._late else \
                         self.copies.host_empty(slot.numel, buffers.main_grad.dtype)
         self.stores[True].flush()
         # parameters go up through a small ring of staging buffers (an upload takes ~ms)
@@ -137,7 +136,7 @@ class OffloadAdamW:
     def _send(self, bucket) -> None:
         """GradBuffer.on_final: bucket's reduced gradient shard leaves for the host."""
         slot = self.slots[bucket.index]
-        if not slot.host or slot.sent or id(slot) in self._late:
+        if not slot.host or slot.sent or self._late:
             return
         self._wait_slot(slot)  # its host step (and staging buffers) are done
         slot.d2h = self.copies.to_host(slot.grad, self.buffers.main_grad[slot.lo:slot.hi])
@@ -197,7 +196,7 @@ class OffloadAdamW:
         state = store.acquire(slot.index)
         for later in nxt:  # the disk store reads them while this bucket steps
             store.prefetch(later.index)
-        if id(slot) in self._late:  # (the next forward waits for the host step, so the
+        if self._late:  # (the next forward waits for the host step, so the
             # next backward cannot overwrite the gradient before it has gone down)
             slot.d2h = self.copies.to_host(slot.grad, self.buffers.main_grad[slot.lo:slot.hi],
                                            after)

@@ -31,9 +31,12 @@ from pathlib import Path
 
 import torch
 
+from ...plan.offload import DISK_ALIGN, STORE_SLOTS
 from .cpu_offload import NAMES
 
-ALIGN = 4096   # file sizes, I/O lengths and buffer addresses: a multiple of the block size
+# file sizes, I/O lengths and buffer addresses: a multiple of the block size (the planner
+# counts the same padding and staging slots)
+ALIGN = DISK_ALIGN
 
 
 class StoreError(ValueError):
@@ -95,7 +98,7 @@ class NvmeStateStore:
     `root`. Slots are pinned (for asynchronous copies to the GPU) if `pin`, by default if CUDA
     is available; `threads` I/O threads, by default max(2, slots)."""
 
-    def __init__(self, root: str | Path, numels: list[int], slots: int = 2,
+    def __init__(self, root: str | Path, numels: list[int], slots: int = STORE_SLOTS,
                  pin: bool | None = None, threads: int | None = None, direct: bool = True):
         self.root = Path(root)
         self.numels = [int(n) for n in numels]
