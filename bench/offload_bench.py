@@ -91,6 +91,7 @@ def _bf16_rows(n: int) -> list[dict]:
     """The offload's host step as it runs (bf16 gradient in, bf16 parameters out): torch's
     three passes (upcast, fused AdamW, cast) against the one-pass C kernel."""
     from megazoo.kernels.host_adamw import host_adamw
+    from megazoo.training.backends.cpu_offload import adamw_piece
 
     state = {k: torch.rand(n) for k in ("master", "exp_avg", "exp_avg_sq")}
     grad, out = torch.full((n,), 1e-3, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
@@ -105,8 +106,9 @@ def _bf16_rows(n: int) -> list[dict]:
 
     kernel, calls = host_adamw(), {"torch upcast + fused + cast (bf16 in/out)": torch_passes}
     if kernel is not None:
+        piece = adamw_piece(0, n, hyper["lr"], 0.1, 1, hyper["beta1"], hyper["beta2"])
         calls["megazoo C one pass (bf16 in/out)"] = lambda: kernel(
-            state, grad, [(0, n, 0.1, 1)], out=out, divisor=1.0, **hyper)
+            state, grad, [piece], out=out, divisor=1.0, beta1=0.9, beta2=0.95, eps=1e-8)
     rows = []
     for name, call in calls.items():
         s = time_ms(call, CPU, warmup=1, iters=3) / 1e3

@@ -1,7 +1,7 @@
 """The offloaded optimizer's host AdamW in one pass (csrc/host_adamw.c), or None.
 
     kernel = host_adamw()          # None where no C compiler works (torch's kernel then runs)
-    kernel(state, grad, pieces, out=up, divisor=d, lr=..., ...)  # state {master, exp_avg, exp_avg_sq}
+    kernel(state, grad, pieces, out=up, divisor=d, beta1=..., ...)  # state {master, exp_avg, exp_avg_sq}
 
 torch's fused CPU AdamW needs an fp32 gradient and leaves the bf16 parameters to another
 pass; the C kernel reads a bf16 (or fp32) gradient and writes the bf16 parameters for the
@@ -109,22 +109,20 @@ def host_adamw():
     if dll is None:
         return None
 
-    def step(state: dict, grad: torch.Tensor, pieces: list[tuple[int, int, float, int]], *,
-             out: torch.Tensor | None, divisor, lr: float, beta1: float, beta2: float,
-             eps: float) -> None:
-        """AdamW over `pieces` (start, end, weight decay, step count after this step) of the
-        flat state, the gradient divided by `divisor` (a float or a CPU scalar tensor); out,
-        if given, gets the new parameters in bf16."""
+    def step(state: dict, grad: torch.Tensor, pieces: list[tuple], *,
+             out: torch.Tensor | None, divisor, beta1: float, beta2: float, eps: float) -> None:
+        """AdamW over `pieces` (start, end, lr x weight decay, step size, sqrt of the second
+        bias correction: `cpu_offload.adamw_piece`) of the flat state, the gradient divided by
+        `divisor` (a float or a CPU scalar tensor); out, if given, gets the new parameters in
+        bf16."""
         _check(state, grad, out)
-        n = len(pieces)
-        starts = torch.tensor([p[0] for p in pieces], dtype=torch.int64)
-        ends = torch.tensor([p[1] for p in pieces], dtype=torch.int64)
-        decay = torch.tensor([lr * p[2] for p in pieces], dtype=torch.float32)
-        size = torch.tensor([lr / (1 - beta1 ** p[3]) for p in pieces], dtype=torch.float32)
-        bc2 = torch.tensor([(1 - beta2 ** p[3]) ** 0.5 for p in pieces], dtype=torch.float32)
+        starts, ends, decay, size, bc2 = zip(*pieces)
+        starts, ends = (torch.tensor(x, dtype=torch.int64) for x in (starts, ends))
+        decay, size, bc2 = (torch.tensor(x, dtype=torch.float32) for x in (decay, size, bc2))
         dll.megazoo_adamw(*(_ptr(state[k], _f32) for k in ("master", "exp_avg", "exp_avg_sq")),
                           grad.data_ptr(), int(grad.dtype == torch.bfloat16),
-                          None if out is None else out.data_ptr(), n, _ptr(starts, _i64),
-                          _ptr(ends, _i64), _ptr(decay, _f32), _ptr(size, _f32), _ptr(bc2, _f32),
-                          beta1, beta2, eps, float(divisor), torch.get_num_threads())
+                          None if out is None else out.data_ptr(), len(pieces),
+                          _ptr(starts, _i64), _ptr(ends, _i64), _ptr(decay, _f32),
+                          _ptr(size, _f32), _ptr(bc2, _f32), beta1, beta2, eps, float(divisor),
+                          torch.get_num_threads())
     return step

@@ -12,7 +12,7 @@ AdamW in the same order, with correctly rounded division and square root (`div_r
     v = beta2 * v + (1 - beta2) * g * g;   p -= step_size * m / (sqrt(v) / bc2_sqrt + eps)
 
 `divisor` is a one-element device tensor (the step's gradient divisor, set without a host
-sync); the other scalars are the piece's own (weight decay, bias corrections from its step).
+sync); the other scalars are the piece's own, from its step (`cpu_offload.adamw_piece`).
 """
 from __future__ import annotations
 
@@ -44,16 +44,16 @@ def _adamw(P, M, V, G, OUT, DIV, n, decay, beta1, beta2, step_size, bc2_sqrt, ep
 
 
 def adamw_(state: dict, grad: torch.Tensor, pieces, *, out: torch.Tensor | None,
-           divisor: torch.Tensor, lr: float, beta1: float, beta2: float, eps: float) -> None:
-    """AdamW over `pieces` (start, end, weight decay, step count after this step) of the flat
-    fp32 state {master, exp_avg, exp_avg_sq}; `out` (same length) gets the new parameters."""
-    for a, b, wd, step in pieces:
+           divisor: torch.Tensor, beta1: float, beta2: float, eps: float) -> None:
+    """AdamW over `pieces` (start, end, lr x weight decay, step size, sqrt of the second bias
+    correction: `cpu_offload.adamw_piece`) of the flat fp32 state {master, exp_avg,
+    exp_avg_sq}; `out` (same length) gets the new parameters."""
+    for a, b, decay, step_size, bc2_sqrt in pieces:
         n = b - a
         if n == 0:
             continue
         views = [state[k][a:b] for k in ("master", "exp_avg", "exp_avg_sq")]
         target = out[a:b] if out is not None else views[0]
         _adamw[(triton.cdiv(n, BLOCK),)](
-            *views, grad[a:b], target, divisor, n, lr * wd, beta1, beta2,
-            lr / (1 - beta1 ** step), (1 - beta2 ** step) ** 0.5, eps,
-            HAS_OUT=out is not None, BLOCK=BLOCK)
+            *views, grad[a:b], target, divisor, n, decay, beta1, beta2, step_size, bc2_sqrt,
+            eps, HAS_OUT=out is not None, BLOCK=BLOCK)

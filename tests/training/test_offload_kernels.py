@@ -14,11 +14,19 @@ import torch
 from torch.optim.adamw import adamw
 
 from megazoo.kernels import host_adamw as hk
+from megazoo.training.backends.cpu_offload import adamw_piece
 
 KERNEL = hk.host_adamw()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"host kernel: {hk.backend().reason}")
 PIECES = [(0, 5000, 0.1), (5000, 5003, 0.0), (5003, 10007, 0.1)]  # (start, end, weight decay)
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
+
+
+def _step(kernel, state, grad, pieces, step, **kw):
+    """One kernel step over (start, end, weight decay) pieces at AdamW step `step`."""
+    lr, beta1, beta2, eps = HYPER.values()
+    kernel(state, grad, [adamw_piece(a, b, lr, wd, step, beta1, beta2) for a, b, wd in pieces],
+           beta1=beta1, beta2=beta2, eps=eps, **kw)
 
 
 def _state(n, seed=0, device="cpu"):
@@ -37,8 +45,7 @@ def _against_torch(kernel, grad_dtype, device, divisor, exact_out=True):
     out = torch.empty(n, dtype=torch.bfloat16, device=device)
     for t in range(1, 6):
         grad = torch.randn(n, generator=torch.Generator().manual_seed(t)).to(grad_dtype)
-        kernel(mine, grad.to(device), [(a, b, wd, t) for a, b, wd in PIECES], out=out,
-               divisor=divisor, **HYPER)
+        _step(kernel, mine, grad.to(device), PIECES, t, out=out, divisor=divisor)
         for (a, b, wd), step in zip(PIECES, steps):
             adamw([ref["master"][a:b]], [grad.float()[a:b]], [ref["exp_avg"][a:b]],
                   [ref["exp_avg_sq"][a:b]], [], [step], fused=True,
@@ -76,7 +83,7 @@ def test_untouched_outside_pieces_and_nan_stays_nan():
     grad = torch.ones(n)
     grad[3] = float("nan")
     out = torch.zeros(n, dtype=torch.bfloat16)
-    KERNEL(state, grad, [(2, 8, 0.0, 1)], out=out, divisor=1.0, **HYPER)
+    _step(KERNEL, state, grad, [(2, 8, 0.0)], 1, out=out, divisor=1.0)
     for k in state:
         assert torch.equal(state[k][:2], before[k][:2]) and torch.equal(state[k][8:], before[k][8:])
     assert torch.isnan(state["master"][3]) and torch.isnan(out[3].float())
@@ -87,11 +94,10 @@ def test_untouched_outside_pieces_and_nan_stays_nan():
 def test_bad_input_is_refused():
     state = _state(8)
     with pytest.raises(ValueError, match="gradient must be"):
-        KERNEL(state, torch.ones(8, dtype=torch.float16), [(0, 8, 0.0, 1)], out=None,
-               divisor=1.0, **HYPER)
+        _step(KERNEL, state, torch.ones(8, dtype=torch.float16), [(0, 8, 0.0)], 1, out=None,
+              divisor=1.0)
     with pytest.raises(ValueError, match="out must be"):
-        KERNEL(state, torch.ones(8), [(0, 8, 0.0, 1)], out=torch.empty(8), divisor=1.0,
-               **HYPER)
+        _step(KERNEL, state, torch.ones(8), [(0, 8, 0.0)], 1, out=torch.empty(8), divisor=1.0)
 
 
 def test_switch_off(monkeypatch):

@@ -108,6 +108,14 @@ def adamw_(state: dict, grad: torch.Tensor, slot: Slot, lr: float, cfg,
               maximize=False)
 
 
+def adamw_piece(start: int, end: int, lr: float, weight_decay: float, step: int, beta1: float,
+                beta2: float) -> tuple:
+    """A one-pass kernel's piece: (start, end, lr x weight decay, step size, sqrt of the
+    second bias correction) at AdamW step `step` (torch's fused AdamW's scalars)."""
+    return (start, end, lr * weight_decay, lr / (1 - beta1 ** step),
+            (1 - beta2 ** step) ** 0.5)
+
+
 def fused_adamw_(kernel, state: dict, grad: torch.Tensor, slot: Slot, lr: float, cfg,
                  divisor: torch.Tensor, out: torch.Tensor | None, step: int | None = None) -> None:
     """`adamw_` through a one-pass kernel (`one_pass_kernel`): the slot's pieces in memory
@@ -122,9 +130,10 @@ def fused_adamw_(kernel, state: dict, grad: torch.Tensor, slot: Slot, lr: float,
         for (a, b), counter in zip(sel, slot.steps[decay]):
             if step is None:
                 counter += 1
-            pieces.append((a, b, cfg.weight_decay if decay else 0.0,
-                           int(counter) if step is None else step))
-    kernel(state, grad, sorted(pieces), out=out, divisor=divisor, lr=lr, beta1=cfg.adam_beta1,
+            pieces.append(adamw_piece(a, b, lr, cfg.weight_decay if decay else 0.0,
+                                      int(counter) if step is None else step, cfg.adam_beta1,
+                                      cfg.adam_beta2))
+    kernel(state, grad, sorted(pieces), out=out, divisor=divisor, beta1=cfg.adam_beta1,
            beta2=cfg.adam_beta2, eps=cfg.adam_eps)
 
 
