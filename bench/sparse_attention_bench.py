@@ -6,13 +6,14 @@
 
 Forward + backward of causal attention, 16 heads x 128, bf16, batch 1, at s = 32k and 64k:
 dense SDPA (cuDNN's fused kernel), dense FlexAttention (causal BlockMask), and the sparse
-path (`megazoo.layers.sparse_attention`, backend "auto": the gather plan where it computes
-fewer tiles, with its chunk rectangles on cuDNN where they pay (path "rects"), else the
-layout's own tiles) for fixed, variable, bigbird and bslongformer layouts at block 16, 64
-and 128 with a causal window of about --window tokens, plus the seeds' section (fixed, block
-16, DeepSpeed's defaults), `seeds_gather`: the same section on the gather plan without
-rectangles (all in FlexAttention, the path before them), and `seeds_tiles`: on the layout's
-own tiles (the path before the gather plan). For each: median ms (CUDA events), the
+path (`megazoo.layers.sparse_attention`, backend "auto": the strided plan for windows with
+global columns (path "strided": one cuDNN causal call and a small FlexAttention call), else
+the gather plan where it computes fewer tiles, with its chunk rectangles on cuDNN where they
+pay (path "rects"), else the layout's own tiles) for fixed, variable, bigbird and
+bslongformer layouts at block 16, 64 and 128 with a causal window of about --window tokens,
+plus the seeds' section (fixed, block 16, DeepSpeed's defaults), `seeds_rects`: the same
+section on the gather plan with its rectangles (the path before the strided plan),
+`seeds_gather`: without rectangles, and `seeds_tiles`: on the layout's own tiles. For each: median ms (CUDA events), the
 layout's density (fraction of s^2 computed), the density of the 128-token tiles computed
 (`tile_density`, of (s/128)^2 per head), the share of them the rectangles compute
 (`rect_share`), the path, and the speedup against SDPA and dense FlexAttention. `--check`
@@ -48,7 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--seqs", type=int, nargs="+", default=[32768, 65536])
     p.add_argument("--blocks", type=int, nargs="+", default=[16, 64, 128])
     p.add_argument("--modes", nargs="+", default=MODES,
-                   help=f"of {MODES + ['seeds_tiles', 'seeds_gather', 'seeds_c32']} (_cN: "
+                   help=f"of {MODES + ['seeds_tiles', 'seeds_gather', 'seeds_rects', 'seeds_c32']} (_cN: "
                         "rectangles over about N query chunks)")
     p.add_argument("--window", type=int, default=256, help="causal window in tokens (approx.)")
     p.add_argument("--heads", type=int, default=16)
@@ -118,7 +119,7 @@ def sparse_row(s, label, cfg, data, args, device) -> dict:
         fn(*data[:3]).sum().backward()  # compiles
         row["compile_s"] = time.perf_counter() - t0
         row["ms"] = time_ms(_step(fn, *data), device, args.warmup, args.iters)
-        if args.profile and s == args.seqs[0] and row["path"] == "rects":
+        if args.profile and s == args.seqs[0] and row["path"] in ("rects", "strided"):
             row["profile"] = profile(_step(fn, *data), f"{label} s={s}")
     except Exception as e:
         row["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
@@ -161,7 +162,8 @@ def sweep(args, device) -> list[dict]:
                 here.append({"s": s, "config": label, "block": cfg.block, "note": "skipped: --budget-s"})
                 continue
             here.append(sparse_row(s, label, cfg, data, args, device))
-            other = {"gather": "tiles", "tiles": "gather", "rects": "gather"}.get(here[-1].get("path"))
+            other = {"gather": "tiles", "tiles": "gather", "rects": "gather",
+                     "strided": "rects"}.get(here[-1].get("path"))
             if label in args.compare and s == args.seqs[0] and cfg.block < 128:
                 here.append(sparse_row(s, f"{label}_{other}", cfg, data, args, device))
             torch.cuda.empty_cache()

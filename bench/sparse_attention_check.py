@@ -17,37 +17,47 @@ from megazoo.layers.sparse_layouts import density, layout
 from megazoo.layers.sparse_merge import rect_backward, rect_forward, rect_kernel
 from megazoo.layers.sparse_plan import TILE
 from megazoo.layers.sparse_rects import add_rects
+from megazoo.layers.sparse_strided import strided_plan
 
 TABLE = ["s", "config", "block", "path", "density", "tile_density", "rect_share", "note"]
 
 
-def _paths(block: int) -> list[str]:
-    return ["flex"] + (["gather", "rects"] if 128 % block == 0 and block < 128 else [])
+def _paths(block: int, lay, s: int) -> list[str]:
+    strided = strided_plan(lay[:1], block, s, True) is not None
+    return (["flex"] + (["gather", "rects"] if 128 % block == 0 and block < 128 else [])
+            + (["strided"] if strided else []))
 
 
 def _run(path, q, k, v, lay, block, s):
-    """The output of one path: flex (the layout's tiles), gather (the plan, no rectangles) or
-    rects (the plan with rectangles forced: chunks of one tile, whatever share they cover)."""
+    """The output of one path: flex (the layout's tiles), gather (the plan, no rectangles),
+    rects (the plan with rectangles forced: chunks of one tile, whatever share they cover) or
+    strided (`sparse_strided.py`)."""
     if path == "flex":
         return sparse_attention(q, k, v, lay, block, causal=True, backend="flex"), None
+    if path == "strided":
+        plan = strided_plan(lay.to(q.device), block, s, True)
+        return sparse_attention(q, k, v, lay, block, causal=True, backend="gather", plan=plan), plan
     plan = gather_plan(lay, block, s, q.device)
     if path == "rects":
         add_rects(plan, chunk=TILE, min_share=0.0)
     return sparse_attention(q, k, v, lay, block, causal=True, backend="gather", plan=plan), plan
 
 
-def kernel_row(device, n=300, m=256, d=128) -> dict:
-    """The rectangle kernel of bf16 CUDA inputs (cuDNN's attention ops) against float32 math:
-    output, log-sum-exp (natural log, [b, h, n]) and the backward given its own O and L."""
+def kernel_row(device, n=300, m=256, d=128, causal=False) -> dict:
+    """The dense kernel of bf16 CUDA inputs (cuDNN's attention ops) against float32 math:
+    output, log-sum-exp (natural log, [b, h, n]) and the backward given its own O and L;
+    non-causal (the rectangles) or causal with n = m (the strided plan's global part)."""
     g = torch.Generator(device=device).manual_seed(1)
+    m = n if causal else m
     q, k, v, do = (torch.randn(1, 2, x, d, device=device, generator=g, dtype=torch.bfloat16)
                    for x in (n, m, m, n))
-    kind, row = rect_kernel(q), {"config": "rect_kernel", "block": None}
+    kind = rect_kernel(q)
+    row = {"config": "causal_kernel" if causal else "rect_kernel", "block": None}
     try:
-        out, lse, aux = rect_forward(kind, q, k, v, 0.1)
-        ref_out, ref_lse, _ = rect_forward("math", q, k, v, 0.1)
-        grads = rect_backward(kind, do, q, k, v, out, lse, aux, 0.1)
-        ref = rect_backward("math", do, q, k, v, out, lse, (), 0.1)
+        out, lse, aux = rect_forward(kind, q, k, v, 0.1, causal)
+        ref_out, ref_lse, _ = rect_forward("math", q, k, v, 0.1, causal)
+        grads = rect_backward(kind, do, q, k, v, out, lse, aux, 0.1, causal)
+        ref = rect_backward("math", do, q, k, v, out, lse, (), 0.1, causal)
         err = max([(out.float() - ref_out.float()).abs().max().item(),
                    (lse - ref_lse).abs().max().item()]
                   + [(a.float() - b).abs().max().item() for a, b in zip(grads, ref)])
@@ -58,19 +68,24 @@ def kernel_row(device, n=300, m=256, d=128) -> dict:
     return row
 
 
-def check(args, device, s=2000) -> list[dict]:
+def check(args, device, lengths=(2000, 2048)) -> list[dict]:
     """Outputs and input gradients of each path (`_run`) against the dense-mask float32 math
     path, bf16 inputs; s = 2000 is a multiple of 16 but not of 64 or 128 (a short last block
-    and tile). ok: the largest error below 2 % of the largest reference value (bf16 inputs
-    and outputs, ~0.4 % per rounding)."""
-    rows = [kernel_row(device)]
-    for label, cfg in sparse_configs(args.modes, args.blocks, args.window):
+    and tile), 2048 is also checked where a strided plan runs (it needs whole windows). ok:
+    the largest error below 2 % of the largest reference value (bf16 inputs and outputs,
+    ~0.4 % per rounding)."""
+    rows = [kernel_row(device), kernel_row(device, causal=True)]
+    for (label, cfg), s in ((c, n) for n in lengths
+                            for c in sparse_configs(args.modes, args.blocks, args.window)):
+        paths = _paths(cfg.block, SparseAttention(cfg, 1, seed=0).layout(s), s)
+        if s != lengths[0] and "strided" not in paths:
+            continue
         lay = SparseAttention(cfg, args.heads, seed=0).layout(s)
         q, k, v, grad = inputs(s, args, device)
         ref = sparse_attention(q, k, v, lay, cfg.block, causal=True, backend="math")
         ref = (ref, *torch.autograd.grad(ref, (q, k, v), grad))
         scale = max(t.float().abs().max().item() for t in ref)
-        for path in _paths(cfg.block):
+        for path in paths if s == lengths[0] else ["strided"]:
             row = {"s": s, "config": label, "block": cfg.block, "path": path}
             try:
                 out, plan = _run(path, q, k, v, lay, cfg.block, s)
@@ -107,9 +122,10 @@ def dry_run(args) -> list[dict]:
         want = sparse_attention(q, k, v, lay, cfg.block, backend="math")
         mask, _ = tile_mask(lay, cfg.block, torch.device("cpu"))
         got = [sparse_attention(q, k, v, lay, cfg.block, backend="flex", block_mask=mask)]
-        got += [_run(path, q, k, v, lay, cfg.block, 1024)[0] for path in _paths(cfg.block)[1:]]
+        got += [_run(path, q, k, v, lay, cfg.block, 1024)[0]
+                for path in _paths(cfg.block, lay, 1024)[1:]]
         err = max((out - want).abs().max().item() for out in got)
         assert err < 1e-4, (label, cfg.block, err)
-    print("dry run: CPU FlexAttention forward and the gather plan with and without rectangles "
-          "(float32 kernels) equal the dense-mask math path for every config")
+    print("dry run: CPU FlexAttention forward, the gather plan with and without rectangles and "
+          "the strided plan (float32 kernels) equal the dense-mask math path for every config")
     return rows

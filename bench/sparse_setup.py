@@ -11,6 +11,7 @@ from megazoo.layers.sparse_attention import block_mask_from_layout, choose_plan
 from megazoo.layers.sparse_gather import block_masks
 from megazoo.layers.sparse_plan import TILE, build_plan
 from megazoo.layers.sparse_rects import add_rects
+from megazoo.layers.sparse_strided import StridedPlan
 
 MODES = ["seeds", "bslongformer", "bigbird", "fixed", "variable"]
 
@@ -70,28 +71,42 @@ def gather_plan(lay, block, s, device):
 def prepare_path(label, lay, block, s, device):
     """(path, block_mask, plan, tile density) built once: what backend "auto" runs ("tiles";
     "gather"; "rects": the gather plan with its chunk rectangles on the dense kernel), or the
-    path a label ending in _tiles / _gather forces (_gather: the plan without rectangles, the
-    path before them; _cN: with rectangles over about N query chunks); tile density: the
-    128-tiles computed (FlexAttention's and the rectangles') / ((s/128)^2 heads)."""
+    path a label ending in _tiles / _gather / _rects forces (_gather: the plan without
+    rectangles; _rects: with them, where they pay, the path before the strided plan; _cN:
+    with rectangles over about N query chunks), "strided" where "auto" finds the strided
+    plan; tile density: the 128-tiles computed (FlexAttention's and the dense kernel's) /
+    ((s/128)^2 heads)."""
     chunks = re.fullmatch(r".*_c(\d+)", label)
-    if label.endswith("_gather") or chunks:
+    if label.endswith(("_gather", "_rects")) or chunks:
         plan = gather_plan(lay, block, s, device)
-        if chunks:
-            add_rects(plan, chunk=TILE * max(1, round(s / (int(chunks[1]) * TILE))), min_share=0)
+        if chunks or label.endswith("_rects"):
+            add_rects(plan, **({} if not chunks else dict(
+                chunk=TILE * max(1, round(s / (int(chunks[1]) * TILE))), min_share=0)))
     else:
         plan = None if label.endswith("_tiles") else choose_plan(lay, block, True, s, device)
     if plan is None:
         mask, tiles = tile_mask(lay, block, device)
         return "tiles", mask, None, tiles
+    if isinstance(plan, StridedPlan):
+        return "strided", None, plan, strided_tiles(plan, s)
     block_masks(plan, plan.rects is not None)
     n = plan.partial.shape[1]
     path = "gather" if plan.rects is None else "rects"
     return path, None, plan, sum(plan.tiles()) / (n * n * plan.heads)
 
 
+def strided_tiles(plan: StridedPlan, s: int) -> float:
+    """Share of the (s/128)^2 kernel tiles of a head that the strided plan computes: the
+    local part's FlexAttention tiles and the global part's causal triangles in tile units."""
+    mask, n = plan.block_mask(s), -(-s // TILE)
+    local = (mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()).item() / plan.rank.shape[0]
+    length = plan.key_pos.shape[1]
+    return (local + plan.ratio * length * (length + 1) / 2 / TILE ** 2) / (n * n)
+
+
 def rect_share(plan) -> float | None:
     """Share of the plan's 128-tiles that its rectangles compute (None: no rectangles)."""
-    if plan is None or plan.rects is None:
+    if getattr(plan, "rects", None) is None:
         return None
     return plan.rects.pairs(plan.seq_len, plan.heads) / (sum(plan.tiles()) * TILE * TILE)
 

@@ -1,15 +1,15 @@
 """A model trained through `pretrain_gpt.py` with the seeds' sparse section, on today's path
-and on the path before the chunk rectangles, beside dense attention: tokens/s and the loss.
+and on the path before the strided plan, beside dense attention: tokens/s and the loss.
 
     python -m bench.sparse_training --out sparse_training.json      # gpt-1.3b, s = 32k, GPU
     python -m bench.sparse_training --dry-run                       # tiny, CPU: the plumbing
 
 Variants (each its own process, same seed and data): `dense` (cuDNN SDPA), `seeds` (the
 seeds' section: `{"mode": "fixed", "block": 16, "different_layout_per_head": true}`, the
-default path: gather plan + chunk rectangles) and `seeds_gather` (the same section with the
-rectangles switched off in the child, `--child-gather-path`: every pair through the one
-FlexAttention call, the path before). Loss: the mean of the last 10 logged steps; the
-comparison is `seeds` against `seeds_gather` (the same function computed two ways).
+default path: the strided plan) and `seeds_before` (the same section with the strided plan
+switched off in the child, `--child-path-before`: the gather plan with its chunk
+rectangles, the path before). Loss: the mean of the last 10 logged steps; the comparison is
+`seeds` against `seeds_before` (the same function computed two ways).
 """
 from __future__ import annotations
 
@@ -31,20 +31,20 @@ SEEDS = ["--sparse-attention-mode", "fixed", "--sparse-block", "16",
          "--sparse-attention-config", '{"different_layout_per_head": true}']
 
 
-def child_gather_path(argv: list[str]) -> int:
-    """pretrain_gpt.py's main with `choose_plan` / `prepare` adding no rectangles."""
+def child_path_before(argv: list[str]) -> int:
+    """pretrain_gpt.py's main with `choose_plan` finding no strided plan."""
     from megazoo.layers import sparse_attention
     from megazoo.training.run import main
 
-    sparse_attention.add_rects = lambda plan: plan
+    sparse_attention.strided_plan = lambda *args: None
     return main(argv)
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--child-gather-path" in argv:  # (run_variant puts its own flags first)
-        argv.remove("--child-gather-path")
-        return child_gather_path(argv)
+    if "--child-path-before" in argv:  # (run_variant puts its own flags first)
+        argv.remove("--child-path-before")
+        return child_path_before(argv)
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--timeout", type=float, default=200.0, help="seconds per variant")
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     common = shlex.split(DRY if a.dry_run else COMMON) + ["--train-iters", str(a.iters)]
     rows = [run_variant("dense", common, a.logs, a.timeout),
             run_variant("seeds", common + SEEDS, a.logs, a.timeout),
-            run_variant("seeds_gather", ["--child-gather-path", *common, *SEEDS], a.logs,
+            run_variant("seeds_before", ["--child-path-before", *common, *SEEDS], a.logs,
                         a.timeout, script="bench/sparse_training.py")]
     for row in rows:
         if row.get("losses"):
@@ -64,9 +64,9 @@ def main(argv=None) -> int:
             row["vs_dense"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
     new, old = rows[1].get("last10_loss"), rows[2].get("last10_loss")
     if new and old:
-        rows[1]["loss_vs_gather_path"] = new / old - 1
+        rows[1]["loss_vs_path_before"] = new / old - 1
     print_table(rows, ["variant", "iterations", "tokens_per_s", "vs_dense", "last10_loss",
-                       "loss_vs_gather_path", "peak_gb", "error"])
+                       "loss_vs_path_before", "peak_gb", "error"])
     write_json(a.out, {"common": shlex.join(common), "seeds": shlex.join(SEEDS), "rows": rows})
     return 0 if all("error" not in r for r in rows) else 1
 

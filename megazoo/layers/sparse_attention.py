@@ -38,6 +38,7 @@ from .sparse_layouts import layout as make_layout
 from .sparse_plan import TILE as KERNEL_BLOCK
 from .sparse_plan import GatherPlan, build_plan, tile_block_mask, zero_pad
 from .sparse_rects import add_rects
+from .sparse_strided import StridedPlan, strided_attention, strided_plan
 
 BACKENDS = ("auto", "flex", "gather", "math")
 GATHER_GAIN = 0.8  # "auto" gathers when its plan costs at most this share of the tiles
@@ -147,15 +148,20 @@ def _heads_of(block_layout: torch.Tensor) -> torch.Tensor:
     return block_layout[:1] if shared else block_layout
 
 
-def choose_plan(block_layout, block: int, causal: bool, seq_len: int, device) -> GatherPlan | None:
-    """The gather plan of a layout when its cost (tiles computed, plus GATHER_KEY_COST per
-    tile of keys copied out of place) is at most GATHER_GAIN of the kernel tiles of the layout
-    in place, else None: gathering pays where shared global columns make the tiles (fixed),
-    not where random blocks gathered per query tile do (their copies cost more). The plan
-    gets its chunk rectangles (dense-kernel work, `sparse_rects.add_rects`) where they pay."""
-    if KERNEL_BLOCK % block or block == KERNEL_BLOCK:
-        return None
+def choose_plan(block_layout, block: int, causal: bool, seq_len: int, device, *,
+                alibi: bool = False) -> GatherPlan | StridedPlan | None:
+    """The strided plan where the layout is causal windows with the same global blocks in
+    each (`sparse_strided.py`: one dense causal kernel call; not with ALiBi, which a dense
+    kernel cannot add cheaply). Else the gather plan of a layout when its cost (tiles
+    computed, plus GATHER_KEY_COST per tile of keys copied out of place) is at most
+    GATHER_GAIN of the kernel tiles of the layout in place, else None: gathering pays where
+    shared global columns make the tiles (fixed), not where random blocks gathered per query
+    tile do (their copies cost more). The plan gets its chunk rectangles (dense-kernel work,
+    `sparse_rects.add_rects`) where they pay."""
     lay = _heads_of(block_layout).to(device)
+    strided = None if alibi else strided_plan(lay, block, seq_len, causal)
+    if strided is not None or KERNEL_BLOCK % block or block == KERNEL_BLOCK:
+        return strided
     partial, full = tile_layout(lay, block, causal, seq_len)
     plan = build_plan(lay, block, seq_len, causal)
     cost = sum(plan.tiles()) + GATHER_KEY_COST * plan.gathered_tiles()
@@ -164,15 +170,18 @@ def choose_plan(block_layout, block: int, causal: bool, seq_len: int, device) ->
     return add_rects(plan)
 
 
-def prepare(block_layout, block: int, causal: bool, seq_len: int, device, backend: str):
+def prepare(block_layout, block: int, causal: bool, seq_len: int, device, backend: str, *,
+            alibi: bool = False):
     """(block_mask, plan) for backend "flex", "gather" or "auto" on `device`, one of them None:
     the gather plan for "gather" (with its rectangles where they pay: `add_rects`), and for
-    "auto" where `choose_plan` gives one; else the BlockMask. Build it once per (s, device)
-    and pass both to `sparse_attention`."""
+    "auto" where `choose_plan` gives one (for the calls with ALiBi or without, as `alibi`
+    says); else the BlockMask. Build it once per (s, device) and pass both to
+    `sparse_attention`."""
     if backend == "gather":
         return None, add_rects(build_plan(_heads_of(block_layout).to(device), block, seq_len,
                                           causal))
-    plan = choose_plan(block_layout, block, causal, seq_len, device) if backend == "auto" else None
+    plan = (choose_plan(block_layout, block, causal, seq_len, device, alibi=alibi)
+            if backend == "auto" else None)
     if plan is not None:
         return None, plan
     return block_mask_from_layout(block_layout, block, causal=causal, device=device,
@@ -181,15 +190,16 @@ def prepare(block_layout, block: int, causal: bool, seq_len: int, device, backen
 
 def sparse_attention(q, k, v, layout, block, *, causal: bool = True, scale: float | None = None,
                      alibi_slopes: torch.Tensor | None = None, backend: str = "auto",
-                     block_mask=None, plan: GatherPlan | None = None) -> torch.Tensor:
+                     block_mask=None, plan: GatherPlan | StridedPlan | None = None) -> torch.Tensor:
     """Attention restricted to the layout's tiles (module docstring: shapes and semantics).
 
     backend: "flex" (FlexAttention over the layout's tiles, compiled on CUDA; eager and
     forward-only on CPU), "gather" (the gather plan: FlexAttention on CUDA, float32 math over
     the gathered keys on CPU), "math" (float32, an explicit [h, s, s] mask: small sizes and
     checking) or "auto" (on CUDA the gather plan when `choose_plan` gives one, else flex; math
-    elsewhere). block_mask / plan: what `prepare` gives, reused across calls (built when both
-    are None).
+    elsewhere; a strided plan runs `sparse_strided.py`). block_mask / plan: what `prepare`
+    gives, reused across calls (built when both are None, and again with ALiBi where the plan
+    is strided: that path has no ALiBi).
     """
     _check(q, k, v, layout, block, alibi_slopes)
     s = q.shape[0]
@@ -198,8 +208,12 @@ def sparse_attention(q, k, v, layout, block, *, causal: bool = True, scale: floa
     if name == "math":
         mask = token_mask(layout.to(q.device), block)[None, :, :s, :s]  # [1, hq, s, s]
         return math_attention(q, k, v, causal, None, alibi_slopes, scale, 0.0, mask=mask)
-    if block_mask is None and plan is None:
-        block_mask, plan = prepare(layout, block, causal, s, q.device, name)
+    alibi = alibi_slopes is not None
+    if (block_mask is None and plan is None) or (alibi and isinstance(plan, StridedPlan)):
+        block_mask, plan = prepare(layout, block, causal, s, q.device, name, alibi=alibi)
+    if isinstance(plan, StridedPlan):
+        kernel = "flex" if q.device.type == "cuda" else "math"
+        return strided_attention(q, k, v, plan, scale=scale, kernel=kernel)
     if plan is not None:
         kernel = "flex" if q.device.type == "cuda" else "math"
         return gather_attention(q, k, v, plan, scale=scale, alibi_slopes=alibi_slopes,
@@ -238,9 +252,11 @@ class SparseAttention:
     def __call__(self, q, k, v, *, alibi_slopes=None, scale=None) -> torch.Tensor:
         s, block = q.shape[0], self.config.block
         name = _select(self.backend, q, k, v, alibi_slopes is not None, block)
-        key = (s, str(q.device), name)
+        alibi = alibi_slopes is not None
+        key = (s, str(q.device), name, alibi)
         if name != "math" and key not in self._prepared:  # `prepare` once per (s, device)
-            self._prepared[key] = prepare(self.layout(s), block, self.causal, s, q.device, name)
+            self._prepared[key] = prepare(self.layout(s), block, self.causal, s, q.device, name,
+                                          alibi=alibi)
         mask, plan = self._prepared.get(key, (None, None))
         return sparse_attention(q, k, v, self.layout(s), block, causal=self.causal, scale=scale,
                                 alibi_slopes=alibi_slopes, backend=name, block_mask=mask,

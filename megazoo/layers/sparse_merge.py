@@ -48,40 +48,50 @@ def _views_or_copies(op, views: tuple, *rest, **keywords):
         return op(*(t.contiguous() for t in views), *rest, **keywords)
 
 
-def rect_forward(kind: str, q, k, v, scale: float):
-    """Non-causal attention of q [b, h, n, d] over k, v [b, h, m, d]: (out, float32 lse
-    [b, h, n], what the backward needs)."""
+def _causal_scores(scores: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Scores [..., n, n] with the keys after each query masked (causal), else as given."""
+    if not causal:
+        return scores
+    n = scores.shape[-1]
+    above = torch.ones(n, n, dtype=torch.bool, device=scores.device).triu(1)
+    return scores.masked_fill(above, float("-inf"))
+
+
+def rect_forward(kind: str, q, k, v, scale: float, causal: bool = False):
+    """Attention of q [b, h, n, d] over k, v [b, h, m, d], non-causal, or causal with n = m:
+    (out, float32 lse [b, h, n], what the backward needs)."""
     b, h, n, _ = q.shape
     if kind == "cudnn":
         res = _views_or_copies(torch.ops.aten._scaled_dot_product_cudnn_attention, (q, k, v),
-                               None, True, 0.0, False, False, scale=scale)
+                               None, True, 0.0, causal, False, scale=scale)
         return res[0], res[1].reshape(b, h, n), (res[1].shape, *res[2:8])
     if kind == "flash":
         res = _views_or_copies(torch.ops.aten._scaled_dot_product_flash_attention, (q, k, v),
-                               0.0, False, False, scale=scale)
+                               0.0, causal, False, scale=scale)
         return res[0], res[1][:, :, :n], (res[1].shape, *res[2:8])
-    scores = q.float() @ k.float().transpose(-1, -2) * scale  # [b, h, n, m]
+    scores = _causal_scores(q.float() @ k.float().transpose(-1, -2) * scale, causal)
     lse = torch.logsumexp(scores, dim=-1)
     return (torch.exp(scores - lse[..., None]) @ v.float()).to(q.dtype), lse, ()
 
 
-def rect_backward(kind: str, dout, q, k, v, out, lse, aux, scale: float):
+def rect_backward(kind: str, dout, q, k, v, out, lse, aux, scale: float, causal: bool = False):
     """(dq, dk, dv) of one rectangle given the merged out [b, h, n, d] and lse [b, h, n]."""
     if kind == "cudnn":
         shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
         stats = lse.reshape(shape).contiguous()
         return _views_or_copies(torch.ops.aten._scaled_dot_product_cudnn_attention_backward,
                                 (dout, q, k, v, out), stats, seed, offset, None, cum_q, cum_k,
-                                max_q, max_k, 0.0, False, scale=scale)
+                                max_q, max_k, 0.0, causal, scale=scale)
     if kind == "flash":
         shape, cum_q, cum_k, max_q, max_k, rng, unused = aux
         stats = lse.new_full(shape, float("inf"))  # padded rows (if any) see no key
         stats[:, :, :lse.shape[2]] = lse
         return _views_or_copies(torch.ops.aten._scaled_dot_product_flash_attention_backward,
                                 (dout, q, k, v, out), stats, cum_q, cum_k, max_q, max_k, 0.0,
-                                False, rng, unused, scale=scale)
+                                causal, rng, unused, scale=scale)
     qf, kf, vf, gf = q.float(), k.float(), v.float(), dout.float()
-    probs = torch.exp(qf @ kf.transpose(-1, -2) * scale - lse[..., None])  # [b, h, n, m]
+    scores = _causal_scores(qf @ kf.transpose(-1, -2) * scale, causal)
+    probs = torch.exp(scores - lse[..., None])  # [b, h, n, m]
     dp = gf @ vf.transpose(-1, -2)
     ds = probs * (dp - (gf * out.float()).sum(-1, keepdim=True))
     return ds @ kf * scale, ds.transpose(-1, -2) @ qf * scale, probs.transpose(-1, -2) @ gf

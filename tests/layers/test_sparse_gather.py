@@ -12,7 +12,8 @@ from megazoo.layers.sparse_attention import SparseAttention, choose_plan, sparse
 from megazoo.config.sparse_attention import SparseAttentionConfig as Config
 from megazoo.layers.sparse_gather import _dense, gather_attention, main_mask_mod, rows_mask_mod
 from megazoo.layers.sparse_layouts import layout
-from megazoo.layers.sparse_plan import NEVER, PRIVATE_BASE, SHARED, TILE, build_plan
+from megazoo.layers.sparse_plan import NEVER, PRIVATE_BASE, SHARED, TILE, GatherPlan, build_plan
+from megazoo.layers.sparse_strided import StridedPlan
 
 # float32 math over gathered keys against the float32 dense-mask path (backend "math", itself
 # checked against float64 in test_sparse_attention.py), unit-variance inputs, at most ~1.3k
@@ -147,12 +148,16 @@ def test_shared_plan_keeps_kv_heads_grouped():
 
 
 def test_choose_plan():
-    """The seeds' section at 8k: the plan computes a fraction of the tiles in place, so auto
-    gathers; a 128-block layout keeps its tiles."""
+    """The seeds' section at 8k with one more key block (so not the strided plan's windows,
+    which "auto" takes for the section itself): the plan computes a fraction of the tiles in
+    place, so auto gathers; a 128-block layout keeps its tiles."""
     seeds = Config.from_ds_config({"mode": "fixed", "block": 16, "different_layout_per_head": True})
     lay = layout(seeds, 2, 8192, causal=True)
+    assert isinstance(choose_plan(lay, 16, True, 8192, "cpu"), StridedPlan)
+    lay = lay[:1].clone()  # one layout for every head
+    lay[:, 300, 5] = True
     plan = choose_plan(lay, 16, True, 8192, "cpu")
-    assert plan is not None and plan.heads == 1
+    assert isinstance(plan, GatherPlan) and plan.heads == 1
     partial, full = plan.tiles()
     assert full > 4 * partial and partial + full < 0.3 * 64 * 65 / 2
     big = Config("bslongformer", 128, num_sliding_window_blocks=3, attention="unidirectional")

@@ -119,11 +119,12 @@ def test_rect_and_flex_pairs_are_the_layout(mode, block, attention):
 
 
 def test_seeds_take_the_rectangles_and_call_the_kernel(monkeypatch):
-    """The seeds' section (fixed, block 16, causal) at 8k: `choose_plan` gives rectangles
-    with K_c > 0 (most of the shared keys), and the gather backend runs them (the kernel is
+    """The seeds' section (fixed, block 16, causal) at 8k on the gather plan (backend
+    "gather"; "auto" takes the strided plan for it): `add_rects` gives rectangles with
+    K_c > 0 (most of the shared keys), and the gather backend runs them (the kernel is
     called, forward and backward) with the reference's result."""
     lay = layout(Config.from_ds_config(SEEDS), 2, 8192, causal=True)
-    plan = choose_plan(lay, 16, True, 8192, "cpu")
+    plan = add_rects(build_plan(lay[:1], 16, 8192, True))
     assert plan is not None and plan.rects is not None and plan.rects.chunk == 1024
     # chunk c starts at 1024 c: the 16-token globals before it, one per 64 tokens, 256 c keys
     assert [runs[0] for runs in plan.rects.runs[1:4]] == [(0, 256), (0, 512), (0, 768)]
