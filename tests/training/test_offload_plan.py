@@ -8,7 +8,8 @@ Tolerance: none on what both sides compute. The planner and the engine apply one
 disk, the host bytes and each file's size must agree exactly (the files are 12 B per element
 padded to 4 KiB). The blocks a file takes (st_blocks) may only exceed its size up to the
 filesystem's allocation unit: the store preallocates and writes every byte, so a file that
-takes fewer blocks (sparse, or a compressing filesystem) fails.
+takes fewer blocks (sparse, or a compressing filesystem) fails. Without the C kernel (torch's
+fallback) the engine's split also counts the fp32 scratch the step allocates, byte for byte.
 """
 import math
 import os
@@ -43,7 +44,8 @@ def run_args(nvme: str, host_gb: float | None):
 
 
 def split_budget_gb(nvme: str) -> float:
-    """A host budget (GB) whose split keeps about half the host slots in memory."""
+    """The smallest host budget (GB, in 4 KiB steps) whose split keeps half the host slots
+    in memory."""
     args = run_args(nvme, None)
     n = estimate_memory(args, PlanOptions()).parameters_per_gpu
     forward, _ = planned_split(LLAMA, resolve(args, PlanOptions()), n)
@@ -53,22 +55,29 @@ def split_budget_gb(nvme: str) -> float:
     raise AssertionError("no budget splits the tiny model")
 
 
-@pytest.mark.skipif(host_adamw() is None, reason=f"the plan assumes the one-pass host kernel "
-                                                 f"({backend().reason})")
-def test_planned_disk_bytes_are_the_files_of_a_split_run(tmp_path):
-    nvme = str(tmp_path / "nvme")
+def split_run(nvme: str):
+    """(the plan, its host slots in forward order and their split, the engine's optimizer
+    after one step) of the tiny split run."""
     args = run_args(nvme, split_budget_gb(nvme))
     est = estimate_memory(args, PlanOptions())
     forward, plan = planned_split(LLAMA, resolve(args, PlanOptions()), est.parameters_per_gpu)
     assert 0 < plan.memory < len(forward) and est.disk_per_gpu == plan.disk > 0
-
     state = ParallelState.single()
     engine = PlainEngine(build_model(LLAMA, state, device="cpu", seed=args.training.seed),
                          state, args)
     loss = checks.train(engine, state, range(1))[0]  # every disk file written once
-    opt = engine.optimizer
-    opt.stores[True].flush()
-    assert math.isfinite(loss) and opt._adamw[True].scratch_bytes(torch.bfloat16) == 0
+    engine.optimizer.stores[True].flush()
+    assert math.isfinite(loss)
+    return est, forward, plan, engine.optimizer
+
+
+@pytest.mark.skipif(host_adamw() is None, reason=f"the plan assumes the one-pass host kernel "
+                                                 f"({backend().reason})")
+def test_planned_disk_bytes_are_the_files_of_a_split_run(tmp_path):
+    """The planner's host slots, split, host bytes and disk bytes are the engine's, and the
+    disk bytes are the files it writes (no fp32 scratch: the one-pass kernel)."""
+    est, forward, plan, opt = split_run(str(tmp_path / "nvme"))
+    assert opt._adamw[True].scratch_bytes(torch.bfloat16) == 0 and opt._adamw[True].scratch is None
     # the same host slots, the same split, the same buckets on disk (the last of the forward)
     assert [s.numel for s in opt.host_order] == forward
     assert (opt.split.memory, opt.split.host, opt.split.disk) == (plan.memory, plan.host,
@@ -86,3 +95,26 @@ def test_planned_disk_bytes_are_the_files_of_a_split_run(tmp_path):
     for f in files:
         size, taken = f.stat().st_size, f.stat().st_blocks * 512
         assert size <= taken < size + unit, f"{f.name}: {taken} bytes taken for {size}"
+
+
+def test_torch_fallback_splits_with_the_scratch_it_allocates(tmp_path, monkeypatch):
+    """Without the C kernel the host step upcasts bf16 gradients into an fp32 scratch of the
+    largest host slot: the engine's split counts exactly the bytes the step then holds (the
+    plan, which assumes the kernel, does not)."""
+    import megazoo.kernels.host_adamw as hk
+
+    monkeypatch.setenv("MEGAZOO_NO_HOST_KERNEL", "1")
+    hk._load.cache_clear()
+    try:
+        _, forward, plan, opt = split_run(str(tmp_path / "nvme"))
+    finally:
+        monkeypatch.delenv("MEGAZOO_NO_HOST_KERNEL")
+        hk._load.cache_clear()
+    scratch = opt._adamw[True].scratch
+    assert scratch is not None and scratch.dtype == torch.float32
+    assert 4 * scratch.numel() == opt._adamw[True].scratch_bytes(torch.bfloat16) == 4 * max(forward)
+    budget = opt.plan.host_memory
+    assert opt.split == host_split(forward, budget, grad_bytes=2, param_bytes=2,
+                                   scratch=4 * max(forward))
+    # the budget is the smallest that holds the plan's split, so the scratch takes a slot's room
+    assert opt.split.memory == plan.memory - 1 and opt.split.disk > plan.disk
