@@ -112,16 +112,15 @@ def host_split(slots: list[float], budget: float | None, *, grad_bytes: int,
     gradient scratch (`cpu_offload.SlotAdamW.scratch_bytes`: 0 with the one-pass C kernel,
     which reads bf16 gradients as they are; the engine passes what its step allocates, the
     planner 0). Always: UP_BUFFERS pinned uploads of the largest slot's parameters, and the
-    scratch. If every slot's state
-    (three fp32 tensors, pinned) and a pinned landing buffer for its reduced gradient fit the
-    budget beside them, all stays in memory (the in-memory offload, as measured). Otherwise:
-    the state in memory is pageable (12 B per element: only the host reads it, every copy
-    goes through the pinned buffers); with `late_grads` the gradients go down in their
-    slot's host step through one shared pinned buffer instead of one each (the next
-    backward waits for the host step anyway: its forward needs the new parameters); the disk
-    tier's STORE_SLOTS staging slots (pageable too) for the largest slot are set aside; and slots
-    stay in memory, in forward order, while they fit what is left: that slot and every
-    later one go to disk. Disk slots are thus the last the forward uses: the host step
+    scratch. If every slot's state (three fp32 tensors, pinned) and a pinned landing buffer
+    for its reduced gradient fit the budget beside them, all stays in memory (the in-memory
+    offload, as measured). Otherwise: the state in memory is pageable (12 B per element:
+    only the host reads it, every copy goes through the pinned buffers); with `late_grads`
+    the gradients go down in their slot's host step through one shared pinned buffer
+    instead of one each (the next backward waits for the host step anyway: its forward
+    needs the new parameters); the disk tier's STORE_SLOTS staging slots (pageable too) for
+    the largest slot are set aside; and slots stay in memory, in forward order, while they
+    fit what is left: the first that does not and every later one go to disk. Disk slots are thus the last the forward uses: the host step
     reaches them last and starts reading them as it starts. `late_grads` False (the delayed
     update, whose host step overlaps the next backward): every slot keeps its own landing
     buffer."""
