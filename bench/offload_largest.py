@@ -15,11 +15,11 @@ and parameter offload (the planner models DeepSpeed's cpu offload, not its nvme)
 
 Why a disk cap (`plan_target`). The state on disk is read and written once per step, so a
 step takes at least 2 x disk share / disk rate. Uncapped, the search answers the largest
-the whole disk holds (13.8B with 39 GB on disk on 80 GB / 125 GB / 40 GB; more with more
+the whole disk holds (13.98B with 39 GB on disk on 80 GB / 125 GB / 40 GB; more with more
 disk), which a 10-minute call may not train 10 steps of. So the row asks with the disk
 share capped at 32 GB, then 36, 40, 48 GB, and trains the first answer of at least 13B
 (TARGET): on 84 GB / 125 GB (the H100 machine's free GPU memory and a MemAvailable of 125
-GB) that is a 13.35B LLaMA with 27 GB on disk, ~27 s per step at 2 GB/s each way; 10 steps
+GB) that is a 13.55B LLaMA with 32 GB on disk, ~32 s per step at 2 GB/s each way; 10 steps
 and the start (~1.5 min: the fp32 model to the host, ~100 GB of state filled, the disk
 files written) ~6 minutes: one global batch per 10-minute call. `disk_rates` measures the
 disk's rates first (O_DIRECT, as the store does); --largest-disk sets one cap instead.

@@ -19,7 +19,7 @@ from ..config.flags import args_from_namespace, build_parser, field_docs
 from ..config.presets import PRESETS
 from ..config.run import PretrainArgs
 from .largest import LARGEST_DEFAULTS, describe, family_shapes, run_command, search
-from .layout import PlanOptions, Resolved, resolve
+from .layout import PlanOptions, Resolved, corpus_vocab, resolve
 from .memory import GB, RUNTIME_BYTES, MemoryEstimate, _estimate
 from . import timecli
 from .stages import PARTS, stacked_bars, stage_estimates
@@ -133,11 +133,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _default_corpus_vocab(args: PretrainArgs) -> PretrainArgs:
-    """Without --data-path or a --model preset the run trains on the default corpus, whose
-    tokenizer has --default-vocab-size tokens (`training.data.resolve_data_source`): plan that
-    vocabulary, not the model config's placeholder."""
-    if args.data.data_path is None and args.model_name is None:
-        args.model = dataclasses.replace(args.model, vocab_size=args.data.default_vocab_size)
+    """Plan the vocabulary the run trains with (`layout.corpus_vocab`), not the model
+    config's placeholder."""
+    vocab = corpus_vocab(args)
+    if vocab is not None:
+        args.model = dataclasses.replace(args.model, vocab_size=vocab)
     return args
 
 

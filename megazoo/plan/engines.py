@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from ..config.model import ModelConfig
 from .layout import Resolved
 from .deepspeed_host import SUB_GROUP_ELEMENTS, sub_groups, zero3_cpu_offload_host
-from .offload import (GB, bucket_elements_of, host_slots, host_split, offload_bytes, pinned,
-                      split_budget)
+from .offload import (GB, HostSplit, bucket_elements_of, host_slots, host_split,
+                      offload_bytes, pinned, split_budget)
 from .tensors import model_tensors
 
 TORCH_HOST_RUNTIME_BYTES = 1.39e9  # host side of a process without DeepSpeed (FSDP2 gpt-1.3b: 23.5 GB)
@@ -85,21 +85,13 @@ def _offload_parts(parts: Parts, config: ModelConfig, layout: Resolved, n: int, 
                    grad_b: int, state_b: int) -> None:
     """--optimizer-cpu-offload: the GPU share (`offload.offload_bytes`), the engine's host
     slots (its buckets, `offload.host_slots`) and where they live (`offload.host_split`:
-    with --nvme-path, in memory while they fit the budget, the rest on disk)."""
+    with --nvme-path, in memory while they fit the budget, the rest on disk). Both sides
+    step with the one-pass kernels: no fp32 gradient scratch (`offload`'s docstring)."""
     off = offload_bytes(n / shard, fraction=layout.optimizer_offload_fraction,
                         bucket_elements=layout.bucket_elements, grad_bytes=grad_b,
                         state_bytes=state_b)
     parts.optim, parts.buffers = off.gpu_state, off.gpu_buffers
-    z = layout.dp * layout.sp
-    tensors = [t for t, _ in model_tensors(config, layout.tp, config.num_layers // layout.pp,
-                                           last=layout.pp == 1)]
-    buckets = bucket_elements_of(tensors, layout.bucket_elements, z)
-    slots = host_slots(buckets, layout.optimizer_offload_fraction, shard)
-    on_gpu = [b / shard for b in buckets[len(slots):]]
-    if grad_b < 4 and on_gpu:  # the GPU slots' bf16 gradients upcast into fp32 scratch
-        parts.buffers += 4 * max(on_gpu)
-    split = host_split(slots[::-1], split_host_budget(layout, n), grad_bytes=grad_b,
-                       param_bytes=layout.param_bytes)
+    slots, split = planned_split(config, layout, n)
     parts.host, parts.disk = split.host + TORCH_HOST_RUNTIME_BYTES, split.disk
     if layout.saves:  # OffloadAdamW.full_state: full flat fp32 masters, m and v
         parts.host += 12 * n
@@ -114,6 +106,22 @@ def _offload_parts(parts: Parts, config: ModelConfig, layout: Resolved, n: int, 
         where += " (all in memory: --nvme-path holds nothing)"
     parts.notes.append(f"optimizer offload: {layout.optimizer_offload_fraction:.0%} of the "
                        f"masters and moments ({state_b} B/param) on {where}")
+
+
+def planned_split(config: ModelConfig, layout: Resolved, n: int) -> tuple[list[float], HostSplit]:
+    """(host slots in forward order, their `offload.host_split`) of the offloaded plain
+    engine with `n` parameters per GPU: its buckets (`offload.bucket_elements_of`), the host
+    share of them (`offload.host_slots`, elements per rank) and where each lives, by the
+    engine's own rule with the host budget it computes (`split_host_budget`)."""
+    z = layout.dp * layout.sp
+    tensors = [t for t, _ in model_tensors(config, layout.tp, config.num_layers // layout.pp,
+                                           last=layout.pp == 1)]
+    buckets = bucket_elements_of(tensors, layout.bucket_elements, z)
+    shard = z if layout.distributed_optimizer else 1
+    forward = host_slots(buckets, layout.optimizer_offload_fraction, shard)[::-1]
+    return forward, host_split(forward, split_host_budget(layout, n),
+                               grad_bytes=2 if layout.grads_bf16 else 4,
+                               param_bytes=layout.param_bytes)
 
 
 def split_host_budget(layout: Resolved, n: int) -> float | None:

@@ -6,7 +6,13 @@ The family is a grid of shapes, sorted by parameter count:
 - llama: LLaMA-3-like blocks (RMSNorm, RoPE, SwiGLU with ffn = 3.5 h rounded to 256, head
   dimension 128, 8 key/value heads), widths 2048-8192, even depths 8-96, vocabulary 32,000;
 - gpt: GPT-3 widths and head counts (Brown et al. 2020, 768-12288), even depths 12-96,
-  vocabulary 50,257 (the data's vocabulary, often smaller, only lowers the plan).
+  vocabulary 50,257.
+
+A run sizes its embedding and head by its tokenizer, so without --data-path every shape
+takes the default corpus's vocabulary (--default-vocab-size, `layout.corpus_vocab`): the
+model the printed command trains is the one planned, head bucket and disk share included.
+With --data-path the family's vocabulary stands for the tokenizer's (not read here; a
+smaller one only lowers the plan).
 
 Every candidate is planned with the layout flags given (engine, offload, tp/pp/dp, ...). The
 answer is the largest candidate that fits every budget, so every larger one, the next larger
@@ -23,7 +29,7 @@ import shlex
 
 from ..config.model import ModelConfig
 from ..models.params import count_parameters
-from .layout import resolve
+from .layout import corpus_vocab, resolve
 from .engines import split_host_budget
 from .memory import GB, RUNTIME_BYTES, MemoryEstimate, _estimate
 from .search import drop_flags
@@ -45,8 +51,9 @@ DROPPED = {"--largest", "--json", "--fp32-grad-accumulation", "--model-family", 
            "--global-batch-size", "--recompute", "--recompute-granularity"}
 
 
-def family_shapes(family: str, seq_length: int) -> list[ModelConfig]:
-    """The family's candidate shapes, smallest first."""
+def family_shapes(family: str, seq_length: int, vocab_size: int | None = None) -> list[ModelConfig]:
+    """The family's candidate shapes, smallest first; `vocab_size`: the run's vocabulary
+    instead of the family's."""
     shapes = []
     if family == "llama":
         for h in LLAMA_WIDTHS:
@@ -64,6 +71,8 @@ def family_shapes(family: str, seq_length: int) -> list[ModelConfig]:
                        for n in range(12, 97, 2)]
     else:
         raise ValueError(f"--model-family must be llama or gpt, got {family!r}")
+    if vocab_size is not None:
+        shapes = [dataclasses.replace(c, vocab_size=vocab_size) for c in shapes]
     return sorted(shapes, key=lambda c: (count_parameters(c), c.hidden_size))
 
 
@@ -108,7 +117,7 @@ def _pin_split(args, options, est):
 def search(args, options, family: str, pick_fraction: bool, with_build: bool = True):
     """(best, next larger): each (config, estimate, args); best None if nothing fits every
     budget, the model's build included (with_build=False: training alone, `training_fits`)."""
-    shapes = family_shapes(family, args.data.seq_length)
+    shapes = family_shapes(family, args.data.seq_length, corpus_vocab(args))
     planned = [(c, *plan_shape(args, c, options, pick_fraction)) for c in shapes]
     fitting = [i for i, (_, est, _) in enumerate(planned)
                if (est.fits if with_build else training_fits(est, options))]

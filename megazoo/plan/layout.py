@@ -17,6 +17,16 @@ from ..config.run import PretrainArgs
 from ..config.validate import check_args
 
 
+def corpus_vocab(args: PretrainArgs) -> int | None:
+    """The vocabulary a run without --data-path or a --model preset trains with: the default
+    corpus's tokenizer has --default-vocab-size tokens, and the run sizes its embedding and
+    head by it (`training.data.build_data`), whatever the model config says; None otherwise
+    (the run's tokenizer decides; the planner keeps the model config's)."""
+    if args.data.data_path is None and args.model_name is None:
+        return args.data.default_vocab_size
+    return None
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """What the planner needs besides the run's flags."""

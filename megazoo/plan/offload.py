@@ -20,6 +20,13 @@ optimizer state this rank holds: all of its stage, / (dp x sp) with --use-distri
   through one shared pinned buffer;
 - on the GPU, from fp32 main gradients the bf16 copy of a bucket is made first
   (TRANSFER_BUCKETS x 2 B per element), bf16 main gradients go down as they are;
+- the step: the one-pass AdamW kernels (`kernels.host_adamw` on the host,
+  `kernels.triton_adamw` on the GPU) read bf16 gradients as they are, so neither side holds
+  an fp32 copy of a bucket. Where one is missing (no C compiler, no Triton) torch's AdamW
+  steps over an fp32 scratch of that side's largest slot (4 B per element, 160 MB at
+  40M-element buckets): the engine's split counts its host scratch (`host_split`'s
+  `scratch`), the plan counts neither, as the CUDA runs it plans have both (Triton builds
+  its own launcher with the same system C compiler);
 - pinned host memory comes from torch's caching host allocator, which rounds every
   allocation up to a power of two (`pinned`): a 160 MB buffer takes 268 MB.
 
@@ -81,7 +88,7 @@ class HostSplit:
     pageable in a split); the others, the last of the forward, live on disk."""
     host: float
     """Host bytes of the offload: in-memory state, gradient landing buffers, the upload
-    ring, the fp32 upcast scratch, and the disk tier's staging slots."""
+    ring, the disk tier's staging slots (and a fallback step's fp32 scratch)."""
     disk: float
     """Bytes of the disk tier's files."""
     late: bool = False
@@ -97,27 +104,29 @@ def disk_span(numel: float) -> float:
 
 
 def host_split(slots: list[float], budget: float | None, *, grad_bytes: int,
-               param_bytes: int, late_grads: bool = True) -> HostSplit:
+               param_bytes: int, late_grads: bool = True, scratch: float = 0.0) -> HostSplit:
     """The split rule, which the engine (`split_store.host_store`) and the planner both apply.
 
     `slots`: elements of each host slot in forward order; `budget`: host bytes the offload may
-    take (None: no disk tier, all in memory). Always: UP_BUFFERS pinned uploads of the
-    largest slot's parameters, and its fp32 scratch for bf16 gradients. If every slot's state
-    (three fp32 tensors, pinned) and a pinned landing buffer for its reduced gradient fit the
-    budget beside them, all stays in memory (the in-memory offload, as measured). Otherwise:
-    the state in memory is pageable (12 B per element: only the host reads it, every copy
-    goes through the pinned buffers); with `late_grads` the gradients go down in their
-    slot's host step through one shared pinned buffer instead of one each (the next
-    backward waits for the host step anyway: its forward needs the new parameters); the disk
-    tier's STORE_SLOTS staging slots (pageable too) for the largest slot are set aside; and slots
-    stay in memory, in forward order, while they fit what is left: that slot and every
-    later one go to disk. Disk slots are thus the last the forward uses: the host step
+    take (None: no disk tier, all in memory); `scratch`: host bytes of the step's fp32
+    gradient scratch (`cpu_offload.SlotAdamW.scratch_bytes`: 0 with the one-pass C kernel,
+    which reads bf16 gradients as they are; the engine passes what its step allocates, the
+    planner 0). Always: UP_BUFFERS pinned uploads of the largest slot's parameters, and the
+    scratch. If every slot's state (three fp32 tensors, pinned) and a pinned landing buffer
+    for its reduced gradient fit the budget beside them, all stays in memory (the in-memory
+    offload, as measured). Otherwise: the state in memory is pageable (12 B per element:
+    only the host reads it, every copy goes through the pinned buffers); with `late_grads`
+    the gradients go down in their slot's host step through one shared pinned buffer
+    instead of one each (the next backward waits for the host step anyway: its forward
+    needs the new parameters); the disk tier's STORE_SLOTS staging slots (pageable too) for
+    the largest slot are set aside; and slots stay in memory, in forward order, while they
+    fit what is left: the first that does not and every later one go to disk. Disk slots are thus the last the forward uses: the host step
     reaches them last and starts reading them as it starts. `late_grads` False (the delayed
     update, whose host step overlaps the next backward): every slot keeps its own landing
     buffer."""
     largest = max(slots, default=0.0)
     landing = [pinned(grad_bytes * s) for s in slots]
-    fixed = UP_BUFFERS * pinned(param_bytes * largest) + (4 * largest if grad_bytes < 4 else 0.0)
+    fixed = UP_BUFFERS * pinned(param_bytes * largest) + scratch
     pinned_state = [3 * pinned(4 * s) for s in slots]
     if budget is None or fixed + sum(landing) + sum(pinned_state) <= budget:
         return HostSplit(len(slots), fixed + sum(landing) + sum(pinned_state), 0.0, False)

@@ -8,7 +8,7 @@ import pytest
 from megazoo.plan import GB, main
 from megazoo.plan.engines import TORCH_HOST_RUNTIME_BYTES
 from megazoo.plan.largest import family_shapes, search
-from megazoo.plan.layout import PlanOptions
+from megazoo.plan.layout import PlanOptions, corpus_vocab
 from megazoo.plan.memory import estimate_memory
 from megazoo.models.build import build_model
 from megazoo.plan.offload import (HOST_RESERVE, bucket_elements_of, check_nvme_path,
@@ -42,7 +42,7 @@ def test_host_split_keeps_the_first_of_the_forward_in_memory():
     """The rule, by hand: eight slots of 2^20 elements (bf16 gradients and parameters)."""
     m = 2 ** 20
     slots = [m] * 8
-    ring = 4 * pinned(2 * m) + 4 * m  # the upload ring and the fp32 upcast scratch
+    ring = 4 * pinned(2 * m)  # the upload ring (the one-pass kernels: no fp32 scratch)
     whole = ring + 8 * (pinned(2 * m) + 3 * pinned(4 * m))  # landing buffer + pinned state
     for budget in (None, whole):
         split = host_split(slots, budget, grad_bytes=2, param_bytes=2)
@@ -58,6 +58,10 @@ def test_host_split_keeps_the_first_of_the_forward_in_memory():
     late = host_split(slots, fixed + 2 * 12 * m + 1, grad_bytes=2, param_bytes=2,
                       late_grads=False)
     assert late.memory < 2 and not late.late
+    # torch's AdamW fallback's fp32 scratch (the engine passes it): a slot less in memory
+    upcast = host_split(slots, fixed + 2 * 12 * m + 1, grad_bytes=2, param_bytes=2,
+                        scratch=4 * m)
+    assert (upcast.memory, upcast.host) == (1, fixed + 4 * m + 12 * m)
     assert split_budget(100e9, 1e9) == 100e9 - HOST_RESERVE - 12e9
 
 
@@ -102,12 +106,12 @@ def test_plain_engine_plan_with_offload():
                  "--accumulate-grads-in-bf16")
     assert (half.gradients, half.optimizer_states) == (2 * n, 6 * n)
     # per host bucket its pinned fp32 master, m, v and bf16 gradient, each rounded up to a
-    # power of two; 4 pinned bf16 uploads and the fp32 upcast scratch of the largest
+    # power of two; 4 pinned bf16 uploads of the largest (no fp32 scratch: one-pass kernels)
     slots = host_slots(engine_buckets(), 0.5, 1)
     assert 0 < sum(slots) <= 0.5 * n + max(slots) / 2
     big = max(slots)
     assert half.host_per_gpu == pytest.approx(
-        sum(3 * pinned(4 * s) + pinned(2 * s) for s in slots) + 4 * pinned(2 * big) + 4 * big
+        sum(3 * pinned(4 * s) + pinned(2 * s) for s in slots) + 4 * pinned(2 * big)
         + TORCH_HOST_RUNTIME_BYTES)
     # the disk tier: all in memory without a host size, else the engine's split of the budget
     nvme = ["--optimizer-cpu-offload", "--nvme-path", "/nonexistent/ok-for-the-planner"]
@@ -217,7 +221,7 @@ def test_largest_prints_a_command_the_run_accepts(capsys):
     assert command[:2] == ["python", "pretrain_gpt.py"]
     args = parse_args(command[2:])  # the run accepts it ...
     assert args.training.optimizer_cpu_offload and args.data.seq_length == 2048
-    args.model = dataclasses.replace(args.model, vocab_size=32000)
+    args.model = run_model(args)
     est = estimate_memory(args, PlanOptions(gpu_memory=80, host_memory=125, disk_memory=500))
     assert est.fits  # ... and plans as the search said
     assert out.startswith(f"largest that trains here: llama {est.num_parameters / 1e9:.2f}B")
@@ -246,21 +250,47 @@ def test_largest_without_a_fit_is_one_line(capsys):
     assert err.startswith("error: no gpt shape fits") and err.count("\n") == 1
 
 
+def run_model(args):
+    """The model `pretrain_gpt.py` trains for `args`: its vocabulary the data's (`build_data`:
+    the default corpus's tokenizer without --data-path)."""
+    return dataclasses.replace(args.model, vocab_size=corpus_vocab(args))
+
+
 def test_largest_on_the_lent_machine_splits_the_host_share(capsys):
     """80 GB GPU, 125 GB host, 40 GB of disk for the state (bench/offload_largest.py's cap):
     a model of at least 13B whose host share is split, memory first, the rest on disk; the
-    printed command pins the planned split (--optimizer-offload-host-memory) and plans as
-    the search said."""
+    printed command pins the planned split (--optimizer-offload-host-memory), and the model
+    it trains (the default corpus's vocabulary: the search planned it too, the head's bucket
+    included) plans the same bytes on disk and on the host as the search said."""
+    import json
     import shlex
 
     budgets = dict(gpu_memory=80, host_memory=125, disk_memory=40)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in budgets.items()]
-    assert main(["--largest", "--model-family", "llama", "--nvme-path", "/nonexistent/nv",
-                 "--save", ""] + flags + OFFLOAD_13B) == 0
-    out = capsys.readouterr().out
-    args = parse_args(shlex.split(out.split("command:\n", 1)[1])[2:])
+    argv = ["--largest", "--model-family", "llama", "--nvme-path", "/nonexistent/nv",
+            "--save", ""] + flags + OFFLOAD_13B
+    assert main(argv) == 0
+    assert "buckets in memory, the last" in capsys.readouterr().out
+    assert main(argv + ["--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    args = parse_args(shlex.split(planned["command"])[2:])
     assert args.training.optimizer_offload_host_memory is not None
-    args.model = dataclasses.replace(args.model, vocab_size=32000)
+    assert planned["model"]["vocab_size"] == args.data.default_vocab_size
+    args.model = run_model(args)
     est = estimate_memory(args, PlanOptions(**budgets))
     assert est.fits and est.num_parameters >= 13e9 and 0 < est.disk_per_gpu <= 40e9
-    assert "buckets in memory, the last" in out
+    assert (est.num_parameters, est.disk_per_gpu, est.host_per_gpu) == (
+        planned["num_parameters"], planned["disk_per_gpu"], planned["host_per_gpu"])
+
+
+def test_largest_plans_the_vocabulary_the_run_trains_with(tmp_path):
+    """Without --data-path the run's embedding and head have the default corpus's
+    vocabulary (--default-vocab-size), not the family's: every candidate is planned with it;
+    with --data-path the family's stands for the tokenizer's."""
+    given = parse_args(["--data-path", str(tmp_path / "corpus"), "--tokenizer-type",
+                        "ByteLevelTokenizer"])
+    for args, vocab in ((parse_args([]), 2048), (given, None),
+                        (parse_args(["--default-vocab-size", "4096"]), 4096)):
+        assert corpus_vocab(args) == vocab
+        shapes = family_shapes("llama", 2048, corpus_vocab(args))
+        assert {c.vocab_size for c in shapes} == {vocab or 32000}

@@ -159,12 +159,22 @@ class SlotAdamW:
         self.kernel = one_pass_kernel(device) if kernel else None
         self.scratch = None
 
+    def one_pass(self, grad_dtype: torch.dtype) -> bool:
+        """Whether gradients of `grad_dtype` step through the one-pass kernel."""
+        return self.kernel is not None and grad_dtype in (torch.float32, torch.bfloat16)
+
+    def scratch_bytes(self, grad_dtype: torch.dtype) -> int:
+        """Bytes of the fp32 scratch a step with `grad_dtype` gradients allocates: none for
+        fp32 ones or where the one-pass kernel reads them (the host split counts the rest)."""
+        upcast = grad_dtype != torch.float32 and not self.one_pass(grad_dtype)
+        return 4 * self.size if upcast else 0
+
     def __call__(self, state: dict, grad: torch.Tensor, slot: Slot, lr: float, cfg,
                  divisor: torch.Tensor, out: torch.Tensor | None, step: int | None = None):
         """Step `state` with `grad`; `out` (if given) gets the new parameters; `step`: as in
         `fused_adamw_`."""
         direct = None
-        if self.kernel is not None and grad.dtype in (torch.float32, torch.bfloat16):
+        if self.one_pass(grad.dtype):
             direct = out if out is not None and out.dtype == torch.bfloat16 else None
             fused_adamw_(self.kernel, state, grad, slot, lr, cfg, divisor, direct, step)
         else:

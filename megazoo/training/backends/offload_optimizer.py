@@ -59,11 +59,17 @@ class OffloadAdamW:
         self.host_order = [s for s in self.order if s.host]
         host = [s for s in self.slots if s.host]
         self.host_numel = sum(s.numel for s in host)
+        self._adamw = {host: SlotAdamW(torch.device("cpu") if host else self.device,
+                                       max((x.numel for x in self.slots if x.host == host),
+                                           default=0), kernel=host or self.copies.cuda)
+                       for host in (True, False)}  # (the GPU share's kernel: CUDA only)
         store, self.split = host_store(plan, host, pin=self.copies.pin,
                                        rank=buffers.state.global_rank,
                                        grad_bytes=buffers.main_grad.element_size(),
                                        param_bytes=data.element_size(), initial=initial,
-                                       numel=buffers.numel)
+                                       numel=buffers.numel,
+                                       scratch=self._adamw[True].scratch_bytes(
+                                           buffers.main_grad.dtype))
         self.stores = {True: store,
                        False: ResidentStore([s.numel for s in self.slots if not s.host],
                                             self.device, pin=False)}
@@ -83,10 +89,6 @@ class OffloadAdamW:
         largest = max((s.numel for s in host), default=0)
         self._up = [self.copies.host_empty(largest, data.dtype) for _ in range(UP_BUFFERS)]
         self._up_events, self._up_next = [None] * UP_BUFFERS, 0
-        self._adamw = {host: SlotAdamW(torch.device("cpu") if host else self.device,
-                                       max((x.numel for x in self.slots if x.host == host),
-                                           default=0), kernel=host or self.copies.cuda)
-                       for host in (True, False)}  # (the GPU share's kernel: CUDA only)
         self._divisor = {True: torch.ones((), dtype=torch.float32),
                          False: torch.ones((), dtype=torch.float32, device=self.device)}
         self.overlap_param_gather = cfg.overlap_param_gather and buffers.shard

@@ -64,11 +64,12 @@ def local_ranks() -> int:
 
 
 def host_store(plan, slots: list, *, pin: bool, rank: int, grad_bytes: int,
-               param_bytes: int, initial: dict | None, numel: int):
+               param_bytes: int, initial: dict | None, numel: int, scratch: float = 0.0):
     """(SplitStore, `HostSplit`) for the host slots `slots` (by bucket index) of an offload
     `plan` (config.offload.OffloadPlan); `numel`: the flat buffer's elements (what a saving
-    run gathers). A ValueError of one line, before anything is allocated, when the host or
-    the disk cannot hold the split."""
+    run gathers); `scratch`: the host step's fp32 gradient scratch (`host_split`). A
+    ValueError of one line, before anything is allocated, when the host or the disk cannot
+    hold the split."""
     ranks = local_ranks()
     available = host_memory_bytes()
     if available is not None:
@@ -80,7 +81,7 @@ def host_store(plan, slots: list, *, pin: bool, rank: int, grad_bytes: int,
             budget = split_budget(available / ranks, numel if plan.saves else 0)
     forward = [s.numel for s in reversed(slots)]
     split = host_split(forward, budget, grad_bytes=grad_bytes, param_bytes=param_bytes,
-                       late_grads=not plan.delayed)
+                       late_grads=not plan.delayed, scratch=scratch)
     limit = available
     if plan.host_memory is not None:
         limit = min(plan.host_memory * ranks, math.inf if available is None else available)
