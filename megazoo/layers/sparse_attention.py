@@ -19,7 +19,9 @@ tile whose tokens the layout all sets runs without a mask ("full"), one it partl
 with the layout looked up per element ("partial"), the rest are skipped. So the work is that
 of the 128-tiles touched, not the layout's density; for blocks below 128, backend "gather"
 (`sparse_plan.py`) computes the same function over a rearranged key axis whose tiles are
-mostly full, and "auto" takes it where it costs well less (`choose_plan`).
+mostly full, and "auto" takes it where it costs well less (`choose_plan`). "auto" takes the
+strided plan (`sparse_strided.py`: one dense causal kernel call for the global columns) for
+causal windows with the same global blocks in each (the fixed mode).
 
 s need not be a multiple of the block: the layout then has ceil(s / block) blocks per side
 (the layout of the length rounded up to the block, as generation uses it) and its last block

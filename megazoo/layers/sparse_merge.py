@@ -1,5 +1,6 @@
 """The rectangles of `sparse_rects.py` computed by a dense kernel and merged with the
-FlexAttention part by log-sum-exp, exactly, forward and backward.
+FlexAttention part by log-sum-exp, exactly, forward and backward (the dense kernel's calls,
+`rect_forward` / `rect_backward`, also serve `sparse_strided.py`, causal).
 
 | tensor | shape | meaning |
 |---|---|---|
