@@ -31,7 +31,27 @@ def pretrain(argv: list[str] | None = None) -> int:
     """`pretrain_gpt.py`: pre-train with Megatron's flags (megazoo.training.run)."""
     from .training.run import main
 
-    return main(argv)
+    return _leave_gloo(main(argv))
+
+
+def _leave_gloo(code: int) -> int:
+    """The exit code, or, in a multi-rank gloo run (its group left standing by the run),
+    leave the process now with it (output flushed): the run is over (logs closed,
+    checkpoints written), and torch 2.13's gloo can abort the interpreter's teardown of a
+    finished run ("terminate called without an active exception", SIGABRT in about one run
+    in ten on CPU; destroying the group first aborts too), which torchrun then reports as a
+    failed rank."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
+            and "nccl" not in dist.get_backend_config():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def convert_hf(argv: list[str] | None = None) -> int:
@@ -66,7 +86,7 @@ def generate(argv: list[str] | None = None) -> int:
     """`generate.py`: text from a checkpoint with a KV cache (megazoo.generation)."""
     from .generation.cli import main
 
-    return main(argv)
+    return _leave_gloo(main(argv))
 
 
 def plan(argv: list[str] | None = None) -> int:

@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         run(args)
     except (ValueError, FileNotFoundError) as exc:
         return report_error(str(exc))
-    finally:
-        if dist.is_initialized() and dist.get_backend() != "gloo":
+    finally:  # gloo is left standing: see megazoo.cli._leave_gloo
+        if dist.is_initialized() and "nccl" in dist.get_backend_config():
             dist.destroy_process_group()
     return 0
