@@ -35,19 +35,20 @@ def pretrain(argv: list[str] | None = None) -> int:
 
 
 def _leave_gloo(code: int) -> int:
-    """The exit code, or, in a multi-rank gloo run (its group left standing by the run),
-    leave the process now with it (output flushed): the run is over (logs closed,
-    checkpoints written), and torch 2.13's gloo can abort the interpreter's teardown of a
-    finished run ("terminate called without an active exception", SIGABRT in about one run
-    in ten on CPU; destroying the group first aborts too), which torchrun then reports as a
-    failed rank."""
+    """The exit code, or, in a torchrun worker of a multi-rank gloo run (its group left
+    standing by the run), leave the process now with it (output flushed): the run is over
+    (logs closed, checkpoints written), and torch 2.13's gloo can abort the interpreter's
+    teardown of a finished run ("terminate called without an active exception", SIGABRT in
+    about one run in ten on CPU; destroying the group first aborts too), which torchrun then
+    reports as a failed rank. A process that runs the command inside a larger program (not
+    started by torchrun) keeps its normal exit."""
     import os
     import sys
 
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
-            and "nccl" not in dist.get_backend_config():
+    if "TORCHELASTIC_RUN_ID" in os.environ and dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size() > 1 and "nccl" not in dist.get_backend_config():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
