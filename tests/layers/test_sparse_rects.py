@@ -9,12 +9,14 @@ import torch
 
 from megazoo.config.sparse_attention import SparseAttentionConfig as Config
 from megazoo.layers import sparse_merge
-from megazoo.layers.sparse_attention import SparseAttention, choose_plan, sparse_attention
+from megazoo.layers.sparse_attention import SparseAttention
 from megazoo.layers.sparse_gather import _dense, main_mask_mod, rows_mask_mod
 from megazoo.layers.sparse_layouts import layout
 from megazoo.layers.sparse_merge import merge_rects, rect_backward, rect_forward
 from megazoo.layers.sparse_plan import TILE, build_plan
 from megazoo.layers.sparse_rects import RectPlan, add_rects, flex_tiles, rect_plan
+
+from helpers.sparse_checks import assert_plan_equals_math
 
 # Float32 everywhere, unit-variance inputs, at most ~1.3k keys per row: the merge sums the
 # same softmax terms as the reference in another order (two partial softmaxes rescaled by
@@ -55,15 +57,7 @@ def _compare(cfg, s, causal, plan, lay, hq=4, hk=2):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(s, 1, h, 16, generator=g) for h in (hq, hk, hk))
     grad = torch.randn(s, 1, hq, 16, generator=g)
-    outs = []
-    for backend, p in (("math", None), ("gather", plan)):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = sparse_attention(*leaves, lay, cfg.block, causal=causal, backend=backend, plan=p)
-        outs.append((out, *torch.autograd.grad(out, leaves, grad)))
-    (ref, *ref_grads), (out, *grads) = outs
-    torch.testing.assert_close(out, ref, atol=TOL, rtol=0)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want, atol=10 * TOL, rtol=0)
+    assert_plan_equals_math(lay, cfg.block, causal, plan, q, k, v, grad, TOL)
 
 
 @pytest.mark.parametrize("mode, block, attention", CASES)

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from megazoo.config.sparse_attention import SparseAttentionConfig as Config
-from megazoo.layers.sparse_attention import SparseAttention, choose_plan, sparse_attention
+from megazoo.layers.sparse_attention import SparseAttention, choose_plan
 from megazoo.layers.sparse_attention import token_mask
 from megazoo.layers.sparse_strided import StridedPlan, _local_visible, strided_plan
+
+from helpers.sparse_checks import assert_plan_equals_math, outputs_and_grads
 
 # Same tolerances as the rectangles' checks: the parts' softmaxes merged by log-sum-exp are
 # the reference's terms in another order (~1e-6 apart); a pair scored twice or missed moves
@@ -63,15 +65,7 @@ def test_equals_dense_mask_reference(keys, s, b):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(s, b, h, 16, generator=g) for h in (4, 2, 2))  # GQA 4 / 2
     grad = torch.randn(s, b, 4, 16, generator=g)
-    outs = []
-    for backend, p in (("math", None), ("gather", plan)):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = sparse_attention(*leaves, lay, cfg.block, causal=True, backend=backend, plan=p)
-        outs.append((out, *torch.autograd.grad(out, leaves, grad)))
-    (ref, *ref_grads), (out, *grads) = outs
-    torch.testing.assert_close(out, ref, atol=TOL, rtol=0)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want, atol=10 * TOL, rtol=0)
+    assert_plan_equals_math(lay, cfg.block, True, plan, q, k, v, grad, TOL)
 
 
 def test_recognises_only_strided_layouts():
@@ -118,11 +112,8 @@ def test_gpu_strided_equals_dense_mask_reference(keys, hk):
     q, k, v = (torch.randn(s, 1, h, 128, device=dev, generator=g, dtype=torch.bfloat16)
                for h in (4, hk, hk))
     grad = torch.randn(s, 1, 4, 128, device=dev, generator=g, dtype=torch.bfloat16)
-    outs = []
-    for backend, p in (("math", None), ("auto", plan)):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = sparse_attention(*leaves, lay, cfg.block, causal=True, backend=backend, plan=p)
-        outs.append((out, *torch.autograd.grad(out, leaves, grad)))
-    for got, want in zip(*reversed(outs)):
+    want = outputs_and_grads(lay, cfg.block, True, q, k, v, grad, "math")
+    got = outputs_and_grads(lay, cfg.block, True, q, k, v, grad, "auto", plan)
+    for got, want in zip(got, want):
         err = (got.float() - want.float()).abs().max() / want.float().abs().max()
         assert err < 2e-2, float(err)
