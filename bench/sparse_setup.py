@@ -98,7 +98,7 @@ def prepare_path(label, lay, block, s, device):
 def strided_tiles(plan: StridedPlan, s: int) -> float:
     """Share of the (s/128)^2 kernel tiles of a head that the strided plan computes: the
     local part's FlexAttention tiles and the global part's causal triangles in tile units."""
-    mask, n = plan.block_mask(s), -(-s // TILE)
+    mask, n = plan.block_mask(), -(-s // TILE)
     local = (mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()).item() / plan.rank.shape[0]
     length = plan.key_pos.shape[1]
     return (local + plan.ratio * length * (length + 1) / 2 / TILE ** 2) / (n * n)

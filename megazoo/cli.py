@@ -47,8 +47,10 @@ def _leave_gloo(code: int) -> int:
 
     import torch.distributed as dist
 
-    if "TORCHELASTIC_RUN_ID" in os.environ and dist.is_available() and dist.is_initialized() \
-            and dist.get_world_size() > 1 and "nccl" not in dist.get_backend_config():
+    from .parallel.state import runs_nccl
+
+    if "TORCHELASTIC_RUN_ID" in os.environ and dist.is_initialized() \
+            and dist.get_world_size() > 1 and not runs_nccl():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

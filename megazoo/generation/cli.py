@@ -22,6 +22,7 @@ from ..checkpoint import config_from_dict, parse_dtype
 from ..cli_parser import HintingParser
 from ..errors import read_json, read_text, report_error
 from ..parallel.device import local_device
+from ..parallel.state import runs_nccl
 from .api import decode_text, encode_prompt, find_tokenizer, resolve_checkpoint
 from .loop import check_request, generate_ids
 from .sampling import Sampling
@@ -150,6 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         return report_error(str(exc))
     finally:  # gloo is left standing: see megazoo.cli._leave_gloo
-        if dist.is_initialized() and "nccl" in dist.get_backend_config():
+        if runs_nccl():
             dist.destroy_process_group()
     return 0

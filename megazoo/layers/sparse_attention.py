@@ -213,11 +213,10 @@ def sparse_attention(q, k, v, layout, block, *, causal: bool = True, scale: floa
     alibi = alibi_slopes is not None
     if (block_mask is None and plan is None) or (alibi and isinstance(plan, StridedPlan)):
         block_mask, plan = prepare(layout, block, causal, s, q.device, name, alibi=alibi)
+    kernel = "flex" if q.device.type == "cuda" else "math"
     if isinstance(plan, StridedPlan):
-        kernel = "flex" if q.device.type == "cuda" else "math"
         return strided_attention(q, k, v, plan, scale=scale, kernel=kernel)
     if plan is not None:
-        kernel = "flex" if q.device.type == "cuda" else "math"
         return gather_attention(q, k, v, plan, scale=scale, alibi_slopes=alibi_slopes,
                                 kernel=kernel)
     return kernels.flex_with_block_mask(q, k, v, block_mask, alibi_slopes, scale)

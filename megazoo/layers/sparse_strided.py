@@ -36,7 +36,7 @@ part at W = 64 and 512.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -53,17 +53,21 @@ class StridedPlan:
     per_window: int
     rank: torch.Tensor
     key_pos: torch.Tensor
-    masks: dict = field(default_factory=dict)
+    mask: object = None
 
-    def block_mask(self, s: int):
-        """The local part's FlexAttention BlockMask (built once per s, kept on the plan)."""
-        if s not in self.masks:
-            partial, full = _local_tiles(self, s)
+    @property
+    def seq_len(self) -> int:
+        return (self.key_pos.shape[1] + self.per_window) * self.ratio
+
+    def block_mask(self):
+        """The local part's FlexAttention BlockMask (built on first use, kept on the plan)."""
+        if self.mask is None:
+            partial, full = _local_tiles(self, self.seq_len)
 
             def mask_mod(b, h, q_idx, kv_idx):
                 return _local_visible(self, h, q_idx, kv_idx)
-            self.masks[s] = tile_block_mask(partial, full, mask_mod, (s, s))
-        return self.masks[s]
+            self.mask = tile_block_mask(partial, full, mask_mod, (self.seq_len,) * 2)
+        return self.mask
 
 
 def _window_blocks(lay: torch.Tensor) -> int | None:
@@ -231,7 +235,7 @@ def strided_attention(q, k, v, plan: StridedPlan, *, scale: float, kernel: str =
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
     seq = torch.arange(s, device=q.device)[None]
     if kernel == "flex":
-        out_f, lse_f = kernels.flex_at_positions(qb, kb, vb, plan.block_mask(s), None, seq,
+        out_f, lse_f = kernels.flex_at_positions(qb, kb, vb, plan.block_mask(), None, seq,
                                                  seq, scale, hq != hk, return_lse=True)
     else:
         mask = _dense(lambda b, h, i, j: _local_visible(plan, h, i, j), plan.rank.shape[0], s,

@@ -96,6 +96,13 @@ class ParallelState:
         return f"{self.config} rank {self.global_rank}"
 
 
+def runs_nccl() -> bool:
+    """Whether the default process group exists and runs NCCL (GPU runs: destroy it at the
+    end). Read from the devices' backends: a group made without a backend name reports
+    "undefined" from `get_backend`. Gloo groups are left standing (`megazoo.cli._leave_gloo`)."""
+    return dist.is_initialized() and "nccl" in dist.get_backend_config()
+
+
 def _new_groups(all_groups: list[list[int]], rank: int, outside_ok: bool = False) -> GroupInfo:
     """Create every group (a collective call on all ranks, same order) and keep this rank's;
     a group of one rank gets no process group, a group spanning the world reuses WORLD."""

@@ -26,7 +26,7 @@ from ..config.run import PretrainArgs
 from ..layers.fp8 import check_fp8_run
 from ..errors import report_error
 from ..parallel.device import local_device
-from ..parallel.state import ParallelState
+from ..parallel.state import ParallelState, runs_nccl
 from ..plot import draw_run_curves
 from .checkpoint import load_training_checkpoint
 from .data import TrainData, build_data, resolve_data_source, unigram_entropy
@@ -161,10 +161,8 @@ def run_training(argv: list[str] | None = None, print_fn=print) -> dict:
     finally:
         run.logger.close()
         # gloo needs no teardown, and destroying it can abort the process at exit with torch
-        # 2.13 (`cli._leave_gloo`); a group made without a backend name reports "undefined"
-        # from get_backend, so the test reads the devices' backends
-        if (run.owns_process_group and dist.is_initialized()
-                and "nccl" in dist.get_backend_config()):
+        # 2.13 (`cli._leave_gloo`)
+        if run.owns_process_group and runs_nccl():
             dist.destroy_process_group()
 
 
