@@ -108,7 +108,7 @@ def sparse_row(s, label, cfg, data, args, device) -> dict:
         row["density"] = density(lay, cfg.block, True)
         t0 = time.perf_counter()
         row["path"], mask, plan, row["tile_density"] = prepare_path(label, lay, cfg.block, s,
-                                                                    device)
+                                                                    device, args.head_dim)
         row["rect_share"] = rect_share(plan)
         row["build_s"] = time.perf_counter() - t0
 
@@ -163,7 +163,7 @@ def sweep(args, device) -> list[dict]:
                 continue
             here.append(sparse_row(s, label, cfg, data, args, device))
             other = {"gather": "tiles", "tiles": "gather", "rects": "gather",
-                     "strided": "rects"}.get(here[-1].get("path"))
+                     "strided": "rects", "blocks": "tiles"}.get(here[-1].get("path"))
             if label in args.compare and s == args.seqs[0] and cfg.block < 128:
                 here.append(sparse_row(s, f"{label}_{other}", cfg, data, args, device))
             torch.cuda.empty_cache()

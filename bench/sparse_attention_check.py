@@ -12,7 +12,7 @@ import torch
 from bench.common import print_table
 from bench.sparse_setup import (gather_plan, inputs, prepare_path, rect_share, sparse_configs,
                                 tile_mask)
-from megazoo.layers.sparse_attention import SparseAttention, sparse_attention
+from megazoo.layers.sparse_attention import SparseAttention, sparse_attention, triton_reason
 from megazoo.layers.sparse_layouts import density, layout
 from megazoo.layers.sparse_merge import rect_backward, rect_forward, rect_kernel
 from megazoo.layers.sparse_plan import TILE
@@ -22,18 +22,20 @@ from megazoo.layers.sparse_strided import strided_plan
 TABLE = ["s", "config", "block", "path", "density", "tile_density", "rect_share", "note"]
 
 
-def _paths(block: int, lay, s: int) -> list[str]:
+def _paths(block: int, lay, s: int, device=None) -> list[str]:
+    """The paths a layout can run; "triton" where its kernel runs on `device`."""
     strided = strided_plan(lay[:1], block, s, True) is not None
+    triton = device is not None and triton_reason(device, 128, block, False) is None
     return (["flex"] + (["gather", "rects"] if 128 % block == 0 and block < 128 else [])
-            + (["strided"] if strided else []))
+            + (["strided"] if strided else []) + (["triton"] if triton else []))
 
 
 def _run(path, q, k, v, lay, block, s):
     """The output of one path: flex (the layout's tiles), gather (the plan, no rectangles),
     rects (the plan with rectangles forced: chunks of one tile, whatever share they cover) or
-    strided (`sparse_strided.py`)."""
-    if path == "flex":
-        return sparse_attention(q, k, v, lay, block, causal=True, backend="flex"), None
+    strided (`sparse_strided.py`) or triton (`sparse_blocks.py`)."""
+    if path in ("flex", "triton"):
+        return sparse_attention(q, k, v, lay, block, causal=True, backend=path), None
     if path == "strided":
         plan = strided_plan(lay.to(q.device), block, s, True)
         return sparse_attention(q, k, v, lay, block, causal=True, backend="gather", plan=plan), plan
@@ -77,7 +79,7 @@ def check(args, device, lengths=(2000, 2048)) -> list[dict]:
     rows = [kernel_row(device), kernel_row(device, causal=True)]
     for (label, cfg), s in ((c, n) for n in lengths
                             for c in sparse_configs(args.modes, args.blocks, args.window)):
-        paths = _paths(cfg.block, SparseAttention(cfg, 1, seed=0).layout(s), s)
+        paths = _paths(cfg.block, SparseAttention(cfg, 1, seed=0).layout(s), s, device)
         if s != lengths[0] and "strided" not in paths:
             continue
         lay = SparseAttention(cfg, args.heads, seed=0).layout(s)

@@ -8,6 +8,7 @@ import torch
 
 from megazoo.config.sparse_attention import SparseAttentionConfig
 from megazoo.layers.sparse_attention import block_mask_from_layout, choose_plan
+from megazoo.layers.sparse_blocks import BlocksPlan
 from megazoo.layers.sparse_gather import block_masks
 from megazoo.layers.sparse_plan import TILE, build_plan
 from megazoo.layers.sparse_rects import add_rects
@@ -68,14 +69,15 @@ def gather_plan(lay, block, s, device):
     return build_plan((lay[:1] if lay.stride(0) == 0 else lay).to(device), block, s, True)
 
 
-def prepare_path(label, lay, block, s, device):
+def prepare_path(label, lay, block, s, device, head_dim=128):
     """(path, block_mask, plan, tile density) built once: what backend "auto" runs ("tiles";
     "gather"; "rects": the gather plan with its chunk rectangles on the dense kernel), or the
     path a label ending in _tiles / _gather / _rects forces (_gather: the plan without
     rectangles; _rects: with them, where they pay, the path before the strided plan; _cN:
     with rectangles over about N query chunks), "strided" where "auto" finds the strided
-    plan; tile density: the 128-tiles computed (FlexAttention's and the dense kernel's) /
-    ((s/128)^2 heads)."""
+    plan, "blocks" where it takes the Triton kernel; tile density: the 128-tiles computed
+    (FlexAttention's and the dense kernel's) / ((s/128)^2 heads), for "blocks" the score
+    entries its chunks compute / (s^2 heads)."""
     chunks = re.fullmatch(r".*_c(\d+)", label)
     if label.endswith(("_gather", "_rects")) or chunks:
         plan = gather_plan(lay, block, s, device)
@@ -83,12 +85,15 @@ def prepare_path(label, lay, block, s, device):
             add_rects(plan, **({} if not chunks else dict(
                 chunk=TILE * max(1, round(s / (int(chunks[1]) * TILE))), min_share=0)))
     else:
-        plan = None if label.endswith("_tiles") else choose_plan(lay, block, True, s, device)
+        plan = None if label.endswith("_tiles") else choose_plan(lay, block, True, s, device,
+                                                                  head_dim=head_dim)
     if plan is None:
         mask, tiles = tile_mask(lay, block, device)
         return "tiles", mask, None, tiles
     if isinstance(plan, StridedPlan):
         return "strided", None, plan, strided_tiles(plan, s)
+    if isinstance(plan, BlocksPlan):
+        return "blocks", None, plan, plan.pairs() / s ** 2
     block_masks(plan, plan.rects is not None)
     n = plan.partial.shape[1]
     path = "gather" if plan.rects is None else "rects"

@@ -21,7 +21,9 @@ of the 128-tiles touched, not the layout's density; for blocks below 128, backen
 (`sparse_plan.py`) computes the same function over a rearranged key axis whose tiles are
 mostly full, and "auto" takes it where it costs well less (`choose_plan`). "auto" takes the
 strided plan (`sparse_strided.py`: one dense causal kernel call for the global columns) for
-causal windows with the same global blocks in each (the fixed mode).
+causal windows with the same global blocks in each (the fixed mode), and for other layouts of
+blocks below 128 the Triton kernel of `sparse_blocks.py` (backend "triton": it walks 16-token
+key blocks, so random and strided blocks cost their density, not the 128-tiles they touch).
 
 s need not be a multiple of the block: the layout then has ceil(s / block) blocks per side
 (the layout of the length rounded up to the block, as generation uses it) and its last block
@@ -35,14 +37,15 @@ from ..config.sparse_attention import SparseAttentionConfig
 from . import attention_kernels as kernels
 from .attention import (AttentionRequest, check_attention_inputs, math_attention,
                         unsupported_reason)
+from .sparse_blocks import BlocksPlan, blocks_attention, build_blocks_plan
 from .sparse_gather import gather_attention
 from .sparse_layouts import layout as make_layout
 from .sparse_plan import TILE as KERNEL_BLOCK
-from .sparse_plan import GatherPlan, build_plan, tile_block_mask, zero_pad
+from .sparse_plan import build_plan, tile_block_mask, zero_pad
 from .sparse_rects import add_rects
 from .sparse_strided import StridedPlan, strided_attention, strided_plan
 
-BACKENDS = ("auto", "flex", "gather", "math")
+BACKENDS = ("auto", "flex", "gather", "triton", "math")
 GATHER_GAIN = 0.8  # "auto" gathers when its plan costs at most this share of the tiles
 GATHER_KEY_COST = 8  # cost of a tile of keys copied out of place, in computed tiles
 
@@ -134,6 +137,12 @@ def _select(backend: str, q, k, v, alibi: bool, block: int) -> str:
     reason = unsupported_reason("flex", req)
     if backend == "auto":
         return "auto" if q.device.type == "cuda" and reason is None else "math"
+    if backend == "triton":
+        why = triton_reason(q.device, q.shape[-1], block, alibi)
+        if why is not None:
+            raise ValueError(f"sparse attention backend 'triton' cannot run this call: {why}; "
+                             f"use backend='auto' or 'math'")
+        return backend
     if backend == "gather" and KERNEL_BLOCK % block:
         raise ValueError(f"sparse attention backend 'gather' needs a block dividing "
                          f"{KERNEL_BLOCK}, got {block}; use backend='flex' or 'auto'")
@@ -144,6 +153,23 @@ def _select(backend: str, q, k, v, alibi: bool, block: int) -> str:
     return backend
 
 
+def triton_reason(device, head_dim: int | None, block: int, alibi: bool) -> str | None:
+    """Why the Triton kernel (`sparse_blocks.py`) cannot run a call, or None."""
+    from ..kernels._dispatch import interpreting, triton_status
+    ok, why = triton_status()
+    if not ok:
+        return why
+    if torch.device(device).type != "cuda" and not interpreting():
+        return "it needs a CUDA GPU (or Triton's interpreter, TRITON_INTERPRET=1)"
+    if alibi:
+        return "it has no ALiBi"
+    if block % 16:
+        return f"the block {block} is not a multiple of 16"
+    if head_dim is None or head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        return f"the head dim {head_dim} is not a power of two in [16, 256]"
+    return None
+
+
 def _heads_of(block_layout: torch.Tensor) -> torch.Tensor:
     """The layout with one head when every head shares it (an expanded view), else itself."""
     shared = block_layout.shape[0] == 1 or block_layout.stride(0) == 0
@@ -151,10 +177,12 @@ def _heads_of(block_layout: torch.Tensor) -> torch.Tensor:
 
 
 def choose_plan(block_layout, block: int, causal: bool, seq_len: int, device, *,
-                alibi: bool = False) -> GatherPlan | StridedPlan | None:
+                alibi: bool = False, head_dim: int | None = None):
     """The strided plan where the layout is causal windows with the same global blocks in
     each (`sparse_strided.py`: one dense causal kernel call; not with ALiBi, which a dense
-    kernel cannot add cheaply). Else the gather plan of a layout when its cost (tiles
+    kernel cannot add cheaply). Else, for blocks below 128, the Triton kernel's plan
+    (`sparse_blocks.py`) where it can run the call (`triton_reason`). Else the gather plan
+    of a layout when its cost (tiles
     computed, plus GATHER_KEY_COST per tile of keys copied out of place) is at most
     GATHER_GAIN of the kernel tiles of the layout in place, else None: gathering pays where
     shared global columns make the tiles (fixed), not where random blocks gathered per query
@@ -164,6 +192,8 @@ def choose_plan(block_layout, block: int, causal: bool, seq_len: int, device, *,
     strided = None if alibi else strided_plan(lay, block, seq_len, causal)
     if strided is not None or KERNEL_BLOCK % block or block == KERNEL_BLOCK:
         return strided
+    if torch.device(device).type == "cuda" and triton_reason(device, head_dim, block, alibi) is None:
+        return build_blocks_plan(lay, block, seq_len, causal)
     partial, full = tile_layout(lay, block, causal, seq_len)
     plan = build_plan(lay, block, seq_len, causal)
     cost = sum(plan.tiles()) + GATHER_KEY_COST * plan.gathered_tiles()
@@ -173,17 +203,20 @@ def choose_plan(block_layout, block: int, causal: bool, seq_len: int, device, *,
 
 
 def prepare(block_layout, block: int, causal: bool, seq_len: int, device, backend: str, *,
-            alibi: bool = False):
+            alibi: bool = False, head_dim: int | None = None):
     """(block_mask, plan) for backend "flex", "gather" or "auto" on `device`, one of them None:
     the gather plan for "gather" (with its rectangles where they pay: `add_rects`), and for
     "auto" where `choose_plan` gives one (for the calls with ALiBi or without, as `alibi`
-    says); else the BlockMask. Build it once per (s, device) and pass both to
+    says; head_dim: the calls', for the Triton kernel's plan); the Triton kernel's plan for
+    "triton"; else the BlockMask. Build it once per (s, device) and pass both to
     `sparse_attention`."""
+    if backend == "triton":
+        return None, build_blocks_plan(_heads_of(block_layout).to(device), block, seq_len, causal)
     if backend == "gather":
         return None, add_rects(build_plan(_heads_of(block_layout).to(device), block, seq_len,
                                           causal))
-    plan = (choose_plan(block_layout, block, causal, seq_len, device, alibi=alibi)
-            if backend == "auto" else None)
+    plan = (choose_plan(block_layout, block, causal, seq_len, device, alibi=alibi,
+                        head_dim=head_dim) if backend == "auto" else None)
     if plan is not None:
         return None, plan
     return block_mask_from_layout(block_layout, block, causal=causal, device=device,
@@ -192,16 +225,18 @@ def prepare(block_layout, block: int, causal: bool, seq_len: int, device, backen
 
 def sparse_attention(q, k, v, layout, block, *, causal: bool = True, scale: float | None = None,
                      alibi_slopes: torch.Tensor | None = None, backend: str = "auto",
-                     block_mask=None, plan: GatherPlan | StridedPlan | None = None) -> torch.Tensor:
+                     block_mask=None, plan=None) -> torch.Tensor:
     """Attention restricted to the layout's tiles (module docstring: shapes and semantics).
 
     backend: "flex" (FlexAttention over the layout's tiles, compiled on CUDA; eager and
     forward-only on CPU), "gather" (the gather plan: FlexAttention on CUDA, float32 math over
-    the gathered keys on CPU), "math" (float32, an explicit [h, s, s] mask: small sizes and
+    the gathered keys on CPU), "triton" (`sparse_blocks.py`: CUDA, or CPU under Triton's
+    interpreter), "math" (float32, an explicit [h, s, s] mask: small sizes and
     checking) or "auto" (on CUDA the gather plan when `choose_plan` gives one, else flex; math
-    elsewhere; a strided plan runs `sparse_strided.py`). block_mask / plan: what `prepare`
+    elsewhere; a strided plan runs `sparse_strided.py`, a Triton plan `sparse_blocks.py`).
+    block_mask / plan: what `prepare`
     gives, reused across calls (built when both are None, and again with ALiBi where the plan
-    is strided: that path has no ALiBi).
+    is strided or Triton's: those paths have no ALiBi).
     """
     _check(q, k, v, layout, block, alibi_slopes)
     s = q.shape[0]
@@ -211,9 +246,12 @@ def sparse_attention(q, k, v, layout, block, *, causal: bool = True, scale: floa
         mask = token_mask(layout.to(q.device), block)[None, :, :s, :s]  # [1, hq, s, s]
         return math_attention(q, k, v, causal, None, alibi_slopes, scale, 0.0, mask=mask)
     alibi = alibi_slopes is not None
-    if (block_mask is None and plan is None) or (alibi and isinstance(plan, StridedPlan)):
-        block_mask, plan = prepare(layout, block, causal, s, q.device, name, alibi=alibi)
+    if (block_mask is None and plan is None) or (alibi and isinstance(plan, (StridedPlan, BlocksPlan))):
+        block_mask, plan = prepare(layout, block, causal, s, q.device, name, alibi=alibi,
+                                   head_dim=q.shape[-1])
     kernel = "flex" if q.device.type == "cuda" else "math"
+    if isinstance(plan, BlocksPlan):
+        return blocks_attention(q, k, v, plan, scale=scale)
     if isinstance(plan, StridedPlan):
         return strided_attention(q, k, v, plan, scale=scale, kernel=kernel)
     if plan is not None:
@@ -257,7 +295,7 @@ class SparseAttention:
         key = (s, str(q.device), name, alibi)
         if name != "math" and key not in self._prepared:  # `prepare` once per (s, device)
             self._prepared[key] = prepare(self.layout(s), block, self.causal, s, q.device, name,
-                                          alibi=alibi)
+                                          alibi=alibi, head_dim=q.shape[-1])
         mask, plan = self._prepared.get(key, (None, None))
         return sparse_attention(q, k, v, self.layout(s), block, causal=self.causal, scale=scale,
                                 alibi_slopes=alibi_slopes, backend=name, block_mask=mask,

@@ -325,7 +325,9 @@ def test_bad_attention_inputs():
     with pytest.raises(ValueError, match=r"layout must be bool \[hq, ceil\(s/block\), ceil\(s/block\)\]"):
         sparse_attention(q, k, v, lay[:2], 16)
     with pytest.raises(ValueError, match="unknown sparse attention backend"):
-        sparse_attention(q, k, v, lay, 16, backend="triton")
+        sparse_attention(q, k, v, lay, 16, backend="blocksparse")
+    with pytest.raises(ValueError, match="backend 'triton' cannot run this call"):
+        sparse_attention(q, k, v, lay, 16, backend="triton", alibi_slopes=torch.ones(4))
     with pytest.raises(ValueError, match="FlexAttention has no backward on CPU"):
         sparse_attention(q.requires_grad_(), k, v, lay, 16, backend="flex")
 

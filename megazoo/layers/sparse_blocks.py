@@ -1,0 +1,145 @@
+"""Block-sparse attention at 16-token granularity on a Triton kernel (`kernels/triton_sparse.py`):
+the plan (which key blocks each query tile walks, and which query blocks each key tile walks)
+and the autograd function around the kernels.
+
+FlexAttention skips whole 128 x 128 tiles, so a layout of 16-token blocks with random or
+strided blocks costs the tiles it touches, up to 8x its density per axis. Here a query tile of
+BLOCK_M rows walks only the 16-token key blocks some row of it sees, BLOCK_N / 16 of them per
+step, gathered from wherever they lie; a bit per (row block, key block) pair masks the rest. The
+wasted work is what the tile's rows do not share (a row block's random block is computed for the
+tile's other row blocks too, and masked), not the 128-tile around it.
+
+| tensor | shape | meaning |
+|---|---|---|
+| q | [s, b, hq, d] | queries |
+| k, v | [s, b, hk, d] | keys / values (GQA: hq % hk == 0) |
+| layout | bool [hp, nb, nb] | the layout at 16-token blocks, causality applied (hp: 1 or hq) |
+| out | [s, b, hq, d] | attention output |
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUB = 16  # the kernel's granularity, in tokens
+
+
+@dataclass
+class BlocksPlan:
+    """The kernel's lists for one layout and length: query side (rows) and key side (cols),
+    each (count int32 [hp, tiles], index int32 [hp, tiles, chunks, per chunk], bits int64
+    [hp, tiles, chunks])."""
+
+    rows: tuple
+    cols: tuple
+    seq_len: int
+    causal: bool
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @property
+    def heads(self) -> int:
+        return self.rows[0].shape[0]
+
+    def pairs(self) -> int:
+        """Score entries the kernel computes per head (of the query-side walk), for reports."""
+        return int(self.rows[0].sum()) * self.block_m * self.block_n // self.heads
+
+
+def to_sub_blocks(block_layout: torch.Tensor, block: int) -> torch.Tensor:
+    """A layout of `block`-token blocks (a multiple of 16) at 16-token granularity."""
+    if block % SUB:
+        raise ValueError(f"the Triton sparse attention kernel needs a block that is a multiple "
+                         f"of {SUB}, got {block}")
+    r = block // SUB
+    return block_layout.repeat_interleave(r, dim=1).repeat_interleave(r, dim=2)
+
+
+def _walk(lay: torch.Tensor, per_tile: int, per_chunk: int):
+    """(count, index, bits) of tiles of `per_tile` rows of lay [hp, n, m] walking chunks of
+    `per_chunk` of its columns: the columns some row of the tile sets, in order."""
+    hp, n, m = lay.shape
+    tiles = -(-n // per_tile)
+    grid = torch.zeros(hp, tiles * per_tile, m, dtype=torch.bool, device=lay.device)
+    grid[:, :n] = lay
+    grid = grid.view(hp, tiles, per_tile, m)
+    union = grid.any(2)  # [hp, tiles, m]
+    seen = union.sum(-1)
+    count = -(-seen // per_chunk)
+    chunks = max(int(count.max()), 1)
+    width = chunks * per_chunk
+    order = torch.sort((~union).to(torch.uint8), dim=-1, stable=True).indices
+    order = zero_pad_last(order, width)[..., :width]
+    used = torch.arange(width, device=lay.device) < seen[..., None]
+    index = torch.where(used, order, 0)
+    pairs = grid.gather(3, index[:, :, None, :].expand(hp, tiles, per_tile, width))
+    pairs = (pairs & used[:, :, None, :]).view(hp, tiles, per_tile, chunks, per_chunk)
+    pairs = pairs.permute(0, 1, 3, 2, 4).reshape(hp, tiles, chunks, per_tile * per_chunk)
+    weights = torch.ones(per_tile * per_chunk, dtype=torch.int64, device=lay.device).cumsum(0) - 1
+    bits = (pairs.long() << weights).sum(-1)
+    return (count.to(torch.int32).contiguous(),
+            index.view(hp, tiles, chunks, per_chunk).to(torch.int32).contiguous(),
+            bits.contiguous())
+
+
+def zero_pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x padded with zeros on its last axis to at least `width`."""
+    if x.shape[-1] >= width:
+        return x
+    return torch.cat([x, x.new_zeros(*x.shape[:-1], width - x.shape[-1])], dim=-1)
+
+
+def build_blocks_plan(block_layout: torch.Tensor, block: int, seq_len: int, causal: bool, *,
+                      block_m: int = 64, block_n: int = 64) -> BlocksPlan:
+    """The plan of a layout bool [hp, nb, nb] of `block`-token blocks for length seq_len."""
+    lay = to_sub_blocks(block_layout.to(torch.bool), block)
+    n = -(-seq_len // SUB)
+    lay = lay[:, :n, :n]
+    if causal:
+        lay = lay & torch.ones(n, n, dtype=torch.bool, device=lay.device).tril()
+    rm, rn = block_m // SUB, block_n // SUB
+    if rm * rn > 63:
+        raise ValueError(f"tiles of {block_m} x {block_n} need {rm * rn} bits per chunk; at "
+                         f"most 63")
+    rows = _walk(lay, rm, rn)
+    cols = _walk(lay.transpose(1, 2), rn, rm)
+    return BlocksPlan(rows, cols, seq_len, causal, block_m, block_n)
+
+
+class _BlocksAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: BlocksPlan, scale: float):
+        from ..kernels._dispatch import triton_module
+        kern = triton_module("sparse")
+        args = dict(block_m=plan.block_m, block_n=plan.block_n, layout_heads=plan.heads,
+                    scale=scale, causal=plan.causal, num_warps=plan.num_warps,
+                    num_stages=plan.num_stages)
+        out, lse = kern.forward(q, k, v, plan.rows, **args)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.args = plan, args
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from ..kernels._dispatch import triton_module
+        q, k, v, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        dq, dk, dv = triton_module("sparse").backward(dout, q, k, v, out, lse, plan.rows,
+                                                      plan.cols, **ctx.args)
+        group = q.shape[2] // k.shape[2]
+        if group > 1:
+            s, b, hq, d = dk.shape
+            dk = dk.view(s, b, hq // group, group, d).sum(3)
+            dv = dv.view(s, b, hq // group, group, d).sum(3)
+        return dq, dk, dv, None, None
+
+
+def blocks_attention(q, k, v, plan: BlocksPlan, *, scale: float) -> torch.Tensor:
+    """Attention of the plan's layout (module docstring: shapes) on the Triton kernel."""
+    if q.shape[0] != plan.seq_len:
+        raise ValueError(f"the sparse attention plan was built for s = {plan.seq_len}, got "
+                         f"{q.shape[0]}")
+    return _BlocksAttention.apply(q, k, v, plan, scale)
