@@ -7,18 +7,19 @@
 Forward + backward of causal attention, 16 heads x 128, bf16, batch 1, at s = 32k and 64k:
 dense SDPA (cuDNN's fused kernel), dense FlexAttention (causal BlockMask), and the sparse
 path (`megazoo.layers.sparse_attention`, backend "auto": the strided plan for windows with
-global columns (path "strided": one cuDNN causal call and a small FlexAttention call), else
-the gather plan where it computes fewer tiles, with its chunk rectangles on cuDNN where they
-pay (path "rects"), else the layout's own tiles) for fixed, variable, bigbird and
+global columns (path "strided": one cuDNN causal call, and the local part and the merging on
+the Triton kernel below block 128, on FlexAttention at 128), else below block 128 the Triton
+kernel (path "blocks"), else at 128 the layout's own tiles) for fixed, variable, bigbird and
 bslongformer layouts at block 16, 64 and 128 with a causal window of about --window tokens,
-plus the seeds' section (fixed, block 16, DeepSpeed's defaults), `seeds_rects`: the same
-section on the gather plan with its rectangles (the path before the strided plan),
-`seeds_gather`: without rectangles, and `seeds_tiles`: on the layout's own tiles. For each: median ms (CUDA events), the
-layout's density (fraction of s^2 computed), the density of the 128-token tiles computed
-(`tile_density`, of (s/128)^2 per head), the share of them the rectangles compute
-(`rect_share`), the path, and the speedup against SDPA and dense FlexAttention. `--check`
-(`sparse_attention_check.py`) checks each path, rectangles included, against the dense-mask
-float32 path.
+plus the seeds' section (fixed, block 16, DeepSpeed's defaults) and, for comparison, the same
+section on the paths before: `seeds_flexlocal` (the strided plan's local part on
+FlexAttention), `seeds_rects` (the gather plan with its cuDNN rectangles), `seeds_gather`
+(without them) and `seeds_tiles` (the layout's own tiles). For each: median ms (CUDA
+events), the layout's density (fraction of s^2 computed), the density of the 128-token tiles
+computed (`tile_density`, of (s/128)^2 per head; for the Triton kernel the share of s^2 its
+chunks compute), the share of them the rectangles compute (`rect_share`), the path, and the
+speedup against SDPA and dense FlexAttention. `--check` (`sparse_attention_check.py`) checks
+each path, rectangles and the Triton kernel included, against the dense-mask float32 path.
 
 Each configuration runs in its own try/except (a failure is a row with the error); FlexAttention
 is compiled once per process (recompiling per sequence length and layout shape).
@@ -38,6 +39,7 @@ from bench.sparse_setup import (MODES, allow_recompiles, inputs, prepare_path, r
 from megazoo.layers import core_attention
 from megazoo.layers.sparse_attention import sparse_attention
 from megazoo.layers.sparse_layouts import density, layout
+from megazoo.layers.sparse_strided import strided_attention
 
 COLUMNS = ["s", "config", "block", "path", "density", "tile_density", "rect_share", "ms",
            "x_sdpa", "x_flex", "note"]
@@ -49,8 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--seqs", type=int, nargs="+", default=[32768, 65536])
     p.add_argument("--blocks", type=int, nargs="+", default=[16, 64, 128])
     p.add_argument("--modes", nargs="+", default=MODES,
-                   help=f"of {MODES + ['seeds_tiles', 'seeds_gather', 'seeds_rects', 'seeds_c32']} (_cN: "
-                        "rectangles over about N query chunks)")
+                   help=f"of {MODES + ['seeds_tiles', 'seeds_gather', 'seeds_rects', 'seeds_c32', 'seeds_flexlocal']} "
+                        "(_cN: rectangles over about N query chunks; _flexlocal: the strided "
+                        "plan's local part on FlexAttention)")
     p.add_argument("--window", type=int, default=256, help="causal window in tokens (approx.)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
@@ -113,6 +116,8 @@ def sparse_row(s, label, cfg, data, args, device) -> dict:
         row["build_s"] = time.perf_counter() - t0
 
         def fn(q, k, v):  # the layout is only shape-checked: the mask / plan carries it
+            if row["path"] == "strided_flex":
+                return strided_attention(q, k, v, plan, scale=q.shape[-1] ** -0.5)
             return sparse_attention(q, k, v, lay, cfg.block, causal=True, block_mask=mask,
                                     plan=plan)
         t0 = time.perf_counter()

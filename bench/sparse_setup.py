@@ -75,7 +75,9 @@ def prepare_path(label, lay, block, s, device, head_dim=128):
     path a label ending in _tiles / _gather / _rects forces (_gather: the plan without
     rectangles; _rects: with them, where they pay, the path before the strided plan; _cN:
     with rectangles over about N query chunks), "strided" where "auto" finds the strided
-    plan, "blocks" where it takes the Triton kernel; tile density: the 128-tiles computed
+    plan (its local part on the Triton kernel below block 128; "strided_flex": on
+    FlexAttention, as before that kernel, forced by a label ending in _flexlocal), "blocks"
+    where it takes the Triton kernel; tile density: the 128-tiles computed
     (FlexAttention's and the dense kernel's) / ((s/128)^2 heads), for "blocks" the score
     entries its chunks compute / (s^2 heads)."""
     chunks = re.fullmatch(r".*_c(\d+)", label)
@@ -91,7 +93,8 @@ def prepare_path(label, lay, block, s, device, head_dim=128):
         mask, tiles = tile_mask(lay, block, device)
         return "tiles", mask, None, tiles
     if isinstance(plan, StridedPlan):
-        return "strided", None, plan, strided_tiles(plan, s)
+        path = "strided_flex" if label.endswith("_flexlocal") else "strided"
+        return path, None, plan, strided_tiles(plan, s)
     if isinstance(plan, BlocksPlan):
         return "blocks", None, plan, plan.pairs() / s ** 2
     block_masks(plan, plan.rects is not None)

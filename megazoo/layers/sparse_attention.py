@@ -37,7 +37,8 @@ from ..config.sparse_attention import SparseAttentionConfig
 from . import attention_kernels as kernels
 from .attention import (AttentionRequest, check_attention_inputs, math_attention,
                         unsupported_reason)
-from .sparse_blocks import BlocksPlan, blocks_attention, build_blocks_plan
+from .sparse_blocks import (BlocksPlan, blocks_attention, build_blocks_plan,
+                            strided_blocks_attention)
 from .sparse_gather import gather_attention
 from .sparse_layouts import layout as make_layout
 from .sparse_plan import TILE as KERNEL_BLOCK
@@ -253,6 +254,9 @@ def sparse_attention(q, k, v, layout, block, *, causal: bool = True, scale: floa
     if isinstance(plan, BlocksPlan):
         return blocks_attention(q, k, v, plan, scale=scale)
     if isinstance(plan, StridedPlan):
+        if name == "triton" or (kernel == "flex" and block < KERNEL_BLOCK and triton_reason(
+                q.device, q.shape[-1], block, False) is None):  # 128: FlexAttention's tiles
+            return strided_blocks_attention(q, k, v, plan, scale=scale)
         return strided_attention(q, k, v, plan, scale=scale, kernel=kernel)
     if plan is not None:
         return gather_attention(q, k, v, plan, scale=scale, alibi_slopes=alibi_slopes,

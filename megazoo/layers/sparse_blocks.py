@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .sparse_merge import rect_backward, rect_forward, rect_kernel
+from .sparse_strided import StridedPlan, _expanded, _residues
+
 SUB = 16  # the kernel's granularity, in tokens
 
 
@@ -129,12 +132,7 @@ class _BlocksAttention(torch.autograd.Function):
         plan = ctx.plan
         dq, dk, dv = triton_module("sparse").backward(dout, q, k, v, out, lse, plan.rows,
                                                       plan.cols, **ctx.args)
-        group = q.shape[2] // k.shape[2]
-        if group > 1:
-            s, b, hq, d = dk.shape
-            dk = dk.view(s, b, hq // group, group, d).sum(3)
-            dv = dv.view(s, b, hq // group, group, d).sum(3)
-        return dq, dk, dv, None, None
+        return dq, _group_sum(dk, k.shape[2]), _group_sum(dv, k.shape[2]), None, None
 
 
 def blocks_attention(q, k, v, plan: BlocksPlan, *, scale: float) -> torch.Tensor:
@@ -143,3 +141,78 @@ def blocks_attention(q, k, v, plan: BlocksPlan, *, scale: float) -> torch.Tensor
         raise ValueError(f"the sparse attention plan was built for s = {plan.seq_len}, got "
                          f"{q.shape[0]}")
     return _BlocksAttention.apply(q, k, v, plan, scale)
+
+
+def _local_layout(plan: StridedPlan, s: int) -> torch.Tensor:
+    """bool [hp, n, n] at 16-token blocks: what the strided plan's local part may see (its own
+    window, and the previous window's global blocks), causal; the kernel masks the rest."""
+    n, wb, dev = -(-s // SUB), plan.window // SUB, plan.rank.device
+    glob = (plan.rank.view(plan.rank.shape[0], wb, SUB) >= 0).any(-1)  # [hp, wb]
+    win = torch.arange(n, device=dev) // wb
+    prev = (win[:, None] == win[None, :] + 1)[None] & glob[:, torch.arange(n, device=dev) % wb][:, None]
+    lay = (win[:, None] == win[None, :])[None] | prev
+    return lay & torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+
+
+class _StridedBlocks(torch.autograd.Function):
+    """The strided plan (`sparse_strided.py`) with its local part on the Triton kernel: the
+    forward merges the dense kernel's global part into the local part's output in the kernel,
+    and the backward adds the dense kernel's dq and (summed over residues) dk, dv into the local
+    part's gradients there, so no merge pass, zero-filled buffer or index_add remains."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: StridedPlan, scale: float, kind: str):
+        from ..kernels._dispatch import triton_module
+        local = strided_local(plan)
+        hq, ratio, skip = q.shape[2], plan.ratio, plan.per_window
+        keys, values = _expanded(k, plan, hq), _expanded(v, plan, hq)
+        out_g, lse_g, aux = rect_forward(kind, _residues(q, ratio, skip), keys, values, scale,
+                                         causal=True)
+        args = dict(block_m=local.block_m, block_n=local.block_n, layout_heads=local.heads,
+                    scale=scale, causal=True, num_warps=local.num_warps,
+                    num_stages=local.num_stages,
+                    strided=(plan.rank.to(torch.int32), plan.window, ratio))
+        out, lse = triton_module("sparse").forward(q, k, v, local.rows, merge=(out_g, lse_g, skip),
+                                                   **args)
+        ctx.save_for_backward(q, k, v, keys, values, out, lse)
+        ctx.plan, ctx.args, ctx.aux, ctx.kind = plan, args, aux, kind
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from ..kernels._dispatch import triton_module
+        q, k, v, keys, values, out, lse = ctx.saved_tensors
+        plan, ratio, skip = ctx.plan, ctx.plan.ratio, ctx.plan.per_window
+        s, b, hq, d = q.shape
+        dout = dout.contiguous()
+        lse_g = lse.view(b, hq, s // ratio, ratio)[:, :, skip:].permute(3, 0, 1, 2)
+        gq, gk, gv = rect_backward(ctx.kind, _residues(dout, ratio, skip),
+                                   _residues(q, ratio, skip), keys, values,
+                                   _residues(out, ratio, skip), lse_g.reshape(ratio * b, hq, -1),
+                                   ctx.aux, ctx.args["scale"], causal=True)
+        local = strided_local(plan)
+        dq, dk, dv = triton_module("sparse").backward(dout, q, k, v, out, lse, local.rows,
+                                                      local.cols, merge=(gq, gk, gv, skip),
+                                                      **ctx.args)
+        dk, dv = _group_sum(dk, k.shape[2]), _group_sum(dv, k.shape[2])
+        return dq, dk, dv, None, None, None
+
+
+def _group_sum(grad: torch.Tensor, hk: int) -> torch.Tensor:
+    """A per-query-head key gradient [s, b, hq, d] summed over each GQA group: [s, b, hk, d]."""
+    s, b, hq, d = grad.shape
+    return grad if hq == hk else grad.view(s, b, hk, hq // hk, d).sum(3)
+
+
+def strided_local(plan: StridedPlan) -> BlocksPlan:
+    """The Triton kernel's lists for the strided plan's local part (built once, kept on it)."""
+    if plan.local is None:
+        s = plan.seq_len
+        plan.local = build_blocks_plan(_local_layout(plan, s), SUB, s, True)
+    return plan.local
+
+
+def strided_blocks_attention(q, k, v, plan: StridedPlan, *, scale: float) -> torch.Tensor:
+    """Attention of a strided plan's layout: the global part on the dense kernel (cuDNN on a
+    GPU, float32 math elsewhere), the local part and the merging on the Triton kernel."""
+    return _StridedBlocks.apply(q, k, v, plan, scale, rect_kernel(q))

@@ -53,7 +53,8 @@ class StridedPlan:
     per_window: int
     rank: torch.Tensor
     key_pos: torch.Tensor
-    mask: object = None
+    mask: object = None  # the local part's FlexAttention BlockMask, built on first use
+    local: object = None  # its Triton kernel's lists (`sparse_blocks.strided_local`)
 
     @property
     def seq_len(self) -> int:

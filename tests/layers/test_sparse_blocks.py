@@ -11,6 +11,7 @@ import torch
 from megazoo.config.sparse_attention import SparseAttentionConfig as Config
 from megazoo.layers.sparse_attention import SparseAttention, choose_plan, sparse_attention
 from megazoo.layers.sparse_blocks import BlocksPlan, _walk, build_blocks_plan, to_sub_blocks
+from megazoo.layers.sparse_strided import strided_plan
 
 from helpers.sparse_checks import outputs_and_grads
 
@@ -93,7 +94,7 @@ def test_equals_dense_mask_reference(mode, block, causal, triton_device):
     q, k, v, grad = (t.to(triton_device) for t in (q, k, v, grad))
     plan = build_blocks_plan(lay.to(triton_device), block, s, causal)
     got = outputs_and_grads(lay, block, causal, q, k, v, grad, "triton", plan)
-    tol = TOL if triton_device.type == "cpu" else 2e-2  # GPU: tf32 dots
+    tol = TOL if triton_device.type == "cpu" else 2e-3  # GPU: tf32 dots
     for a, b in zip(got, want):
         torch.testing.assert_close(a.cpu(), b, atol=tol * 10, rtol=tol)
 
@@ -134,3 +135,31 @@ def test_gpu_auto_takes_the_kernel_and_equals_reference(mode):
     for got, want in zip(got, want):
         err = (got.float() - want.float()).abs().max() / want.float().abs().max()
         assert err < 2e-2, float(err)
+
+
+SEEDS = {"mode": "fixed", "block": 16, "different_layout_per_head": True}
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("keys, s, hk", [
+    (SEEDS, 1024, 4),  # DeepSpeed's defaults: windows of 4 blocks, the last one global
+    (dict(SEEDS, num_different_global_patterns=2), 1000, 2),  # per-head offsets, GQA, short tile
+    (dict(SEEDS, block=32, num_local_blocks=8, num_global_blocks=2), 1024, 4),
+    (dict(SEEDS, block=64, num_local_blocks=4, num_global_blocks=2), 1024, 2)])
+def test_strided_plan_on_the_kernel_equals_dense_mask_reference(keys, s, hk, triton_device):
+    """The strided plan with its local part, the merge and the gradient sums on the Triton
+    kernel (global part: float32 math on CPU, cuDNN on a GPU)."""
+    cfg = Config.from_ds_config(dict(keys, attention="unidirectional"))
+    lay = SparseAttention(cfg, 4, causal=True, seed=3).layout(s)
+    plan = strided_plan(lay.to(triton_device), cfg.block, s, True)
+    assert plan is not None
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(s, 2, 4, 16, generator=g)
+    k, v = (torch.randn(s, 2, hk, 16, generator=g) for _ in range(2))
+    grad = torch.randn(s, 2, 4, 16, generator=g)
+    want = outputs_and_grads(lay, cfg.block, True, q, k, v, grad, "math")
+    q, k, v, grad = (t.to(triton_device) for t in (q, k, v, grad))
+    got = outputs_and_grads(lay, cfg.block, True, q, k, v, grad, "triton", plan)
+    tol = TOL if triton_device.type == "cpu" else 2e-3  # GPU: tf32 dots
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.cpu(), b, atol=tol * 10, rtol=tol)
