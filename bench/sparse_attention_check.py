@@ -12,7 +12,8 @@ import torch
 from bench.common import print_table
 from bench.sparse_setup import (gather_plan, inputs, prepare_path, rect_share, sparse_configs,
                                 tile_mask)
-from megazoo.layers.sparse_attention import SparseAttention, sparse_attention, triton_reason
+from megazoo.layers.sparse_attention import SparseAttention, sparse_attention
+from megazoo.layers.sparse_blocks import triton_reason
 from megazoo.layers.sparse_layouts import density, layout
 from megazoo.layers.sparse_merge import rect_backward, rect_forward, rect_kernel
 from megazoo.layers.sparse_plan import TILE

@@ -1,15 +1,17 @@
 """A model trained through `pretrain_gpt.py` with the seeds' sparse section, on today's path
-and on the path before the strided plan, beside dense attention: tokens/s and the loss.
+and on FlexAttention over the layout's tiles (the path before the small-block plans), beside
+dense attention: tokens/s and the loss.
 
     python -m bench.sparse_training --out sparse_training.json      # gpt-1.3b, s = 32k, GPU
     python -m bench.sparse_training --dry-run                       # tiny, CPU: the plumbing
 
 Variants (each its own process, same seed and data): `dense` (cuDNN SDPA), `seeds` (the
 seeds' section: `{"mode": "fixed", "block": 16, "different_layout_per_head": true}`, the
-default path: the strided plan) and `seeds_before` (the same section with the strided plan
-switched off in the child, `--child-path-before`: the gather plan with its chunk
-rectangles, the path before). Loss: the mean of the last 10 logged steps; the comparison is
-`seeds` against `seeds_before` (the same function computed two ways).
+default path: the strided plan with its local part on the Triton kernel) and `seeds_before`
+(the same section with every plan switched off in the child, `--child-path-before`:
+FlexAttention over the layout's 128-tiles, the path before). Loss: the mean of the last 10
+logged steps; the comparison is `seeds` against `seeds_before` (the same function computed
+two ways).
 """
 from __future__ import annotations
 
@@ -32,11 +34,11 @@ SEEDS = ["--sparse-attention-mode", "fixed", "--sparse-block", "16",
 
 
 def child_path_before(argv: list[str]) -> int:
-    """pretrain_gpt.py's main with `choose_plan` finding no strided plan."""
+    """pretrain_gpt.py's main with `choose_plan` finding no plan (FlexAttention's tiles)."""
     from megazoo.layers import sparse_attention
     from megazoo.training.run import main
 
-    sparse_attention.strided_plan = lambda *args: None
+    sparse_attention.choose_plan = lambda *args, **keywords: None
     return main(argv)
 
 

@@ -14,16 +14,15 @@ Query i of head h sees key j when layout[h, i // block, j // block] and, if caus
 A query that sees no key outputs 0 (as in attention.py). RoPE is applied to q and k before
 this call; ALiBi is a score_mod on FlexAttention (no s x s bias) and an added bias in math.
 
-FlexAttention skips whole tiles of KERNEL_BLOCK = 128 queries x 128 keys (`tile_layout`): a
-tile whose tokens the layout all sets runs without a mask ("full"), one it partly sets runs
-with the layout looked up per element ("partial"), the rest are skipped. So the work is that
-of the 128-tiles touched, not the layout's density; for blocks below 128, backend "gather"
-(`sparse_plan.py`) computes the same function over a rearranged key axis whose tiles are
-mostly full, and "auto" takes it where it costs well less (`choose_plan`). "auto" takes the
-strided plan (`sparse_strided.py`: one dense causal kernel call for the global columns) for
-causal windows with the same global blocks in each (the fixed mode), and for other layouts of
-blocks below 128 the Triton kernel of `sparse_blocks.py` (backend "triton": it walks 16-token
-key blocks, so random and strided blocks cost their density, not the 128-tiles they touch).
+What "auto" runs on CUDA: the strided plan (`sparse_strided.py`) for causal windows with the
+same global blocks in each (the fixed mode: one dense causal kernel call for the global
+columns, the rest on the Triton kernel below block 128); else the Triton kernel of
+`sparse_blocks.py` (backend "triton"), which walks 16-token key blocks, so random and strided
+blocks cost their density. Without Triton, or with ALiBi (neither kernel adds it),
+FlexAttention skips whole tiles of KERNEL_BLOCK = 128 queries x 128 keys (`tile_layout`;
+"full" tiles run without a mask, "partial" ones look the layout up per element), and for
+blocks below 128 the gather plan (`sparse_plan.py`, backend "gather") computes the same
+function over a rearranged key axis where that costs well less (`choose_plan`).
 
 s need not be a multiple of the block: the layout then has ceil(s / block) blocks per side
 (the layout of the length rounded up to the block, as generation uses it) and its last block
@@ -38,7 +37,7 @@ from . import attention_kernels as kernels
 from .attention import (AttentionRequest, check_attention_inputs, math_attention,
                         unsupported_reason)
 from .sparse_blocks import (BlocksPlan, blocks_attention, build_blocks_plan,
-                            strided_blocks_attention)
+                            strided_blocks_attention, triton_reason)
 from .sparse_gather import gather_attention
 from .sparse_layouts import layout as make_layout
 from .sparse_plan import TILE as KERNEL_BLOCK
@@ -154,23 +153,6 @@ def _select(backend: str, q, k, v, alibi: bool, block: int) -> str:
     return backend
 
 
-def triton_reason(device, head_dim: int | None, block: int, alibi: bool) -> str | None:
-    """Why the Triton kernel (`sparse_blocks.py`) cannot run a call, or None."""
-    from ..kernels._dispatch import interpreting, triton_status
-    ok, why = triton_status()
-    if not ok:
-        return why
-    if torch.device(device).type != "cuda" and not interpreting():
-        return "it needs a CUDA GPU (or Triton's interpreter, TRITON_INTERPRET=1)"
-    if alibi:
-        return "it has no ALiBi"
-    if block % 16:
-        return f"the block {block} is not a multiple of 16"
-    if head_dim is None or head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        return f"the head dim {head_dim} is not a power of two in [16, 256]"
-    return None
-
-
 def _heads_of(block_layout: torch.Tensor) -> torch.Tensor:
     """The layout with one head when every head shares it (an expanded view), else itself."""
     shared = block_layout.shape[0] == 1 or block_layout.stride(0) == 0
@@ -181,9 +163,9 @@ def choose_plan(block_layout, block: int, causal: bool, seq_len: int, device, *,
                 alibi: bool = False, head_dim: int | None = None):
     """The strided plan where the layout is causal windows with the same global blocks in
     each (`sparse_strided.py`: one dense causal kernel call; not with ALiBi, which a dense
-    kernel cannot add cheaply). Else, for blocks below 128, the Triton kernel's plan
-    (`sparse_blocks.py`) where it can run the call (`triton_reason`). Else the gather plan
-    of a layout when its cost (tiles
+    kernel cannot add cheaply). Else on CUDA the Triton kernel's plan (`sparse_blocks.py`)
+    where it can run the call (`triton_reason`; it beat FlexAttention's tiles at every block,
+    128 included). Else, for blocks below 128, the gather plan of a layout when its cost (tiles
     computed, plus GATHER_KEY_COST per tile of keys copied out of place) is at most
     GATHER_GAIN of the kernel tiles of the layout in place, else None: gathering pays where
     shared global columns make the tiles (fixed), not where random blocks gathered per query
@@ -191,10 +173,12 @@ def choose_plan(block_layout, block: int, causal: bool, seq_len: int, device, *,
     `sparse_rects.add_rects`) where they pay."""
     lay = _heads_of(block_layout).to(device)
     strided = None if alibi else strided_plan(lay, block, seq_len, causal)
-    if strided is not None or KERNEL_BLOCK % block or block == KERNEL_BLOCK:
+    if strided is not None:
         return strided
     if torch.device(device).type == "cuda" and triton_reason(device, head_dim, block, alibi) is None:
         return build_blocks_plan(lay, block, seq_len, causal)
+    if KERNEL_BLOCK % block or block == KERNEL_BLOCK:
+        return None
     partial, full = tile_layout(lay, block, causal, seq_len)
     plan = build_plan(lay, block, seq_len, causal)
     cost = sum(plan.tiles()) + GATHER_KEY_COST * plan.gathered_tiles()

@@ -1,6 +1,6 @@
 """Block-sparse attention at 16-token granularity on a Triton kernel (`kernels/triton_sparse.py`):
 the plan (which key blocks each query tile walks, and which query blocks each key tile walks)
-and the autograd function around the kernels.
+and the autograd functions around the kernels.
 
 FlexAttention skips whole 128 x 128 tiles, so a layout of 16-token blocks with random or
 strided blocks costs the tiles it touches, up to 8x its density per axis. Here a query tile of
@@ -8,6 +8,12 @@ BLOCK_M rows walks only the 16-token key blocks some row of it sees, BLOCK_N / 1
 step, gathered from wherever they lie; a bit per (row block, key block) pair masks the rest. The
 wasted work is what the tile's rows do not share (a row block's random block is computed for the
 tile's other row blocks too, and masked), not the 128-tile around it.
+
+The strided plan (`sparse_strided.py`) runs its local part here too (`strided_blocks_attention`):
+the kernel masks the previous window's global keys per element, merges the dense kernel's
+global part into its output, and in the backward adds that part's dq and its gathered keys'
+dk, dv (summed over the residues) into its own, so the plan costs its dense kernel call plus
+one pass of this kernel.
 
 | tensor | shape | meaning |
 |---|---|---|
@@ -50,6 +56,23 @@ class BlocksPlan:
     def pairs(self) -> int:
         """Score entries the kernel computes per head (of the query-side walk), for reports."""
         return int(self.rows[0].sum()) * self.block_m * self.block_n // self.heads
+
+
+def triton_reason(device, head_dim: int | None, block: int, alibi: bool) -> str | None:
+    """Why the Triton kernel (`sparse_blocks.py`) cannot run a call, or None."""
+    from ..kernels._dispatch import interpreting, triton_status
+    ok, why = triton_status()
+    if not ok:
+        return why
+    if torch.device(device).type != "cuda" and not interpreting():
+        return "it needs a CUDA GPU (or Triton's interpreter, TRITON_INTERPRET=1)"
+    if alibi:
+        return "it has no ALiBi"
+    if block % 16:
+        return f"the block {block} is not a multiple of 16"
+    if head_dim is None or head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        return f"the head dim {head_dim} is not a power of two in [16, 256]"
+    return None
 
 
 def to_sub_blocks(block_layout: torch.Tensor, block: int) -> torch.Tensor:

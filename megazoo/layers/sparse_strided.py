@@ -20,9 +20,10 @@ previous window's of rank u > t, and no key p does not see. Hence
    and log-sum-exp, so its own backward returns exactly its part's gradients, and the
    FlexAttention part gets (w dO, w (rowsum(dO * out_f) - D)) as `sparse_merge.py` derives.
 
-Measured alternatives (bench/results): the window part on cuDNN with the windows as its
-batch and the few-key remainder written out in float32 ran slower than this FlexAttention
-part at W = 64 and 512.
+On CUDA with Triton, below block 128, `sparse_blocks.strided_blocks_attention` runs steps 2
+and 3 in the Triton kernel instead (the merge and the gradient sums inside it); this module's
+FlexAttention version serves block 128 (where FlexAttention's tiles fit the windows) and
+machines without Triton, and its float32 version the CPU checks.
 
 | tensor | shape | meaning |
 |---|---|---|

@@ -109,7 +109,8 @@ def test_module_runs_the_kernel_and_rows_without_keys_output_zero(triton_device)
     q, k, v = (torch.randn(64, 1, 2, 16, device=triton_device) for _ in range(3))
     want = outputs_and_grads(attn.layout(64), 16, False, q.cpu(), k.cpu(), v.cpu(),
                              torch.ones(64, 1, 2, 16), "math")[0]
-    torch.testing.assert_close(attn(q, k, v).cpu(), want, atol=1e-4, rtol=1e-4)
+    tol = 1e-4 if triton_device.type == "cpu" else 2e-3  # GPU: tf32 dots
+    torch.testing.assert_close(attn(q, k, v).cpu(), want, atol=tol, rtol=tol)
     assert len(attn._prepared) == 1
     lay = attn.layout(64).clone()
     lay[:, 2] = False  # row block 2 sees nothing
