@@ -51,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--seqs", type=int, nargs="+", default=[32768, 65536])
     p.add_argument("--blocks", type=int, nargs="+", default=[16, 64, 128])
     p.add_argument("--modes", nargs="+", default=MODES,
-                   help=f"of {MODES + ['seeds_tiles', 'seeds_gather', 'seeds_rects', 'seeds_c32', 'seeds_flexlocal']} "
+                   help=f"of {MODES + ['seeds_tiles', 'seeds_gather', 'seeds_rects']} "
+                        "and seeds_c32, seeds_flexlocal "
                         "(_cN: rectangles over about N query chunks; _flexlocal: the strided "
                         "plan's local part on FlexAttention)")
     p.add_argument("--window", type=int, default=256, help="causal window in tokens (approx.)")

@@ -32,6 +32,7 @@ import triton.language as tl
 
 SUB = 16
 LOG2E = 1.4426950408889634
+LOG2E_ = tl.constexpr(LOG2E)  # the same inside kernels
 
 
 @triton.jit
@@ -105,8 +106,7 @@ def _fwd(Q, K, V, O, LSE, COUNT, INDEX, BITS, RANK, OG, LG, sq_s, sq_b, sq_h, sk
         m_i = m_new
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634,
-                   float("-inf"))
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E_, float("-inf"))
     if MERGE:  # the global part's (out, lse) by log-sum-exp
         at_g, has = _global_rows(rows, row_ok, b, h, batch, ratio, skip, sg_b, sg_h, sg_m)
         at_l, _ = _global_rows(rows, row_ok, b, h, batch, ratio, skip, sl_b, sl_h, sl_m)
@@ -125,7 +125,8 @@ def _fwd(Q, K, V, O, LSE, COUNT, INDEX, BITS, RANK, OG, LG, sq_s, sq_b, sq_h, sk
 
 @triton.jit
 def _dq(Q, K, V, O, DO, DQ, LSE, DELTA, COUNT, INDEX, BITS, RANK, GQ, sq_s, sq_b, sq_h, sk_s,
-        sk_b, sk_h, so_s, so_b, so_h, sg_b, sg_h, sg_m, seq_len, batch, heads, group, layout_heads, tiles, chunks,
+        sk_b, sk_h, so_s, so_b, so_h, sg_b, sg_h, sg_m, seq_len, batch, heads, group,
+        layout_heads, tiles, chunks,
         window, ratio, skip, scale, scale_log2, D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, SUB: tl.constexpr, CAUSAL: tl.constexpr, STRIDED: tl.constexpr,
         MERGE: tl.constexpr):
@@ -141,7 +142,7 @@ def _dq(Q, K, V, O, DO, DQ, LSE, DELTA, COUNT, INDEX, BITS, RANK, GQ, sq_s, sq_b
     at_q = b * sq_b + h * sq_h + rows[:, None].to(tl.int64) * sq_s + dim[None, :]
     q = tl.load(Q + at_q, mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + at_q, mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + bh.to(tl.int64) * seq_len + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    lse = tl.load(LSE + bh.to(tl.int64) * seq_len + rows, mask=row_ok, other=0.0) * LOG2E_
     o = tl.load(O + b * so_b + h * so_h + rows[:, None].to(tl.int64) * so_s + dim[None, :],
                 mask=row_ok[:, None], other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # D = rowsum(dO * O), for _dkdv too
@@ -164,7 +165,8 @@ def _dq(Q, K, V, O, DO, DQ, LSE, DELTA, COUNT, INDEX, BITS, RANK, GQ, sq_s, sq_b
     dq = dq * scale
     if MERGE:  # plus the global part's dq
         at_g, has = _global_rows(rows, row_ok, b, h, batch, ratio, skip, sg_b, sg_h, sg_m)
-        dq += tl.load(GQ + at_g[:, None] + dim[None, :], mask=has[:, None], other=0.0).to(tl.float32)
+        dq += tl.load(GQ + at_g[:, None] + dim[None, :], mask=has[:, None],
+                      other=0.0).to(tl.float32)
     tl.store(DQ + at_q, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -198,7 +200,7 @@ def _dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, COUNT, INDEX, BITS, RANK, GK, GV, sq_
         at = qo + rows.to(tl.int64) * sq_s
         qt = tl.load(Q + at[None, :] + dim[:, None], mask=row_ok[None, :], other=0.0)
         dot_ = tl.load(DO + at[None, :] + dim[:, None], mask=row_ok[None, :], other=0.0)
-        lse = tl.load(LSE + bh.to(tl.int64) * seq_len + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+        lse = tl.load(LSE + bh.to(tl.int64) * seq_len + rows, mask=row_ok, other=0.0) * LOG2E_
         delta = tl.load(DELTA + bh.to(tl.int64) * seq_len + rows, mask=row_ok, other=0.0)
         ok = _mask(tl.load(BITS + chunk), shift, rows[None, :], cols[:, None], row_ok[None, :],
                    RANK, hl, window, ratio, CAUSAL, STRIDED)
@@ -269,7 +271,8 @@ def backward(dout, q, k, v, out, lse, rows, cols, *, block_m, block_n, layout_he
     rank = rows[0] if strided is None else strided[0]
     _dq[(rows[0].shape[1], b * hq)](
         q, k, v, out, dout, dq, lse, delta, *rows, rank, gq, *q.stride()[:3], *k.stride()[:3],
-        *out.stride()[:3], *gq.stride()[:3], batch=b, **shape, **_common(q, k, rows, layout_heads, strided))
+        *out.stride()[:3], *gq.stride()[:3], batch=b, **shape,
+        **_common(q, k, rows, layout_heads, strided))
     dk = torch.empty(s, b, hq, d, device=q.device, dtype=k.dtype)
     dv = torch.empty_like(dk)
     _dkdv[(cols[0].shape[1], b * hq)](

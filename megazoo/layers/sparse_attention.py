@@ -175,7 +175,7 @@ def choose_plan(block_layout, block: int, causal: bool, seq_len: int, device, *,
     strided = None if alibi else strided_plan(lay, block, seq_len, causal)
     if strided is not None:
         return strided
-    if torch.device(device).type == "cuda" and triton_reason(device, head_dim, block, alibi) is None:
+    if torch.device(device).type == "cuda" and not triton_reason(device, head_dim, block, alibi):
         return build_blocks_plan(lay, block, seq_len, causal)
     if KERNEL_BLOCK % block or block == KERNEL_BLOCK:
         return None
@@ -231,7 +231,8 @@ def sparse_attention(q, k, v, layout, block, *, causal: bool = True, scale: floa
         mask = token_mask(layout.to(q.device), block)[None, :, :s, :s]  # [1, hq, s, s]
         return math_attention(q, k, v, causal, None, alibi_slopes, scale, 0.0, mask=mask)
     alibi = alibi_slopes is not None
-    if (block_mask is None and plan is None) or (alibi and isinstance(plan, (StridedPlan, BlocksPlan))):
+    no_alibi = (StridedPlan, BlocksPlan)
+    if (block_mask is None and plan is None) or (alibi and isinstance(plan, no_alibi)):
         block_mask, plan = prepare(layout, block, causal, s, q.device, name, alibi=alibi,
                                    head_dim=q.shape[-1])
     kernel = "flex" if q.device.type == "cuda" else "math"

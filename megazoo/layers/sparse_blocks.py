@@ -59,7 +59,7 @@ class BlocksPlan:
 
 
 def triton_reason(device, head_dim: int | None, block: int, alibi: bool) -> str | None:
-    """Why the Triton kernel (`sparse_blocks.py`) cannot run a call, or None."""
+    """Why this module's Triton kernel cannot run a call, or None."""
     from ..kernels._dispatch import interpreting, triton_status
     ok, why = triton_status()
     if not ok:
@@ -98,20 +98,19 @@ def _walk(lay: torch.Tensor, per_tile: int, per_chunk: int):
     chunks = max(int(count.max()), 1)
     width = chunks * per_chunk
     order = torch.sort((~union).to(torch.uint8), dim=-1, stable=True).indices
-    order = zero_pad_last(order, width)[..., :width]
+    order = _pad_last(order, width)[..., :width]
     used = torch.arange(width, device=lay.device) < seen[..., None]
     index = torch.where(used, order, 0)
     pairs = grid.gather(3, index[:, :, None, :].expand(hp, tiles, per_tile, width))
     pairs = (pairs & used[:, :, None, :]).view(hp, tiles, per_tile, chunks, per_chunk)
     pairs = pairs.permute(0, 1, 3, 2, 4).reshape(hp, tiles, chunks, per_tile * per_chunk)
-    weights = torch.ones(per_tile * per_chunk, dtype=torch.int64, device=lay.device).cumsum(0) - 1
-    bits = (pairs.long() << weights).sum(-1)
+    bits = (pairs.long() << torch.arange(per_tile * per_chunk, device=lay.device)).sum(-1)
     return (count.to(torch.int32).contiguous(),
             index.view(hp, tiles, chunks, per_chunk).to(torch.int32).contiguous(),
             bits.contiguous())
 
 
-def zero_pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
     """x padded with zeros on its last axis to at least `width`."""
     if x.shape[-1] >= width:
         return x
@@ -172,7 +171,8 @@ def _local_layout(plan: StridedPlan, s: int) -> torch.Tensor:
     n, wb, dev = -(-s // SUB), plan.window // SUB, plan.rank.device
     glob = (plan.rank.view(plan.rank.shape[0], wb, SUB) >= 0).any(-1)  # [hp, wb]
     win = torch.arange(n, device=dev) // wb
-    prev = (win[:, None] == win[None, :] + 1)[None] & glob[:, torch.arange(n, device=dev) % wb][:, None]
+    seen = glob[:, torch.arange(n, device=dev) % wb]  # [hp, n]: key block n is global
+    prev = (win[:, None] == win[None, :] + 1)[None] & seen[:, None]
     lay = (win[:, None] == win[None, :])[None] | prev
     return lay & torch.ones(n, n, dtype=torch.bool, device=dev).tril()
 
