@@ -57,6 +57,31 @@ def _mask(bits, shift, rows, cols, valid, RANK, hl, window, ratio, CAUSAL: tl.co
 
 
 @triton.jit
+def _program(heads, layout_heads, tiles):
+    """(tile index t, batch-head bh, b, h, the head's layout row hl, its list row tile)."""
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    hl = h % layout_heads
+    return t, bh, b, h, hl, hl * tiles + t
+
+
+@triton.jit
+def _key_chunk(K, INDEX, BITS, RANK, chunk, kv, sk_s, rows, shift, dim, seq_len, hl, window,
+               ratio, BLOCK_N: tl.constexpr, SUB: tl.constexpr, CAUSAL: tl.constexpr,
+               STRIDED: tl.constexpr):
+    """One step of a query tile's walk: its keys' offsets, which keys are real, the keys
+    transposed [D, BLOCK_N], and the (row, key) pairs that count."""
+    cols = _tokens(INDEX + chunk * (BLOCK_N // SUB), BLOCK_N, SUB)
+    col_ok = cols < seq_len
+    at = kv + cols.to(tl.int64) * sk_s
+    k = tl.load(K + at[None, :] + dim[:, None], mask=col_ok[None, :], other=0.0)
+    ok = _mask(tl.load(BITS + chunk), shift, rows[:, None], cols[None, :], col_ok[None, :],
+               RANK, hl, window, ratio, CAUSAL, STRIDED)
+    return at, col_ok, k, ok
+
+
+@triton.jit
 def _global_rows(rows, row_ok, b, h, batch, ratio, skip, s_b, s_h, s_m):
     """Offsets of query rows in the strided plan's global part ([R b, h, n, ...] with query
     p = R (m + skip) + r in batch slot r b + b), and which rows it has."""
@@ -71,11 +96,7 @@ def _fwd(Q, K, V, O, LSE, COUNT, INDEX, BITS, RANK, OG, LG, sq_s, sq_b, sq_h, sk
          layout_heads, tiles, chunks, window, ratio, skip, scale_log2, D: tl.constexpr,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, CAUSAL: tl.constexpr,
          STRIDED: tl.constexpr, MERGE: tl.constexpr):
-    t = tl.program_id(0)
-    bh = tl.program_id(1)
-    b, h = bh // heads, bh % heads
-    hl = h % layout_heads
-    tile = hl * tiles + t
+    t, bh, b, h, hl, tile = _program(heads, layout_heads, tiles)
     rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
     lane = tl.arange(0, BLOCK_N)
     dim = tl.arange(0, D)
@@ -88,13 +109,9 @@ def _fwd(Q, K, V, O, LSE, COUNT, INDEX, BITS, RANK, OG, LG, sq_s, sq_b, sq_h, sk
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for c in range(0, tl.load(COUNT + tile)):
-        chunk = tile.to(tl.int64) * chunks + c
-        cols = _tokens(INDEX + chunk * (BLOCK_N // SUB), BLOCK_N, SUB)
-        col_ok = cols < seq_len
-        at = kv + cols.to(tl.int64) * sk_s
-        k = tl.load(K + at[None, :] + dim[:, None], mask=col_ok[None, :], other=0.0)
-        ok = _mask(tl.load(BITS + chunk), shift, rows[:, None], cols[None, :], col_ok[None, :],
-                   RANK, hl, window, ratio, CAUSAL, STRIDED)
+        at, col_ok, k, ok = _key_chunk(K, INDEX, BITS, RANK, tile.to(tl.int64) * chunks + c, kv,
+                                       sk_s, rows, shift, dim, seq_len, hl, window, ratio,
+                                       BLOCK_N, SUB, CAUSAL, STRIDED)
         s = tl.where(ok, tl.dot(q, k) * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         base = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -130,11 +147,7 @@ def _dq(Q, K, V, O, DO, DQ, LSE, DELTA, COUNT, INDEX, BITS, RANK, GQ, sq_s, sq_b
         window, ratio, skip, scale, scale_log2, D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, SUB: tl.constexpr, CAUSAL: tl.constexpr, STRIDED: tl.constexpr,
         MERGE: tl.constexpr):
-    t = tl.program_id(0)
-    bh = tl.program_id(1)
-    b, h = bh // heads, bh % heads
-    hl = h % layout_heads
-    tile = hl * tiles + t
+    t, bh, b, h, hl, tile = _program(heads, layout_heads, tiles)
     rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
     lane = tl.arange(0, BLOCK_N)
     dim = tl.arange(0, D)
@@ -151,14 +164,10 @@ def _dq(Q, K, V, O, DO, DQ, LSE, DELTA, COUNT, INDEX, BITS, RANK, GQ, sq_s, sq_b
     shift = (tl.arange(0, BLOCK_M) // SUB)[:, None] * (BLOCK_N // SUB) + (lane // SUB)[None, :]
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     for c in range(0, tl.load(COUNT + tile)):
-        chunk = tile.to(tl.int64) * chunks + c
-        cols = _tokens(INDEX + chunk * (BLOCK_N // SUB), BLOCK_N, SUB)
-        col_ok = cols < seq_len
-        at = kv + cols.to(tl.int64) * sk_s
-        k = tl.load(K + at[None, :] + dim[:, None], mask=col_ok[None, :], other=0.0)
+        at, col_ok, k, ok = _key_chunk(K, INDEX, BITS, RANK, tile.to(tl.int64) * chunks + c, kv,
+                                       sk_s, rows, shift, dim, seq_len, hl, window, ratio,
+                                       BLOCK_N, SUB, CAUSAL, STRIDED)
         vt = tl.load(V + at[None, :] + dim[:, None], mask=col_ok[None, :], other=0.0)
-        ok = _mask(tl.load(BITS + chunk), shift, rows[:, None], cols[None, :], col_ok[None, :],
-                   RANK, hl, window, ratio, CAUSAL, STRIDED)
         p = tl.where(ok, tl.exp2(tl.dot(q, k) * scale_log2 - lse[:, None]), 0.0)
         ds = p * (tl.dot(do, vt) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), tl.trans(k))
@@ -177,11 +186,7 @@ def _dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, COUNT, INDEX, BITS, RANK, GK, GV, sq_
           scale_log2, D: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr, SUB: tl.constexpr, CAUSAL: tl.constexpr,
           STRIDED: tl.constexpr, MERGE: tl.constexpr):
-    t = tl.program_id(0)
-    bh = tl.program_id(1)
-    b, h = bh // heads, bh % heads
-    hl = h % layout_heads
-    tile = hl * tiles + t
+    t, bh, b, h, hl, tile = _program(heads, layout_heads, tiles)
     cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
     lane = tl.arange(0, BLOCK_M)
     dim = tl.arange(0, D)

@@ -53,6 +53,12 @@ class BlocksPlan:
     def heads(self) -> int:
         return self.rows[0].shape[0]
 
+    def launch(self, scale: float) -> dict:
+        """The kernels' keyword arguments for this plan (`kernels.triton_sparse`)."""
+        return dict(block_m=self.block_m, block_n=self.block_n, layout_heads=self.heads,
+                    scale=scale, causal=self.causal, num_warps=self.num_warps,
+                    num_stages=self.num_stages)
+
     def pairs(self) -> int:
         """Score entries the kernel computes per head (of the query-side walk), for reports."""
         return int(self.rows[0].sum()) * self.block_m * self.block_n // self.heads
@@ -139,9 +145,7 @@ class _BlocksAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan: BlocksPlan, scale: float):
         from ..kernels._dispatch import triton_module
         kern = triton_module("sparse")
-        args = dict(block_m=plan.block_m, block_n=plan.block_n, layout_heads=plan.heads,
-                    scale=scale, causal=plan.causal, num_warps=plan.num_warps,
-                    num_stages=plan.num_stages)
+        args = plan.launch(scale)
         out, lse = kern.forward(q, k, v, plan.rows, **args)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.args = plan, args
@@ -191,10 +195,7 @@ class _StridedBlocks(torch.autograd.Function):
         keys, values = _expanded(k, plan, hq), _expanded(v, plan, hq)
         out_g, lse_g, aux = rect_forward(kind, _residues(q, ratio, skip), keys, values, scale,
                                          causal=True)
-        args = dict(block_m=local.block_m, block_n=local.block_n, layout_heads=local.heads,
-                    scale=scale, causal=True, num_warps=local.num_warps,
-                    num_stages=local.num_stages,
-                    strided=(plan.rank.to(torch.int32), plan.window, ratio))
+        args = dict(local.launch(scale), strided=(plan.rank.to(torch.int32), plan.window, ratio))
         out, lse = triton_module("sparse").forward(q, k, v, local.rows, merge=(out_g, lse_g, skip),
                                                    **args)
         ctx.save_for_backward(q, k, v, keys, values, out, lse)
