@@ -175,3 +175,27 @@ def test_cli_json_and_one_line_errors(capsys, tmp_path):
     assert main(LAYOUT.split() + ["--search"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(e.startswith("error: ") for e in err)
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"gpus_per_node": True}, "gpus_per_node must be an integer, got true"),
+    ({"gpus_per_node": 8.0}, "gpus_per_node must be an integer, got 8.0"),
+    ({"hbm_gb": False}, "hbm_gb must be a number, got false"),
+    ({"pcie_gb_s": "32"}, "pcie_gb_s must be a number, got \"32\""),
+])
+def test_a_cluster_file_takes_no_bool_or_string_for_a_number(tmp_path, capsys, edit, says):
+    spec = json.loads((load_cluster.__globals__["PRESETS_FILE"]).read_text())["h100-sxm"]
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({**spec, **edit}))
+    argv = ["--model", "gpt-1.3b", "--micro-batch-size", "1", "--cluster", str(path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+
+
+def test_a_cluster_file_holding_a_list_is_one_line(tmp_path, capsys):
+    path = tmp_path / "c.json"
+    path.write_text("[1, 2]")
+    assert main(["--model", "gpt-1.3b", "--cluster", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds a JSON list, not an object" in err, err
