@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.attention import resume_sparse_layout
 from ..config.flags import parse_args
 from ..config.validate import check_args
 from ..config.run import PretrainArgs
@@ -82,6 +83,11 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     prepare_save_dir(args, rank0, log)
     entropy = unigram_entropy(data.prefixes, data.tokenizer.vocab_size)
     device = data.device = local_device()
+    if args.checkpoint.load:  # the checkpoint's attention layout is part of its model
+        sparse, note = resume_sparse_layout(args.model.sparse_attention, args.checkpoint.load)
+        args.model = dataclasses.replace(args.model, sparse_attention=sparse)
+        if note:
+            log(note)
     model = build_run_model(args, state, device)  # lean: fp32 on the host, one unit at a time
     model.check_inputs = False  # build_data's check_vocabulary checked every id already
     engine = build_engine(args, model, state)

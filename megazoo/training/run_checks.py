@@ -94,6 +94,12 @@ def prepare_save_dir(args, rank0: bool, log) -> None:
     save = args.checkpoint.save
     if not save:
         return
+    parent = os.path.dirname(os.path.abspath(save))
+    if re.fullmatch(r"iter_\d+", os.path.basename(os.path.normpath(save))) and (
+            os.path.isfile(os.path.join(save, "megazoo.json"))
+            or os.path.isfile(os.path.join(parent, "latest"))):
+        raise ValueError(f"--save {save} is one checkpoint of a --save folder; new checkpoints "
+                         f"would nest inside it: pass --save {parent}")
     check_writable(save)
     if rank0:
         for path in remove_leftovers(save, LATEST_TMP):
