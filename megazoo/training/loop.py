@@ -21,6 +21,7 @@ from ..checkpoint.files import NonFiniteError
 from ..errors import user_path
 from .nonfinite import SkipWatch, refuse_nonfinite_loss, stopped_by_nonfinite_save
 from .run_checks import saved_iterations
+from .signals import StopSignals, TrainingInterrupted, interrupted_message
 
 SUMMARY_STEPS = 10  # the final train loss averages this many last iterations
 
@@ -67,7 +68,7 @@ def seed_step(seed: int, iteration: int, state) -> None:
     torch.manual_seed(((seed + 100 * state.pp.rank) * 1_000_003 + iteration) % 2 ** 63)
 
 
-def _save(run, iteration: int, watch: SkipWatch, result, valid: float | None) -> None:
+def _save(run, iteration: int, watch: SkipWatch, result, valid: float | None) -> str:
     """Save iteration `iteration`; a save refused for inf / nan stops the run (exit 1), and
     so does a non-finite last training or evaluation loss (`nonfinite.refuse_nonfinite_loss`):
     weights that give such a loss are not saved, and `latest` stays where it was."""
@@ -83,6 +84,7 @@ def _save(run, iteration: int, watch: SkipWatch, result, valid: float | None) ->
     except NonFiniteError as exc:
         raise stopped_by_nonfinite_save(exc, iteration, watch, result) from None
     run.logger.print(f"saved checkpoint {path}")
+    return path
 
 
 def _log_record(run, iteration, result, seconds, steps, skipped_total) -> dict:
@@ -137,11 +139,21 @@ def train(run) -> dict:
         return {"train_loss": None, "valid_loss": None, "losses": [], "steps": [],
                 "complete": True}
     _header(run)
-    progress, steps = _Progress(run), []
-    valid = None
-    start = window_start = time.perf_counter()
-    window_steps = 0
+    progress = _Progress(run)
+    start = time.perf_counter()
     watch = SkipWatch(a, run.start_iteration, run.logger.print)
+    with StopSignals() as stop:
+        steps, valid = _steps(run, progress, watch, stop)
+    progress.close()
+    return _summary(run, steps, valid, time.perf_counter() - start)
+
+
+def _steps(run, progress, watch: SkipWatch, stop: StopSignals) -> tuple[list, float | None]:
+    """The iterations (log, evaluate, save); after a SIGINT / SIGTERM the step under way
+    finishes, is saved, and TrainingInterrupted ends the run."""
+    a, log = run.args, run.args.logging
+    steps, valid = [], None
+    window_start, window_steps = time.perf_counter(), 0
     for it in range(run.start_iteration, a.training.train_iters):
         step_start = time.perf_counter()
         seed_step(a.training.seed, it, run.state)
@@ -159,12 +171,19 @@ def train(run) -> dict:
             valid = evaluate(run)
             if valid is not None:
                 run.logger.write({"iteration": n, "valid_loss": valid})
+        saved = None
         if a.checkpoint.save and saved_iterations(a, run.start_iteration, [n]):
-            _save(run, n, watch, result, valid)
+            saved = _save(run, n, watch, result, valid)
+        signum = stop.agreed(run.state, run.data.device)
+        if signum:
+            if a.checkpoint.save and saved is None:
+                saved = _save(run, n, watch, result, valid)
+            progress.close()
+            raise TrainingInterrupted(interrupted_message(signum, n, saved, a.checkpoint.save),
+                                      signum)
         if a.training.exit_interval and n % a.training.exit_interval == 0:
             break
-    progress.close()
-    return _summary(run, steps, valid, time.perf_counter() - start)
+    return steps, valid
 
 
 def _summary(run, steps: list, valid, elapsed) -> dict:

@@ -36,6 +36,7 @@ from .backends.lean_build import build_run_model
 from .metrics import MetricsLogger
 from .run_checks import check_save_targets, prepare_save_dir, resume_warnings
 from .loop import evaluate, train
+from .signals import TrainingInterrupted
 
 USER_ERRORS = (ValueError, FileNotFoundError)
 
@@ -116,7 +117,7 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     metrics = None if args.logging.eval_only else args.checkpoint.save
     logger = MetricsLogger(args.logging, device, rank0, print_fn=log,
                            save_dir=args.checkpoint.save, run_config=args.to_dict(),
-                           metrics_dir=metrics or None)
+                           metrics_dir=metrics or None, start_iteration=start)
     return Run(args, state, data, engine, logger, start, entropy, owns)
 
 
@@ -181,4 +182,6 @@ def main(argv: list[str] | None = None, print_fn=print) -> int:
         return report_error(str(exc))
     except TrainingStopped as exc:
         return report_error(str(exc), code=1)
+    except TrainingInterrupted as exc:  # after a save: one line, not a traceback
+        return report_error(str(exc), code=exc.code, prefix="")
     return 0
