@@ -142,3 +142,26 @@ def test_two_fresh_runs_save_the_same_random_states(data, tmp_path):
 def test_a_sample_prompt_that_is_not_utf8_is_refused_before_training(data, capsys):
     err = one_line(capsys, main(tiny_argv(data, "--prompt", "def \udcff")))
     assert err == "error: --prompt is not valid UTF-8 text: pass the prompt as UTF-8"
+
+
+def test_a_longer_resume_says_the_cosine_schedule_rewarms(data, tmp_path):
+    """Resuming with a larger --train-iters moves the end of the decay: the lr climbs back up
+    (here 1.0e-3 at the end of 2 iterations, then near the peak again). A line says so and
+    how to continue the old schedule; the same --train-iters prints nothing of the kind."""
+    from megazoo.training.run import run_training
+
+    save = tmp_path / "ck"
+    run_training(tiny_argv(data, "--train-iters", "4", "--save", str(save),
+                           "--save-interval", "2", "--exit-interval", "2"))
+    lines = []
+    run_training(tiny_argv(data, "--train-iters", "4", "--save", str(save), "--load", str(save)),
+                 print_fn=lines.append)
+    assert not any("learning-rate schedule changed" in x for x in lines), lines
+    longer = tmp_path / "longer"
+    run_training(tiny_argv(data, "--train-iters", "2", "--save", str(longer)))
+    lines = []
+    run_training(tiny_argv(data, "--train-iters", "6", "--save", str(longer), "--load",
+                           str(longer)), print_fn=lines.append)
+    note = [x for x in lines if "learning-rate schedule changed" in x]
+    assert len(note) == 1 and "iteration 3 would have used lr 1.000e-03" in note[0], lines
+    assert "pass --lr-decay-iters 2 to continue the old schedule" in note[0]
