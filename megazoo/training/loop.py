@@ -8,6 +8,7 @@ pictures are the caller's (`megazoo.plot.draw_run_curves`).
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 
@@ -19,6 +20,7 @@ from .checkpoint import save_training_checkpoint
 from .data import tokens_per_step
 from ..checkpoint.files import NonFiniteError
 from ..errors import user_path
+from .metrics import speed_note
 from .nonfinite import SkipWatch, refuse_nonfinite_loss, stopped_by_nonfinite_save
 from .run_checks import saved_iterations
 from .signals import StopSignals, TrainingInterrupted, interrupted_message
@@ -164,8 +166,13 @@ def _steps(run, progress, watch: SkipWatch, stop: StopSignals) -> tuple[list, fl
         n = it + 1
         watch.after_step(n, result)
         if n % log.log_interval == 0:
-            run.logger.write(_log_record(run, n, result, time.perf_counter() - window_start,
-                                         window_steps, watch.total))
+            seconds = time.perf_counter() - window_start
+            run.logger.write(_log_record(run, n, result, seconds, window_steps, watch.total))
+            if not run.logger.records[:-1] and run.data.device.type == "cpu" and \
+                    n < a.training.train_iters:  # the first line of this segment
+                run.logger.print(speed_note(a.training.train_iters - n, seconds / window_steps,
+                                            torch.get_num_threads(), os.cpu_count() or 1,
+                                            os.getloadavg()[0], bool(a.training.cpu_threads)))
             window_start, window_steps = time.perf_counter(), 0
         if n % log.eval_interval == 0 or n == a.training.train_iters:
             valid = evaluate(run)

@@ -115,6 +115,21 @@ class MetricsLogger:
         self.sinks, self.writers = [], []
 
 
+def speed_note(remaining: int, step_s: float, threads: int, cores: int, load: float,
+               threads_given: bool) -> str:
+    """What the first log line of a CPU run adds: how long the remaining steps take at this
+    speed, and, when other work keeps the cores busy (the 1-minute load average less this
+    run's own threads), how many threads to ask for: torch's default of one a core makes them
+    fight that work, which on a loaded machine is several times slower."""
+    minutes = remaining * step_s / 60
+    note = f"at this speed the remaining {remaining} steps take about {minutes:.0f} min"
+    free = max(1, cores - round(max(0.0, load - threads)))
+    if not threads_given and free < threads:
+        note += (f"; the machine is busy (load average {load:.1f} on {cores} cores): "
+                 f"--cpu-threads {free} is likely faster than the {threads} threads now")
+    return note
+
+
 def drop_records_after(path: str, iteration: int) -> None:
     """Rewrite the JSON-lines file `path` without the records of iterations after
     `iteration`: what a killed segment logged past its last checkpoint, which the run resumed

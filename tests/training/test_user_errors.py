@@ -165,3 +165,21 @@ def test_a_longer_resume_says_the_cosine_schedule_rewarms(data, tmp_path):
     note = [x for x in lines if "learning-rate schedule changed" in x]
     assert len(note) == 1 and "iteration 3 would have used lr 1.000e-03" in note[0], lines
     assert "pass --lr-decay-iters 2 to continue the old schedule" in note[0]
+
+
+def test_the_first_log_line_says_how_long_the_run_takes_and_what_to_pass(data):
+    from megazoo.training.metrics import speed_note
+    from megazoo.training.run import run_training
+
+    idle = speed_note(760, 0.15, threads=2, cores=2, load=2.1, threads_given=False)
+    assert idle == "at this speed the remaining 760 steps take about 2 min"
+    busy = speed_note(760, 4.0, threads=2, cores=2, load=7.0, threads_given=False)
+    assert busy == ("at this speed the remaining 760 steps take about 51 min; the machine is "
+                    "busy (load average 7.0 on 2 cores): --cpu-threads 1 is likely faster "
+                    "than the 2 threads now")
+    assert "busy" not in speed_note(760, 4.0, threads=2, cores=2, load=7.0, threads_given=True)
+    lines = []
+    run_training(tiny_argv(data), print_fn=lines.append)
+    notes = [x for x in lines if x.startswith("at this speed the remaining 5 steps take about")]
+    assert len(notes) == 1 and lines.index(notes[0]) == \
+        next(i for i, x in enumerate(lines) if x.startswith("iteration 1 |")) + 1
