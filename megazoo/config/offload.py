@@ -30,6 +30,18 @@ def check_offload_fraction(fraction: float) -> None:
         raise ValueError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
 
 
+def fraction_note(fraction: float, host: list[int], buckets: list[int]) -> str | None:
+    """A line when the whole buckets on the host (`host`, their element counts, of all
+    `buckets`) hold a share far from --optimizer-offload-fraction (0.25 or more off):
+    the state is split by gradient bucket, so few buckets cannot split it finely."""
+    share = sum(host) / max(sum(buckets), 1)
+    if abs(share - fraction) <= 0.25:
+        return None
+    return (f"--optimizer-offload-fraction {fraction:g} offloads {share:.0%} here: the state "
+            f"is split by whole gradient buckets and this run has {len(buckets)}; a smaller "
+            f"--ddp-bucket-size splits it finer")
+
+
 @dataclass(frozen=True)
 class OffloadPlan:
     """The plain engine's optimizer offload."""

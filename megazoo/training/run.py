@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..checkpoint.attention import resume_sparse_layout
 from ..config.flags import parse_args
+from ..config.offload import fraction_note
 from ..config.validate import check_args
 from ..config.run import PretrainArgs
 from ..layers.fp8 import check_fp8_run
@@ -99,6 +100,11 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     placement = getattr(getattr(engine, "optimizer", None), "placement", None)
     if placement and isinstance(placement, str):
         log(placement)
+        slots = engine.optimizer.slots  # the plain engine's offload: one slot a bucket
+        note = fraction_note(args.training.optimizer_offload_fraction,
+                             [s.numel for s in slots if s.host], [s.numel for s in slots])
+        if note:
+            log(f"warning: {note}")
     start = 0
     if args.checkpoint.load:
         extra = load_training_checkpoint(engine, args.checkpoint.load)

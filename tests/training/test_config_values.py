@@ -69,3 +69,19 @@ def test_an_offload_section_the_plain_engine_applies_gets_no_warning(tmp_path, c
     args = parse_args(["--deepspeed_config", ds])
     assert plain_offload(args) is not None  # the plain engine offloads as the JSON says
     assert "ignores" not in capsys.readouterr().err
+
+
+def test_a_fraction_that_whole_buckets_cannot_split_is_said(data, capsys):
+    """One gradient bucket: --optimizer-offload-fraction 0.5 offloads all of it; a line says
+    so and which flag splits finer. Many small buckets: nothing to say."""
+    from megazoo.config.offload import fraction_note
+    from helpers.runs import tiny_argv
+    from megazoo.training.run import run_training
+
+    assert fraction_note(0.5, [100], [100]).startswith(
+        "--optimizer-offload-fraction 0.5 offloads 100% here")
+    assert fraction_note(0.5, [10] * 5, [10] * 10) is None
+    lines = []
+    run_training(tiny_argv(data, "--optimizer-cpu-offload", "--optimizer-offload-fraction",
+                           "0.5", "--train-iters", "1"), print_fn=lines.append)
+    assert any("offloads 100% here" in x and "--ddp-bucket-size" in x for x in lines), lines
