@@ -199,3 +199,16 @@ def test_a_cluster_file_holding_a_list_is_one_line(tmp_path, capsys):
     assert main(["--model", "gpt-1.3b", "--cluster", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds a JSON list, not an object" in err, err
+
+
+@pytest.mark.parametrize("impl", ["--deepspeed", "--zero-impl fsdp2"])
+def test_zero3_at_pp1_counts_its_gathers_once_as_dp_time(impl):
+    """One stage has no pipeline to wait on: no bubble, and ZeRO-3's exposed gathers and
+    reduce-scatters appear once, as dp_comm, in the step as in the breakdown (they were
+    counted in the step twice, the second time printed as the bubble)."""
+    t = _predict(f"--model gpt-1.3b --dp 8 {impl} --zero-stage 3 --micro-batch-size 4 "
+                 f"--global-batch-size 64 --bf16", "h100-sxm")
+    (stage,) = t.stages
+    assert stage.dp_comm > 0.01 and abs(stage.bubble) < 1e-12
+    parts = stage.compute + stage.tp_comm + stage.dp_comm + stage.optimizer
+    assert abs(t.step_s - parts) < 1e-12
