@@ -212,3 +212,12 @@ def test_zero3_at_pp1_counts_its_gathers_once_as_dp_time(impl):
     assert stage.dp_comm > 0.01 and abs(stage.bubble) < 1e-12
     parts = stage.compute + stage.tp_comm + stage.dp_comm + stage.optimizer
     assert abs(t.step_s - parts) < 1e-12
+
+
+def test_a_search_finding_nothing_names_the_nearest_layout(capsys):
+    assert main("--model bloom-176b --cluster h100-sxm --search --gpus 8 --bf16 "
+                "--micro-batch-size 1 --global-batch-size 8 --seq-length 2048".split()) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("0 layouts fit on 8 GPUs")
+    assert out[1].startswith("why: nothing fits 80 GB per GPU: the nearest, "
+                             "--tensor-model-parallel-size 8") and "GB; more GPUs" in out[1]
