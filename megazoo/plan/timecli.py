@@ -61,7 +61,7 @@ def predict(ns) -> dict:
             "layout": f"TP{layout.tp}-SP{layout.sp}-PP{layout.pp}-VPP{layout.vpp}-DP{layout.dp}",
             **dataclasses.asdict(time), "gpu_memory_gb": memory[top].gpu_total / GB,
             "gpu_memory_stage": top, "memory": memory[top].to_dict(), **extra,
-            "fits": memory[top].gpu_total <= cluster.hbm_gb * GB,
+            "fits": all(m.fits for m in memory),  # the fp32 build too, as the notes say
             "notes": notes + time.notes + memory[top].notes}
 
 

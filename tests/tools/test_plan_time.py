@@ -221,3 +221,14 @@ def test_a_search_finding_nothing_names_the_nearest_layout(capsys):
     assert out[0].startswith("0 layouts fit on 8 GPUs")
     assert out[1].startswith("why: nothing fits 80 GB per GPU: the nearest, "
                              "--tensor-model-parallel-size 8") and "GB; more GPUs" in out[1]
+
+
+def test_the_headline_agrees_with_the_fp32_build_note(capsys):
+    """BLOOM-176B, ZeRO-3 with parameter offload: training fits in 80 GB, the fp32 build
+    (705 GB) does not; the prediction's headline must not say "fits" above that note."""
+    assert main("--model bloom-176b --cluster h100-sxm --dp 8 --deepspeed --zero-stage 3 "
+                "--offload-optimizer cpu --offload-param cpu --recompute-granularity full "
+                "--micro-batch-size 1 --global-batch-size 8 --bf16".split()) == 0
+    out = capsys.readouterr().out
+    assert "that, not training, does not fit" in out
+    assert out.splitlines()[0].endswith("(does NOT fit)")
