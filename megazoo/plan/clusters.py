@@ -51,6 +51,13 @@ class Cluster:
     source: str = ""
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # JSON true is not 1 here, "8" not 8
+            value, numeric = getattr(self, field.name), "float" in field.type or "int" in field.type
+            if numeric and value is not None and (isinstance(value, bool) or not isinstance(
+                    value, (int, float)) or ("int" in field.type and not isinstance(value, int))):
+                kind = "an integer" if "int" in field.type else "a number"
+                raise ValueError(f"cluster {self.name}: {field.name} must be {kind}, got "
+                                 f"{json.dumps(value)}")
         for name in ("peak_bf16_tflops", "hbm_gb", "hbm_gb_s", "intra_node_gb_s", "pcie_gb_s",
                      "host_adam_params_per_s"):
             if not getattr(self, name) > 0:
@@ -86,6 +93,9 @@ def load_cluster(spec: str) -> Cluster:
             fields = json.loads(Path(spec).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"--cluster {spec}: cannot read it as JSON ({exc})") from None
+        if not isinstance(fields, dict):
+            raise ValueError(f"--cluster {spec} holds a JSON {type(fields).__name__}, not an "
+                             f"object: give one object of the cluster's fields")
         name = fields.pop("name", Path(spec).stem)
     else:
         raise ValueError(f"unknown --cluster {spec!r}: give one of {', '.join(known)} or a "

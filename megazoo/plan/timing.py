@@ -105,16 +105,17 @@ def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
     params = rank_parameters(config, layout.tp, [sum(layers[r::p]) for r in range(p)])
     zero3 = [_zero3_exposed(w, params[i % p] / v, layout, cluster) for i, w in enumerate(works)]
     ends = _pipeline([w + z for w, z in zip(works, zero3)], layout, config, cluster, exact)
-    tail = [_dp_exposed(args, layout, cluster, params[r], works[r::p])
-            + m * sum(z.fwd_comm + z.bwd_comm for z in zero3[r::p]) for r in range(p)]
+    tail = [_dp_exposed(args, layout, cluster, params[r], works[r::p]) for r in range(p)]
     optim = [_optimizer(layout, cluster, rates, params[r]) for r in range(p)]
     step = max(e + d + o for e, d, o in zip(ends, tail, optim))
     stages = []
     for r in range(p):
         compute = m * sum(w.fwd + w.bwd for w in works[r::p])
         comm = m * sum(w.fwd_comm + w.bwd_comm for w in works[r::p])
+        # ZeRO-3's exposed gathers run inside the passes (`ends` holds them): dp time, once
+        dp = tail[r] + m * sum(z.fwd_comm + z.bwd_comm for z in zero3[r::p])
         stages.append(StageTime(sum(layers[r::p]), compute, comm,
-                                step - compute - comm - tail[r] - optim[r], tail[r], optim[r]))
+                                step - compute - comm - dp - optim[r], dp, optim[r]))
     gpus, batch, s = layout.world_size, layout.micro_batch_size * m * layout.dp, layout.seq_length
     model = flops_per_iteration(batch, s, config.num_layers, config.hidden_size,
                                 config.padded_vocab(1))
