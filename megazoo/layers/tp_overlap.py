@@ -43,6 +43,12 @@ from ..parallel.collectives import all_gather_flat, reduce_scatter_flat
 from .groups import Group, group_size, process_group
 from .wgrad import weight_grad
 
+TP_COMM_CHUNKS = 4
+"""Chunks per GEMM under --tp-comm-overlap: a quarter of the transfer stays exposed (the
+first all-gather chunk, the last reduce-scatter chunk), and each chunk's GEMM keeps
+s b / (tp 4) rows (2048 at the gpt-1.3b shape, micro-batch 4, tp 2), large enough to run
+at the GEMM's full rate."""
+
 
 class InFlight:
     """Transfers started and not yet waited for; holds each one's buffers until `wait()`
@@ -95,11 +101,10 @@ def chunk_rows(shard_rows: int, tp: int, k: int, i: int) -> list[tuple[int, int]
     return rows
 
 
-def check_chunks(shard_rows: int, k: int, where: str) -> None:
-    """ValueError (before any collective) unless k chunks split the sequence shard."""
-    if k < 1 or shard_rows % k:
-        raise ValueError(f"{where}: tp_comm_chunks={k} must divide the {shard_rows} rows of "
-                         f"the sequence shard; choose a divisor or 1")
+def usable_chunks(shard_rows: int, requested: int) -> int:
+    """The largest chunk count <= `requested` that divides the sequence shard's rows (chunks
+    are whole rows; 1 always does)."""
+    return max(k for k in range(1, max(requested, 1) + 1) if shard_rows % k == 0)
 
 
 def gather_matmul(x_shard: torch.Tensor, b: torch.Tensor, group: Group, k: int):
@@ -207,9 +212,9 @@ class _LinearReduceScatter(torch.autograd.Function):
 
 
 def gather_linear(x_shard, weight, bias, group: Group, k: int) -> torch.Tensor:
-    """x_shard [s/tp, b, in] -> x_full W^T + b [s, b, out/tp] (`_GatherLinear`)."""
-    check_chunks(x_shard.shape[0], k, "ColumnParallelLinear")
-    return _GatherLinear.apply(x_shard, weight, bias, group, k)
+    """x_shard [s/tp, b, in] -> x_full W^T + b [s, b, out/tp] (`_GatherLinear`) in up to k
+    chunks (`usable_chunks`)."""
+    return _GatherLinear.apply(x_shard, weight, bias, group, usable_chunks(x_shard.shape[0], k))
 
 
 def linear_reduce_scatter(x, weight, group: Group, k: int) -> torch.Tensor:
@@ -218,5 +223,4 @@ def linear_reduce_scatter(x, weight, group: Group, k: int) -> torch.Tensor:
     if x.shape[0] % tp:
         raise ValueError(f"sequence dimension {x.shape[0]} is not divisible by the group size "
                          f"{tp}: choose a sequence length that divides")
-    check_chunks(x.shape[0] // tp, k, "RowParallelLinear")
-    return _LinearReduceScatter.apply(x, weight, group, k)
+    return _LinearReduceScatter.apply(x, weight, group, usable_chunks(x.shape[0] // tp, k))

@@ -2,10 +2,8 @@
 (`megazoo.layers.tp_overlap`) against the unchunked path and one process, on gloo; the chunk
 loop's order and the row blocks without processes. Tolerances: tests/helpers/comm_checks.py.
 """
-import pytest
-
 from helpers import comm_checks
-from megazoo.layers.tp_overlap import check_chunks, chunk_pipeline, chunk_rows
+from megazoo.layers.tp_overlap import chunk_pipeline, chunk_rows, usable_chunks
 from megazoo.testing import run_distributed
 
 
@@ -18,8 +16,8 @@ def test_chunk_rows_cover_the_sequence_once():
     assert chunk_rows(8, 2, 2, 1) == [(4, 8), (12, 16)]
     rows = sorted(r for i in range(4) for lo, hi in chunk_rows(8, 4, 4, i) for r in range(lo, hi))
     assert rows == list(range(32))
-    with pytest.raises(ValueError, match="tp_comm_chunks=3 must divide the 8 rows"):
-        check_chunks(8, 3, "ColumnParallelLinear")
+    assert [usable_chunks(8, k) for k in (1, 2, 3, 4, 5)] == [1, 2, 2, 4, 4]
+    assert usable_chunks(6, 4) == 3
 
 
 class _Work:
