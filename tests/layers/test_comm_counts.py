@@ -21,6 +21,7 @@ from collections import Counter
 import pytest
 
 from helpers import comm_checks
+from megazoo.plan.collectives import layer_collectives
 from megazoo.testing import run_distributed
 
 
@@ -44,6 +45,22 @@ def test_layer_issues_the_minimum(tp, sp, megatron_sp, chunks, forward, backward
                              timeout=300)[0]
     assert _per_layer(counts, "forward") == Counter(forward)
     assert _per_layer(counts, "backward") == Counter(backward)
+    # the planner's per-layer collectives: the same calls and bytes (fp32 here)
+    planned = layer_collectives(comm_checks.tiny_gpt(1), tp=tp, sp=sp, megatron_sp=megatron_sp,
+                                micro_batch=comm_checks.B, seq_length=comm_checks.S,
+                                chunks=chunks, elem_bytes=4)
+    for way, want in (("forward", forward), ("backward", backward)):
+        calls = Counter()
+        for c in planned:
+            if c.direction == way:
+                calls[c.kind, c.group] += c.calls
+        assert calls == Counter(want)
+    layer_bytes = {k: (counts[3]["bytes"][k] - counts[1]["bytes"].get(k, 0)) // 2
+                   for k in counts[3]["bytes"]}
+    planned_bytes = Counter()
+    for c in planned:
+        planned_bytes[c.kind, c.group] += c.bytes
+    assert +Counter(layer_bytes) == planned_bytes
     for layers in (1, 3):
         assert counts[layers]["host_syncs"] == 0 and counts[layers]["events"] == 0
     if megatron_sp:  # outside the layers: embedding reduce-scatter, head all-gather, and
@@ -53,7 +70,7 @@ def test_layer_issues_the_minimum(tp, sp, megatron_sp, chunks, forward, backward
         # however many chunks carry them
         layer = comm_checks.S * comm_checks.B * comm_checks.H * 4
         for kind in ("all_gather", "reduce_scatter"):
-            assert counts[3]["bytes"][kind, "tp"] - counts[1]["bytes"][kind, "tp"] == 2 * 2 * 2 * layer
+            assert layer_bytes[kind, "tp"] == 2 * 2 * layer
 
 
 def test_sequence_parallel_grads_reduced_once_per_step():
