@@ -18,7 +18,7 @@ width kv (heads x head dim), elements of `elem_bytes` bytes:
   output's ([s/u, b, h / t]), backward the same two.
 
 Outside the blocks (not here): the embedding's reduce-scatter (SP) or all-reduce, the head's
-all-gather or its backward all-reduce, the loss's three [s/u, b] fp32 all-reduces over tp, and
+all-gather or its backward all-reduce, the loss's two fp32 all-reduces over tp ([s/u, b] and [2, s/u, b]), and
 once per step the sequence-parallel parameters' gradient sum over tp (one all-reduce per
 gradient bucket holding any).
 """
