@@ -17,6 +17,7 @@ from torch import nn
 
 from megazoo.layers import ColumnParallelLinear, RowParallelLinear
 from megazoo.layers.linear import set_tp_comm_overlap
+from megazoo.layers.parallel_attention import set_ulysses_overlap
 from megazoo.models import ModelConfig, build_model
 from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.parallel.comm_count import CommCounter, named_groups
@@ -79,7 +80,8 @@ def tiny_gpt(num_layers: int) -> ModelConfig:
                        vocab_size=128, max_position_embeddings=S)
 
 
-def model_counts(tp: int, sp: int, megatron_sp: bool, chunks: int = 1) -> dict:
+def model_counts(tp: int, sp: int, megatron_sp: bool, chunks: int = 1,
+                 ulysses_chunks: int = 1) -> dict:
     """Collectives of one forward and one backward of a 1-layer and a 3-layer model; their
     difference over 2 is one layer's (everything outside the layers cancels)."""
     state = ParallelState.initialize(ParallelConfig(tp=tp, sp=sp, sequence_parallel=megatron_sp))
@@ -88,6 +90,7 @@ def model_counts(tp: int, sp: int, megatron_sp: bool, chunks: int = 1) -> dict:
     for layers in (1, 3):
         model = build_model(tiny_gpt(layers), state, device="cpu", seed=0)
         set_tp_comm_overlap(model, chunks)
+        set_ulysses_overlap(model, ulysses_chunks)
         with CommCounter(named_groups(state)) as fw:
             loss = model(ids, labels=ids)
         with CommCounter(named_groups(state)) as bw:
@@ -122,3 +125,33 @@ def step_counts(micro_batches: int) -> dict:
     return dict(reduces=reduces, sp_numel=sp_numel, buckets=len(engine.buffers.buckets),
                 host_syncs=counts.host_syncs, events=counts.events,
                 other=counts.summary())
+
+
+def check_ulysses_chunks(families=("gpt", "llama")) -> list[str]:
+    """Ulysses sp = world with its all-to-alls chunked into the projections (2 and 4 chunks)
+    against the one-process model: loss, logits and every gradient (model_checks.compare,
+    its tolerance: the output projection sums chunks in another order)."""
+    from megazoo.training.gradients import allreduce_gradients
+
+    from .fixtures import tiny_config
+    from .model_checks import TOL, batch, compare, reference
+
+    state = ParallelState.initialize(ParallelConfig(sp=dist.get_world_size()))
+    ids, labels = batch()
+    errors = []
+    for family in families:
+        cfg = tiny_config(family, position_embedding="rope") if family == "gpt" else tiny_config(family)
+        ref = reference(cfg)
+        for chunks in (2, 4):
+            model = build_model(cfg, state, device="cpu", seed=0)
+            set_ulysses_overlap(model, chunks)
+            loss = model(ids, labels=labels)
+            with torch.no_grad():
+                if not torch.allclose(model(ids), ref["logits"], **TOL):
+                    errors.append(f"{family} {chunks} chunks: logits differ")
+            if not torch.allclose(loss.detach(), ref["loss"], **TOL):
+                errors.append(f"{family} {chunks} chunks: loss {loss.item()} vs {ref['loss'].item()}")
+            loss.backward()
+            allreduce_gradients(model, state)
+            errors += compare(model, ref, state, "grads", f"{family} {chunks} chunks")
+    return errors
