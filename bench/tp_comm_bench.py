@@ -1,5 +1,5 @@
-"""Tensor parallelism + Megatron SP on 2 GPUs with and without --tp-comm-overlap: tokens/s and
-the collectives one training step issues, beside one GPU.
+"""Tensor parallelism + Megatron SP and Ulysses on 2 GPUs with and without --tp-comm-overlap:
+tokens/s and the collectives one training step issues, beside one GPU.
 
     python -m bench.tp_comm_bench --out DIR                  # 2 GPUs (see bench/README.md)
     python -m bench.tp_comm_bench --dry-run --out /tmp/tpc   # CPU, gloo, tiny shape
@@ -10,8 +10,8 @@ steps `--skip`+1 .. `--skip`+`--steps` are timed (one device sync before and aft
 window), then one more step runs under `megazoo.parallel.comm_count.CommCounter` (not timed:
 the counter costs host time per op) and its collectives are printed by kind and group
 (calls and bytes per step), with the host reads of tensor values and the event polls the
-step made. Rows: one GPU (tp 1, the baseline of the ratio), tp 2 + SP, tp 2 + SP with
---tp-comm-overlap. Results: `RESULT {json}` lines, DIR/tp_comm.json.
+step made. Rows: one GPU (the baseline of the ratio), tp 2 + SP and Ulysses sp 2, each
+with and without --tp-comm-overlap. Results: `RESULT {json}` lines, DIR/tp_comm.json.
 """
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ ROWS = {  # name -> (ranks, flags)
     "tp2+SP": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "tp2+SP overlap": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                            "--tp-comm-overlap"]),
+    "ulysses sp2": (2, ["--sequence-parallel-size", "2"]),
+    "ulysses sp2 overlap": (2, ["--sequence-parallel-size", "2", "--tp-comm-overlap"]),
 }
 RUN_FLAGS = ["--save", "", "--generate-tokens", "0", "--no-progress", "--eval-iters", "0",
              "--data-cache-path", os.path.join(REPO, "data_cache")]

@@ -122,6 +122,7 @@ def test_help_shows_every_flags_default():
 def test_tp_comm_overlap_flag_needs_megatron_sp():
     a = parse_args(["--tp-comm-overlap", "--tensor-model-parallel-size", "2", "--sequence-parallel"])
     assert a.training.tp_comm_overlap
+    assert parse_args(["--tp-comm-overlap", "--sequence-parallel-size", "2"]).training.tp_comm_overlap
     for argv in (["--tp-comm-overlap"], ["--tp-comm-overlap", "--tp", "2"]):
-        with pytest.raises(ValueError, match="needs --tensor-model-parallel-size > 1 and --sequence-parallel"):
+        with pytest.raises(ValueError, match="> 1 with --sequence-parallel, or --sequence-parallel-size"):
             parse_args(argv)
