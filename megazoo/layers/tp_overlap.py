@@ -151,6 +151,11 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Group, k: int
     return y_shard, chunk_pipeline(k, compute, send=send)
 
 
+def _weight_grad(weight, dy: torch.Tensor, x: torch.Tensor, want_db: bool):
+    """`wgrad.weight_grad` for dy [.., N], x [.., K] of any leading shape."""
+    return weight_grad(weight, dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]), want_db)
+
+
 class _GatherLinear(torch.autograd.Function):
     """Column-parallel linear under Megatron SP. forward: all-gather + GEMM in chunks;
     backward: dgrad + reduce-scatter in chunks, the weight gradient beside the last ones.
@@ -176,8 +181,7 @@ class _GatherLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x_full, weight = ctx.saved_tensors
         dx_shard, in_flight = matmul_reduce_scatter(dy, weight, ctx.group, ctx.k)
-        dw, db = weight_grad(weight, dy.reshape(-1, dy.shape[-1]),
-                             x_full.reshape(-1, x_full.shape[-1]), ctx.has_bias)
+        dw, db = _weight_grad(weight, dy, x_full, ctx.has_bias)  # beside the reduce-scatters
         in_flight.wait()
         return dx_shard, dw, db, None, None
 
@@ -206,9 +210,7 @@ class _LinearReduceScatter(torch.autograd.Function):
     def backward(ctx, dy_shard):
         x, weight = ctx.saved_tensors
         dy_full, dx = gather_matmul(dy_shard, weight, ctx.group, ctx.k)
-        dw, _ = weight_grad(weight, dy_full.reshape(-1, dy_full.shape[-1]),
-                            x.reshape(-1, x.shape[-1]), False)
-        return dx, dw, None, None
+        return dx, _weight_grad(weight, dy_full, x, False)[0], None, None
 
 
 def gather_linear(x_shard, weight, bias, group: Group, k: int) -> torch.Tensor:

@@ -131,27 +131,15 @@ def check_ulysses_chunks(families=("gpt", "llama")) -> list[str]:
     """Ulysses sp = world with its all-to-alls chunked into the projections (2 and 4 chunks)
     against the one-process model: loss, logits and every gradient (model_checks.compare,
     its tolerance: the output projection sums chunks in another order)."""
-    from megazoo.training.gradients import allreduce_gradients
-
     from .fixtures import tiny_config
-    from .model_checks import TOL, batch, compare, reference
+    from .model_checks import _run_layout, reference
 
     state = ParallelState.initialize(ParallelConfig(sp=dist.get_world_size()))
-    ids, labels = batch()
     errors = []
     for family in families:
         cfg = tiny_config(family, position_embedding="rope") if family == "gpt" else tiny_config(family)
         ref = reference(cfg)
         for chunks in (2, 4):
-            model = build_model(cfg, state, device="cpu", seed=0)
-            set_ulysses_overlap(model, chunks)
-            loss = model(ids, labels=labels)
-            with torch.no_grad():
-                if not torch.allclose(model(ids), ref["logits"], **TOL):
-                    errors.append(f"{family} {chunks} chunks: logits differ")
-            if not torch.allclose(loss.detach(), ref["loss"], **TOL):
-                errors.append(f"{family} {chunks} chunks: loss {loss.item()} vs {ref['loss'].item()}")
-            loss.backward()
-            allreduce_gradients(model, state)
-            errors += compare(model, ref, state, "grads", f"{family} {chunks} chunks")
+            errors += _run_layout(cfg, ref, state, f"{family} {chunks} chunks",
+                                  prepare=lambda m, k=chunks: set_ulysses_overlap(m, k))
     return errors
