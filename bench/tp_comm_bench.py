@@ -97,6 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--skip", type=int, default=4)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--timeout", type=float, default=150, help="seconds per row")
     p.add_argument("--dry-run", action="store_true", help="tiny shape, fp32, CPU")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
         launcher = torchrun(ranks) if ranks > 1 else None
         cmd = module_command("tp_comm_bench", launcher) + [
             "--child", "--skip", str(cfg.skip), "--steps", str(cfg.steps), "--", *row_flags(cfg, extra)]
-        rc, out, err = run_command(cmd, timeout=1200)
+        rc, out, err = run_command(cmd, timeout=cfg.timeout)
         with open(os.path.join(cfg.out, name.replace(" ", "_").replace("+", "_") + ".log"), "w") as f:
             f.write(out + "\n--- stderr ---\n" + err)
         found = results(out)
