@@ -73,6 +73,12 @@ class TrainingConfig:
     overlap_param_gather: bool = False
     """With --use-distributed-optimizer: all-gather the updated parameters asynchronously,
     each bucket waited for by the first module of the next forward that uses it."""
+    tp_comm_overlap: bool = False
+    """Model-parallel communication overlapped with the GEMMs beside it, in up to 4 chunks:
+    tensor parallelism with --sequence-parallel cuts each all-gather + column-parallel GEMM
+    and row-parallel GEMM + reduce-scatter along the sequence (`megazoo.layers.tp_overlap`);
+    Ulysses cuts its all-to-alls by kv groups inside the QKV and output projections
+    (`megazoo.layers.ulysses_overlap`). Off: one collective per GEMM, through the same code."""
     ddp_bucket_size: int | None = None
     """Plain engine: elements per gradient bucket; None: max(40M, 1M x dp x sp) (Megatron's)."""
     gradient_accumulation_fusion: bool = True

@@ -10,9 +10,10 @@ Completion (what turns each rank's backward into the one-process model's gradien
   hook `SumReplicatedKV`; engines that replace parameters call it on their shards);
 - pp with tied embeddings: the embedding (first stage) and its head copy (last stage) are
   summed over `state.embedding`.
-Who does what: the plain backend's `GradBuffer` does the dp x sp part per bucket, the
-Megatron-SP tp sum runs per micro-batch from `hook_sequence_parallel_grads` (also used by
-DeepSpeed), the tied sum from `sum_tied_embedding`. `allreduce_gradients` does all of it
+Who does what: the plain backend's `GradBuffer` does the dp x sp part per bucket and the
+Megatron-SP tp sum once per step (one all-reduce per bucket, before its dp x sp reduction);
+DeepSpeed's engine gets the tp sum per micro-batch from `hook_sequence_parallel_grads`; the
+tied sum comes from `sum_tied_embedding`. `allreduce_gradients` does all of it
 per parameter after backward (reference for tests); `complete_sharded_gradients` does the
 rest for FSDP2's shards (whose reduce-scatter averaged over dp x sp).
 

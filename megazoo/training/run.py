@@ -34,6 +34,9 @@ from .checkpoint import load_training_checkpoint
 from .data import TrainData, build_data, resolve_data_source, unigram_entropy
 from .backends import Engine, TrainingStopped, build_engine
 from .backends.lean_build import build_run_model
+from ..layers.linear import set_tp_comm_overlap
+from ..layers.parallel_attention import set_ulysses_overlap
+from ..layers.tp_overlap import TP_COMM_CHUNKS
 from .metrics import MetricsLogger
 from .run_checks import check_save_targets, prepare_save_dir, resume_warnings
 from .loop import evaluate, train
@@ -92,6 +95,9 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
             log(note)
     model = build_run_model(args, state, device)  # lean: fp32 on the host, one unit at a time
     model.check_inputs = False  # build_data's check_vocabulary checked every id already
+    if args.training.tp_comm_overlap:
+        set_tp_comm_overlap(model, TP_COMM_CHUNKS)
+        set_ulysses_overlap(model, TP_COMM_CHUNKS)
     engine = build_engine(args, model, state)
     advice = host_thread_advice(engine.cpu_offload, torch.get_num_threads(), os.cpu_count() or 1,
                                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
