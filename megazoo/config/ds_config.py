@@ -30,6 +30,7 @@ import sys
 from dataclasses import dataclass
 
 from .ds_schema import check_types
+from .ds_tuning import fill_zero
 
 AUTO = "auto"
 SPARSE_SECTION = "sparse_attention"  # megazoo's model reads it; DeepSpeed never gets it
@@ -220,11 +221,13 @@ def check_json_training_keys(args, dp: int) -> None:
 
 
 def build_ds_config(args, dp: int) -> dict:
-    """The DeepSpeed config dict of `args` (`args.zero`, `args.training`) at data-parallel
-    size `dp`. Pure: no file is written and no collective is issued."""
+    """The DeepSpeed config dict of `args` (`args.zero`, `args.training`, `args.model` for
+    ZeRO-3's tuned buckets: `ds_tuning`) at data-parallel size `dp`. Pure: no file is
+    written and no collective is issued."""
     ds, source = read_ds_config(args.zero.deepspeed_config)
     ds.pop(SPARSE_SECTION, None)  # the model's (see the module doc)
     _zero_flags(ds, args.zero, source)
+    fill_zero(ds["zero_optimization"], args.model)  # ZeRO-3's tuning where the JSON is silent
     _training(ds, args.training, dp, source)
     comm = getattr(getattr(args, "compression", None), "communication_data_type", None)
     merge_flags(ds, {} if comm is None else {COMM_KEY.field: comm}, [COMM_KEY], source)

@@ -6,7 +6,8 @@ HBM capacity and bandwidth, GPUs per node, the NVLink bandwidth per GPU and dire
 inter-node bandwidth per node (`inter_node_gb_s_per_node`) or per GPU
 (`inter_node_gb_s_per_gpu`), PCIe per GPU, and the share of each link's bandwidth NCCL's
 collectives reach (`*_efficiency`, with the measurement or publication it comes from in
-`source`). A FILE.json holds one such object; missing optional fields take the defaults
+`source`), or, where it was measured, the collectives' bus bandwidth itself
+(`collective_bus_gb_s`). A FILE.json holds one such object; missing optional fields take the defaults
 below. Every bad value is one line naming the field.
 """
 from __future__ import annotations
@@ -45,6 +46,12 @@ class Cluster:
     """Share of `intra_node_gb_s` a large NCCL collective reaches (bus bandwidth)."""
     inter_node_efficiency: float = 0.85
     """The same for the network."""
+    collective_bus_gb_s: float | None = None
+    """Measured bus bandwidth of a large NCCL collective inside a node (nccl-tests' busbw:
+    a ring all-reduce of B bytes over t ranks takes 2 (t - 1) / t x B / busbw, an all-gather
+    or reduce-scatter (t - 1) / t x B / busbw). When given, every collective inside a node
+    (tp, SP, Ulysses, dp, ZeRO-3) and the pipeline's sends run at it, in place of
+    `intra_node_gb_s` x `intra_node_efficiency`."""
     host_adam_params_per_s: float = 1e9
     """CPU optimizer step rate per GPU's share of the host (offload; an assumption, not
     a measurement)."""
@@ -68,6 +75,8 @@ class Cluster:
         if (self.inter_node_gb_s_per_node is None) == (self.inter_node_gb_s_per_gpu is None):
             raise ValueError(f"cluster {self.name}: give exactly one of inter_node_gb_s_per_node "
                              "and inter_node_gb_s_per_gpu")
+        if self.collective_bus_gb_s is not None and not self.collective_bus_gb_s > 0:
+            raise ValueError(f"cluster {self.name}: collective_bus_gb_s must be > 0")
         for name in ("intra_node_efficiency", "inter_node_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"cluster {self.name}: {name} must be in (0, 1]")
@@ -76,6 +85,8 @@ class Cluster:
         """Bytes/s one GPU reaches in a collective over a group spanning `group_span`
         consecutive ranks: NVLink if they share a node, else the network (its per-GPU share)."""
         if group_span <= self.gpus_per_node:
+            if self.collective_bus_gb_s is not None:
+                return self.collective_bus_gb_s * 1e9
             return self.intra_node_gb_s * self.intra_node_efficiency * 1e9
         per_gpu = self.inter_node_gb_s_per_gpu
         if per_gpu is None:  # the node's share when every GPU of it sends at once
