@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 from ..config.model import ModelConfig
-from ..layers import ColumnParallelLinear, NormalInit, set_tp_layout
+from ..layers import NormalInit, set_tp_layout
 from ..layers.norm import build_norm
 from ..parallel.state import ParallelState
 from .block import TransformerBlock
-from .parts import (WORD_EMBEDDINGS, Embedding, check_sequence_length, full_logits, lm_logits,
-                    mean_token_loss, sequence_shard, ulysses_window)
+from .parts import (WORD_EMBEDDINGS, Embedding, OutputLayer, check_sequence_length, full_logits,
+                    lm_logits, mean_token_loss, sequence_shard, ulysses_window)
 
 LayerSpec = range | list[range] | None
 
@@ -78,16 +78,17 @@ class TransformerModel(nn.Module):
             self.output_layer = self._build_head(seed, factory)
         self.set_recompute(config.recompute, config.recompute_num_layers)
 
-    def _build_head(self, seed: int, factory: dict) -> ColumnParallelLinear | None:
+    def _build_head(self, seed: int, factory: dict) -> OutputLayer | None:
         """Untied: a column-parallel [V_pad, h] matrix. Tied: None when this object holds the
         embedding; else (last pipeline stage) a copy of it, tagged `tied_to`."""
         cfg, tied = self.config, self.config.tie_word_embeddings
         if tied and self.pre_process:
             return None
         key = WORD_EMBEDDINGS if tied else "output_layer.weight"
-        head = ColumnParallelLinear(cfg.hidden_size, cfg.padded_vocab(self.state.tp.size),
-                                    group=self.state.tp, bias=False,
-                                    init_method=NormalInit(cfg.init_std, seed, key), **factory)
+        head = OutputLayer(cfg.hidden_size, cfg.padded_vocab(self.state.tp.size),
+                           group=self.state.tp, bias=False,
+                           sequence_parallel=self.state.config.megatron_sp,
+                           init_method=NormalInit(cfg.init_std, seed, key), **factory)
         set_tp_layout(head.weight, 0, unpadded=cfg.vocab_size)
         head.weight.tied_to = WORD_EMBEDDINGS if tied else None
         return head
@@ -134,7 +135,9 @@ class TransformerModel(nn.Module):
             x = self.layers[str(i)](x)
         if not last:
             return x
-        logits_shard = lm_logits(self.final_norm(x), self.head_weight(), self.state)
+        x = self.final_norm(x)
+        logits_shard = lm_logits(x, self.head_weight(), self.state) if self.output_layer is None \
+            else self.output_layer(x)  # (a module call: hooks waiting for its weight run)
         if labels is not None:
             return mean_token_loss(logits_shard, labels, self.config.vocab_size, self.state,
                                    self.check_inputs)

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers import (NormalInit, VocabParallelEmbedding, copy_to_tensor_parallel_region,
+from ..layers import (ColumnParallelLinear, NormalInit, VocabParallelEmbedding,
+                      copy_to_tensor_parallel_region,
                       gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
                       gather_sequence_replicated, reduce_from_tensor_parallel_region,
                       scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
@@ -101,6 +102,17 @@ def lm_logits(x: torch.Tensor, weight: torch.Tensor, state: ParallelState) -> to
     else:
         x = copy_to_tensor_parallel_region(x, state.tp)
     return F.linear(x, weight)
+
+
+class OutputLayer(ColumnParallelLinear):
+    """The untied output head (or the last pipeline stage's copy of a tied one), built with
+    `sequence_parallel` = Megatron SP: x [s_local, b, h] -> logits_shard [s_sp, b, V_pad/tp],
+    `lm_logits` with its own weight. A module of its own so that the model calls it, and the
+    forward pre-hooks that wait for its weight's new values (overlapped parameter gather,
+    optimizer offload) run before the weight is read."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.gather_input(x), self.weight)
 
 
 def shifted_targets(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

@@ -13,7 +13,8 @@ main-gradient buffers): one multi-tensor kernel family per step, weight decay st
 parameter, `grad_divisor` (loss scale times clipping factor) applied inside. After the step
 the masters are copied into the parameter buffer and, with sharding, each bucket is
 all-gathered over dp x sp, at once or (`overlap_param_gather`) asynchronously, waited for by
-a forward pre-hook of the modules owning the bucket's parameters.
+a forward pre-hook of the modules whose forward reads the bucket's parameters
+(`hook_bucket_waits`).
 
 Checkpoints hold full fp32 tensors per parameter (`full_state` gathers the shards), so the
 files are the same with or without sharding and load at any dp.
@@ -40,13 +41,20 @@ def _pieces(buffers: GradBuffer) -> list[tuple[torch.Tensor, int, int, int]]:
 
 
 def hook_bucket_waits(model: nn.Module, buffers: GradBuffer, wait) -> None:
-    """A forward pre-hook on every module owning parameters of `buffers`: `wait(indices)`
-    with the indices of the buckets holding them (the bucket's new parameters arrive
-    asynchronously: an all-gather, or the offloaded optimizer's copy up)."""
+    """Forward pre-hooks that call `wait(indices)` (bucket indices, in forward order) before a
+    module reads parameters of `buffers` whose new values arrive asynchronously (an
+    all-gather, or the offloaded optimizer's copy up).
+
+    A module's forward may read its children's parameters without calling them (the fused
+    GeLU MLP reads fc1 and fc2, the embedding's check-free lookup reads the word embedding),
+    so every module below `model` waits for the buckets of its whole subtree; `model` itself
+    for its own parameters (its forward calls the head as a module, so no weight is read
+    past a hook). Waiting is per top-level block at the finest, and never too late."""
     bucket_of = {id(p): b.index for b in buffers.buckets for p in b.params}
     for module in model.modules():
-        indices = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False)
-                          if id(p) in bucket_of})
+        params = module.parameters(recurse=module is not model)
+        indices = sorted({bucket_of[id(p)] for p in params if id(p) in bucket_of},
+                         reverse=True)  # (the forward uses the highest index first)
         if indices:
             module.register_forward_pre_hook(lambda _m, _a, ix=tuple(indices): wait(ix))
 
