@@ -66,6 +66,7 @@ def split_run(nvme: str):
     engine = PlainEngine(build_model(LLAMA, state, device="cpu", seed=args.training.seed),
                          state, args)
     loss = checks.train(engine, state, range(1))[0]  # every disk file written once
+    engine.optimizer.wait_params()  # the worker's host steps (the store is one thread's)
     engine.optimizer.stores[True].flush()
     assert math.isfinite(loss)
     return est, forward, plan, engine.optimizer

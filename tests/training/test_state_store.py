@@ -15,6 +15,7 @@ import torch
 
 from megazoo.training.backends import state_store
 from megazoo.training.backends.state_store import NvmeStateStore, StoreError
+from megazoo.training.backends.store_folder import LOCK
 
 NAMES = ("master", "exp_avg", "exp_avg_sq")
 
@@ -77,7 +78,7 @@ def test_round_trip_is_bitwise_and_the_files_hold_it(tmp_path, direct):
         _assert_shard(store.acquire(i), shard)
         store.release(i, write=False)
     store.flush()
-    assert sorted(os.listdir(tmp_path)) == [f"shard{i:05d}.bin" for i in range(4)]
+    assert sorted(os.listdir(tmp_path)) == [LOCK] + [f"shard{i:05d}.bin" for i in range(4)]
     for i, n in enumerate(numels):
         raw = (tmp_path / f"shard{i:05d}.bin").read_bytes()
         assert len(raw) % 4096 == 0
@@ -264,3 +265,46 @@ def test_background_read_error_surfaces_at_acquire(tmp_path, monkeypatch):
         store.acquire(0)        # the store stays failed
     with pytest.raises(StoreError, match="read failed"):
         store.flush()
+
+
+def test_a_second_process_cannot_take_a_folder_in_use(tmp_path):
+    """Two runs given one --nvme-path would overwrite each other's state: while one process
+    holds the folder, another's store is refused with one line; once it exits, it is free."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from megazoo.training.backends.state_store import NvmeStateStore\n"
+         f"NvmeStateStore({str(tmp_path)!r}, [64], pin=False)\n"
+         "print('ready', flush=True)\n"
+         "time.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(StoreError, match="in use by another run") as err:
+            NvmeStateStore(tmp_path, [64], pin=False)
+        assert "\n" not in str(err.value) and "--nvme-path" in str(err.value)
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    NvmeStateStore(tmp_path, [64], pin=False)  # the lock went with the process
+
+
+def test_files_the_store_did_not_make_are_refused_untouched(tmp_path):
+    """A user's file named like a shard, or beside the store's own, is never truncated."""
+    mine = tmp_path / "a" / "shard00000.bin"
+    mine.parent.mkdir()
+    mine.write_bytes(b"a user's data")
+    with pytest.raises(StoreError, match=r"did not make \(shard00000.bin\)"):
+        NvmeStateStore(mine.parent, [64], pin=False)
+    assert mine.read_bytes() == b"a user's data"
+    ours = tmp_path / "b"
+    NvmeStateStore(ours, [64], pin=False)
+    (ours / "notes.txt").write_text("x")
+    from megazoo.training.backends import store_folder
+
+    store_folder._HELD.clear()  # (as a new process would start)
+    with pytest.raises(StoreError, match=r"did not make \(notes.txt\)"):
+        NvmeStateStore(ours, [64], pin=False)

@@ -142,3 +142,16 @@ def test_two_fresh_runs_save_the_same_random_states(data, tmp_path):
 def test_a_sample_prompt_that_is_not_utf8_is_refused_before_training(data, capsys):
     err = one_line(capsys, main(tiny_argv(data, "--prompt", "def \udcff")))
     assert err == "error: --prompt is not valid UTF-8 text: pass the prompt as UTF-8"
+
+
+def test_a_file_of_the_user_in_the_disk_tier_folder_is_one_line_and_kept(data, tmp_path, capsys):
+    """--nvme-path's rank folder holding a file the disk store did not make (a user's file
+    named like a shard) is refused before anything is written, and the file is kept."""
+    mine = tmp_path / "nv" / "rank00000" / "shard00000.bin"
+    mine.parent.mkdir(parents=True)
+    mine.write_bytes(b"a user's data")
+    err = one_line(capsys, main(tiny_argv(data, "--optimizer-cpu-offload", "--nvme-path",
+                                          str(tmp_path / "nv"), "--ddp-bucket-size", "3000",
+                                          "--optimizer-offload-host-memory", "0.0007")))
+    assert "did not make (shard00000.bin)" in err and "--nvme-path" in err
+    assert mine.read_bytes() == b"a user's data"

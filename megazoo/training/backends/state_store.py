@@ -11,7 +11,8 @@
 
 Optimizer state larger than host memory lives on disk, `slots` shards in memory at a time.
 Shard i is the file `shard{i:05d}.bin` under `root` (its tensors in `NAMES` order, padded
-to 4 KiB), allocated anew as zeros by a new store (like state in memory). I/O: one `os.preadv` / `os.pwritev` of the whole shard on a thread pool (no GIL:
+to 4 KiB), allocated anew as zeros by a new store (like state in memory); `root` is one
+run's at a time and holds nothing else (`store_folder.claim_folder`). I/O: one `os.preadv` / `os.pwritev` of the whole shard on a thread pool (no GIL:
 it overlaps the host optimizer step), O_DIRECT where the filesystem has it (`self.direct`).
 A read into a slot waits for the slot's last write, a read of a shard for that shard's
 pending write. A background I/O error is raised by the next call and every later one.
@@ -33,6 +34,7 @@ import torch
 
 from ...plan.offload import DISK_ALIGN, STORE_SLOTS
 from .cpu_offload import NAMES
+from .store_folder import claim_folder
 
 # file sizes, I/O lengths and buffer addresses: a multiple of the block size (the planner
 # counts the same padding and staging slots)
@@ -119,9 +121,11 @@ class NvmeStateStore:
         return -(-len(NAMES) * self.numels[i] * 4 // ALIGN) * ALIGN
 
     def _open_files(self, direct: bool) -> bool:
-        """Create root and the shard files (StoreError if not writable or too small); O_DIRECT?"""
+        """Claim root (`store_folder`) and create the shard files (StoreError if another run
+        holds root, it holds files not the store's, or it is not writable or too small);
+        O_DIRECT?"""
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            claim_folder(self.root, StoreError)
         except OSError as exc:
             self._unwritable(exc)
         # The files are emptied and allocated anew: what they hold now comes back.
