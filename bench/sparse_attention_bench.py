@@ -6,7 +6,7 @@
 
 Forward + backward of causal attention, 16 heads x 128, bf16, batch 1, at s = 32k and 64k:
 dense SDPA (cuDNN's fused kernel), dense FlexAttention (causal BlockMask), and the sparse
-path (`megazoo.layers.sparse_attention`, backend "auto": the strided plan for windows with
+path (`megazoo.layers.sparse`, backend "auto": the strided plan for windows with
 global columns (path "strided": one cuDNN causal call, and the local part and the merging on
 the Triton kernel below block 128, on FlexAttention at 128), else below block 128 the Triton
 kernel (path "blocks"), else at 128 the layout's own tiles) for fixed, variable, bigbird and
@@ -37,9 +37,9 @@ from bench.sparse_attention_check import check, dry_run
 from bench.sparse_setup import (MODES, allow_recompiles, inputs, prepare_path, rect_share,
                                 sparse_configs)
 from megazoo.layers import core_attention
-from megazoo.layers.sparse_attention import sparse_attention
-from megazoo.layers.sparse_layouts import density, layout
-from megazoo.layers.sparse_strided import strided_attention
+from megazoo.layers.sparse import sparse_attention
+from megazoo.layers.sparse.layouts import density, layout
+from megazoo.layers.sparse.strided import strided_attention
 
 COLUMNS = ["s", "config", "block", "path", "density", "tile_density", "rect_share", "ms",
            "x_sdpa", "x_flex", "note"]
@@ -111,8 +111,8 @@ def sparse_row(s, label, cfg, data, args, device) -> dict:
         lay = layout(cfg, args.heads, s, seed=0, causal=True)
         row["density"] = density(lay, cfg.block, True)
         t0 = time.perf_counter()
-        row["path"], mask, plan, row["tile_density"] = prepare_path(label, lay, cfg.block, s,
-                                                                    device, args.head_dim)
+        row["path"], mask, plan, row["tile_density"], row["why"] = prepare_path(
+            label, lay, cfg.block, s, device, args.head_dim)
         row["rect_share"] = rect_share(plan)
         row["build_s"] = time.perf_counter() - t0
 

@@ -12,13 +12,13 @@ import torch
 from bench.common import print_table
 from bench.sparse_setup import (gather_plan, inputs, prepare_path, rect_share, sparse_configs,
                                 tile_mask)
-from megazoo.layers.sparse_attention import SparseAttention, sparse_attention
-from megazoo.layers.sparse_blocks import triton_reason
-from megazoo.layers.sparse_layouts import density, layout
-from megazoo.layers.sparse_merge import rect_backward, rect_forward, rect_kernel
-from megazoo.layers.sparse_plan import TILE
-from megazoo.layers.sparse_rects import add_rects
-from megazoo.layers.sparse_strided import strided_plan
+from megazoo.layers.sparse import SparseAttention, sparse_attention
+from megazoo.layers.sparse.blocks import triton_reason
+from megazoo.layers.sparse.layouts import density, layout
+from megazoo.layers.sparse.merge import rect_backward, rect_forward, rect_kernel
+from megazoo.layers.sparse.tiles import TILE
+from megazoo.layers.sparse.rects import add_rects
+from megazoo.layers.sparse.strided import strided_plan
 
 TABLE = ["s", "config", "block", "path", "density", "tile_density", "rect_share", "note"]
 
@@ -34,7 +34,7 @@ def _paths(block: int, lay, s: int, device=None) -> list[str]:
 def _run(path, q, k, v, lay, block, s):
     """The output of one path: flex (the layout's tiles), gather (the plan, no rectangles),
     rects (the plan with rectangles forced: chunks of one tile, whatever share they cover) or
-    strided (`sparse_strided.py`) or triton (`sparse_blocks.py`)."""
+    strided (`sparse/strided.py`) or triton (`sparse/blocks.py`)."""
     if path in ("flex", "triton"):
         return sparse_attention(q, k, v, lay, block, causal=True, backend=path), None
     if path == "strided":
@@ -112,7 +112,7 @@ def dry_run(args) -> list[dict]:
         for label, cfg in sparse_configs(args.modes, args.blocks, args.window):
             t0 = time.perf_counter()
             lay = layout(cfg, args.heads, s, seed=0, causal=True)
-            path, _, plan, tiles = prepare_path(label, lay, cfg.block, s, torch.device("cpu"))
+            path, _, plan, tiles, _ = prepare_path(label, lay, cfg.block, s, torch.device("cpu"))
             rows.append({"s": s, "config": label, "block": cfg.block, "path": path,
                          "density": density(lay, cfg.block, True), "tile_density": tiles,
                          "rect_share": rect_share(plan),

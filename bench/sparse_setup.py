@@ -7,12 +7,10 @@ import re
 import torch
 
 from megazoo.config.sparse_attention import SparseAttentionConfig
-from megazoo.layers.sparse_attention import block_mask_from_layout, choose_plan
-from megazoo.layers.sparse_blocks import BlocksPlan
-from megazoo.layers.sparse_gather import block_masks
-from megazoo.layers.sparse_plan import TILE, build_plan
-from megazoo.layers.sparse_rects import add_rects
-from megazoo.layers.sparse_strided import StridedPlan
+from megazoo.layers.sparse import (TILE, BlocksPlan, StridedPlan, block_mask_from_layout,
+                                   build_plan, choose, token_mask)
+from megazoo.layers.sparse.gather import block_masks
+from megazoo.layers.sparse.rects import add_rects
 
 MODES = ["seeds", "bslongformer", "bigbird", "fixed", "variable"]
 
@@ -59,7 +57,8 @@ def tile_mask(lay, block, device):
 
     Every layout is looked up at 16-token granularity (the same mask), so that all blocks
     share one compiled kernel per sequence length."""
-    mask = block_mask_from_layout(lay, block, causal=True, device=device, lookup_block=16)
+    fine = token_mask(lay, block // 16) if block > 16 else lay  # the same mask, at block 16
+    mask = block_mask_from_layout(fine, 16, causal=True, device=device)
     tiles = mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()
     return mask, tiles.item() / mask.kv_indices.shape[-2] ** 2 / mask.kv_indices.shape[1]
 
@@ -70,7 +69,7 @@ def gather_plan(lay, block, s, device):
 
 
 def prepare_path(label, lay, block, s, device, head_dim=128):
-    """(path, block_mask, plan, tile density) built once: what backend "auto" runs ("tiles";
+    """(path, block_mask, plan, tile density, why) built once: what backend "auto" runs ("tiles";
     "gather"; "rects": the gather plan with its chunk rectangles on the dense kernel), or the
     path a label ending in _tiles / _gather / _rects forces (_gather: the plan without
     rectangles; _rects: with them, where they pay, the path before the strided plan; _cN:
@@ -79,28 +78,31 @@ def prepare_path(label, lay, block, s, device, head_dim=128):
     FlexAttention, as before that kernel, forced by a label ending in _flexlocal), "blocks"
     where it takes the Triton kernel; tile density: the 128-tiles computed
     (FlexAttention's and the dense kernel's) / ((s/128)^2 heads), for "blocks" the score
-    entries its chunks compute / (s^2 heads)."""
+    entries its chunks compute / (s^2 heads); why: the dispatch table's reason for "auto"."""
     chunks = re.fullmatch(r".*_c(\d+)", label)
+    why = f"forced by the label {label}"
     if label.endswith(("_gather", "_rects")) or chunks:
         plan = gather_plan(lay, block, s, device)
         if chunks or label.endswith("_rects"):
             add_rects(plan, **({} if not chunks else dict(
                 chunk=TILE * max(1, round(s / (int(chunks[1]) * TILE))), min_share=0)))
     else:
-        plan = None if label.endswith("_tiles") else choose_plan(lay, block, True, s, device,
-                                                                  head_dim=head_dim)
+        plan = None
+        if not label.endswith("_tiles"):
+            found = choose(lay, block, True, s, device, head_dim=head_dim)
+            plan, why = found.plan, found.reason
     if plan is None:
         mask, tiles = tile_mask(lay, block, device)
-        return "tiles", mask, None, tiles
+        return "tiles", mask, None, tiles, why
     if isinstance(plan, StridedPlan):
         path = "strided_flex" if label.endswith("_flexlocal") else "strided"
-        return path, None, plan, strided_tiles(plan, s)
+        return path, None, plan, strided_tiles(plan, s), why
     if isinstance(plan, BlocksPlan):
-        return "blocks", None, plan, plan.pairs() / s ** 2
+        return "blocks", None, plan, plan.pairs() / s ** 2, why
     block_masks(plan, plan.rects is not None)
     n = plan.partial.shape[1]
     path = "gather" if plan.rects is None else "rects"
-    return path, None, plan, sum(plan.tiles()) / (n * n * plan.heads)
+    return path, None, plan, sum(plan.tiles()) / (n * n * plan.heads), why
 
 
 def strided_tiles(plan: StridedPlan, s: int) -> float:

@@ -34,11 +34,11 @@ SEEDS = ["--sparse-attention-mode", "fixed", "--sparse-block", "16",
 
 
 def child_path_before(argv: list[str]) -> int:
-    """pretrain_gpt.py's main with `choose_plan` finding no plan (FlexAttention's tiles)."""
-    from megazoo.layers import sparse_attention
+    """pretrain_gpt.py's main with the dispatch table's "auto" choosing FlexAttention's tiles."""
+    from megazoo.layers.sparse import dispatch
     from megazoo.training.run import main
 
-    sparse_attention.choose_plan = lambda *args, **keywords: None
+    dispatch.choose = lambda *args, **keywords: dispatch.Route("flex", "the path before")
     return main(argv)
 
 

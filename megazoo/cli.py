@@ -150,7 +150,7 @@ def sparse_layout(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from .config.ds_config import read_ds_config
     from .config.sparse_attention import SparseAttentionConfig, sparse_section
-    from .layers.sparse_layouts import density, layout
+    from .layers.sparse.layouts import density, layout
 
     try:
         config = SparseAttentionConfig.from_ds_config(
@@ -173,7 +173,7 @@ def sparse_layout(argv: list[str] | None = None) -> int:
 def _draw_sparse_layout(block_layout, block: int, causal: bool, out: str, title: str,
                         max_heads: int = 4) -> None:
     """The block pattern of the first few heads, one panel each, to an image file."""
-    from .layers.sparse_layouts import density
+    from .layers.sparse.layouts import density
     from .matplotlib_figure import new_figure
 
     n = min(max_heads, block_layout.shape[0])

@@ -22,12 +22,12 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import re
 import shutil
 import socket
 import sys
 import time
 
+from ..leftovers import pid_alive, remove_leftovers  # noqa: F401 (remove_leftovers: re-exported)
 from .resolve import OLD_SUFFIX, input_folders
 
 OWNER_FILE = ".megazoo-writer.json"
@@ -127,38 +127,6 @@ def check_only_ours(out: str, kind: str, names: tuple[str, str] = ("--out", "--o
                          f"checkpoint does not hold: move them away or choose another {what}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def remove_leftovers(folder: str, pattern: str) -> list[str]:
-    """Remove the files in `folder` whose names match `pattern` (a regex with a `pid` group:
-    a temp file a megazoo process names after itself) and whose process no longer exists on
-    this host; return their paths. Anything else, and files of live processes, stay."""
-    removed = []
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return removed
-    for name in names:
-        match = re.fullmatch(pattern, name)
-        if match is None or int(match["pid"]) == os.getpid() or _pid_alive(int(match["pid"])):
-            continue
-        path = os.path.join(folder, name)
-        try:
-            os.remove(path)
-            removed.append(path)
-        except OSError:
-            pass  # gone already, or not ours to remove: leave it
-    return removed
-
-
 def _clear_stale_temp(tmp: str) -> None:
     """Remove `tmp` if a killed megazoo writer on this host left it; else ValueError naming it."""
     try:
@@ -171,7 +139,7 @@ def _clear_stale_temp(tmp: str) -> None:
     if host != socket.gethostname():
         raise ValueError(f"{tmp} was left by a writer on host {host} (pid {pid}); if that run is "
                          f"over, remove the folder")
-    if pid != os.getpid() and _pid_alive(pid):
+    if pid != os.getpid() and pid_alive(pid):
         raise ValueError(f"{tmp} is being written by process {pid} now: wait for it, or stop it "
                          f"and run again")
     shutil.rmtree(tmp)

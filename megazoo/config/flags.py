@@ -195,8 +195,12 @@ def args_from_namespace(ns: argparse.Namespace) -> PretrainArgs:
                              f"--pipeline-model-parallel-size {pp} x "
                              f"--num-layers-per-virtual-pipeline-stage {per}")
         par["vpp"] = model.num_layers // (pp * per)
+    data = _given(ns, "data")
+    if data.get("data_path"):  # the files, here and not in DataConfig (which does no I/O)
+        from ..data.indexed import check_data_path
+        check_data_path(data["data_path"], must_exist=data.get("tokenizer_type") is None)
     args = PretrainArgs(model=model, parallel=ParallelConfig(**par), training=training,
-                        data=DataConfig(**_given(ns, "data")),
+                        data=DataConfig(**data),
                         checkpoint=CheckpointConfig(**_given(ns, "checkpoint")),
                         logging=LoggingConfig(**_given(ns, "logging")),
                         zero=zero, compression=compression, model_name=ns.model_name)

@@ -141,8 +141,10 @@ class ModelConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0:
             raise ValueError("norm_eps, init_std and rope_theta must be positive")
+        self._sparse = None  # the section parsed once (replace() builds a new config)
         if self.sparse_attention is not None:
-            self.sparse_attention = self.sparse.to_ds_config()  # validated, normalised
+            self._sparse = SparseAttentionConfig.from_ds_config(dict(self.sparse_attention))
+            self.sparse_attention = self._sparse.to_ds_config()  # validated, normalised
             if self.attention_dropout > 0:
                 raise ValueError(f"attention_dropout {self.attention_dropout} is not supported "
                                  f"with sparse attention: set it to 0")
@@ -150,10 +152,8 @@ class ModelConfig:
 
     @property
     def sparse(self) -> SparseAttentionConfig | None:
-        """The sparse attention pattern (None: dense attention)."""
-        if self.sparse_attention is None:
-            return None
-        return SparseAttentionConfig.from_ds_config(dict(self.sparse_attention))
+        """The sparse attention pattern (None: dense attention), parsed in __post_init__."""
+        return self._sparse
 
     @property
     def head_dim(self) -> int:

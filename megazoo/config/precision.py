@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.fp8_cast import CAST_IMPLS
+
 FORMATS = ("e4m3", "hybrid")
 RECIPES = ("tensorwise", "rowwise")
-CAST_IMPLS = ("auto", "triton", "compile", "eager")
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from ..data.indexed import check_data_prefix
-from ..data.splits import parse_data_prefix
 from ..parallel.config import ParallelConfig
 from .compression import CompressionConfig
 from .model import ModelConfig
@@ -189,10 +187,6 @@ class DataConfig:
         if self.data_path is None and (self.tokenizer_type or self.tokenizer_model):
             raise ValueError("--tokenizer-type/--tokenizer-model need --data-path: the default "
                              "corpus comes with its own tokenizer")
-        for _, prefix in parse_data_prefix(self.data_path) if self.data_path else ():
-            # a wrong path is the first thing to fix (whether files exist is checked here
-            # only when the tokenizer error would otherwise come first)
-            check_data_prefix(prefix, must_exist=self.tokenizer_type is None)
         if self.data_path is not None and self.tokenizer_type is None:
             raise ValueError("--data-path needs --tokenizer-type (and --tokenizer-model) "
                              "naming the tokenizer the data was made with")

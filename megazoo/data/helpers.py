@@ -14,10 +14,6 @@ module is the extension ``megazoo._data_helpers`` when ``setup.py`` built it, el
 
 from __future__ import annotations
 
-import functools
-import importlib
-import os
-from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -26,54 +22,33 @@ import numpy as np
 if TYPE_CHECKING:
     from ..kernels._dispatch import Choice
 
-#: Compiler flags for ``csrc/data_helpers.cpp``, setup.py's too (``-ffp-contract=off`` keeps
-#: blending free of fused multiply-adds, see the .cpp).
-CXX_FLAGS: tuple[str, ...] = ("-O3", "-ffp-contract=off")
-CPP_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "data_helpers.cpp"
-
-
-@functools.lru_cache(maxsize=1)
 def _load_compiled() -> tuple[ModuleType | None, str]:
-    """Import or build the C++ module once per process; never raises."""
-    try:
-        return importlib.import_module("megazoo._data_helpers"), "prebuilt megazoo._data_helpers"
-    except ImportError:
-        pass
-    if not CPP_SOURCE.is_file():
-        return None, f"no prebuilt megazoo._data_helpers and no source at {CPP_SOURCE}"
-    try:
-        from torch.utils import cpp_extension
+    """The compiled module or why not (`kernels.dataset_helpers`, imported here:
+    `import megazoo.data` loads no torch)."""
+    from ..kernels.dataset_helpers import load_compiled
 
-        module = cpp_extension.load(name="megazoo_data_helpers", sources=[str(CPP_SOURCE)],
-                                    extra_cflags=list(CXX_FLAGS), verbose=False)
-    except Exception as exc:  # any toolchain failure means: use NumPy
-        from ..kernels._dispatch import first_line
-
-        return None, f"compiling {CPP_SOURCE.name} failed: {first_line(exc, 200)}"
-    return module, f"compiled {CPP_SOURCE.name} with torch.utils.cpp_extension"
+    return load_compiled()
 
 
 def _resolve(use_cpp: bool | None) -> tuple[ModuleType | None, Choice]:
     """Return (module or None, info) for a ``use_cpp`` request."""
-    # The kernels' record (imported here: `import megazoo.data` loads no torch).
-    from ..kernels._dispatch import Choice
+    from ..kernels.dataset_helpers import choose
 
-    if use_cpp is False:
-        return None, Choice("numpy", "requested with use_cpp=False")
-    if use_cpp is None and os.environ.get("MEGAZOO_NO_CPP") == "1":
-        return None, Choice("numpy", "MEGAZOO_NO_CPP=1 is set")
-    module, reason = _load_compiled()
-    if module is None:
-        if use_cpp:
-            raise RuntimeError(f"C++ data helpers unavailable: {reason}; "
-                               "pass use_cpp=None or False to use NumPy")
-        return None, Choice("numpy", reason)
-    return module, Choice("cpp", reason)
+    return choose(use_cpp, lambda: _load_compiled())
 
 
 def backend(use_cpp: bool | None = None) -> Choice:
     """Say which implementation ``use_cpp`` selects (compiling the C++ if needed)."""
     return _resolve(use_cpp)[1]
+
+
+def __getattr__(name: str):
+    """CXX_FLAGS and CPP_SOURCE, the extension's (`kernels.dataset_helpers`), loaded on use."""
+    if name in ("CXX_FLAGS", "CPP_SOURCE"):
+        from ..kernels import dataset_helpers
+
+        return getattr(dataset_helpers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _check_sample_args(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int,

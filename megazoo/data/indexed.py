@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint.output import remove_leftovers
+from ..leftovers import remove_leftovers
 from .provenance import record_path
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -61,6 +61,17 @@ def check_data_prefix(path_prefix: str | os.PathLike, must_exist: bool = True) -
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found; create it with "
                                     f"tools/preprocess_data.py --output-prefix {prefix}")
+
+
+def check_data_path(data_path: list[str], must_exist: bool) -> None:
+    """`check_data_prefix` for every prefix of a --data-path (weights and prefixes, or one
+    prefix): the run's parsing calls it before the tokenizer checks, since a wrong path is
+    the first thing to fix (files must exist only when that tokenizer error would come
+    first; else opening them says so)."""
+    from .splits import parse_data_prefix
+
+    for _, prefix in parse_data_prefix(data_path):
+        check_data_prefix(prefix, must_exist=must_exist)
 
 
 def data_file_paths(path_prefix: str | os.PathLike) -> tuple[Path, Path]:

@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if any)")
     args = parser.parse_args(argv)
     print(format_report(kernel_report(args.device)))
-    from ..data.helpers import backend  # csrc/data_helpers.cpp: built, or why NumPy runs
+    from .dataset_helpers import backend  # csrc/data_helpers.cpp: built, or why NumPy runs
 
     info = backend()
     state = "C++ (built)" if info.impl == "cpp" else "NumPy fallback"

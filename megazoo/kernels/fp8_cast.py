@@ -23,9 +23,9 @@ import functools
 
 import torch
 
-from ..config.precision import CAST_IMPLS
 from ._dispatch import triton_module, triton_status
 
+CAST_IMPLS = ("auto", "triton", "compile", "eager")  # `quantize`'s impl= (and the config's)
 EPS = 1e-12
 
 

@@ -49,7 +49,7 @@ def _flex_function(compiled: bool):
 def _flex_positions_function(compiled: bool):
     """flex_attention on [b, h, n, d] whose queries and keys sit at positions q_pos [hp, n_q]
     and k_pos [hp, n_k] (hp = 1: shared by every head), with ALiBi (-slope * |position
-    distance|) when slopes are given: keys gathered out of order (sparse_gather.py)."""
+    distance|) when slopes are given: keys gathered out of order (sparse/gather.py)."""
     from torch.nn.attention.flex_attention import flex_attention as flex
 
     lse_keywords = _lse_request()  # built here: nothing imported under compile

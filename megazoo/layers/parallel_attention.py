@@ -74,7 +74,7 @@ class AttentionConfig:
     attention_backend: str = "auto"
     """Local attention kernel (layers/attention.py); "auto" picks the best available."""
     sparse: SparseAttentionConfig | None = None
-    """Block-sparse attention pattern (layers/sparse_attention.py); None: dense."""
+    """Block-sparse attention pattern (layers/sparse/); None: dense."""
 
     @property
     def resolved_head_dim(self) -> int:

@@ -41,7 +41,7 @@ from .mappings import (all_to_all_heads_to_sequence, all_to_all_sequence_to_head
                        scatter_to_sequence_parallel_region)
 from .positions import alibi_slopes, rope_cos_sin, rope_cos_sin_first
 from .qkv_split import split_qkv
-from .sparse_attention import SparseAttention
+from .sparse import SparseAttention
 
 POSITION_EMBEDDINGS = ("none", "alibi", "rope")
 

@@ -18,7 +18,8 @@ from ..errors import report_error
 from ..config.flags import args_from_namespace, build_parser, field_docs
 from ..config.presets import PRESETS
 from ..config.run import PretrainArgs
-from .largest import LARGEST_DEFAULTS, describe, family_shapes, run_command, search
+from .command import launch_command
+from .largest import LARGEST_DEFAULTS, describe, family_shapes, search
 from .layout import PlanOptions, Resolved, corpus_vocab, resolve
 from .memory import GB, RUNTIME_BYTES, MemoryEstimate, _estimate
 from . import timecli
@@ -204,7 +205,7 @@ def _largest(ns, options: PlanOptions, argv: list[str]) -> int:
         return report_error(f"no {ns.model_family} shape fits; the smallest: "
                             f"{describe(following[0], following[1], options)}")
     config, est, run_args = best
-    command = run_command(argv, run_args, config)
+    command = launch_command(run_args)
     if ns.json:
         print(json.dumps({"model": dataclasses.asdict(config), "command": command,
                           "next_larger": following and dataclasses.asdict(following[0]),

@@ -25,14 +25,12 @@ per step, --recompute full, --bf16.
 from __future__ import annotations
 
 import dataclasses
-import shlex
 
 from ..config.model import ModelConfig
 from ..models.params import count_parameters
 from .layout import corpus_vocab, resolve
 from .engines import split_host_budget
 from .memory import GB, RUNTIME_BYTES, MemoryEstimate, _estimate
-from .search import drop_flags
 
 LLAMA_WIDTHS = (2048, 3072, 4096, 5120, 6144, 7168, 8192)
 GPT_WIDTHS = ((768, 12), (1024, 16), (1536, 16), (2048, 16), (2560, 32), (4096, 32),
@@ -41,14 +39,6 @@ FRACTIONS = tuple(i / 20 for i in range(21))
 # What --largest sets when the flag is not given: (namespace dest, value).
 LARGEST_DEFAULTS = (("data__seq_length", 2048), ("training__micro_batch_size", 1),
                     ("model__recompute", "full"), ("training__bf16", True))
-# Left out of the printed command: the planner's own flags, and the shape and batch flags
-# the command states itself.
-DROPPED = {"--largest", "--json", "--fp32-grad-accumulation", "--model-family", "--gpu-memory",
-           "--host-memory", "--disk-memory", "--gpus-per-node", "--dp", "--out",
-           "--model", "--family", "--num-layers", "--hidden-size", "--num-attention-heads",
-           "--num-key-value-heads", "--ffn-hidden-size", "--max-position-embeddings",
-           "--optimizer-offload-fraction", "--optimizer-offload-host-memory", "--seq-length", "--micro-batch-size",
-           "--global-batch-size", "--recompute", "--recompute-granularity"}
 
 
 def family_shapes(family: str, seq_length: int, vocab_size: int | None = None) -> list[ModelConfig]:
@@ -125,32 +115,6 @@ def search(args, options, family: str, pick_fraction: bool, with_build: bool = T
         return None, planned[0]
     best = fitting[-1]
     return planned[best], planned[best + 1] if best + 1 < len(planned) else None
-
-
-def run_command(argv: list[str], args, config: ModelConfig) -> str:
-    """pretrain_gpt.py's command line for the chosen shape: the user's run flags (planner
-    flags and model flags dropped), the shape, the defaults --largest filled in, the fraction."""
-    kept = drop_flags(argv, DROPPED)
-    t = args.training
-    flags = ["--family", config.family, "--num-layers", config.num_layers,
-             "--hidden-size", config.hidden_size,
-             "--num-attention-heads", config.num_attention_heads]
-    if config.family == "llama":
-        flags += ["--num-key-value-heads", config.num_key_value_heads,
-                  "--ffn-hidden-size", config.ffn_hidden_size]
-    flags += ["--max-position-embeddings", config.max_position_embeddings,
-              "--seq-length", args.data.seq_length, "--micro-batch-size", t.micro_batch_size,
-              "--global-batch-size", t.global_batch_size, "--recompute", args.model.recompute]
-    if t.bf16 and "--bf16" not in kept:
-        flags.append("--bf16")
-    if t.optimizer_cpu_offload:
-        flags += ["--optimizer-offload-fraction", f"{t.optimizer_offload_fraction:g}"]
-    if t.optimizer_offload_host_memory is not None:
-        flags += ["--optimizer-offload-host-memory", f"{t.optimizer_offload_host_memory:g}"]
-    par = args.parallel
-    world = par.tp * par.sp * par.pp * (par.dp or 1)
-    launch = ["python"] if world == 1 else ["torchrun", "--nproc-per-node", world]
-    return " ".join(shlex.quote(str(x)) for x in launch + ["pretrain_gpt.py"] + flags + kept)
 
 
 def describe(config: ModelConfig, est: MemoryEstimate, options) -> str:

@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 
 from .clusters import Cluster
+from .command import launch_command
 from .layout import PlanOptions, resolve
 from .memory import GB, _estimate
 from .timing import StepTime, step_time
@@ -28,7 +29,7 @@ LAYOUT_FLAGS = {"--tensor-model-parallel-size", "--tp", "--pipeline-model-parall
                 "--dp", "--micro-batch-size", "--recompute", "--recompute-granularity",
                 "--sequence-parallel", "--num-layers-per-virtual-pipeline-stage",
                 "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-                "--virtual-pipeline-model-parallel-size", "--sequence-parallel-size"}
+                "--virtual-pipeline-model-parallel-size"}
 SEARCH_FLAGS = {"--search", "--json", "--top", "--cluster", "--out", "--gpus"}
 
 
@@ -44,14 +45,10 @@ class Candidate:
     inputs: tuple = dataclasses.field(default=(), repr=False, compare=False)
     """(args, layout) it was planned from."""
 
-    def command(self, base: list[str], per_node: int) -> str:
-        """The pretrain_gpt.py command line over `gpus` ranks (the run takes dp from its world
-        size, so the planner's --dp is left out)."""
-        nodes, local = ((self.gpus // per_node, per_node) if self.gpus >= per_node
-                        else (1, self.gpus))
-        flags = self.flags[:self.flags.index("--dp")]
-        return (f"torchrun --nnodes {nodes} --nproc-per-node {local} pretrain_gpt.py "
-                + " ".join(base + flags))
+    def command(self, per_node: int) -> str:
+        """The pretrain_gpt.py command line over `gpus` ranks, from the candidate's parsed
+        config (`command.launch_command`: the run takes dp from its world size)."""
+        return launch_command(self.inputs[0], per_node)
 
 
 def drop_flags(argv: list[str], names: set[str]) -> list[str]:

@@ -101,7 +101,7 @@ def run_search(ns, parser, argv: list[str]) -> dict:
     rows = [{"flags": " ".join(c.flags), "gpus": c.gpus, "step_s": c.time.step_s,
              "tokens_per_s": c.time.tokens_per_s, "tflops_per_gpu": c.time.tflops_per_gpu,
              "tflops_per_gpu_megatron": c.time.tflops_per_gpu_megatron,
-             "gpu_memory_gb": c.gpu_memory_gb, "command": c.command(base, cluster.gpus_per_node)}
+             "gpu_memory_gb": c.gpu_memory_gb, "command": c.command(cluster.gpus_per_node)}
             for c in found[:ns.top]]
     result = {"cluster": cluster.name, "gpus": gpus, "fitting": len(found),
               "refused": refused, "too_big": len(too_big), "top": rows, "why": []}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megazoo.layers.sparse_attention import sparse_attention
+from megazoo.layers.sparse import sparse_attention
 
 
 def outputs_and_grads(lay, block, causal, q, k, v, grad, backend, plan=None) -> tuple:

@@ -9,9 +9,9 @@ import torch
 from megazoo.cli import sparse_layout as main
 from megazoo.config.sparse_attention import SparseAttentionConfig as Config
 from megazoo.layers.positions import alibi_slopes
-from megazoo.layers.sparse_attention import (SparseAttention, block_mask_from_layout,
-                                             sparse_attention, tile_layout)
-from megazoo.layers.sparse_layouts import density, layout
+from megazoo.layers.sparse import (SparseAttention, block_mask_from_layout, sparse_attention,
+                                   tile_layout, token_mask)
+from megazoo.layers.sparse.layouts import density, layout
 
 # float32 math (and FlexAttention's eager float32 path) against a float64 reference over at
 # most 320 keys of unit-variance inputs: rounding stays near 1e-6; 2e-5 leaves margin and
@@ -101,7 +101,8 @@ def test_flex_forward_at_every_tiling(block, lookup):
     layout made causal (token-level causality inside diagonal tiles)."""
     c = Config("bigbird", block, True, num_random_blocks=1, num_sliding_window_blocks=1)
     lay = layout(c, 4, 512, seed=1, causal=True)
-    mask = block_mask_from_layout(lay, block, causal=True, lookup_block=lookup)
+    fine = lay if lookup is None else token_mask(lay, block // lookup)  # looked up finer
+    mask = block_mask_from_layout(fine, lookup or block, causal=True)
     q, k, v = _inputs(512)
     ref = _reference(q, k, v, lay, block, True, None)
     torch.testing.assert_close(sparse_attention(q, k, v, lay, block).double(), ref, atol=TOL, rtol=0)

@@ -1,4 +1,4 @@
-"""The Triton small-block kernel (`sparse_blocks.py`, `kernels/triton_sparse.py`): its walks list
+"""The Triton small-block kernel (`sparse/blocks.py`, `kernels/triton_sparse.py`): its walks list
 each (query block, key block) pair of the layout exactly once on both sides, and its outputs and
 q / k / v gradients equal the dense-mask float32 reference for every mode, block 16 / 32 / 64,
 per-head layouts, causal and bidirectional, odd lengths and GQA (on CPU under Triton's
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from megazoo.config.sparse_attention import SparseAttentionConfig as Config
-from megazoo.layers.sparse_attention import SparseAttention, choose_plan, sparse_attention
-from megazoo.layers.sparse_blocks import BlocksPlan, _walk, build_blocks_plan, to_sub_blocks
-from megazoo.layers.sparse_strided import strided_plan
+from megazoo.layers.sparse import SparseAttention, choose_plan, sparse_attention
+from megazoo.layers.sparse.blocks import BlocksPlan, _walk, build_blocks_plan, to_sub_blocks, walks
+from megazoo.layers.sparse.strided import strided_plan
 
 from helpers.sparse_checks import outputs_and_grads
 
@@ -51,12 +51,12 @@ def _unwalk(lists, shape, per_tile, per_chunk) -> torch.Tensor:
 def test_walks_list_each_pair_once(mode, block, block_m, block_n):
     s = 1000  # not a multiple of the tiles: a short last tile on both sides
     lay = _layout(mode, block, s)
-    plan = build_blocks_plan(lay, block, s, True, block_m=block_m, block_n=block_n)
+    plan_rows, plan_cols = walks(lay, block, s, True, block_m, block_n)
     n = -(-s // 16)
     want = (to_sub_blocks(lay, block)[:, :n, :n] & torch.ones(n, n, dtype=torch.bool).tril()).long()
     rm, rn = block_m // 16, block_n // 16
-    rows = _unwalk(plan.rows, (want.shape[0], -(-n // rm) * rm, n), rm, rn)
-    cols = _unwalk(plan.cols, (want.shape[0], -(-n // rn) * rn, n), rn, rm)
+    rows = _unwalk(plan_rows, (want.shape[0], -(-n // rm) * rm, n), rm, rn)
+    cols = _unwalk(plan_cols, (want.shape[0], -(-n // rn) * rn, n), rn, rm)
     assert torch.equal(rows[:, :n], want) and rows[:, n:].sum() == 0
     assert torch.equal(cols[:, :n].transpose(1, 2), want) and cols[:, n:].sum() == 0
 
@@ -73,8 +73,7 @@ def test_walk_order_and_padding():
 
 def test_tiles_beyond_the_bits_are_refused():
     with pytest.raises(ValueError, match="at most 63"):
-        build_blocks_plan(torch.ones(1, 4, 4, dtype=torch.bool), 16, 64, True, block_m=128,
-                          block_n=128)
+        walks(torch.ones(1, 4, 4, dtype=torch.bool), 16, 64, True, 128, 128)
     with pytest.raises(ValueError, match="multiple of 16"):
         to_sub_blocks(torch.ones(1, 4, 4, dtype=torch.bool), 8)
 

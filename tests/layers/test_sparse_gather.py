@@ -1,4 +1,4 @@
-"""Block-sparse attention over gathered keys (sparse_plan.py, sparse_gather.py) against dense
+"""Block-sparse attention over gathered keys (sparse/gather_plan.py, sparse/gather.py) against dense
 attention with the layout's mask: every mode at blocks 16 / 32 / 64, per-head layouts, causal
 and bidirectional, sequence lengths that are not multiples of the block, ALiBi and GQA; the
 plan's kernel tiles against its own mask evaluated everywhere; and the dispatch."""
@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from megazoo.layers.positions import alibi_slopes
-from megazoo.layers.sparse_attention import SparseAttention, choose_plan, sparse_attention
+from megazoo.layers.sparse import SparseAttention, choose_plan, sparse_attention
 from megazoo.config.sparse_attention import SparseAttentionConfig as Config
-from megazoo.layers.sparse_gather import _dense, gather_attention, main_mask_mod, rows_mask_mod
-from megazoo.layers.sparse_layouts import layout
-from megazoo.layers.sparse_plan import NEVER, PRIVATE_BASE, SHARED, TILE, GatherPlan, build_plan
-from megazoo.layers.sparse_strided import StridedPlan
+from megazoo.layers.sparse.gather import dense_mask as _dense, gather_attention, main_mask_mod, rows_mask_mod
+from megazoo.layers.sparse.layouts import layout
+from megazoo.layers.sparse.gather_plan import NEVER, PRIVATE_BASE, SHARED, TILE, GatherPlan, build_plan
+from megazoo.layers.sparse.strided import StridedPlan
 
 # float32 math over gathered keys against the float32 dense-mask path (backend "math", itself
 # checked against float64 in test_sparse_attention.py), unit-variance inputs, at most ~1.3k

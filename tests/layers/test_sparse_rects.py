@@ -1,5 +1,5 @@
-"""Chunk rectangles over the gather plan's shared keys (sparse_rects.py) merged with the
-FlexAttention part by log-sum-exp (sparse_merge.py), on CPU: the Flex part's mask evaluated
+"""Chunk rectangles over the gather plan's shared keys (sparse/rects.py) merged with the
+FlexAttention part by log-sum-exp (sparse/merge.py), on CPU: the Flex part's mask evaluated
 densely ("math" kernel), the rectangles on the float32 kernel, against the dense-mask float32
 reference (outputs and q / k / v gradients) for every mode at blocks 16 / 32 / 64, per-head
 layouts, causal and bidirectional, lengths that are not multiples of the block, GQA; the
@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from megazoo.config.sparse_attention import SparseAttentionConfig as Config
-from megazoo.layers import sparse_merge
-from megazoo.layers.sparse_attention import SparseAttention
-from megazoo.layers.sparse_gather import _dense, main_mask_mod, rows_mask_mod
-from megazoo.layers.sparse_layouts import layout
-from megazoo.layers.sparse_merge import merge_rects, rect_backward, rect_forward
-from megazoo.layers.sparse_plan import TILE, build_plan
-from megazoo.layers.sparse_rects import RectPlan, add_rects, flex_tiles, rect_plan
+from megazoo.layers.sparse import merge as sparse_merge
+from megazoo.layers.sparse import SparseAttention
+from megazoo.layers.sparse.gather import dense_mask as _dense, main_mask_mod, rows_mask_mod
+from megazoo.layers.sparse.layouts import layout
+from megazoo.layers.sparse.merge import merge_rects, rect_backward, rect_forward
+from megazoo.layers.sparse.gather_plan import TILE, build_plan
+from megazoo.layers.sparse.rects import RectPlan, add_rects, flex_tiles, rect_plan
 
 from helpers.sparse_checks import assert_plan_equals_math
 

@@ -1,4 +1,4 @@
-"""The strided plan (`sparse_strided.py`): which layouts it recognises, that its global and
+"""The strided plan (`sparse/strided.py`): which layouts it recognises, that its global and
 local parts cover each (query, key) pair of the layout exactly once, and that its outputs and
 q / k / v gradients equal the dense-mask float32 reference (CPU, float32 kernels)."""
 from __future__ import annotations
@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from megazoo.config.sparse_attention import SparseAttentionConfig as Config
-from megazoo.layers.sparse_attention import SparseAttention, choose_plan
-from megazoo.layers.sparse_attention import token_mask
-from megazoo.layers.sparse_strided import StridedPlan, _local_visible, strided_plan
+from megazoo.layers.sparse import SparseAttention, choose_plan
+from megazoo.layers.sparse import token_mask
+from megazoo.layers.sparse.strided import StridedPlan, strided_plan
+from megazoo.layers.sparse.strided import local_visible as _local_visible
 
 from helpers.sparse_checks import assert_plan_equals_math, outputs_and_grads
 

@@ -10,8 +10,8 @@ import torch
 from helpers import sparse_model_checks as checks
 from megazoo.checkpoint.load import config_from_dict
 from megazoo.layers import attention, ulysses
-from megazoo.layers.sparse_attention import token_mask
-from megazoo.layers.sparse_layouts import layout
+from megazoo.layers.sparse import token_mask
+from megazoo.layers.sparse.layouts import layout
 from megazoo.models import build_model
 from megazoo.testing import run_distributed
 

@@ -18,9 +18,9 @@ previous window's of rank u > t, and no key p does not see. Hence
    and the previous window's global keys of rank u > t (what the shift leaves out);
 3. the two merged by log-sum-exp; in the backward the dense kernel gets the merged output
    and log-sum-exp, so its own backward returns exactly its part's gradients, and the
-   FlexAttention part gets (w dO, w (rowsum(dO * out_f) - D)) as `sparse_merge.py` derives.
+   FlexAttention part gets (w dO, w (rowsum(dO * out_f) - D)) as `merge.py` derives.
 
-On CUDA with Triton, below block 128, `sparse_blocks.strided_blocks_attention` runs steps 2
+On CUDA with Triton, below block 128, `blocks.strided_blocks_attention` runs steps 2
 and 3 in the Triton kernel instead (the merge and the gradient sums inside it); this module's
 FlexAttention version serves block 128 (where FlexAttention's tiles fit the windows) and
 machines without Triton, and its float32 version the CPU checks.
@@ -41,8 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .sparse_merge import _flex_grads, rect_backward, rect_forward, rect_kernel
-from .sparse_plan import TILE, tile_block_mask
+from .. import attention_kernels as kernels
+from .gather import dense_mask, masked_math
+from .merge import compiled, flex_grads, merge_parts, rect_backward, rect_forward, rect_kernel
+from .tiles import TILE, tile_block_mask
 
 
 @dataclass
@@ -55,7 +57,7 @@ class StridedPlan:
     rank: torch.Tensor
     key_pos: torch.Tensor
     mask: object = None  # the local part's FlexAttention BlockMask, built on first use
-    local: object = None  # its Triton kernel's lists (`sparse_blocks.strided_local`)
+    local: object = None  # its Triton kernel's lists (`blocks.strided_local`)
 
     @property
     def seq_len(self) -> int:
@@ -67,7 +69,7 @@ class StridedPlan:
             partial, full = _local_tiles(self, self.seq_len)
 
             def mask_mod(b, h, q_idx, kv_idx):
-                return _local_visible(self, h, q_idx, kv_idx)
+                return local_visible(self, h, q_idx, kv_idx)
             self.mask = tile_block_mask(partial, full, mask_mod, (self.seq_len,) * 2)
         return self.mask
 
@@ -122,7 +124,7 @@ def strided_plan(lay: torch.Tensor, block: int, seq_len: int, causal: bool) -> S
     return StridedPlan(window, ratio, g, rank, key_pos)
 
 
-def _local_visible(plan: StridedPlan, h, q_idx, kv_idx):
+def local_visible(plan: StridedPlan, h, q_idx, kv_idx):
     """The local part's mask: own window up to the query, and the previous window's global
     keys of rank above t = (query offset) // R."""
     w = plan.window
@@ -143,7 +145,7 @@ def _local_tiles(plan: StridedPlan, s: int):
     for back in range(plan.window // TILE + 3):  # key tile = query tile - back
         ki = ((rows - back)[:, None] * TILE + torch.arange(TILE, device=dev))[None, :, None, :]
         real = (ki >= 0) & (qi < s) & (ki < s)
-        vis = _local_visible(plan, h, qi, ki.clamp(min=0)) & real  # [hp, nt, TILE, TILE]
+        vis = local_visible(plan, h, qi, ki.clamp(min=0)) & real  # [hp, nt, TILE, TILE]
         cols = rows - back
         ok = cols >= 0
         partial[:, rows[ok], cols[ok]] = vis.flatten(2).any(-1)[:, ok]
@@ -151,7 +153,7 @@ def _local_tiles(plan: StridedPlan, s: int):
     return partial & ~full, full
 
 
-def _expanded(x: torch.Tensor, plan: StridedPlan, heads: int) -> torch.Tensor:
+def gathered_keys(x: torch.Tensor, plan: StridedPlan, heads: int) -> torch.Tensor:
     """x [s, b, hk, d] at the gathered positions, copied for each residue and query head:
     [R b, heads, L, d] (a view of a contiguous [L, R b, heads, d])."""
     s, b, hk, d = x.shape
@@ -165,7 +167,7 @@ def _expanded(x: torch.Tensor, plan: StridedPlan, heads: int) -> torch.Tensor:
     return picked.reshape(length, ratio * b, heads, d).permute(1, 2, 0, 3)
 
 
-def _residues(x: torch.Tensor, ratio: int, skip: int) -> torch.Tensor:
+def residues(x: torch.Tensor, ratio: int, skip: int) -> torch.Tensor:
     """[s, b, h, ...] -> [R b, h, s / R - skip, ...]: the queries p = R m + r, r-major in the
     batch, m >= skip (a view)."""
     s, b = x.shape[:2]
@@ -174,28 +176,19 @@ def _residues(x: torch.Tensor, ratio: int, skip: int) -> torch.Tensor:
 
 
 def _rows(x: torch.Tensor, ratio: int) -> torch.Tensor:
-    """Inverse of `_residues` for the kept rows: [R b, h, n, ...] -> [n R, b, h, ...]."""
+    """Inverse of `residues` for the kept rows: [R b, h, n, ...] -> [n R, b, h, ...]."""
     rb, h, n = x.shape[:3]
     return x.movedim(2, 0).reshape(n * ratio, rb // ratio, h, *x.shape[3:])
 
 
 def _merge(out_f, lse_f, out_g, lse_g, ratio: int):
     """(out [s, b, h, d], lse [s, b, h]): the local part (out_f [b, h, s, d], lse_f [b, h, s];
-    finite: each query sees itself) merged with the global part of rows W on."""
+    finite: each query sees itself) merged (`merge_parts`) with the global part of rows W on."""
     of, lf = out_f.permute(2, 0, 1, 3), lse_f.permute(2, 0, 1)
-    og, lg = _rows(out_g, ratio).float(), _rows(lse_g, ratio)
+    og, lg = _rows(out_g, ratio), _rows(lse_g, ratio)
     start = of.shape[0] - og.shape[0]
-    lse = torch.logaddexp(lf[start:], lg)
-    tail = torch.exp(lf[start:] - lse)[..., None] * of[start:].float() \
-        + torch.exp(lg - lse)[..., None] * og
-    return torch.cat([of[:start], tail.to(of.dtype)]), torch.cat([lf[:start], lse])
-
-
-@functools.lru_cache(maxsize=4)
-def _compiled(name: str, on_cuda: bool):
-    """`_merge` / `_flex_grads`, compiled on CUDA (one pass over the rows), eager elsewhere."""
-    fn = {"merge": _merge, "grads": _flex_grads}[name]
-    return torch.compile(fn, dynamic=False) if on_cuda else fn
+    tail, lse = merge_parts([of[start:], og], [lf[start:], lg])
+    return torch.cat([of[:start], tail]), torch.cat([lf[:start], lse])
 
 
 class _StridedMerge(torch.autograd.Function):
@@ -204,9 +197,9 @@ class _StridedMerge(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, keys, values, out_f, lse_f, ratio, skip, scale, kind):
-        qr = _residues(q, ratio, skip)
+        qr = residues(q, ratio, skip)
         out_g, lse_g, aux = rect_forward(kind, qr, keys, values, scale, causal=True)
-        out, lse = _compiled("merge", q.is_cuda)(out_f, lse_f, out_g, lse_g, ratio)
+        out, lse = compiled(_merge, q.is_cuda)(out_f, lse_f, out_g, lse_g, ratio)
         ctx.save_for_backward(q, keys, values, out_f, lse_f, out, lse)
         ctx.args, ctx.aux = (ratio, skip, scale, kind), aux
         return out
@@ -217,9 +210,9 @@ class _StridedMerge(torch.autograd.Function):
         ratio, skip, scale, kind = ctx.args
         dout = dout.contiguous()
         to_bhs = functools.partial(torch.movedim, source=0, destination=2)
-        d_out_f, d_lse_f = _compiled("grads", q.is_cuda)(
+        d_out_f, d_lse_f = compiled(flex_grads, q.is_cuda)(
             to_bhs(dout), to_bhs(out), to_bhs(lse), out_f, lse_f)
-        res = functools.partial(_residues, ratio=ratio, skip=skip)
+        res = functools.partial(residues, ratio=ratio, skip=skip)
         gq, gk, gv = rect_backward(kind, res(dout), res(q), keys, values, res(out),
                                    res(lse).contiguous(), ctx.aux, scale, causal=True)
         dq = torch.zeros_like(q)
@@ -230,9 +223,6 @@ class _StridedMerge(torch.autograd.Function):
 def strided_attention(q, k, v, plan: StridedPlan, *, scale: float, kernel: str = "flex"):
     """Attention of the plan's layout (module docstring: shapes). kernel: "flex" (local part
     on FlexAttention, global part on cuDNN / flash) or "math" (both float32, written out)."""
-    from . import attention_kernels as kernels
-    from .sparse_gather import _dense, _math
-
     s, hq, hk = q.shape[0], q.shape[2], k.shape[2]
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
     seq = torch.arange(s, device=q.device)[None]
@@ -240,10 +230,10 @@ def strided_attention(q, k, v, plan: StridedPlan, *, scale: float, kernel: str =
         out_f, lse_f = kernels.flex_at_positions(qb, kb, vb, plan.block_mask(), None, seq,
                                                  seq, scale, hq != hk, return_lse=True)
     else:
-        mask = _dense(lambda b, h, i, j: _local_visible(plan, h, i, j), plan.rank.shape[0], s,
+        mask = dense_mask(lambda b, h, i, j: local_visible(plan, h, i, j), plan.rank.shape[0], s,
                       s, q.device)
-        out_f, lse_f = _math(qb, kb, vb, mask, scale, None, seq, seq, hq != hk, True)
+        out_f, lse_f = masked_math(qb, kb, vb, mask, scale, None, seq, seq, hq != hk, True)
     kind = "math" if kernel == "math" else rect_kernel(q)
-    keys, values = _expanded(k, plan, hq), _expanded(v, plan, hq)
+    keys, values = gathered_keys(k, plan, hq), gathered_keys(v, plan, hq)
     return _StridedMerge.apply(q, keys, values, out_f, lse_f, plan.ratio, plan.per_window,
                                scale, kind)

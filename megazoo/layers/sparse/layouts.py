@@ -40,7 +40,7 @@ import random
 
 import torch
 
-from ..config.sparse_attention import SparseAttentionConfig
+from ...config.sparse_attention import SparseAttentionConfig
 
 __all__ = ["SparseAttentionConfig", "check_sequence", "layout", "density"]
 

@@ -9,7 +9,7 @@ step, gathered from wherever they lie; a bit per (row block, key block) pair mas
 wasted work is what the tile's rows do not share (a row block's random block is computed for the
 tile's other row blocks too, and masked), not the 128-tile around it.
 
-The strided plan (`sparse_strided.py`) runs its local part here too (`strided_blocks_attention`):
+The strided plan (`strided.py`) runs its local part here too (`strided_blocks_attention`):
 the kernel masks the previous window's global keys per element, merges the dense kernel's
 global part into its output, and in the backward adds that part's dq and its gathered keys'
 dk, dv (summed over the residues) into its own, so the plan costs its dense kernel call plus
@@ -28,45 +28,41 @@ from dataclasses import dataclass
 
 import torch
 
-from .sparse_merge import rect_backward, rect_forward, rect_kernel
-from .sparse_strided import StridedPlan, _expanded, _residues
+from ...kernels._dispatch import interpreting, triton_module, triton_status
+from .merge import rect_backward, rect_forward, rect_kernel
+from .strided import StridedPlan, gathered_keys, residues
 
-SUB = 16  # the kernel's granularity, in tokens
+SUB = 16  # the kernel's granularity, in tokens (it receives it as a constant)
+BLOCK_M = BLOCK_N = 64  # a query tile's rows and a chunk's keys (the key side: the mirror)
 
 
 @dataclass
 class BlocksPlan:
     """The kernel's lists for one layout and length: query side (rows) and key side (cols),
     each (count int32 [hp, tiles], index int32 [hp, tiles, chunks, per chunk], bits int64
-    [hp, tiles, chunks])."""
+    [hp, tiles, chunks]), walked in tiles of BLOCK_M queries and BLOCK_N keys."""
 
     rows: tuple
     cols: tuple
     seq_len: int
     causal: bool
-    block_m: int
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 2
 
     @property
     def heads(self) -> int:
         return self.rows[0].shape[0]
 
-    def launch(self, scale: float) -> dict:
-        """The kernels' keyword arguments for this plan (`kernels.triton_sparse`)."""
-        return dict(block_m=self.block_m, block_n=self.block_n, layout_heads=self.heads,
-                    scale=scale, causal=self.causal, num_warps=self.num_warps,
-                    num_stages=self.num_stages)
+    def launch(self) -> dict:
+        """The kernels' tile arguments for this plan (`kernels.triton_sparse`)."""
+        return dict(block_m=BLOCK_M, block_n=BLOCK_N, sub=SUB, layout_heads=self.heads,
+                    causal=self.causal)
 
     def pairs(self) -> int:
         """Score entries the kernel computes per head (of the query-side walk), for reports."""
-        return int(self.rows[0].sum()) * self.block_m * self.block_n // self.heads
+        return int(self.rows[0].sum()) * BLOCK_M * BLOCK_N // self.heads
 
 
 def triton_reason(device, head_dim: int | None, block: int, alibi: bool) -> str | None:
     """Why this module's Triton kernel cannot run a call, or None."""
-    from ..kernels._dispatch import interpreting, triton_status
     ok, why = triton_status()
     if not ok:
         return why
@@ -74,7 +70,7 @@ def triton_reason(device, head_dim: int | None, block: int, alibi: bool) -> str 
         return "it needs a CUDA GPU (or Triton's interpreter, TRITON_INTERPRET=1)"
     if alibi:
         return "it has no ALiBi"
-    if block % 16:
+    if block % SUB:
         return f"the block {block} is not a multiple of 16"
     if head_dim is None or head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
         return f"the head dim {head_dim} is not a power of two in [16, 256]"
@@ -123,9 +119,10 @@ def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(*x.shape[:-1], width - x.shape[-1])], dim=-1)
 
 
-def build_blocks_plan(block_layout: torch.Tensor, block: int, seq_len: int, causal: bool, *,
-                      block_m: int = 64, block_n: int = 64) -> BlocksPlan:
-    """The plan of a layout bool [hp, nb, nb] of `block`-token blocks for length seq_len."""
+def walks(block_layout: torch.Tensor, block: int, seq_len: int, causal: bool, block_m: int,
+          block_n: int) -> tuple:
+    """(rows, cols): the query side's walk in tiles of block_m queries over chunks of block_n
+    keys, and the key side's mirror, of a layout bool [hp, nb, nb] of `block`-token blocks."""
     lay = to_sub_blocks(block_layout.to(torch.bool), block)
     n = -(-seq_len // SUB)
     lay = lay[:, :n, :n]
@@ -135,29 +132,32 @@ def build_blocks_plan(block_layout: torch.Tensor, block: int, seq_len: int, caus
     if rm * rn > 63:
         raise ValueError(f"tiles of {block_m} x {block_n} need {rm * rn} bits per chunk; at "
                          f"most 63")
-    rows = _walk(lay, rm, rn)
-    cols = _walk(lay.transpose(1, 2), rn, rm)
-    return BlocksPlan(rows, cols, seq_len, causal, block_m, block_n)
+    return _walk(lay, rm, rn), _walk(lay.transpose(1, 2), rn, rm)
+
+
+def build_blocks_plan(block_layout: torch.Tensor, block: int, seq_len: int,
+                      causal: bool) -> BlocksPlan:
+    """The plan of a layout bool [hp, nb, nb] of `block`-token blocks for length seq_len."""
+    rows, cols = walks(block_layout, block, seq_len, causal, BLOCK_M, BLOCK_N)
+    return BlocksPlan(rows, cols, seq_len, causal)
 
 
 class _BlocksAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: BlocksPlan, scale: float):
-        from ..kernels._dispatch import triton_module
-        kern = triton_module("sparse")
-        args = plan.launch(scale)
-        out, lse = kern.forward(q, k, v, plan.rows, **args)
+        out, lse = triton_module("sparse").forward(q, k, v, plan.rows, scale=scale,
+                                                   **plan.launch())
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.args = plan, args
+        ctx.plan, ctx.scale = plan, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        from ..kernels._dispatch import triton_module
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
         dq, dk, dv = triton_module("sparse").backward(dout, q, k, v, out, lse, plan.rows,
-                                                      plan.cols, **ctx.args)
+                                                      plan.cols, scale=ctx.scale,
+                                                      **plan.launch())
         return dq, _group_sum(dk, k.shape[2]), _group_sum(dv, k.shape[2]), None, None
 
 
@@ -182,37 +182,36 @@ def _local_layout(plan: StridedPlan, s: int) -> torch.Tensor:
 
 
 class _StridedBlocks(torch.autograd.Function):
-    """The strided plan (`sparse_strided.py`) with its local part on the Triton kernel: the
+    """The strided plan (`strided.py`) with its local part on the Triton kernel: the
     forward merges the dense kernel's global part into the local part's output in the kernel,
     and the backward adds the dense kernel's dq and (summed over residues) dk, dv into the local
     part's gradients there, so no merge pass, zero-filled buffer or index_add remains."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: StridedPlan, scale: float, kind: str):
-        from ..kernels._dispatch import triton_module
         local = strided_local(plan)
         hq, ratio, skip = q.shape[2], plan.ratio, plan.per_window
-        keys, values = _expanded(k, plan, hq), _expanded(v, plan, hq)
-        out_g, lse_g, aux = rect_forward(kind, _residues(q, ratio, skip), keys, values, scale,
+        keys, values = gathered_keys(k, plan, hq), gathered_keys(v, plan, hq)
+        out_g, lse_g, aux = rect_forward(kind, residues(q, ratio, skip), keys, values, scale,
                                          causal=True)
-        args = dict(local.launch(scale), strided=(plan.rank.to(torch.int32), plan.window, ratio))
-        out, lse = triton_module("sparse").forward(q, k, v, local.rows, merge=(out_g, lse_g, skip),
-                                                   **args)
+        args = dict(local.launch(), scale=scale,
+                    strided=(plan.rank.to(torch.int32), plan.window, ratio))
+        out, lse = triton_module("sparse").forward(q, k, v, local.rows,
+                                                   merge=(out_g, lse_g, skip), **args)
         ctx.save_for_backward(q, k, v, keys, values, out, lse)
         ctx.plan, ctx.args, ctx.aux, ctx.kind = plan, args, aux, kind
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        from ..kernels._dispatch import triton_module
         q, k, v, keys, values, out, lse = ctx.saved_tensors
         plan, ratio, skip = ctx.plan, ctx.plan.ratio, ctx.plan.per_window
         s, b, hq, d = q.shape
         dout = dout.contiguous()
         lse_g = lse.view(b, hq, s // ratio, ratio)[:, :, skip:].permute(3, 0, 1, 2)
-        gq, gk, gv = rect_backward(ctx.kind, _residues(dout, ratio, skip),
-                                   _residues(q, ratio, skip), keys, values,
-                                   _residues(out, ratio, skip), lse_g.reshape(ratio * b, hq, -1),
+        gq, gk, gv = rect_backward(ctx.kind, residues(dout, ratio, skip),
+                                   residues(q, ratio, skip), keys, values,
+                                   residues(out, ratio, skip), lse_g.reshape(ratio * b, hq, -1),
                                    ctx.aux, ctx.args["scale"], causal=True)
         local = strided_local(plan)
         dq, dk, dv = triton_module("sparse").backward(dout, q, k, v, out, lse, local.rows,

@@ -1,6 +1,6 @@
 """Chunk rectangles: the part of a gather plan's shared keys (segment 2) that a dense,
 mask-free kernel computes, taken out of the FlexAttention call and merged back exactly by
-log-sum-exp (`sparse_merge.py`).
+log-sum-exp (`merge.py`).
 
 Segment 2 holds the global columns gathered and sorted by position. Split the queries into
 chunks of C rows (C a multiple of TILE). A key tile j of segment 2 is *covered* for chunk c
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sparse_plan import SHARED, TILE, GatherPlan
+from .gather_plan import SHARED, GatherPlan
+from .tiles import TILE
 
 CHUNKS = 8  # about this many query chunks per sequence: C = s / CHUNKS rounded to TILE
 RECT_SHARE = 0.25  # rectangles are taken when they cover this share of the plan's tiles

@@ -1,6 +1,9 @@
-"""The rectangles of `sparse_rects.py` computed by a dense kernel and merged with the
-FlexAttention part by log-sum-exp, exactly, forward and backward (the dense kernel's calls,
-`rect_forward` / `rect_backward`, also serve `sparse_strided.py`, causal).
+"""Attention computed in parts and merged exactly by log-sum-exp (`merge_parts`, the one merge
+of the package; the Triton kernel does the same sum in place), forward and backward: the
+rectangles of `rects.py` on a dense kernel merged with the FlexAttention part (`merge_rects`).
+The dense kernel's calls (`rect_forward` / `rect_backward`) also serve `strided.py`, causal,
+and its merge and the Flex part's gradients (`flex_grads`) go through the one compile cache
+(`compiled`).
 
 | tensor | shape | meaning |
 |---|---|---|
@@ -103,17 +106,24 @@ def _weight(lse_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.where(lse_part == float("-inf"), 0.0, torch.exp(lse_part - lse))
 
 
-def _merge(out_f, lse_f, outs: list, lses: list):
-    """(out, lse): the parts merged, float32 math, over whole [b, h, s] rows; a row that no
-    rectangle touches keeps (out_f, lse_f) exactly (its rectangle slots hold lse -inf)."""
-    lse = torch.logsumexp(torch.stack([lse_f, *lses]), dim=0)  # -inf where no part sees a key
-    out = _weight(lse_f, lse)[..., None] * out_f.float()
-    for o, l in zip(outs, lses):
+def merge_parts(outs: list, lses: list):
+    """(out, lse): attention parts over disjoint key sets merged, float32 math: L = log sum_i
+    exp(L_i), O = sum_i exp(L_i - L) O_i, in the first part's dtype. A row no part sees keeps
+    lse -inf and output 0; a part without keys for a row (lse -inf) weighs 0 there."""
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    out = _weight(lses[0], lse)[..., None] * outs[0].float()
+    for o, l in zip(outs[1:], lses[1:]):
         out = out + _weight(l, lse)[..., None] * o.float()
-    return out.to(out_f.dtype), lse
+    return out.to(outs[0].dtype), lse
 
 
-def _flex_grads(dout, out, lse, out_f, lse_f):
+def _merge_rects(out_f, lse_f, outs: list, lses: list):
+    """The Flex part merged with the rectangles' slots over whole [b, h, s] rows; a row that no
+    rectangle touches keeps (out_f, lse_f) exactly (its rectangle slots hold lse -inf)."""
+    return merge_parts([out_f, *outs], [lse_f, *lses])
+
+
+def flex_grads(dout, out, lse, out_f, lse_f):
     """(d out_f, d lse_f) given dO and the merged (out, lse) (module docstring, step 2)."""
     w = _weight(lse_f, lse)
     dot = (dout.float() * out.float()).sum(-1)  # D
@@ -121,21 +131,20 @@ def _flex_grads(dout, out, lse, out_f, lse_f):
     return (w[..., None] * dout.float()).to(out_f.dtype), w * (dot_f - dot)
 
 
-@functools.lru_cache(maxsize=4)
-def _elementwise(name: str, compiled: bool):
-    """`_merge` / `_flex_grads`, compiled on CUDA (one fused pass over the rows instead of a
-    dozen full-size temporaries), eager elsewhere."""
-    fn = {"merge": _merge, "grads": _flex_grads}[name]
-    return torch.compile(fn, dynamic=False) if compiled else fn
+@functools.lru_cache(maxsize=8)
+def compiled(fn, on_cuda: bool):
+    """fn compiled on CUDA (one fused pass over the rows instead of a dozen full-size
+    temporaries), eager elsewhere; the package's one compile cache."""
+    return torch.compile(fn, dynamic=False) if on_cuda else fn
 
 
-def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+def expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
     """[b, hk, m, d] -> [b, hk * groups, m, d] (query head h reads kv head h // g); x itself
     (a view) for groups = 1."""
     return x.repeat_interleave(groups, dim=1) if groups > 1 else x
 
 
-def _group_sum(x: torch.Tensor, groups: int) -> torch.Tensor:
+def group_sum_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
     """[b, hk * groups, m, d] -> [b, hk, m, d]: the expansion's gradient."""
     b, h, m, d = x.shape
     return x.reshape(b, h // groups, groups, m, d).sum(2, dtype=torch.float32) if groups > 1 else x
@@ -157,12 +166,12 @@ class _RectMerge(torch.autograd.Function):
         for (q0, q1), runs in chunks:
             qc = q[:, :, q0:q1]
             for j, (k0, k1) in enumerate(runs):
-                o, l, a = rect_forward(kind, qc, _expand(keys[:, :, k0:k1], groups),
-                                       _expand(values[:, :, k0:k1], groups), scale)
+                o, l, a = rect_forward(kind, qc, expand_heads(keys[:, :, k0:k1], groups),
+                                       expand_heads(values[:, :, k0:k1], groups), scale)
                 outs[j][:, :, q0:q1] = o
                 lses[j][:, :, q0:q1] = l
                 aux.append(a)
-        out, lse = _elementwise("merge", q.is_cuda)(out_f, lse_f, outs, lses)
+        out, lse = compiled(_merge_rects, q.is_cuda)(out_f, lse_f, outs, lses)
         ctx.save_for_backward(q, keys, values, out_f, lse_f, out, lse)
         ctx.rects, ctx.scale, ctx.kind, ctx.aux = rects, scale, kind, aux
         return out
@@ -172,7 +181,7 @@ class _RectMerge(torch.autograd.Function):
         q, keys, values, out_f, lse_f, out, lse = ctx.saved_tensors
         groups, aux = q.shape[1] // keys.shape[1], iter(ctx.aux)
         dout = dout.contiguous()
-        d_out_f, d_lse_f = _elementwise("grads", q.is_cuda)(dout, out, lse, out_f, lse_f)
+        d_out_f, d_lse_f = compiled(flex_grads, q.is_cuda)(dout, out, lse, out_f, lse_f)
         dq = torch.zeros_like(q)
         dk = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device)
         dv = torch.zeros_like(dk)
@@ -180,12 +189,13 @@ class _RectMerge(torch.autograd.Function):
             do, o, qc = dout[:, :, q0:q1], out[:, :, q0:q1], q[:, :, q0:q1]  # views
             total = lse[:, :, q0:q1].contiguous()
             for k0, k1 in runs:
-                gq, gk, gv = rect_backward(ctx.kind, do, qc, _expand(keys[:, :, k0:k1], groups),
-                                           _expand(values[:, :, k0:k1], groups), o, total,
+                gq, gk, gv = rect_backward(ctx.kind, do, qc,
+                                           expand_heads(keys[:, :, k0:k1], groups),
+                                           expand_heads(values[:, :, k0:k1], groups), o, total,
                                            next(aux), ctx.scale)
                 dq[:, :, q0:q1] += gq
-                dk[:, :, k0:k1] += _group_sum(gk, groups)  # float32 += bf16: one pass
-                dv[:, :, k0:k1] += _group_sum(gv, groups)
+                dk[:, :, k0:k1] += group_sum_heads(gk, groups)  # float32 += bf16: one pass
+                dv[:, :, k0:k1] += group_sum_heads(gv, groups)
         return dq, dk.to(keys.dtype), dv.to(values.dtype), d_out_f, d_lse_f, None, None, None
 
 

@@ -1,4 +1,4 @@
-"""Block-sparse attention over gathered keys: the plan of `sparse_plan.py` run as one
+"""Block-sparse attention over gathered keys: the plan of `gather_plan.py` run as one
 FlexAttention call (whose 128 x 128 tiles are mostly full) plus one over the dense rows, or,
 computing the same function, as float32 math with the plan's mask (CPU, checks).
 
@@ -11,19 +11,21 @@ computing the same function, as float32 math with the plan's mask (CPU, checks).
 | out | [s, b, hq, d] | attention output; a dense row's output comes from the rows call |
 
 Exact: every (query, key) pair of the layout is scored once (by the owner rule of
-`sparse_plan.py`), so the softmax over the gathered keys is the layout's softmax; gradients
+`gather_plan.py`), so the softmax over the gathered keys is the layout's softmax; gradients
 flow through the gathers (index_select / index_copy). A plan with rectangles
-(`sparse_rects.py`) leaves the covered (query chunk, shared key tile) pairs out of the
+(`rects.py`) leaves the covered (query chunk, shared key tile) pairs out of the
 FlexAttention call and merges a dense kernel's rectangles in by log-sum-exp
-(`sparse_merge.py`); without ALiBi only (a dense kernel has no cheap position bias).
+(`merge.py`); without ALiBi only (a dense kernel has no cheap position bias).
 """
 from __future__ import annotations
 
 import torch
 
-from .sparse_merge import merge_rects, rect_kernel
-from .sparse_plan import PRIVATE, PRIVATE_BASE, ROW, TILE, GatherPlan, tile_block_mask
-from .sparse_rects import RectPlan, flex_tiles
+from .. import attention_kernels as kernels
+from .gather_plan import PRIVATE, PRIVATE_BASE, ROW, GatherPlan
+from .merge import merge_rects, rect_kernel
+from .rects import RectPlan, flex_tiles
+from .tiles import TILE, tile_block_mask
 
 
 def _head(h, table: torch.Tensor):
@@ -114,7 +116,7 @@ def _put_rows(out: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor) -> torch
     return ext.view(b, h, s + 1, d)[:, :, :s]
 
 
-def _dense(mask_mod, hp: int, n_q: int, n_k: int, device) -> torch.Tensor:
+def dense_mask(mask_mod, hp: int, n_q: int, n_k: int, device) -> torch.Tensor:
     """Bool [hp, n_q, n_k]: a mask_mod evaluated everywhere (the math path's mask)."""
     h = torch.arange(hp, device=device)[:, None, None]
     q = torch.arange(n_q, device=device)[None, :, None]
@@ -122,7 +124,7 @@ def _dense(mask_mod, hp: int, n_q: int, n_k: int, device) -> torch.Tensor:
     return mask_mod(None, h, q, k).expand(hp, n_q, n_k)
 
 
-def _math(q, k, v, mask, scale, slopes, q_pos, k_pos, grouped, return_lse=False):
+def masked_math(q, k, v, mask, scale, slopes, q_pos, k_pos, grouped, return_lse=False):
     """Float32 softmax attention on [b, h, n, d] with a bool mask [hp, n_q, n_k] and ALiBi at
     the tokens' positions ([hp, n] tables); a query that sees no key outputs 0 (lse -inf).
     return_lse: (out, float32 lse [b, h, n_q])."""
@@ -147,8 +149,6 @@ def gather_attention(q, k, v, plan: GatherPlan, *, scale: float, alibi_slopes=No
     (FlexAttention, compiled on CUDA, forward only on CPU) or "math" (float32, an explicit
     [hp, s, K] mask; rectangles on the float32 kernel); the BlockMasks are built on first use
     and kept on the plan. The plan's rectangles run when no ALiBi is given."""
-    from . import attention_kernels as kernels
-
     s, hq = q.shape[0], q.shape[2]
     rects = plan.rects if alibi_slopes is None else None
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
@@ -160,8 +160,9 @@ def gather_attention(q, k, v, plan: GatherPlan, *, scale: float, alibi_slopes=No
         out = kernels.flex_at_positions(qb, keys, values, main_mask, alibi_slopes, seq,
                                         plan.key_pos, scale, grouped, rects is not None)
     else:
-        mask = _dense(main_mask_mod(plan, rects), plan.heads, s, plan.key_pos.shape[1], q.device)
-        out = _math(qb, keys, values, mask, scale, alibi_slopes, seq, plan.key_pos, grouped,
+        mask = dense_mask(main_mask_mod(plan, rects), plan.heads, s, plan.key_pos.shape[1],
+                          q.device)
+        out = masked_math(qb, keys, values, mask, scale, alibi_slopes, seq, plan.key_pos, grouped,
                     rects is not None)
     if rects is not None:
         part = slice(rects.start, plan.key_pos.shape[1])  # segment 2 on: the rectangles' keys
@@ -174,7 +175,8 @@ def gather_attention(q, k, v, plan: GatherPlan, *, scale: float, alibi_slopes=No
             rows = kernels.flex_at_positions(q_rows, kb, vb, rows_mask, alibi_slopes,
                                              plan.row_pos, seq, scale, grouped)
         else:
-            mask = _dense(rows_mask_mod(plan), plan.heads, plan.row_pos.shape[1], s, q.device)
-            rows = _math(q_rows, kb, vb, mask, scale, alibi_slopes, plan.row_pos, seq, grouped)
+            mask = dense_mask(rows_mask_mod(plan), plan.heads, plan.row_pos.shape[1], s, q.device)
+            rows = masked_math(q_rows, kb, vb, mask, scale, alibi_slopes, plan.row_pos, seq,
+                               grouped)
         out = _put_rows(out, rows, plan.row_dst)
     return out.permute(2, 0, 1, 3)  # [s, b, hq, d]

@@ -1,5 +1,5 @@
 """A block-sparse layout rearranged so that 128 x 128 kernel tiles are mostly full: the plan
-that `sparse_gather.py` runs as one FlexAttention call over gathered keys.
+that `gather.py` runs as one FlexAttention call over gathered keys.
 
 FlexAttention skips whole tiles of TILE = 128 queries x 128 keys. A layout of small blocks
 (16, 32, 64 tokens) scatters its blocks over many tiles (a 16-token global column, one per 64
@@ -40,7 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-TILE = 128
+from .tiles import TILE, zero_pad
+
 NONE, DIRECT, SHARED, PRIVATE, NEVER, ROW = 0, 1, 2, 3, 4, 5
 PRIVATE_BASE = 8  # key_code of a private key: PRIVATE_BASE + the query tile it serves
 
@@ -62,10 +63,10 @@ class GatherPlan:
     row_partial: torch.Tensor | None
     row_full: torch.Tensor | None
     rects: object | None = None
-    """The chunk rectangles over segment 2 (`sparse_rects.RectPlan`) that run on a dense
-    kernel, or None: everything in the FlexAttention call (`sparse_rects.add_rects` sets it)."""
+    """The chunk rectangles over segment 2 (`rects.RectPlan`) that run on a dense
+    kernel, or None: everything in the FlexAttention call (`rects.add_rects` sets it)."""
     masks: dict | None = None
-    """The FlexAttention BlockMasks (`sparse_gather.block_masks`), once built, by whether the
+    """The FlexAttention BlockMasks (`gather.block_masks`), once built, by whether the
     rectangles are left out."""
 
     @property
@@ -87,23 +88,6 @@ class GatherPlan:
         if self.row_pos is not None:
             p, f = p + int(self.row_partial.sum()), f + int(self.row_full.sum())
         return p, f
-
-
-def _kv_blocks(tiles: torch.Tensor):
-    """[h, n, m] bool -> ([1, h, n] counts, [1, h, n, m] column indices, set ones first): the
-    form `BlockMask.from_kv_blocks` takes."""
-    counts = tiles.sum(dim=-1, dtype=torch.int32)
-    order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True)
-    return counts[None], order.to(torch.int32)[None]
-
-
-def tile_block_mask(partial: torch.Tensor, full: torch.Tensor, mask_mod, lengths):
-    """The FlexAttention BlockMask over TILE x TILE kernel tiles partial / full [h, n, m]
-    (bool: computed with mask_mod / without it) of a (queries, keys) = lengths problem."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    return BlockMask.from_kv_blocks(*_kv_blocks(partial), *_kv_blocks(full), BLOCK_SIZE=TILE,
-                                    mask_mod=mask_mod, seq_lengths=lengths)
 
 
 def build_plan(block_layout: torch.Tensor, block: int, seq_len: int, causal: bool) -> GatherPlan:
@@ -146,14 +130,6 @@ def _owners(lay: torch.Tensor, r: int, causal: bool) -> torch.Tensor:
     owner[rest & ~direct & ~global_col[:, None, :]] = PRIVATE
     owner[lay & dense_row[:, :, None]] = ROW
     return owner
-
-
-def zero_pad(x: torch.Tensor, n: int, m: int | None = None) -> torch.Tensor:
-    """x [h, a, b] zero-padded to [h, n, m] (m defaults to n)."""
-    m = n if m is None else m
-    out = torch.zeros(x.shape[0], n, m, dtype=x.dtype, device=x.device)
-    out[:, :x.shape[1], :x.shape[2]] = x
-    return out
 
 
 def _key_blocks(owner: torch.Tensor, r: int):
