@@ -117,6 +117,7 @@ def main(argv=None) -> int:
         found = results(out)
         rows[name] = dict(found[-1], ranks=ranks) if found else {"error": f"rc {rc}: {err[-300:]}"}
         print(name, json.dumps(rows[name]), flush=True)
+        write_json(os.path.join(cfg.out, "tp_comm.json"), rows)  # kept if a later row hangs
     base = rows["one GPU"].get("tokens_per_s")
     for name, row in rows.items():
         if base and "tokens_per_s" in row:

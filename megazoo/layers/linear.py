@@ -43,7 +43,8 @@ def mark_sequence_parallel(param: nn.Parameter) -> nn.Parameter:
 
     Each tensor-parallel rank sees only its sequence shard, so the gradient of such a
     parameter (a row-parallel bias, a norm weight) must be all-reduced over tp before the
-    optimizer step: `allreduce_sequence_parallel_grads` does that.
+    optimizer step, once per step: the plain engine's gradient buffer does it per bucket,
+    `allreduce_sequence_parallel_grads` on `.grad` (reference, tests).
     """
     param.sequence_parallel = True
     return param

@@ -20,7 +20,10 @@ is recomputed in backward (`recompute_core`).
 
 The sequence shards are those of `sequence_shard_range` (ulysses.py): the QKV layer
 all-gathers over tp (Megatron SP), Ulysses trades the sequence for heads over sp, and the
-output layer reduce-scatters over tp. The fused QKV rows are laid out as heads.py says. With
+output layer reduce-scatters over tp. Where each sp rank's kv groups are a plain slice of
+the fused rows, the Ulysses all-to-alls run inside the two projections, chunked by kv groups
+(`ulysses_chunks`, `set_ulysses_overlap`; ulysses_overlap.py). The fused QKV rows are laid
+out as heads.py says. With
 fewer kv heads than tp ranks the kv heads are replicated: each replica starts as the tp=1
 head, and a gradient hook sums the replicas' gradients over tp (`SumReplicatedKV`).
 

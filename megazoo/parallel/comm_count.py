@@ -8,17 +8,20 @@
 
 How: a `TorchDispatchMode`. Every torch.distributed collective goes through a `c10d::` op of
 the dispatcher, whatever Python name called it (all_gather_into_tensor, its renamed
-all_gather_single, a function bound at import time, DTensor's funcol), and so does every
+all_gather_single, a function bound at import time), and so does every
 read of a tensor's value to the host (`aten::_local_scalar_dense`: `.item()`, `float(t)`,
 `bool(t)`, `.tolist()` of one value). Patching `torch.distributed` names would miss the
-ones bound before the patch. The mode is thread-local: it sees what runs on this thread,
-which for CPU tensors includes autograd's backward (CPU autograd runs on the caller's
-thread); on CUDA the backward runs on autograd's device threads, so count GPU backwards
-with the mode entered inside them or read a profiler instead.
+ones bound before the patch. The mode is thread-local state, which autograd hands to the
+threads that run the backward (as for torch's FlopCounterMode), so backward collectives are
+counted too. Under an active mode `torch.compile`d functions may not run as compiled: count
+a separate step, not a timed one (bench/tp_comm_bench.py does).
 
-Also counted, by patching the two Python entry points for them: `torch.cuda.synchronize`
-and `torch.cuda.Event.query` / `.synchronize` calls (`events`) - the event polling a
-training step should not do.
+Not seen: torch's functional collectives (`_c10d_functional::` ops, as DTensor issues
+them); megazoo's layers and engines call `torch.distributed` directly.
+
+Also counted, by patching their Python entry points: `torch.cuda.synchronize` and
+`torch.cuda.Event.query` / `.synchronize` calls (`events`), the event polling a training
+step should not do (the caching allocator's own event queries happen in C++, unseen).
 
 `elements` is the size of the full side of a collective: the output of an all-gather, the
 input of a reduce-scatter, the tensor of an all-reduce or broadcast, the send buffer of an

@@ -2,6 +2,8 @@
 (`megazoo.layers.tp_overlap`) against the unchunked path and one process, on gloo; the chunk
 loop's order and the row blocks without processes. Tolerances: tests/helpers/comm_checks.py.
 """
+import pytest
+
 from helpers import comm_checks
 from megazoo.layers.tp_overlap import chunk_pipeline, chunk_rows, usable_chunks
 from megazoo.testing import run_distributed
@@ -9,6 +11,14 @@ from megazoo.testing import run_distributed
 
 def test_chunked_linears_match_unchunked_and_one_process():
     assert run_distributed(comm_checks.check_chunked_linears, 2, timeout=300) == [6, 6]
+
+
+# On 2 GPUs over NCCL: the asynchronous collectives on NCCL's stream, the case the overlap is for.
+@pytest.mark.gpu(count=2)
+def test_chunked_linears_match_on_nccl():
+    results = run_distributed(comm_checks.check_chunked_linears, 2, "cuda", timeout=300,
+                              backend="nccl")
+    assert results == [6, 6]
 
 
 def test_chunk_rows_cover_the_sequence_once():
