@@ -99,10 +99,8 @@ class CheckpointReader:
         files = self.metadata.get("files")
         want = [rank_file(p, t) for p in range(self.layout["pp"]) for t in range(self.layout["tp"])]
         if not isinstance(files, list) or sorted(map(str, files)) != sorted(want):
-            raise ValueError(f"{os.path.join(self.path, METADATA_FILE)} lists the files "
-                             f"{files!r}, its layout (tp {self.layout['tp']}, pp "
-                             f"{self.layout['pp']}) writes {want}: the file was edited or "
-                             f"damaged; restore it")
+            raise ValueError(f"{os.path.join(self.path, METADATA_FILE)} lists the files {files!r}"
+                             f", its layout writes {want}: the file was edited or damaged")
         return want
 
     def _check_recorded(self) -> None:

@@ -168,11 +168,8 @@ def _steps(run, progress, watch: SkipWatch, stop: StopSignals) -> tuple[list, fl
         if n % log.log_interval == 0:
             seconds = time.perf_counter() - window_start
             run.logger.write(_log_record(run, n, result, seconds, window_steps, watch.total))
-            if not run.logger.records[:-1] and run.data.device.type == "cpu" and \
-                    n < a.training.train_iters:  # the first line of this segment
-                run.logger.print(speed_note(a.training.train_iters - n, seconds / window_steps,
-                                            torch.get_num_threads(), os.cpu_count() or 1,
-                                            os.getloadavg()[0], bool(a.training.cpu_threads)))
+            if len(run.logger.records) == 1:  # this segment's first log line
+                _speed_note(run, n, seconds / window_steps)
             window_start, window_steps = time.perf_counter(), 0
         if n % log.eval_interval == 0 or n == a.training.train_iters:
             valid = evaluate(run)
@@ -191,6 +188,16 @@ def _steps(run, progress, watch: SkipWatch, stop: StopSignals) -> tuple[list, fl
         if a.training.exit_interval and n % a.training.exit_interval == 0:
             break
     return steps, valid
+
+
+def _speed_note(run, iteration: int, step_s: float) -> None:
+    """On a CPU, how long the remaining steps take at `step_s` and what --cpu-threads to pass
+    on a busy machine (`metrics.speed_note`)."""
+    t = run.args.training
+    if run.data.device.type == "cpu" and iteration < t.train_iters:
+        run.logger.print(speed_note(t.train_iters - iteration, step_s, torch.get_num_threads(),
+                                    os.cpu_count() or 1, os.getloadavg()[0],
+                                    bool(t.cpu_threads)))
 
 
 def _summary(run, steps: list, valid, elapsed) -> dict:

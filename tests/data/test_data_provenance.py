@@ -41,7 +41,8 @@ def test_preprocess_replaces_a_dataset_only_with_overwrite(tmp_path, capsys):
     first.write_text("first", encoding="utf-8")
     second.write_text("second text", encoding="utf-8")
     prefix = tmp_path / "data"
-    assert preprocess_data.main(["--input", str(first), "--output-prefix", str(prefix), *BYTES]) == 0
+    first_run = ["--input", str(first), "--output-prefix", str(prefix), *BYTES]
+    assert preprocess_data.main(first_run) == 0
     capsys.readouterr()
     again = ["--input", str(second), "--output-prefix", str(prefix), *BYTES]
     assert preprocess_data.main(again) == 2

@@ -29,3 +29,27 @@ def tiny_argv(prefix: str, *extra: str) -> list[str]:
             "--lr", "1e-2", "--min-lr", "1e-3", "--log-interval", "1", "--eval-interval", "3",
             "--eval-iters", "1", "--generate-tokens", "3", "--no-progress", "--save", "",
             "--cpu-threads", "1", "--no-plot-curves", *extra]
+
+
+def signalled_rank_run(argv: list[str], signalled: int, step: int) -> tuple[int, str | None]:
+    """On each rank of a `run_distributed` job: pretrain with `argv`, rank `signalled` getting
+    SIGINT during step `step` (0-based); (exit status, the --save folder's `latest`)."""
+    import signal
+
+    import torch.distributed as dist
+
+    from megazoo.training import loop
+    from megazoo.training.run import main
+
+    real = loop.seed_step
+
+    def seed_then_signal(seed, iteration, state):
+        real(seed, iteration, state)
+        if iteration == step and dist.get_rank() == signalled:
+            signal.raise_signal(signal.SIGINT)
+
+    loop.seed_step = seed_then_signal
+    code = main(argv)
+    save = argv[len(argv) - 1 - argv[::-1].index("--save") + 1]  # the last --save given
+    latest = Path(save) / "latest"
+    return code, latest.read_text().strip() if latest.is_file() else None

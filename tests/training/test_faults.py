@@ -208,3 +208,15 @@ def test_records_a_killed_segment_logged_past_its_checkpoint_appear_once(data, r
     logged = [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in logged if "loss" in r] == [1, 2, 3, 4, 5, 6]
     assert [r["iteration"] for r in logged if "valid_loss" in r] == [3, 6]
+
+
+def test_a_signal_to_one_of_two_ranks_stops_both_at_the_same_step(data, tmp_path):
+    """Rank 1 alone gets SIGINT during step 2: the ranks agree, both save iteration 2 and
+    exit 130 (neither waits in a collective for the other)."""
+    from megazoo.testing import run_distributed
+    from helpers.runs import signalled_rank_run
+
+    save = tmp_path / "ck"
+    argv = tiny_argv(data, "--save", str(save), "--save-interval", "3", "--generate-tokens", "0")
+    assert run_distributed(signalled_rank_run, 2, argv, 1, 1, timeout=240) == [(130, "2")] * 2
+    assert CheckpointReader(save / "iter_0000002").layout["tp"] == 1
