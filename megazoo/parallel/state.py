@@ -35,9 +35,12 @@ class GroupInfo:
 GROUP_DIMS = {
     "tp": ("tp",),
     "sp": ("sp",),
+    "cp": ("cp",),
     "dp": ("dp",),
     "pp": ("pp",),
-    "dp_sp": ("dp", "sp"),  # ZeRO / gradient reduction: every rank holding the same shard
+    # ZeRO / gradient reduction: every rank holding the same shard (the name predates cp:
+    # the Ulysses and context-parallel ranks both hold replicas, each seeing its tokens)
+    "dp_sp": ("dp", "sp", "cp"),
 }
 
 
@@ -54,13 +57,15 @@ class ParallelState:
     pp: GroupInfo
     dp_sp: GroupInfo
     embedding: GroupInfo
+    cp: GroupInfo = GroupInfo.single()
+    """Context-parallel ring (last, with a default, so older positional builds still fit)."""
 
     @classmethod
     def single(cls, config: ParallelConfig | None = None) -> "ParallelState":
         """A one-process state: every group has one rank and no collective is issued."""
         config = (config or ParallelConfig()).resolve(1)
         one = GroupInfo.single()
-        return cls(config, 0, 1, one, one, one, one, one, one)
+        return cls(config, 0, 1, one, one, one, one, one, one, one)
 
     @classmethod
     def initialize(cls, config: ParallelConfig, backend: str | None = None,
