@@ -68,13 +68,19 @@ class ParallelConfig:
             raise ValueError(f"dp must be a positive integer or None (derived), got {self.dp!r}")
         if isinstance(self.order, str):
             object.__setattr__(self, "order", tuple(self.order.replace(",", "-").split("-")))
-        if "cp" not in self.order and "sp" in self.order:  # a four-dimension order of old
-            at = self.order.index("sp") + 1
-            object.__setattr__(self, "order", self.order[:at] + ("cp",) + self.order[at:])
-        if sorted(self.order) != sorted(DIMS):
-            raise ValueError(f"order must be a permutation of {'-'.join(DIMS)}, got {'-'.join(self.order)}")
+        if sorted(self.grid_order) != sorted(DIMS):
+            raise ValueError(f"order must be a permutation of {'-'.join(DIMS)} (cp may be left "
+                             f"out), got {'-'.join(self.order)}")
         if self.vpp > 1 and self.pp == 1:
             raise ValueError(f"vpp={self.vpp} needs pipeline parallelism: set pp > 1 or vpp = 1")
+
+    @property
+    def grid_order(self) -> tuple[str, ...]:
+        """`order` with every dimension: an order without cp places it right after sp."""
+        if "cp" in self.order or "sp" not in self.order:
+            return self.order
+        at = self.order.index("sp") + 1
+        return self.order[:at] + ("cp",) + self.order[at:]
 
     def resolve(self, world_size: int) -> "ParallelConfig":
         """Return a copy with dp derived from `world_size`; raise if the sizes do not fit it."""

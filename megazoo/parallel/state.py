@@ -82,7 +82,7 @@ class ParallelState:
             dist.init_process_group(backend=backend, **kwargs)
         world, rank = dist.get_world_size(), dist.get_rank()
         config = config.resolve(world)
-        sizes, order = config.sizes(), config.order
+        sizes, order = config.sizes(), config.grid_order
         groups = {name: _new_groups(rank_groups(sizes, order, dims), rank)
                   for name, dims in GROUP_DIMS.items()}
         # Middle pipeline stages hold no embedding: a one-rank group of their own.
