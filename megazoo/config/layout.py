@@ -41,6 +41,13 @@ def sequence_pieces(tp: int, sp: int, megatron_sp: bool, cp: int = 1) -> int:
     return cp * sp * (tp if megatron_sp else 1)
 
 
+def sequence_multiple(tp: int, sp: int, megatron_sp: bool, cp: int = 1) -> int:
+    """What a sequence length must divide by: `sequence_pieces`, and with context parallelism
+    2 cp chunks whose pairs split into the other pieces."""
+    pieces = sequence_pieces(tp, sp, megatron_sp)
+    return pieces if cp == 1 else cp * math.lcm(2, pieces)
+
+
 def context_parallel_chunks(seq_len: int, cp: int, cp_rank: int) -> tuple[range, range]:
     """The two global position ranges context-parallel rank `cp_rank` holds: chunks cp_rank
     and 2 cp - 1 - cp_rank of 2 cp equal chunks, so that under a causal mask every rank has
@@ -60,7 +67,7 @@ def check_sequence_split(seq_len: int, tp: int, sp: int, megatron_sp: bool, cp: 
     context parallelism, 2 cp chunks whose pairs split over the rest)."""
     if cp > 1:
         context_parallel_chunks(seq_len, cp, 0)
-        need = cp * math.lcm(2, sequence_pieces(tp, sp, megatron_sp))  # a rank's pair splits
+        need = sequence_multiple(tp, sp, megatron_sp, cp)
         if seq_len % need:
             raise ValueError(f"sequence length {seq_len} must divide by {need} (cp={cp} x Ulysses "
                              f"sp={sp}" + (f" x Megatron SP tp={tp}" if megatron_sp else "")

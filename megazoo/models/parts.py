@@ -19,7 +19,7 @@ from ..layers import (NormalInit, VocabParallelEmbedding, copy_to_tensor_paralle
                       gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
                       gather_sequence_replicated, reduce_from_tensor_parallel_region,
                       scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
-from ..config.layout import check_sequence_split, sequence_pieces
+from ..config.layout import check_sequence_split, sequence_multiple, sequence_pieces
 from ..config.model import ModelConfig
 from ..layers.norm import build_norm
 from ..layers.ring_attention import context_parallel_positions
@@ -32,6 +32,12 @@ WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 def sequence_shard(state: ParallelState) -> int:
     """How many pieces the sequence is cut into for one block (`sequence_pieces` of `state`)."""
     return sequence_pieces(state.tp.size, state.sp.size, state.config.megatron_sp, state.cp.size)
+
+
+def sequence_multiple_of(state: ParallelState) -> int:
+    """What a sequence length must divide by in this layout (`sequence_multiple`)."""
+    return sequence_multiple(state.tp.size, state.sp.size, state.config.megatron_sp,
+                             state.cp.size)
 
 
 def check_sequence_length(seq_len: int, state: ParallelState) -> None:
