@@ -148,7 +148,7 @@ def run_command(argv: list[str], args, config: ModelConfig) -> str:
     if t.optimizer_offload_host_memory is not None:
         flags += ["--optimizer-offload-host-memory", f"{t.optimizer_offload_host_memory:g}"]
     par = args.parallel
-    world = par.tp * par.sp * par.pp * (par.dp or 1)
+    world = par.tp * par.sp * par.cp * par.pp * (par.dp or 1)
     launch = ["python"] if world == 1 else ["torchrun", "--nproc-per-node", world]
     return " ".join(shlex.quote(str(x)) for x in launch + ["pretrain_gpt.py"] + flags + kept)
 
