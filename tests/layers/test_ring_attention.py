@@ -16,6 +16,19 @@ def test_ring_matches_single_process(ranks):
     assert max(worst) < 1e-5  # asserted per tensor on the ranks; here for the record
 
 
+# On 2 GPUs, NCCL: the CUDA block kernels (bf16, head_dim 64) against the float32 reference.
+@pytest.mark.gpu(count=2)
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+def test_ring_cuda_kernels_match_single_process(kernel):
+    import torch
+
+    if kernel == "cudnn" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN attention is picked from Hopper on")
+    worst = run_distributed(ring_checks.check_ring, 2, "cuda", kernel, torch.bfloat16, 64,
+                            timeout=600, backend="nccl")
+    assert max(worst) < 2e-2
+
+
 def test_chunks_mirror_and_cover_the_sequence():
     cp, s = 4, 64
     chunks = [context_parallel_chunks(s, cp, r) for r in range(cp)]
