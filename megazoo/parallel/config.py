@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 DIMS = ("tp", "sp", "cp", "dp", "pp")
+# The default order; cp, left out, goes right after sp (`grid_order`): tp, sp, cp, dp, pp.
+DEFAULT_ORDER = ("tp", "sp", "dp", "pp")
 
 
 @dataclass(frozen=True, init=False)
@@ -36,12 +38,12 @@ class ParallelConfig:
     """Data-parallel size; None derives it as world_size // (tp * sp * cp * pp)."""
     megatron_sp: bool = False
     """Megatron sequence parallelism: activations outside attention/MLP are split over tp."""
-    order: tuple[str, ...] = field(default=DIMS)
-    """Rank order, innermost (adjacent ranks) first. Default tp, sp, cp, dp, pp keeps TP in a
-    node, then Ulysses' all-to-alls, then the ring; an order without cp places it after sp."""
+    order: tuple[str, ...] = field(default=DEFAULT_ORDER)
+    """Rank order, innermost (adjacent ranks) first. The default tp, sp, dp, pp (cp, left out,
+    goes right after sp) keeps TP in a node, then Ulysses' all-to-alls, then the ring."""
 
     def __init__(self, tp: int = 1, sp: int = 1, pp: int = 1, vpp: int = 1, dp: int | None = None,
-                 megatron_sp: bool = False, order: tuple[str, ...] | str = DIMS, *,
+                 megatron_sp: bool = False, order: tuple[str, ...] | str = DEFAULT_ORDER, *,
                  sequence_parallel: bool | None = None, cp: int = 1):
         """The fields, plus `sequence_parallel`: Megatron's name for `megatron_sp`."""
         if sequence_parallel is not None:
