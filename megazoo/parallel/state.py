@@ -41,6 +41,7 @@ GROUP_DIMS = {
     # ZeRO / gradient reduction: every rank holding the same shard (the name predates cp:
     # the Ulysses and context-parallel ranks both hold replicas, each seeing its tokens)
     "dp_sp": ("dp", "sp", "cp"),
+    "sp_cp": ("sp", "cp"),  # every rank splitting one sequence (DeepSpeed's "sequence parallel")
 }
 
 
@@ -59,13 +60,15 @@ class ParallelState:
     embedding: GroupInfo
     cp: GroupInfo = GroupInfo.single()
     """Context-parallel ring (last, with a default, so older positional builds still fit)."""
+    sp_cp: GroupInfo = GroupInfo.single()
+    """Ulysses x context-parallel ranks: together they split one sequence."""
 
     @classmethod
     def single(cls, config: ParallelConfig | None = None) -> "ParallelState":
         """A one-process state: every group has one rank and no collective is issued."""
         config = (config or ParallelConfig()).resolve(1)
         one = GroupInfo.single()
-        return cls(config, 0, 1, one, one, one, one, one, one, one)
+        return cls(config, 0, 1, one, one, one, one, one, one, one, one)
 
     @classmethod
     def initialize(cls, config: ParallelConfig, backend: str | None = None,
