@@ -18,7 +18,9 @@ child of its own (an out-of-memory rank fails its row, not the run):
 - 4 GPUs: at 128k, CP 4, Ulysses 2 x CP 2, Ulysses 4 and PyTorch's CP 4; the longest for
   CP 4 and Ulysses 4.
 
-Each row has tokens/s (sequence / step time), peak memory, and the planner's prediction of
+Each row has tokens/s (sequence / step time), peak memory, megazoo's rows the first step's
+loss (the same weights and tokens in every layout: CP and Ulysses agree to bf16 rounding, a
+check of the GPU ring in the same run), and the planner's prediction of
 the same forward and backward (compute + tp/sp/ring communication of `python -m megazoo.plan
 --cluster h200`): `of_plan` = measured / predicted tokens/s. Rows run one after the other
 until `--budget` seconds are spent (the rest say so). NCCL_NVLS_ENABLE=0 and
@@ -109,10 +111,15 @@ def child(args) -> None:
 
 
 def _step(model, ids, labels):
+    mode = {}
+
     def step():
-        model(ids, labels=labels).backward()
+        loss = model(ids, labels=labels)
+        loss.backward()
+        mode.setdefault("loss", loss.item())  # the first step's: rows share their weights
         for p in model.parameters():
             p.grad = None
+    step.mode = mode
     return step
 
 
@@ -132,7 +139,7 @@ def _torch_cp_step(model, ids, labels):
                 with _expand_gqa():
                     model(ids, labels=labels).backward()
             else:
-                model(ids, labels=labels).backward()
+                model(ids, labels=labels).backward()  # its loss: this rank's shard's mean
         for p in model.parameters():
             p.grad = None
 
@@ -248,8 +255,8 @@ def parent(ns) -> int:
     for r in rows:  # each row against megazoo's CP
         if ours and r.get("tokens_per_s"):
             r["cp_vs_this"] = ours / r["tokens_per_s"]
-    print_table(rows, ["name", "seq", "ms", "tokens_per_s", "peak_gb", "plan_tokens_per_s",
-                       "of_plan", "cp_vs_this", "error"])
+    print_table(rows, ["name", "seq", "ms", "tokens_per_s", "peak_gb", "loss",
+                       "plan_tokens_per_s", "of_plan", "cp_vs_this", "error"])
     found = [longest(row, ns, ns.gpus, deadline) for row in searches]
     print_table(found, ["name", "longest", "failed_at", "error"])
     write_json(ns.out, {"gpus": ns.gpus, "rows": rows, "longest": found, "env": NO_MULTICAST})

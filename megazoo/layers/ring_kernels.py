@@ -59,7 +59,8 @@ class BlockKernel:
         """out [b, hq, n_q, d] (q's dtype), lse [b, hq, n_q] float32."""
         if self.name == "math":
             return _math_forward(q, k, v, causal, q_pos, k_pos, self.slopes, self.scale)
-        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+        q = q.contiguous()  # a half of the rows is a strided view
+        k, v = expand_kv(k, q.shape[1]).contiguous(), expand_kv(v, q.shape[1]).contiguous()
         if self.name == "flash":
             res = torch.ops.aten._scaled_dot_product_flash_attention(
                 q, k, v, 0.0, causal, False, scale=self.scale)
@@ -79,7 +80,9 @@ class BlockKernel:
             return _math_backward(dout, q, k, v, out, lse, causal, q_pos, k_pos, self.slopes,
                                   self.scale)
         hk = k.shape[1]
-        ke, ve = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+        q, out, dout = q.contiguous(), out.contiguous(), dout.contiguous()
+        ke, ve = expand_kv(k, q.shape[1]).contiguous(), expand_kv(v, q.shape[1]).contiguous()
+        lse = lse.contiguous()
         lse_k = lse if self.lse_dims == 3 else lse.unsqueeze(-1)
         n_q, n_k = q.shape[2], k.shape[2]
         cum = torch.empty(0, dtype=torch.int32, device=q.device)
