@@ -51,3 +51,46 @@ def test_sequence_split_refusals(seq, kwargs, message):
     args = dict(tp=1, sp=1, megatron_sp=False) | kwargs
     with pytest.raises(ValueError, match=re.escape(message)):
         check_sequence_split(seq, args["tp"], args["sp"], args["megatron_sp"], args["cp"])
+
+
+def _fake_cp_group(size: int = 2):
+    from megazoo.parallel import GroupInfo
+
+    return GroupInfo(group=None, ranks=tuple(range(size)), rank=0)  # no process: checks only
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(attention_dropout=0.1), "set attention_dropout=0 and causal=True, or cp=1"),
+    (dict(causal=False), "set attention_dropout=0 and causal=True, or cp=1"),
+])
+def test_context_parallel_attention_refuses_what_the_ring_does_not_compute(kwargs, message):
+    from megazoo.layers.context_parallel import ContextParallelAttention
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ContextParallelAttention(4, 8, cp_group=_fake_cp_group(), **kwargs)
+
+
+def test_padding_mask_is_refused_before_any_communication():
+    import torch
+
+    from megazoo.layers.context_parallel import ContextParallelAttention
+
+    layer = ContextParallelAttention(4, 8, cp_group=_fake_cp_group())
+    qkv = torch.zeros(8, 2, 4 * 3 * 8)
+    with pytest.raises(ValueError, match="context parallelism takes no padding_mask"):
+        layer(qkv, torch.ones(2, 16, dtype=torch.bool))
+    with pytest.raises(ValueError, match=re.escape("position_ids must be [s] or [b, s]")):
+        layer(qkv, None, torch.arange(8))  # the local length, not the full sequence's 16
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--context-parallel-size", "2", "--attention-dropout", "0.1"],
+     "--context-parallel-size 2 needs --attention-dropout 0"),
+    (["--context-parallel-size", "2", "--seq-length", "30"],
+     "sequence length 30 must divide by 2*cp = 4"),
+])
+def test_run_flags_refused_with_context_parallelism(flags, message):
+    from megazoo.config.flags import parse_args
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_args(flags)
