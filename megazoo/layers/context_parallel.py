@@ -56,26 +56,32 @@ class ContextParallelAttention(UlyssesAttention):
                              f"dropout: set attention_dropout=0 and causal=True, or cp=1")
         self.cp_group, self.cp = cp_group, cp
 
-    def send_buffer(self, qkv: torch.Tensor, padding_mask, position_ids):
-        """As Ulysses' (checks first, before any collective), but the length returned is the
-        full sequence's s, and the positions are checked against it."""
+    def check_inputs(self, seq_len: int, batch: int, padding_mask, position_ids) -> None:
+        """ValueError (before any collective) unless the positions fit the full sequence of
+        `seq_len` tokens; no padding mask."""
         if padding_mask is not None:
             raise ValueError("context parallelism takes no padding_mask: pack the sequences "
                              "to full length (labels -100 where nothing is to be learned)")
-        qkv, s_cp = super().send_buffer(qkv, None, None)
-        check_global_inputs(s_cp * self.cp, qkv.shape[1], None, position_ids,
-                            type(self).__name__)
-        return qkv, s_cp * self.cp
+        check_global_inputs(seq_len, batch, None, position_ids, type(self).__name__)
+
+    def send_buffer(self, qkv: torch.Tensor, padding_mask, position_ids):
+        """As Ulysses' (checks first, before any collective), the positions checked against
+        the full sequence of s/cp x cp tokens; returns the cp rank's length s/cp."""
+        if qkv.dim() == 3:
+            self.check_inputs(qkv.shape[0] * self.layout.sp * self.cp, qkv.shape[1],
+                              padding_mask, position_ids)
+        return super().send_buffer(qkv, None, None)
 
     def rope_factors(self, position_ids, seq_len: int, like: torch.Tensor):
-        """(cos, sin) [s/cp, 1 or b, d] at the global positions of this cp rank's chunks."""
+        """(cos, sin) [s/cp, 1 or b, d] at the global positions of this cp rank's chunks;
+        `seq_len` is the cp rank's length s/cp."""
         if self.position_embedding != "rope":
             return None
-        rank = group_rank(self.cp_group)
+        rank, full = group_rank(self.cp_group), seq_len * self.cp
         if position_ids is None:
-            return _rope_at_chunks(seq_len, self.cp, rank, self.layout.head_dim,
+            return _rope_at_chunks(full, self.cp, rank, self.layout.head_dim,
                                    self.rope_theta, like.dtype, like.device)
-        mine = context_parallel_positions(seq_len, self.cp, rank, position_ids.device)
+        mine = context_parallel_positions(full, self.cp, rank, position_ids.device)
         return rope_cos_sin(position_ids[..., mine], self.layout.head_dim, self.rope_theta,
                             dtype=like.dtype)
 
