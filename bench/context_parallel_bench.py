@@ -225,16 +225,29 @@ def run_row(row: dict, ns, gpus: int, timeout: float, steps: int | None = None) 
     return base | {"ok": False, "error": why}
 
 
-def longest(row: dict, ns, gpus: int, deadline: float) -> dict:
-    """Double the sequence from 2x the row's until a step fails (one step per probe)."""
-    best, seq = None, row["seq"] * 2
-    while time.monotonic() < deadline:
-        probe = run_row(row | {"seq": seq}, ns, gpus, deadline - time.monotonic(), steps=1)
-        if not probe["ok"]:
-            return {"name": row["name"], "longest": best, "failed_at": seq,
-                    "error": probe.get("error")}
-        best, seq = seq, seq * 2
-    return {"name": row["name"], "longest": best, "failed_at": None, "error": "budget spent"}
+def longest(rows: list[dict], ns, gpus: int, deadline: float) -> list[dict]:
+    """For each row, double the sequence from 2x its own until a step fails (one step per
+    probe); the rows take turns at each length, so a budget cut leaves them even."""
+    found = [{"name": r["name"], "longest": None, "failed_at": None, "error": None}
+             for r in rows]
+    seq = rows[0]["seq"] * 2
+    while any(f["failed_at"] is None for f in found):
+        for row, f in zip(rows, found):
+            if f["failed_at"] is not None:
+                continue
+            if time.monotonic() >= deadline:
+                f["error"] = "budget spent"
+                return found
+            probe = run_row(row | {"seq": seq}, ns, gpus, deadline - time.monotonic(), steps=1)
+            if probe["ok"]:
+                f["longest"] = seq
+            elif probe.get("error") == "timeout":  # the budget ran out, not the memory
+                f["error"] = f"budget spent during the probe at {seq}"
+                return found
+            else:
+                f["failed_at"], f["error"] = seq, probe.get("error")
+        seq *= 2
+    return found
 
 
 def parent(ns) -> int:
@@ -257,7 +270,7 @@ def parent(ns) -> int:
             r["cp_vs_this"] = ours / r["tokens_per_s"]
     print_table(rows, ["name", "seq", "ms", "tokens_per_s", "peak_gb", "loss",
                        "plan_tokens_per_s", "of_plan", "cp_vs_this", "error"])
-    found = [longest(row, ns, ns.gpus, deadline) for row in searches]
+    found = longest(searches, ns, ns.gpus, deadline)
     print_table(found, ["name", "longest", "failed_at", "error"])
     write_json(ns.out, {"gpus": ns.gpus, "rows": rows, "longest": found, "env": NO_MULTICAST})
     return 0 if all(r["ok"] for r in rows if not r["name"].startswith("torch")) else 1
