@@ -236,17 +236,23 @@ def longest(rows: list[dict], ns, gpus: int, deadline: float) -> list[dict]:
             if f["failed_at"] is not None:
                 continue
             if time.monotonic() >= deadline:
-                f["error"] = "budget spent"
-                return found
+                return _spent(found, "budget spent")
             probe = run_row(row | {"seq": seq}, ns, gpus, deadline - time.monotonic(), steps=1)
             if probe["ok"]:
                 f["longest"] = seq
             elif probe.get("error") == "timeout":  # the budget ran out, not the memory
-                f["error"] = f"budget spent during the probe at {seq}"
-                return found
+                return _spent(found, f"budget spent during the probe at {seq}")
             else:
                 f["failed_at"], f["error"] = seq, probe.get("error")
         seq *= 2
+    return found
+
+
+def _spent(found: list[dict], why: str) -> list[dict]:
+    """Mark the searches still going as cut by the budget."""
+    for f in found:
+        if f["failed_at"] is None:
+            f["error"] = why
     return found
 
 
