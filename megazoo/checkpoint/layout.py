@@ -40,7 +40,7 @@ def virtual_state(tp: int, pp: int, vpp: int, tp_rank: int, pp_rank: int) -> Par
     config = ParallelConfig(tp=tp, pp=pp, vpp=vpp).resolve(tp * pp)  # validates the sizes
     if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
         raise ValueError(f"rank (pp {pp_rank}, tp {tp_rank}) is outside a pp={pp} x tp={tp} layout")
-    sizes, order = config.sizes(), config.order
+    sizes, order = config.sizes(), config.grid_order
     rank = tp_rank + tp * pp_rank  # default order: tp innermost, then sp, dp (size 1), pp
     groups = {name: _group(rank_groups(sizes, order, dims), rank) for name, dims in GROUP_DIMS.items()}
     embedding = _group(embedding_groups(sizes, order), rank)

@@ -175,7 +175,7 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
     """Save `model` (this rank's part of it) to the checkpoint directory `path`.
 
     Collective: every rank of `state` calls it (state None: `model.state`, else one process).
-    Ranks with dp rank 0 and sp rank 0 write their (pp, tp) file into the temp folder; global
+    Ranks with dp rank 0, sp rank 0 and cp rank 0 write their (pp, tp) file into the temp folder; global
     rank 0 writes megazoo.json and publishes it (`output.py`, which also says what
     `overwrite` may replace). `aux` maps a prefix ("exp_avg") to {local parameter name:
     tensor shaped like it}, for every parameter. Raises on every rank if any rank failed;
@@ -202,7 +202,7 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
     def write() -> dict | None:
         if rank_files is not None:
             rank_files(tmp)
-        if state.dp.rank == 0 and state.sp.rank == 0:
+        if state.dp.rank == 0 and state.sp.rank == 0 and state.cp.rank == 0:
             file = os.path.join(tmp, rank_file(state.pp.rank, state.tp.rank))
             try:
                 _write_rank_file(model, file, aux)

@@ -40,6 +40,7 @@ ALIASES = {
     "tp": ["--tensor-model-parallel-size", "--tp"],
     "pp": ["--pipeline-model-parallel-size", "--pp"],
     "sp": ["--sequence-parallel-size", "--ds-sequence-parallel-size"],
+    "cp": ["--context-parallel-size", "--cp"],
     "vpp": ["--virtual-pipeline-model-parallel-size"],
     "order": ["--parallel-order"],
     "megatron_sp": ["--sequence-parallel"],
@@ -58,7 +59,7 @@ MODEL_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads",
                 "rope_theta", "init_std", "hidden_dropout", "attention_dropout", "recompute",
                 "recompute_num_layers", "attention_backend", "bias_gelu_fusion", "fp8_format",
                 "fp8_recipe", "fp8_layers")
-PARALLEL_FIELDS = ("tp", "sp", "pp", "vpp", "megatron_sp", "order")
+PARALLEL_FIELDS = ("tp", "sp", "cp", "pp", "vpp", "megatron_sp", "order")
 # Group name in PretrainArgs -> (dataclass, fields exposed; None: all).
 GROUPS = {
     "model": (ModelConfig, MODEL_FIELDS),

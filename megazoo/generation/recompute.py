@@ -10,7 +10,7 @@ against it.
 Every rank of a tp x sp group runs the same loop: the model returns the same full logits on
 each, and sampling draws from a generator seeded identically everywhere, so all ranks pick
 the same token with no broadcast. The context is at most `max_context` tokens (a sliding
-window), right-padded to a multiple of the sequence-parallel size (a block-sparse model's to
+window), right-padded to a multiple of what the layout's sequence splits need (a block-sparse model's to
 `max_context`, the run's sequence length its layout is defined for); with causal attention the
 padding cannot change the logits at the last real position. With pp > 1 every rank runs the
 forward-only pipeline (`megazoo.pipeline.forward`); the last stage picks the token and sends
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.parts import sequence_shard
+from ..models.parts import sequence_multiple_of
 from ..pipeline.forward_only import forward
 from .sampling import Sampling, choose
 
@@ -31,7 +31,7 @@ def recompute_ids(model, prompts: list[list[int]], max_new_tokens: int, sampling
     """The new tokens of each prompt, one prompt at a time (a row stops before `stop_id`)."""
     model.eval()
     device = next(model.parameters()).device
-    shard = sequence_shard(model.state)
+    shard = sequence_multiple_of(model.state)
     sparse = model.config.sparse is not None
     limit = max_context or model.config.max_position_embeddings
     generator = torch.Generator(device=device).manual_seed(seed)

@@ -31,9 +31,9 @@ def check_sequence_unsharded(model) -> None:
     """ValueError for layouts the cached step does not run: Ulysses or Megatron SP shard the
     sequence, which a one-token decode step does not have."""
     cfg = model.state.config
-    if model.state.sp.size > 1 or cfg.megatron_sp:
+    if model.state.sp.size > 1 or model.state.cp.size > 1 or cfg.megatron_sp:
         raise ValueError("generation runs without sequence parallelism: load the model with "
-                         "sp=1 and megatron_sp=False (any tp and pp)")
+                         "sp=1, cp=1 and megatron_sp=False (any tp and pp)")
 
 
 def embed(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

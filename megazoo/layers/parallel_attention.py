@@ -12,7 +12,7 @@ is recomputed in backward (`recompute_core`).
 
 | tensor | shape on rank (tp r, sp j) |
 |---|---|
-| x, y | [s_local, b, hidden]: s_local = s/sp, or s/(tp sp) with megatron_sp=True |
+| x, y | [s_local, b, hidden]: s_local = s/(cp sp), or s/(cp tp sp) with megatron_sp=True |
 | qkv.weight | [KL (GL + 2) d, hidden]: this tp rank's rows of the fused weight (heads.py) |
 | dense.weight | [hidden, (H/tp) d]: columns of query heads [r H/tp, (r+1) H/tp) |
 | padding_mask | [b, s] bool, full sequence, True = real token (padded keys are masked) |
@@ -27,8 +27,8 @@ out as heads.py says. With
 fewer kv heads than tp ranks the kv heads are replicated: each replica starts as the tp=1
 head, and a gradient hook sums the replicas' gradients over tp (`SumReplicatedKV`).
 
-**Gradients the caller reduces** (as for every layer): over dp x sp for all parameters (each sp
-rank saw part of the sequence), and `allreduce_sequence_parallel_grads(module, tp)` for the
+**Gradients the caller reduces** (as for every layer): over dp x sp x cp for all parameters
+(each sp / cp rank saw part of the sequence), and `allreduce_sequence_parallel_grads(module, tp)` for the
 output bias under Megatron SP.
 """
 from __future__ import annotations
@@ -45,6 +45,7 @@ from .groups import Group, group_rank, group_size, process_group
 from .init import NormalInit, default_init
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .sharding import set_tp_layout
+from .context_parallel import ContextParallelAttention
 from .tp_overlap import usable_chunks
 from .ulysses import UlyssesAttention, check_global_inputs
 from .ulysses_overlap import project_from_heads, project_to_heads
@@ -134,24 +135,29 @@ class SumReplicatedKV:
 
 
 class ParallelAttention(nn.Module):
-    """Self-attention with tensor parallelism (heads over tp), Megatron sequence parallelism
-    and Ulysses (heads over sp). See the module docstring for shapes and layouts; groups:
+    """Self-attention with tensor parallelism (heads over tp), Megatron sequence parallelism,
+    Ulysses (heads over sp) and context parallelism (ring attention over cp_group). See the module docstring for shapes and layouts; groups:
     GroupInfo, ProcessGroup or None (one rank)."""
 
     def __init__(self, config: AttentionConfig, *, tp_group: Group = None, sp_group: Group = None,
                  megatron_sp: bool = False, init_method=None, output_init_method=None,
-                 recompute_core: bool = False, device=None, dtype=None, fp8=None):
+                 recompute_core: bool = False, device=None, dtype=None, fp8=None,
+                 cp_group: Group = None):
         super().__init__()
         head_dim = config.resolved_head_dim
         self.config, self.hidden_size, self.tp_group = config, config.hidden_size, tp_group
         self.megatron_sp, self.recompute_core = megatron_sp, recompute_core
+        self.cp = group_size(cp_group)
         tp, tp_rank = group_size(tp_group), group_rank(tp_group)
-        self.attention = UlyssesAttention(
-            config.num_heads, head_dim, num_kv_heads=config.num_kv_heads, sp_group=sp_group,
-            tp_group=tp_group, position_embedding=config.position_embedding,
-            rope_theta=config.rope_theta, causal=config.causal,
-            attention_dropout=config.attention_dropout, attention_backend=config.attention_backend,
-            sparse=config.sparse)
+        core = dict(num_kv_heads=config.num_kv_heads, sp_group=sp_group, tp_group=tp_group,
+                    position_embedding=config.position_embedding, rope_theta=config.rope_theta,
+                    causal=config.causal, attention_dropout=config.attention_dropout,
+                    attention_backend=config.attention_backend, sparse=config.sparse)
+        if self.cp > 1:  # the ring across the cp ranks, Ulysses inside
+            self.attention = ContextParallelAttention(config.num_heads, head_dim,
+                                                      cp_group=cp_group, **core)
+        else:
+            self.attention = UlyssesAttention(config.num_heads, head_dim, **core)
         self.layout = layout = self.attention.layout
         factory = {"device": device, "dtype": dtype, "fp8": fp8}  # fp8: qkv and dense GEMMs
         qkv_init = _FusedQKVInit(init_method or default_init(), layout.qkv_row_blocks(tp_rank))
@@ -181,7 +187,7 @@ class ParallelAttention(nn.Module):
             raise ValueError(f"ParallelAttention expects x [s_local, b, {self.hidden_size}] "
                              f"(activations [s, b, h]), got {tuple(x.shape)}")
         tp = group_size(self.tp_group) if self.megatron_sp else 1
-        seq_len = x.shape[0] * tp * self.layout.sp
+        seq_len = x.shape[0] * tp * self.layout.sp * self.cp
         check_global_inputs(seq_len, x.shape[1], padding_mask, position_ids, "ParallelAttention")
         if self.projected_ulysses(x):
             return self._forward_projected(x, padding_mask, position_ids, seq_len)
@@ -196,8 +202,9 @@ class ParallelAttention(nn.Module):
     def projected_ulysses(self, x: torch.Tensor) -> bool:
         """Whether Ulysses' all-to-alls run inside the projections (`ulysses_overlap.py`):
         sp > 1, each destination's kv groups a plain slice of the fused rows (no kv copies),
-        the run's dtype (no FP8 GEMMs, no autocast)."""
-        return (self.layout.sp > 1 and self.layout.ulysses_send_index() is None
+        the run's dtype (no FP8 GEMMs, no autocast), no context parallelism (its ring runs
+        the attention between the all-to-alls)."""
+        return (self.layout.sp > 1 and self.cp == 1 and self.layout.ulysses_send_index() is None
                 and self.qkv.fp8 is None and self.dense.fp8 is None
                 and not torch.is_autocast_enabled(x.device.type))
 

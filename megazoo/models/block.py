@@ -53,7 +53,7 @@ class TransformerBlock(nn.Module):
             attention_config(config), tp_group=state.tp, sp_group=state.sp, megatron_sp=megatron_sp,
             init_method=init("attention.qkv.weight", std),
             output_init_method=init("attention.dense.weight", out_std), device=device, dtype=dtype,
-            fp8=config.fp8("attention"))
+            fp8=config.fp8("attention"), cp_group=state.cp)
         self.post_attention_norm = build_norm(config.norm, config.hidden_size, config.norm_eps, **norm)
         self.mlp = ParallelMLP(
             config.hidden_size, config.ffn_hidden_size, group=state.tp,

@@ -113,6 +113,13 @@ class TransformerModel(nn.Module):
         sequence)."""
         return (seq // sequence_shard(self.state), batch, self.config.hidden_size)
 
+    def _check_positions(self, seq_len: int) -> None:
+        """ValueError when a learned position table is shorter than the sequence."""
+        if self.config.position_embedding == "learned" \
+                and seq_len > self.config.max_position_embeddings:
+            raise ValueError(f"sequence of {seq_len} tokens exceeds max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 *, hidden_states: torch.Tensor | None = None, chunk: int = 0):
         """See the module docstring. ids/labels [b, s]; hidden_states [s_local, b, h]."""
@@ -124,7 +131,11 @@ class TransformerModel(nn.Module):
                 raise ValueError("the first chunk of the first stage needs input_ids [b, s]")
             check_sequence_length(input_ids.shape[1], self.state)
             window = ulysses_window(input_ids.shape[1], self.state)
-            x = self.embedding(input_ids[:, window], window.start, self.check_inputs)
+            first = window.start if isinstance(window, slice) else window
+            if not isinstance(window, slice):  # cp: the rank's tokens are not contiguous
+                self._check_positions(input_ids.shape[1])
+                window = window.to(input_ids.device)
+            x = self.embedding(input_ids[:, window], first, self.check_inputs)
         elif hidden_states is None:
             raise ValueError("a chunk without the embedding needs hidden_states [s_local, b, h]; "
                              "to run ids through every pipeline stage, call "

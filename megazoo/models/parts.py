@@ -1,9 +1,13 @@
 """The model's ends: the input embedding, the output head, the loss, and sequence sharding.
 
-Sequence sharding. Every rank of a tp x sp group receives the same full ids `[b, s]`. With
-Ulysses (sp > 1) rank r keeps tokens [r s/sp, (r+1) s/sp); with Megatron sequence parallelism
-that shard is split again over tp inside the model. So the activation a block sees is
-`[s / (sp * tp_sp), b, h]` with tp_sp = tp under Megatron SP, else 1 (sp shard outermost).
+Sequence sharding. Every rank of a tp x sp x cp group receives the same full ids `[b, s]`.
+With context parallelism (cp > 1) cp rank c keeps chunks c and 2 cp - 1 - c of 2 cp chunks
+(`context_parallel_chunks`), one after the other; with Ulysses (sp > 1) rank r keeps tokens
+[r n/sp, (r+1) n/sp) of those n = s/cp; with Megatron sequence parallelism that shard is split
+again over tp inside the model. So the activation a block sees is `[s / (cp sp tp_sp), b, h]`
+with tp_sp = tp under Megatron SP, else 1. The loss of each rank covers its own tokens, the
+labels shifted over the full sequence first (so a chunk's last token predicts the next chunk's
+first).
 """
 from __future__ import annotations
 
@@ -18,9 +22,10 @@ from ..layers import (ColumnParallelLinear, NormalInit, VocabParallelEmbedding,
                       reduce_from_tensor_parallel_region,
                       reduce_scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
 from ..layers.embedding import check_token_ids
-from ..config.layout import check_sequence_split, sequence_pieces
+from ..config.layout import check_sequence_split, sequence_multiple, sequence_pieces
 from ..config.model import ModelConfig
 from ..layers.norm import build_norm
+from ..layers.ring_attention import context_parallel_positions
 from ..layers.ulysses import sequence_shard_range
 from ..parallel.state import ParallelState
 
@@ -29,18 +34,31 @@ WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 def sequence_shard(state: ParallelState) -> int:
     """How many pieces the sequence is cut into for one block (`sequence_pieces` of `state`)."""
-    return sequence_pieces(state.tp.size, state.sp.size, state.config.megatron_sp)
+    return sequence_pieces(state.tp.size, state.sp.size, state.config.megatron_sp, state.cp.size)
+
+
+def sequence_multiple_of(state: ParallelState) -> int:
+    """What a sequence length must divide by in this layout (`sequence_multiple`)."""
+    return sequence_multiple(state.tp.size, state.sp.size, state.config.megatron_sp,
+                             state.cp.size)
 
 
 def check_sequence_length(seq_len: int, state: ParallelState) -> None:
     """`check_sequence_split` for this rank's layout."""
-    check_sequence_split(seq_len, state.tp.size, state.sp.size, state.config.megatron_sp)
+    check_sequence_split(seq_len, state.tp.size, state.sp.size, state.config.megatron_sp,
+                         state.cp.size)
 
 
-def ulysses_window(seq_len: int, state: ParallelState) -> slice:
-    """The tokens of this rank's Ulysses shard (`sequence_shard_range` over sp)."""
-    rows = sequence_shard_range(seq_len, sp_group=state.sp)
-    return slice(rows.start, rows.stop)
+def ulysses_window(seq_len: int, state: ParallelState) -> slice | torch.Tensor:
+    """The tokens of this rank's Ulysses shard (`sequence_shard_range` over sp): a slice, or
+    with context parallelism the global positions [s/(cp sp)] of the shard of the rank's
+    chunk pair."""
+    if state.cp.size == 1:
+        rows = sequence_shard_range(seq_len, sp_group=state.sp)
+        return slice(rows.start, rows.stop)
+    pair = context_parallel_positions(seq_len, state.cp.size, state.cp.rank)
+    rows = sequence_shard_range(len(pair), sp_group=state.sp)
+    return pair[rows.start:rows.stop]
 
 
 class Embedding(nn.Module):
@@ -74,17 +92,18 @@ class Embedding(nn.Module):
                                    sequence_parallel=state.config.megatron_sp,
                                    device=device, dtype=dtype)
 
-    def forward(self, ids_sp: torch.Tensor, first_position: int,
+    def forward(self, ids_sp: torch.Tensor, positions: int | torch.Tensor,
                 check: bool = True) -> torch.Tensor:
-        """check=False: the ids are known to be in the vocabulary (no device sync).
+        """positions: the first token's global position (contiguous tokens), or each token's
+        ([s_sp] int64, context parallelism). check=False: the ids are known to be in the
+        vocabulary (no device sync).
 
         Under Megatron SP the vocab-parallel partial sums are reduce-scattered along the
         sequence (one reduce-scatter, not an all-reduce then a split) and each rank adds the
         positions of its own rows; the position table is then tagged sequence-parallel (its
         gradient is a partial sum over tp, completed once per step like a norm's)."""
-        if self.position_embeddings is not None and first_position + ids_sp.shape[1] > self.max_positions:
-            raise ValueError(f"sequence of {first_position + ids_sp.shape[1]} tokens exceeds "
-                             f"max_position_embeddings {self.max_positions}")
+        rows = None if self.position_embeddings is None else \
+            self._positions(positions, ids_sp.shape[1])  # [s_sp, h]
         # Looked up with the ids transposed, so the activations start as a contiguous
         # [s_sp, b, h] (a transposed [b, s_sp, h] view would make every residual add a
         # strided kernel and every norm copy its input first).
@@ -95,15 +114,25 @@ class Embedding(nn.Module):
         if self.state.config.megatron_sp and self.state.tp.size > 1:
             x = reduce_scatter_to_sequence_parallel_region(words.lookup_partial(ids_sb),
                                                            self.state.tp)  # [s_sp/tp, b, h]
-            first_position += self.state.tp.rank * x.shape[0]
+            if rows is not None:  # this rank's rows of the shard
+                rows = rows[self.state.tp.rank * x.shape[0]:(self.state.tp.rank + 1) * x.shape[0]]
         else:
             x = words.lookup(ids_sb)  # [s_sp, b, h]
         if self.position_embeddings is not None:
-            stop = first_position + x.shape[0]
-            x = x + self.position_embeddings[first_position:stop].unsqueeze(1)
+            x = x + rows.unsqueeze(1)
         if self.norm is not None:
             x = self.norm(x)
         return F.dropout(x, self.dropout, self.training)
+
+    def _positions(self, positions: int | torch.Tensor, count: int) -> torch.Tensor:
+        """The rows [count, h] of the learned position table at `positions`."""
+        if isinstance(positions, torch.Tensor):  # a cp rank's tokens (the model checked s)
+            return self.position_embeddings[positions.to(self.position_embeddings.device)]
+        stop = positions + count
+        if stop > self.max_positions:
+            raise ValueError(f"sequence of {stop} tokens exceeds max_position_embeddings "
+                             f"{self.max_positions}")
+        return self.position_embeddings[positions:stop]
 
 
 def lm_logits(x: torch.Tensor, weight: torch.Tensor, state: ParallelState) -> torch.Tensor:
@@ -141,24 +170,38 @@ def shifted_targets(labels: torch.Tensor, ignore_index: int = -100) -> torch.Ten
 
 def mean_token_loss(logits_shard: torch.Tensor, labels: torch.Tensor, vocab_size: int,
                     state: ParallelState, check: bool = True) -> torch.Tensor:
-    """Mean cross entropy over every non-ignored token of the full batch (all sp shards).
+    """Mean cross entropy over every non-ignored token of the full batch (all sp / cp shards).
 
     logits_shard [s_sp, b, V_pad/tp], labels [b, s] full -> scalar, the same on every rank.
-    Each rank's backward covers its own tokens; summing gradients over sp completes them.
+    Each rank's backward covers its own tokens; summing gradients over sp x cp completes them.
     check=False: the labels are known to be in the vocabulary (no device sync).
     """
-    targets = shifted_targets(labels)[:, ulysses_window(labels.shape[1], state)].t()  # [s_sp, b]
+    window = ulysses_window(labels.shape[1], state)
+    targets = shifted_targets(labels)[:, _on(window, labels)].t()  # [s_sp, b]
     per_token = vocab_parallel_cross_entropy(logits_shard, targets.contiguous(), state.tp,
                                              vocab_size=vocab_size, check_targets=check)
-    total = reduce_from_tensor_parallel_region(per_token.sum().reshape(1), state.sp)
+    total = per_token.sum().reshape(1)
     count = (targets != -100).sum().reshape(1).to(per_token.dtype)
-    if state.sp.size > 1:
-        torch.distributed.all_reduce(count, group=state.sp.group)
+    for group in (state.sp, state.cp):  # forward: sum; backward: each rank its own tokens
+        total = reduce_from_tensor_parallel_region(total, group)
+        if group.size > 1:
+            torch.distributed.all_reduce(count, group=group.group)
     return total.squeeze(0) / count.clamp(min=1).squeeze(0)  # a new tensor, not a view (FSDP2)
 
 
+def _on(window: slice | torch.Tensor, like: torch.Tensor) -> slice | torch.Tensor:
+    """`ulysses_window`'s answer on the device of `like`."""
+    return window.to(like.device) if isinstance(window, torch.Tensor) else window
+
+
 def full_logits(logits_shard: torch.Tensor, vocab_size: int, state: ParallelState) -> torch.Tensor:
-    """logits_shard [s_sp, b, V_pad/tp] -> logits [b, s, vocab], the same on every tp/sp rank."""
+    """logits_shard [s_sp, b, V_pad/tp] -> logits [b, s, vocab], the same on every tp/sp/cp
+    rank (with cp, the ranks' chunk pairs put back in sequence order)."""
     logits = gather_from_tensor_parallel_region(logits_shard, state.tp)[..., :vocab_size]
-    logits = gather_sequence_replicated(logits, state.sp)  # [s, b, vocab]
+    logits = gather_sequence_replicated(logits, state.sp)  # [s/cp, b, vocab]
+    if state.cp.size > 1:
+        logits = gather_sequence_replicated(logits, state.cp)  # [s, b, vocab], rank after rank
+        s, cp = logits.shape[0], state.cp.size
+        order = torch.cat([context_parallel_positions(s, cp, r) for r in range(cp)])
+        logits = logits[torch.argsort(order).to(logits.device)]
     return logits.transpose(0, 1)

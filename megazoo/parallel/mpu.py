@@ -2,7 +2,9 @@
 
 DeepSpeed's meanings, which differ from ours in one place: its "model parallel" group is the
 tensor-parallel group (pipeline stages are handled by its pipeline engine), and with Ulysses
-its ZeRO partitions span the "sequence data parallel" group, our `dp_sp`.
+its ZeRO partitions span the "sequence data parallel" group, our `dp_sp`. Its "sequence
+parallel" group is every rank splitting one sequence, our `sp_cp` (Ulysses x context
+parallel): DeepSpeed divides its gradient reduction by dp x sp x cp / that group's size.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ class DeepSpeedMPU:
 # DeepSpeed name -> ParallelState group it reads.
 _NAMES = {"model_parallel": "tp", "tensor_model_parallel": "tp", "slice_parallel": "tp",
           "pipeline_model_parallel": "pp", "pipe_parallel": "pp", "data_parallel": "dp",
-          "sequence_parallel": "sp", "sequence_data_parallel": "dp_sp"}
+          "sequence_parallel": "sp_cp", "sequence_data_parallel": "dp_sp"}
 for _prefix, _attr in _NAMES.items():
     for _name, _fn in _accessors(_prefix, _attr).items():
         setattr(DeepSpeedMPU, _name, _fn)

@@ -1,12 +1,13 @@
 """Pure rank arithmetic: which global ranks form each process group. No processes needed.
 
-The world is a 4-D grid. `order` lists the dimensions innermost first, so with the default
-order ("tp", "sp", "dp", "pp") the global rank is
+The world is a 5-D grid. `order` lists the dimensions innermost first, so with the default
+order ("tp", "sp", "cp", "dp", "pp") the global rank is
 
-    rank = tp_rank + tp * (sp_rank + sp * (dp_rank + dp * pp_rank))
+    rank = tp_rank + tp * (sp_rank + sp * (cp_rank + cp * (dp_rank + dp * pp_rank)))
 
-and tensor-parallel ranks are adjacent (they stay inside a node). Worked example, tp=2, sp=1,
-dp=2, pp=2 (8 ranks):
+and tensor-parallel ranks are adjacent (they stay inside a node), Ulysses' all-to-all next,
+then the context-parallel ring (point-to-point, the least bandwidth per byte of activation).
+Worked example, tp=2, sp=1, cp=1, dp=2, pp=2 (8 ranks):
 
     tp groups: [0, 1] [2, 3] [4, 5] [6, 7]
     dp groups: [0, 2] [1, 3] [4, 6] [5, 7]
@@ -41,7 +42,7 @@ def rank_groups(sizes: dict[str, int], order: Sequence[str], dims: Iterable[str]
 
 
 def coordinates(rank: int, sizes: dict[str, int], order: Sequence[str]) -> dict[str, int]:
-    """The (tp, sp, dp, pp) coordinates of a global rank."""
+    """The coordinates (one per dimension of `order`) of a global rank."""
     world = math.prod(sizes.values())
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside a world of {world} ranks")

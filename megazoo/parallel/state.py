@@ -35,9 +35,13 @@ class GroupInfo:
 GROUP_DIMS = {
     "tp": ("tp",),
     "sp": ("sp",),
+    "cp": ("cp",),
     "dp": ("dp",),
     "pp": ("pp",),
-    "dp_sp": ("dp", "sp"),  # ZeRO / gradient reduction: every rank holding the same shard
+    # ZeRO / gradient reduction: every rank holding the same shard (the name predates cp:
+    # the Ulysses and context-parallel ranks both hold replicas, each seeing its tokens)
+    "dp_sp": ("dp", "sp", "cp"),
+    "sp_cp": ("sp", "cp"),  # every rank splitting one sequence (DeepSpeed's "sequence parallel")
 }
 
 
@@ -54,13 +58,17 @@ class ParallelState:
     pp: GroupInfo
     dp_sp: GroupInfo
     embedding: GroupInfo
+    cp: GroupInfo = GroupInfo.single()
+    """Context-parallel ring (last, with a default, so older positional builds still fit)."""
+    sp_cp: GroupInfo = GroupInfo.single()
+    """Ulysses x context-parallel ranks: together they split one sequence."""
 
     @classmethod
     def single(cls, config: ParallelConfig | None = None) -> "ParallelState":
         """A one-process state: every group has one rank and no collective is issued."""
         config = (config or ParallelConfig()).resolve(1)
         one = GroupInfo.single()
-        return cls(config, 0, 1, one, one, one, one, one, one)
+        return cls(config, 0, 1, one, one, one, one, one, one, one, one)
 
     @classmethod
     def initialize(cls, config: ParallelConfig, backend: str | None = None,
@@ -77,7 +85,7 @@ class ParallelState:
             dist.init_process_group(backend=backend, **kwargs)
         world, rank = dist.get_world_size(), dist.get_rank()
         config = config.resolve(world)
-        sizes, order = config.sizes(), config.order
+        sizes, order = config.sizes(), config.grid_order
         groups = {name: _new_groups(rank_groups(sizes, order, dims), rank)
                   for name, dims in GROUP_DIMS.items()}
         # Middle pipeline stages hold no embedding: a one-rank group of their own.

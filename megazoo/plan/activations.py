@@ -79,7 +79,7 @@ def stage_activations(config: ModelConfig, layout: Resolved) -> dict[str, float]
     s, b, h = layout.seq_length, layout.micro_batch_size, config.hidden_size
     t, sp = layout.tp, layout.sp
     seq_par = layout.megatron_sp_on
-    sbh = s * b * h / sp * layout.param_bytes / 2  # the table counts bf16; fp32 runs keep 2x
+    sbh = s * b * h / layout.seq_ranks * layout.param_bytes / 2  # the table counts bf16; fp32 runs keep 2x
     full_block = sbh * sum(block_coefficients(config, t, sp, layout.megatron_sp, "none").values())
     kept = sbh * sum(block_coefficients(config, t, sp, layout.megatron_sp, "selective").values())
     block = {"none": full_block, "selective": kept,
@@ -89,7 +89,7 @@ def stage_activations(config: ModelConfig, layout: Resolved) -> dict[str, float]
     factor = 1 + (p - 1) / (p * v) if v > 1 else 1.0
     per_stage = config.num_layers // p
     working = full_block if layout.recompute == "full" else 0.0
-    logits = s * b * config.padded_vocab(t) / (t * sp) * (10 if layout.low_precision else 8)
+    logits = s * b * config.padded_vocab(t) / (t * layout.seq_ranks) * (10 if layout.low_precision else 8)
     head_side = sbh * (2 / (t if seq_par else 1) + 2)  # final norm input + head input
     embed_side = sbh * 2 / (t if seq_par else 1) if config.embedding_layernorm else 0.0
     first = (per_stage * block + embed_side) * in_flight * factor + working

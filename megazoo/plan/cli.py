@@ -67,8 +67,8 @@ def format_table(name: str, layout: Resolved, est: MemoryEstimate) -> str:
             ("optimizer states", est.optimizer_states), ("activations", est.activations),
             ("communication buffers + runtime", est.communication_buffers),
             ("fragmentation allowance (10%)", est.fragmentation), ("GPU total", est.gpu_total)]
-    lines = [f"{name}: {est.num_parameters:,} parameters; layout TP{layout.tp}-SP{layout.sp}-"
-             f"PP{layout.pp}-VPP{layout.vpp}-DP{layout.dp} ({layout.world_size} GPUs), "
+    lines = [f"{name}: {est.num_parameters:,} parameters; layout {layout.name} "
+             f"({layout.world_size} GPUs), "
              f"{_engine(layout)}, recompute={layout.recompute}, micro-batch "
              f"{layout.micro_batch_size} x {layout.seq_length} tokens, "
              f"{layout.num_micro_batches} per step",
@@ -163,7 +163,7 @@ def _draw(name: str, args: PretrainArgs, layout, out: str) -> str:
     """Write the per-stage picture to `out`; return the line that says so."""
     stages = stage_estimates(args.model, layout)
     top = max(range(len(stages)), key=lambda r: stages[r].gpu_total)
-    title = (f"{name}: TP{layout.tp}-SP{layout.sp}-PP{layout.pp}-VPP{layout.vpp}-DP{layout.dp}, "
+    title = (f"{name}: {layout.name}, "
              f"{'megazoo engine' if layout.plain_engine else layout.zero_impl} ZeRO-"
              f"{layout.zero_stage}, micro-batch "
              f"{layout.micro_batch_size} x {layout.seq_length}, recompute {layout.recompute}")

@@ -53,7 +53,7 @@ def plain_parts(config: ModelConfig, layout: Resolved, n: int, unit: float = 0.0
     (at most `unit` elements: a block, the embedding or the head), then the bf16 buffer, the
     main gradients and the GPU share's fp32 initial masters; the host holds the fp32 model
     (4 B per parameter) while the engine starts, its peak if that exceeds training's."""
-    z = layout.dp * layout.sp
+    z = layout.dp * layout.seq_ranks
     shard = z if layout.distributed_optimizer else 1
     grad_b = 2 if layout.grads_bf16 else 4
     state_b = 12 if (layout.low_precision or layout.distributed_optimizer) else 8
@@ -117,7 +117,7 @@ def planned_split(config: ModelConfig, layout: Resolved, n: int) -> tuple[list[f
     engine with `n` parameters per GPU: its buckets (`offload.bucket_elements_of`), the host
     share of them (`offload.host_slots`, elements per rank) and where each lives, by the
     engine's own rule with the host budget it computes (`split_host_budget`)."""
-    z = layout.dp * layout.sp
+    z = layout.dp * layout.seq_ranks
     tensors = [t for t, _ in model_tensors(config, layout.tp, config.num_layers // layout.pp,
                                            last=layout.pp == 1)]
     buckets = bucket_elements_of(tensors, layout.bucket_elements, z)
@@ -153,7 +153,7 @@ def deepspeed_parts(config: ModelConfig, layout: Resolved, n: int, grad_b: int) 
     the GPU, or, with optimizer offload to cpu, keeps fp32 masters, moments and gradients on
     the host (also in fp32 runs), with pinned buffers rounded to powers of two
     (`deepspeed_host`); offloaded ZeRO-3 parameters are one pinned buffer per group."""
-    z = layout.dp * layout.sp
+    z = layout.dp * layout.seq_ranks
     stage, ratio = layout.zero_stage, layout.offload_optimizer_ratio
     per = n / z
     state_b = 12 if layout.low_precision else 8
@@ -197,7 +197,7 @@ def fsdp2_parts(config: ModelConfig, layout: Resolved, n: int, unit: float = 0.0
     micro-batch's reduce-scatter frees it unit by unit as the sharded gradients appear, so
     the gradients take the larger of the two, not their sum. Build: the fp32 model, and the
     sharded copy of the unit (`unit` elements) `fully_shard` is making."""
-    z = layout.dp * layout.sp
+    z = layout.dp * layout.seq_ranks
     parts = Parts(params=4 * n / z, grads=4 * n / z, optim=8 * n / z, build=4 * (n + unit / z))
     if layout.offload_optimizer == "cpu":
         shards = _pinned_shards(config, layout.tp, layout.pp, z)

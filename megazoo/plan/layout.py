@@ -97,6 +97,20 @@ class Resolved:
     communication_data_type says otherwise), in which unsharded gradients accumulate."""
     fsdp_reduce_every_microbatch: bool = True
     """fsdp2 with pp > 1: reduce-scatter every micro-batch (no unsharded accumulation)."""
+    cp: int = 1
+    """Context-parallel ranks (ring attention): they split the sequence like Ulysses' sp."""
+
+    @property
+    def name(self) -> str:
+        """TP1-SP2-PP1-VPP1-DP4 (with -CPn after SP when cp > 1)."""
+        cp = f"-CP{self.cp}" if self.cp > 1 else ""
+        return f"TP{self.tp}-SP{self.sp}{cp}-PP{self.pp}-VPP{self.vpp}-DP{self.dp}"
+
+    @property
+    def seq_ranks(self) -> int:
+        """Ranks that split one sequence (Ulysses x context parallel): activations, tokens
+        and attention per rank divide by it, and the ZeRO group is dp x seq_ranks."""
+        return self.sp * self.cp
 
     @property
     def param_bytes(self) -> int:
@@ -110,7 +124,7 @@ class Resolved:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.sp * self.pp * self.dp
+        return self.tp * self.seq_ranks * self.pp * self.dp
 
     @property
     def megatron_sp_on(self) -> bool:
@@ -159,6 +173,6 @@ def resolve(args: PretrainArgs, options: PlanOptions | None = None) -> Resolved:
         nvme=bool(t.optimizer_cpu_offload and args.zero.nvme_path),
         offload_host_memory=t.optimizer_offload_host_memory,
         grads_bf16=t.accumulate_grads_in_bf16, saves=bool(args.checkpoint.save),
-        bucket_elements=t.bucket_elements(dp * par.sp),
+        bucket_elements=t.bucket_elements(dp * par.sp * par.cp), cp=par.cp,
         reduce_bytes=2 if args.compression.communication_data_type in ("bf16", "fp16") else 4,
         fsdp_reduce_every_microbatch=args.zero.fsdp_reduce_every_microbatch)

@@ -185,6 +185,6 @@ def _comm_buffers(config: ModelConfig, layout: Resolved, n_gpu: int, grad_b: int
         zero = BUCKET_ELEMENTS * layout.param_bytes  # the reduce bucket, allocated whole
     else:  # FSDP2 reduce-scatters each unit's gradient (working set); megazoo's engine reduces
         zero = 0.0  # views of its main-gradient buffer in place
-    shard = layout.sp * (layout.tp if layout.megatron_sp_on else 1)
+    shard = layout.seq_ranks * (layout.tp if layout.megatron_sp_on else 1)
     activation = 2 * layout.seq_length * layout.micro_batch_size * config.hidden_size / shard
     return zero + (2 * activation if layout.pp > 1 else 0.0)  # pipeline send + receive

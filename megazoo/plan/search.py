@@ -1,13 +1,14 @@
 """`--search`: every layout pretrain_gpt.py accepts for a model, a cluster and a global batch,
 filtered by memory and ranked by predicted tokens/s.
 
-For each tensor-parallel size t and Ulysses size u inside a node, pipeline size p, virtual
-stages v (interleaved when p > 1), the largest data-parallel size d with t u p d <= the GPUs
+For each tensor-parallel size t and Ulysses size u inside a node, context-parallel size c
+(the ring may leave the node), pipeline size p, virtual
+stages v (interleaved when p > 1), the largest data-parallel size d with t u c p d <= the GPUs
 given and the global batch divisible by micro-batch x d, each micro-batch size, recompute
 (none, selective, full) and Megatron SP on and off (t > 1), the candidate's flags are the
 user's flags with the layout replaced, and go through the run's own parsing and checks
 (`args_from_namespace` -> `check_args`): a layout the run refuses is never returned. The
-plain engine's distributed optimizer and both overlaps are on where dp x sp > 1. The memory
+plain engine's distributed optimizer and both overlaps are on where dp x sp x cp > 1. The memory
 planner's most loaded rank must fit the cluster's GPU; the rest are
 timed (`timing.step_time`) and ranked. Each result carries its pretrain_gpt.py command.
 """
@@ -29,7 +30,8 @@ LAYOUT_FLAGS = {"--tensor-model-parallel-size", "--tp", "--pipeline-model-parall
                 "--dp", "--micro-batch-size", "--recompute", "--recompute-granularity",
                 "--sequence-parallel", "--num-layers-per-virtual-pipeline-stage",
                 "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-                "--virtual-pipeline-model-parallel-size"}
+                "--virtual-pipeline-model-parallel-size", "--context-parallel-size",
+                "--cp"}
 SEARCH_FLAGS = {"--search", "--json", "--top", "--cluster", "--out", "--gpus"}
 
 
@@ -67,32 +69,35 @@ def drop_flags(argv: list[str], names: set[str]) -> list[str]:
 
 
 def layouts(num_layers: int, gpus: int, global_batch: int, per_node: int):
-    """(tp, sp, pp, vpp, dp, micro-batch) tuples to try (the run's checks come later)."""
-    for t, u in itertools.product((1, 2, 4, 8), repeat=2):
+    """(tp, sp, cp, pp, vpp, dp, micro-batch) tuples to try (the run's checks come later)."""
+    for t, u, c in itertools.product((1, 2, 4, 8), repeat=3):
         if t * u > per_node:
             continue
-        for p in (x for x in range(1, num_layers + 1) if num_layers % x == 0 and t * u * x <= gpus):
+        tuc = t * u * c
+        for p in (x for x in range(1, num_layers + 1) if num_layers % x == 0 and tuc * x <= gpus):
             for b in MICRO_BATCHES:
-                d = gpus // (t * u * p)
+                d = gpus // (tuc * p)
                 while d > 1 and global_batch % (b * d):
                     d -= 1
                 if global_batch % (b * d):
                     continue
                 for v in (1, 2, 4) if p > 1 else (1,):
                     if num_layers % (p * v) == 0 and (v == 1 or (global_batch // (b * d)) % p == 0):
-                        yield t, u, p, v, d, b
+                        yield t, u, c, p, v, d, b
 
 
-def _flags(t, u, p, v, d, b, recompute, megatron_sp, num_layers) -> list[str]:
+def _flags(t, u, c, p, v, d, b, recompute, megatron_sp, num_layers) -> list[str]:
     flags = ["--tensor-model-parallel-size", str(t), "--pipeline-model-parallel-size", str(p),
              "--micro-batch-size", str(b), "--recompute", recompute]
     if u > 1:
         flags += ["--sequence-parallel-size", str(u)]
+    if c > 1:
+        flags += ["--context-parallel-size", str(c)]
     if v > 1:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(num_layers // (p * v))]
     if megatron_sp:
         flags.append("--sequence-parallel")
-    if d * u > 1:
+    if d * u * c > 1:
         flags += ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
     return flags + ["--dp", str(d)]
 
@@ -108,9 +113,9 @@ def search(parse, base: list[str], num_layers: int, gpus: int, global_batch: int
     schedule simulated (they lead the list)."""
     found, refused, too_big = [], 0, []
     options = PlanOptions(gpu_memory=cluster.hbm_gb, gpus_per_node=cluster.gpus_per_node)
-    for t, u, p, v, d, b in layouts(num_layers, gpus, global_batch, cluster.gpus_per_node):
+    for t, u, c, p, v, d, b in layouts(num_layers, gpus, global_batch, cluster.gpus_per_node):
         for recompute, msp in itertools.product(RECOMPUTE, (False, True) if t > 1 else (False,)):
-            flags = _flags(t, u, p, v, d, b, recompute, msp, num_layers)
+            flags = _flags(t, u, c, p, v, d, b, recompute, msp, num_layers)
             try:
                 args = parse(base + flags)
                 layout = resolve(args, options)

@@ -58,7 +58,7 @@ def predict(ns) -> dict:
                      f"kept beside the fp32 one): {extra['gpu_memory_gb_megatron_deepspeed']:.1f}"
                      " GB per GPU")
     return {"model": args.model_name or "the default model", "cluster": cluster.name,
-            "layout": f"TP{layout.tp}-SP{layout.sp}-PP{layout.pp}-VPP{layout.vpp}-DP{layout.dp}",
+            "layout": layout.name,
             **dataclasses.asdict(time), "gpu_memory_gb": memory[top].gpu_total / GB,
             "gpu_memory_stage": top, "memory": memory[top].to_dict(), **extra,
             "fits": all(m.fits for m in memory),  # the fp32 build too, as the notes say
@@ -90,8 +90,8 @@ def run_search(ns, parser, argv: list[str]) -> dict:
     cluster = load_cluster(ns.cluster)
     args, config, _ = plan_args(ns)
     args = dataclasses.replace(args, model=config)
-    gpus = ns.gpus or (args.parallel.tp * args.parallel.sp * args.parallel.pp
-                       * (args.parallel.dp or 1))
+    gpus = ns.gpus or (args.parallel.tp * args.parallel.sp * args.parallel.cp
+                       * args.parallel.pp * (args.parallel.dp or 1))
     base = drop_flags(argv, LAYOUT_FLAGS | SEARCH_FLAGS)  # the user's other flags
 
     def parse(flags: list[str]):  # strictly what the run accepts: no uneven pipeline split

@@ -145,8 +145,8 @@ def _pipeline(works: list[Work], layout: Resolved, config: ModelConfig, cluster:
         return [m * (tf[0] + tb[0])]
     shard = layout.tp if layout.megatron_sp_on else 1
     tokens = layout.seq_length * layout.micro_batch_size
-    sent = 2.0 * tokens * config.hidden_size / (layout.sp * shard)
-    p2p = sent / cluster.link_bytes_s(layout.tp * layout.sp * layout.dp + 1)
+    sent = 2.0 * tokens * config.hidden_size / (layout.seq_ranks * shard)
+    p2p = sent / cluster.link_bytes_s(layout.tp * layout.seq_ranks * layout.dp + 1)
     if not exact:
         per_rank = [sum(tf[r::p]) + sum(tb[r::p]) for r in range(p)]
         span = m * max(per_rank) + (p - 1) * (sum(per_rank) / p / v + 2 * p2p)
@@ -158,7 +158,7 @@ def _pipeline(works: list[Work], layout: Resolved, config: ModelConfig, cluster:
 def _zero3_seconds_per_byte(params: float, layout: Resolved, cluster: Cluster) -> float:
     """Seconds to all-gather (or reduce-scatter) one byte per parameter of `params` over
     dp x sp (0 when ZeRO-3 is off or that group has one rank)."""
-    z = layout.dp * layout.sp
+    z = layout.dp * layout.seq_ranks
     if layout.zero_stage != 3 or z == 1:
         return 0.0
     return (z - 1) / z * params / cluster.link_bytes_s(layout.tp * z)
@@ -180,7 +180,7 @@ def _zero3_exposed(work: Work, params: float, layout: Resolved, cluster: Cluster
         return Work()
     gather = 2.0 * per_byte
     if layout.offload_param == "cpu":
-        gather += 2.0 * params / (layout.dp * layout.sp) / (cluster.pcie_gb_s * 1e9)
+        gather += 2.0 * params / (layout.dp * layout.seq_ranks) / (cluster.pcie_gb_s * 1e9)
     fsdp2 = layout.zero_impl == "fsdp2"
     again = gather if not fsdp2 or layout.fsdp_reshard_after_forward else 0.0
     reduce = (layout.reduce_bytes if fsdp2 else 2.0) * per_byte
@@ -203,7 +203,7 @@ def _zero3_step_reduce(layout: Resolved, cluster: Cluster, params: float, works:
 def _dp_exposed(args: PretrainArgs, layout: Resolved, cluster: Cluster, params: float,
                 works: list[Work]) -> float:
     """Seconds of gradient reduction and parameter gather left after the last backward."""
-    z = layout.dp * layout.sp
+    z = layout.dp * layout.seq_ranks
     if z == 1 or layout.zero_stage == 3:
         return 0.0
     link, share = cluster.link_bytes_s(layout.tp * z), (z - 1) / z
@@ -228,7 +228,7 @@ def _dp_exposed(args: PretrainArgs, layout: Resolved, cluster: Cluster, params: 
 
 def _optimizer(layout: Resolved, cluster: Cluster, rates, params: float) -> float:
     """AdamW over this rank's share and the gradient-norm read; offload: host and PCIe."""
-    z = layout.dp * layout.sp
+    z = layout.dp * layout.seq_ranks
     sharded = (layout.distributed_optimizer if layout.plain_engine else layout.zero_stage >= 1)
     share = params / (z if sharded else 1)
     off = layout.offload_optimizer_ratio if layout.offload_optimizer == "cpu" else 0.0

@@ -10,7 +10,9 @@ per GPU T = s b / u; h width, f MLP width, kv = key/value heads x head dim):
   MLP out [T, f / t] x [f / t, h]; each backward is its input-gradient and weight-gradient
   product (the weight gradient's inner dimension is T).
 - attention: causal SDPA over the GPU's heads a / (t u) and the full sequence (ALiBi runs
-  in FlexAttention: `ALIBI_FACTOR` times cuDNN's time, from the attention bench).
+  in FlexAttention: `ALIBI_FACTOR` times cuDNN's time, from the attention bench); with
+  context parallelism 1 / cp of it (the ring's balanced share; T = s b / (u cp)), plus the
+  ring's exposed transfers (context.py).
 - elementwise passes at the copy bandwidth, in 2-byte elements per token: forward 10 r (two
   norms, two residual adds; r = h, or h / t under Megatron SP) + the RoPE rotation
   2 (h + kv) / t + the MLP's activation (GELU's epilogue writes its input, f / t; SwiGLU
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from ..config.model import ModelConfig
 from .calibration import KernelRates
 from .clusters import Cluster
+from .context import ring_exposed
 from .layout import Resolved
 
 ALIBI_FACTOR = 1.56  # FlexAttention ALiBi 1.28 ms vs cuDNN causal 0.82 ms, 4 x 16 x 2048 x 128
@@ -87,7 +90,7 @@ def block_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluste
     communication chunked beside the GEMMs."""
     t, u, b, s = layout.tp, layout.sp, layout.micro_batch_size, layout.seq_length
     h, f, kv = config.hidden_size, config.ffn_hidden_size, _kv_width(config)
-    tokens = s * b // u
+    tokens = s * b // layout.seq_ranks
     swiglu = config.activation == "swiglu"
     fp8_all = config.fp8_format is not None and config.fp8_layers == "all"
     fp8_mlp = config.fp8_format is not None
@@ -97,16 +100,18 @@ def block_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluste
              _linear(rates, tokens, f / t, h, fp8_mlp)]
     g_fwd, g_bwd = sum(g[0] for g in gemms), sum(g[1] for g in gemms)
     a_fwd, a_bwd = rates.attention(b, config.num_attention_heads / (t * u), s, config.head_dim)
+    a_fwd, a_bwd = a_fwd / layout.cp, a_bwd / layout.cp  # the ring's balanced causal share
     if config.position_embedding == "alibi":
         a_fwd, a_bwd = a_fwd * ALIBI_FACTOR, a_bwd * ALIBI_FACTOR
     e_fwd, e_bwd = (2.0 * tokens * n / rates.copy_bytes_s for n in _elementwise(config, layout))
     fwd = g_fwd + a_fwd + e_fwd
+    ring_f, ring_b = ring_exposed(config, layout, cluster, a_fwd, a_bwd)
     c_fwd, c_bwd = _tp_comm(config, layout, cluster, tokens)
     if overlap and layout.tp > 1:
         c_fwd, c_bwd = (max(c - g, c / layout.tp) for c, g in ((c_fwd, g_fwd), (c_bwd, g_bwd)))
     recompute = {"full": fwd, "selective": a_fwd}.get(layout.recompute, 0.0)
-    again = c_fwd if layout.recompute == "full" else 0.0
-    return Work(fwd, g_bwd + a_bwd + e_bwd + recompute, c_fwd, c_bwd + again)
+    again = c_fwd + ring_f if layout.recompute == "full" else 0.0  # (the ring runs again)
+    return Work(fwd, g_bwd + a_bwd + e_bwd + recompute, c_fwd + ring_f, c_bwd + ring_b + again)
 
 
 def _elementwise(config: ModelConfig, layout: Resolved) -> tuple[float, float]:
@@ -145,8 +150,8 @@ def _tp_comm(config: ModelConfig, layout: Resolved, cluster: Cluster,
 
 def head_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluster: Cluster) -> Work:
     """The final norm, the vocabulary-parallel head and the loss, one micro-batch."""
-    t, u = layout.tp, layout.sp
-    tokens = layout.seq_length * layout.micro_batch_size // u
+    t = layout.tp
+    tokens = layout.seq_length * layout.micro_batch_size // layout.seq_ranks
     vocab = config.padded_vocab(t) / t
     fwd, bwd = _linear(rates, tokens, config.hidden_size, vocab, False)
     loss = LOSS_BYTES * tokens * vocab / rates.copy_bytes_s
@@ -159,8 +164,8 @@ def embedding_work(config: ModelConfig, layout: Resolved, rates: KernelRates,
                    cluster: Cluster) -> Work:
     """The embedding lookup (a gather and, backward, a scatter-add of T h elements) and its
     tp all-reduce."""
-    t, u = layout.tp, layout.sp
-    tokens = layout.seq_length * layout.micro_batch_size // u
+    t = layout.tp
+    tokens = layout.seq_length * layout.micro_batch_size // layout.seq_ranks
     moved = 2.0 * 2 * tokens * config.hidden_size / rates.copy_bytes_s
     comm = _all_reduce(cluster, t, 2.0 * tokens * config.hidden_size)
     return Work(moved, 2 * moved, comm, 0.0)

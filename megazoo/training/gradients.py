@@ -1,9 +1,10 @@
 """The gradient contract, once: completion, the global norm, clipping.
 
 Completion (what turns each rank's backward into the one-process model's gradient):
-- sp (Ulysses): each sp rank saw different tokens of the one mean loss: SUM over sp;
+- sp (Ulysses) and cp (context parallelism): each sp / cp rank saw different tokens of the
+  one mean loss: SUM over sp x cp;
 - dp: each replica computed the mean loss of its own micro-batches: AVERAGE over dp;
-  together: divide by dp, sum over dp x sp (`state.dp_sp`);
+  together: divide by dp, sum over dp x sp x cp (`state.dp_sp`, which holds the cp ranks);
 - tp under Megatron SP: parameters tagged `sequence_parallel` (norms, row biases) saw only
   their rank's sequence shard: SUM over tp;
 - GQA kv rows replicated over several tp ranks: summed over those ranks (the layer's tensor
@@ -267,14 +268,15 @@ def allreduce_gradients(model: nn.Module, state: ParallelState) -> None:
 
 def complete_sharded_gradients(model: nn.Module, state: ParallelState) -> None:
     """The rest of the completion on FSDP2's local gradient shards, after its reduce-scatter
-    averaged over dp x sp: times sp, Megatron-SP tp sums (tp ranks with the same dp x sp
+    averaged over dp x sp x cp: times sp x cp, Megatron-SP tp sums (tp ranks with the same dp x sp
     index hold the same rows, and the reduce-scatter is linear), the tp sum of replicated
     GQA kv rows (FSDP2's parameters drop the layer's tensor hook), the tied-embedding sum
     (both ends are sharded identically)."""
     grads = [p for p in model.parameters() if p.grad is not None]
-    if state.sp.size > 1:
+    seq = state.sp.size * state.cp.size  # the sequence's splits (Ulysses, context parallel)
+    if seq > 1:
         for p in grads:
-            local(p.grad).mul_(state.sp.size)
+            local(p.grad).mul_(seq)
     if state.tp.size > 1:
         for p in grads:
             if state.config.sequence_parallel and getattr(p, "sequence_parallel", False):

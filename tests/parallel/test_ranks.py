@@ -98,3 +98,32 @@ def test_megatron_sp_is_named_apart_and_megatron_spelling_still_works():
         ParallelConfig(megatron_sp=True, sequence_parallel=False)
     args = parse_args(["--tp", "2", "--sequence-parallel", "--sequence-parallel-size", "2"])
     assert args.parallel.megatron_sp and args.parallel.sp == 2
+
+
+def test_context_parallel_worked_example():
+    """tp=2, sp=1, cp=2, dp=2 (8 ranks), default order tp, sp, cp, dp, pp: the ring is the
+    next dimension out from tp, and the gradient-reduction group dp x sp x cp holds it."""
+    cfg = ParallelConfig(tp=2, cp=2).resolve(8)
+    assert cfg.dp == 2 and str(cfg) == "TP2-SP1-CP2-PP1-DP2"
+    sizes, order = cfg.sizes(), cfg.grid_order
+    assert order == ("tp", "sp", "cp", "dp", "pp")
+    assert rank_groups(sizes, order, ["cp"]) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert rank_groups(sizes, order, ["dp"]) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert rank_groups(sizes, order, ["dp", "sp", "cp"]) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert coordinates(6, sizes, order) == dict(tp=0, sp=0, cp=1, dp=1, pp=0)
+
+
+def test_order_without_cp_places_it_after_sp():
+    cfg = ParallelConfig(sp=2, cp=2, order="pp-dp-sp-tp")
+    assert cfg.order == ("pp", "dp", "sp", "tp")
+    assert cfg.grid_order == ("pp", "dp", "sp", "cp", "tp")
+    assert ParallelConfig(order="tp-cp-sp-dp-pp").grid_order == ("tp", "cp", "sp", "dp", "pp")
+
+
+@pytest.mark.parametrize("kwargs, world, message", [
+    (dict(cp=2, tp=2), 6, "world size 6 is not divisible by tp*sp*cp*pp = 4"),
+    (dict(cp=0), 1, "cp must be a positive integer"),
+])
+def test_bad_context_parallel_config(kwargs, world, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ParallelConfig(**kwargs).resolve(world)

@@ -13,7 +13,7 @@ ZeRO partitions over our `dp_sp` group (`ZeroMPU(state)`); DeepSpeed's "model pa
 group is our tp. Under Ulysses the gradient contract is "sum over sp, mean over dp"
 (`allreduce_gradients`): ZeRO-1/2 divide their dp x sp reduction by dp, right as is; ZeRO-3
 leaves gradients at 1/sp of that, so for stage 3 the backward loss is multiplied by sp
-(`grad_scale`). DeepSpeed pipelines only through its own PipelineEngine, which refuses
+(`grad_scale`; with context parallelism by sp x cp, the same way). DeepSpeed pipelines only through its own PipelineEngine, which refuses
 ZeRO-2/3: pp > 1 is a ValueError pointing at `--zero-impl fsdp2`.
 
 Checkpoints: DeepSpeed's own files under `path/zero/` and `path/megazoo.json`
@@ -91,8 +91,9 @@ class DeepSpeedEngine(Engine):
         self.model = self.ds.module
         self.device = device
         self.steps = 0
-        stage3_sp = zero_stage(self.ds_config) == 3 and state.sp.size > 1
-        self.grad_scale = float(state.sp.size) if stage3_sp else 1.0  # see the module doc
+        seq = state.sp.size * state.cp.size  # ranks that split one sequence
+        stage3_sp = zero_stage(self.ds_config) == 3 and seq > 1
+        self.grad_scale = float(seq) if stage3_sp else 1.0  # see the module doc
 
     # -- the backend interface ---------------------------------------------------------------
     def stage(self, num_microbatches: int, loss_scale: float):
