@@ -93,11 +93,12 @@ def format_table(name: str, layout: Resolved, est: MemoryEstimate) -> str:
 def _engine(layout) -> str:
     """The engine and its offload, as the table's header says it."""
     if layout.plain_engine:
-        where = "host, what does not fit on disk" if layout.nvme else "host"
-        return "megazoo engine" + (f", {layout.optimizer_offload_fraction:.0%} of the optimizer "
-                                   f"on the {where}" if layout.optimizer_cpu_offload else "")
+        off = layout.optimizer_offload
+        where = "host, what does not fit on disk" if off.disk else "host"
+        return "megazoo engine" + (f", {off.ratio:.0%} of the optimizer on the {where}"
+                                   if off.on else "")
     return (f"{layout.zero_impl} ZeRO-{layout.zero_stage}, offload optimizer="
-            f"{layout.offload_optimizer} param={layout.offload_param}")
+            f"{layout.optimizer_offload.device} param={layout.offload_param}")
 
 
 def main(argv: list[str] | None = None) -> int:
