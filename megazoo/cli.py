@@ -156,7 +156,9 @@ def sparse_layout(argv: list[str] | None = None) -> int:
         config = SparseAttentionConfig.from_ds_config(
             sparse_section(args, *read_ds_config(args.deepspeed_config)) or {})
         lay = layout(config, args.heads, args.seq, args.seed, causal=args.causal)
-        print(f"{config.to_ds_config()}  s={args.seq}  {lay.shape[-1]} blocks per side")
+        causal = "; intersected with the causal mask (--causal): no key after its query" \
+            if args.causal else ""  # the section's own "attention" key is another matter
+        print(f"{config.to_ds_config()}  s={args.seq}  {lay.shape[-1]} blocks per side{causal}")
         for h in range(lay.shape[0]):
             print(f"head {h}: density {100 * density(lay[h:h + 1], config.block, args.causal):.2f}%")
         if args.out:

@@ -10,7 +10,7 @@ megazoo.json also records one per file under `FILES_KEY`; whatever reads such a 
 verifies them first, then checks the values it loaded for inf / nan:
 
     algorithm, sums = record_checksums(folder, tag, state)   # collective, after the save
-    verify_checksums(folder, meta, state, device)            # collective, before the load
+    check_files(folder, meta, verify, state, device)        # collective, before the load
     check_finite_loaded(tensors, folder, state, device)      # collective, after the load
 
 The collective functions split the files over the ranks and raise on every rank if any
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from pathlib import Path
 from typing import Iterable
 
@@ -115,6 +116,26 @@ def verify_checksums(folder: str, meta: dict, state=None, device=None) -> None:
                                  f"skips this check)")
 
     agree(check, state, device, ValueError(f"verifying {folder} failed on another rank (its "
+                                           f"error names the file)"))
+
+
+def check_files(folder: str, meta: dict, verify: bool, state=None, device=None) -> None:
+    """Before DeepSpeed reads `folder`: every file against its checksum (`verify`), else at
+    least every torch archive whole (its zip directory readable), so that a truncated file is
+    one line naming it, not the loader's traceback on every rank. Collective."""
+    if verify:
+        verify_checksums(folder, meta, state, device)
+        return
+    rank, world = _rank_world(state)
+
+    def check() -> None:
+        for name in list_files(folder, meta.get("tag", ""))[rank::world]:
+            path = os.path.join(folder, name)
+            if name.endswith(".pt") and not zipfile.is_zipfile(path):
+                raise ValueError(f"checkpoint file {path} is truncated or damaged (not a "
+                                 f"readable torch archive): restore it or use another checkpoint")
+
+    agree(check, state, device, ValueError(f"reading {folder} failed on another rank (its "
                                            f"error names the file)"))
 
 

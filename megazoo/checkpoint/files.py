@@ -34,13 +34,17 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    """torch.float16 for "float16" / "fp16" / "torch.float16"; ValueError otherwise."""
+    """torch.float16 for "float16" / "fp16" / "torch.float16"; ValueError otherwise, also for
+    an integer or bool dtype (weights cast to one are zeros and sign bits, not a model)."""
     aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
                "float": "float32"}
     key = aliases.get(name, str(name).removeprefix("torch."))
     dtype = getattr(torch, key, None)
     if not isinstance(dtype, torch.dtype) or dtype not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}: use float32, float16 or bfloat16")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype {name!r} is not a floating-point type (model weights cast to "
+                         f"it are lost): use float32, float16 or bfloat16")
     return dtype
 
 

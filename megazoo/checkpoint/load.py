@@ -89,10 +89,21 @@ class CheckpointReader:
         ParallelConfig(**self.layout)  # a ValueError unless the sizes are valid
         self.aux_prefixes = tuple(self.metadata.get("aux", ()))
         self.dtype = parse_dtype(self.metadata.get("dtype", "float32"))
-        self._headers = {name: self._header(name) for name in self.metadata["files"]}
+        self._headers = {name: self._header(name) for name in self._rank_files()}
         self._stages: dict[int, list[dict]] = {}
         self._stage_of = {name: p for p in range(self.layout["pp"]) for name in
                           stored_parameters(rank_model(self.config, self.layout, p, 0))}
+
+    def _rank_files(self) -> list[str]:
+        """The rank files megazoo.json lists: exactly one per (pp, tp) rank of its layout."""
+        files = self.metadata.get("files")
+        want = [rank_file(p, t) for p in range(self.layout["pp"]) for t in range(self.layout["tp"])]
+        if not isinstance(files, list) or sorted(map(str, files)) != sorted(want):
+            raise ValueError(f"{os.path.join(self.path, METADATA_FILE)} lists the files "
+                             f"{files!r}, its layout (tp {self.layout['tp']}, pp "
+                             f"{self.layout['pp']}) writes {want}: the file was edited or "
+                             f"damaged; restore it")
+        return want
 
     def _check_recorded(self) -> None:
         """ValueError unless megazoo.json names a hash this install computes and holds its

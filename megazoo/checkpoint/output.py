@@ -95,6 +95,9 @@ def check_output_dir(out, *, kind: str, overwrite: bool = False, inputs=()) -> N
     _check_inputs(out, inputs)
     if not os.path.lexists(out):
         return
+    if os.path.islink(out):  # publish would replace the link, not the folder it names
+        raise ValueError(f"--out {out} is a symbolic link (to {os.readlink(out)}): give the "
+                         f"folder itself as --out, or remove the link")
     if not os.path.isdir(out):
         raise ValueError(f"--out {out} exists and is not a folder; choose another --out")
     entries = sorted(os.listdir(out))

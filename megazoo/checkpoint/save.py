@@ -20,6 +20,7 @@ from torch import nn
 
 from ..layers.sharding import full_shape, tp_slice
 from ..models import ModelConfig
+from ..parallel.device import comm_device
 from ..parallel.state import ParallelState
 from .checksums import default_algorithm, values_key
 from .files import NonFiniteError, SafetensorsWriter, check_finite, dtype_name, write_json
@@ -126,7 +127,7 @@ def agree(step: Callable[[], object], state: ParallelState | None, device: torch
         error = exc
     code = 0 if error is None else 2 if isinstance(error, NonFiniteError) else 1
     if state is not None and state.world_size > 1:
-        flag = torch.tensor([code], device=device)
+        flag = torch.tensor([code], device=comm_device(device))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         code = int(flag.item())
     if code and error is None:
@@ -169,7 +170,8 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
                     extra: dict | None = None,
                     aux: dict[str, dict[str, torch.Tensor]] | None = None,
                     overwrite: bool = False,
-                    rank_files: Callable[[str], None] | None = None) -> None:
+                    rank_files: Callable[[str], None] | None = None,
+                    device: torch.device | None = None) -> None:
     """Save `model` (this rank's part of it) to the checkpoint directory `path`.
 
     Collective: every rank of `state` calls it (state None: `model.state`, else one process).
@@ -179,13 +181,15 @@ def save_checkpoint(model: nn.Module, path, *, state: ParallelState | None = Non
     tensor shaped like it}, for every parameter. Raises on every rank if any rank failed;
     `path` is then left as it was. `rank_files(tmp)`, if given, runs on every rank to add
     that rank's own files (per-rank state such as gradient-compression residuals).
+    `device`: where the ranks' agreement all-reduces run (default: the parameters'; an engine
+    saving a host copy of its GPU model passes its GPU).
     """
     state = state or getattr(model, "state", None) or ParallelState.single()
     aux = aux or {}
     _check_aux(model, aux)
     path = os.fspath(path)
     params = list(model.parameters())
-    device = params[0].device if params else torch.device("cpu")
+    device = device or (params[0].device if params else torch.device("cpu"))
     lead, tmp = state.global_rank == 0, temp_dir(path)
 
     def start() -> None:

@@ -30,6 +30,7 @@ import sys
 from dataclasses import dataclass
 
 from .ds_schema import check_types
+from .ds_tuning import fill_zero
 
 AUTO = "auto"
 SPARSE_SECTION = "sparse_attention"  # megazoo's model reads it; DeepSpeed never gets it
@@ -90,7 +91,34 @@ def read_ds_config(path: str | None) -> tuple[dict, str]:
     if not isinstance(data, dict):
         raise ValueError(f"{source} must hold a JSON object, got {type(data).__name__}")
     check_types(data, source)
+    _check_offload_values(data, source)
     return data, source
+
+
+def _check_offload_values(ds: dict, source: str) -> None:
+    """The offload sections' values (their types are checked): a device DeepSpeed and the plain
+    engine know, and a ratio that is a share."""
+    zo = ds.get("zero_optimization") or {}
+    for key in ("offload_optimizer", "offload_param"):
+        section = zo.get(key) or {}
+        device = section.get("device")
+        if device not in (None, "none", "cpu", "nvme"):
+            raise ValueError(f"{source}: zero_optimization.{key}.device = {device!r} is not "
+                             f"one of \"none\", \"cpu\", \"nvme\": fix the JSON")
+        ratio = section.get("ratio", 1.0)
+        if not 0 < ratio <= 1:
+            raise ValueError(f"{source}: zero_optimization.{key}.ratio = {ratio!r} is the share "
+                             f"offloaded, in (0, 1]: fix the JSON")
+
+
+def merge_nvme_path(ds: dict, nvme_path: str | None, source: str, sections=None) -> None:
+    """--nvme-path into the offload sections of `ds` (all that are objects, or `sections`): the
+    one merge rule, so a JSON nvme_path that disagrees with the flag is refused by name."""
+    zo = ds.get("zero_optimization") or {}
+    for key in sections or ("offload_optimizer", "offload_param"):
+        if nvme_path is not None and isinstance(zo.get(key), dict):
+            flag = JsonKey("nvme_path", ("zero_optimization", key, "nvme_path"), "--nvme-path")
+            merge_flags(ds, {"nvme_path": nvme_path}, [flag], source)
 
 
 def merge_flags(ds: dict, given: dict, keys, source: str) -> dict:
@@ -158,9 +186,7 @@ def _zero_flags(ds: dict, zero, source: str) -> None:
     for key in ("offload_optimizer", "offload_param"):
         section = zo.get(key)
         if isinstance(section, dict) and section.get("device") == "nvme":
-            if zero.nvme_path is not None:
-                nvme = JsonKey("nvme_path", ("zero_optimization", key, "nvme_path"), "--nvme-path")
-                merge_flags(ds, {"nvme_path": zero.nvme_path}, [nvme], source)
+            merge_nvme_path(ds, zero.nvme_path, source, [key])
             if not section.get("nvme_path"):
                 raise ValueError(f"{key} to nvme needs a folder: pass --nvme-path DIR or set "
                                  f"zero_optimization.{key}.nvme_path in the JSON")
@@ -195,11 +221,13 @@ def check_json_training_keys(args, dp: int) -> None:
 
 
 def build_ds_config(args, dp: int) -> dict:
-    """The DeepSpeed config dict of `args` (`args.zero`, `args.training`) at data-parallel
-    size `dp`. Pure: no file is written and no collective is issued."""
+    """The DeepSpeed config dict of `args` (`args.zero`, `args.training`, `args.model` for
+    ZeRO-3's tuned buckets: `ds_tuning`) at data-parallel size `dp`. Pure: no file is
+    written and no collective is issued."""
     ds, source = read_ds_config(args.zero.deepspeed_config)
     ds.pop(SPARSE_SECTION, None)  # the model's (see the module doc)
     _zero_flags(ds, args.zero, source)
+    fill_zero(ds["zero_optimization"], args.model)  # ZeRO-3's tuning where the JSON is silent
     _training(ds, args.training, dp, source)
     comm = getattr(getattr(args, "compression", None), "communication_data_type", None)
     merge_flags(ds, {} if comm is None else {COMM_KEY.field: comm}, [COMM_KEY], source)
@@ -241,7 +269,12 @@ def warn_unused_sections(ds: dict, source: str, zero_impl: str) -> None:
     """One stderr line naming the ds_config sections an engine other than DeepSpeed ignores."""
     if not ds or zero_impl == "deepspeed" or os.environ.get("RANK", "0") != "0":
         return
-    unused = sorted(set(ds) - READ_BY_ALL)
+    read = set(READ_BY_ALL)
+    zo = ds.get("zero_optimization")
+    if zero_impl == "none" and isinstance(zo, dict) and zo.get("stage", 0) == 0 and \
+            set(zo) - {"stage"} <= {"offload_optimizer", "offload_param"}:
+        read.add("zero_optimization")  # the plain engine's own offload (config/offload.py)
+    unused = sorted(set(ds) - read)
     if unused:
         engine = "the plain engine" if zero_impl == "none" else f"--zero-impl {zero_impl}"
         print(f"warning: {source}: {engine} ignores {', '.join(unused)} (read only with "

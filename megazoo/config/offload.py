@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ds_config import read_ds_config
+from .ds_config import merge_nvme_path, read_ds_config
 
 PLAIN_ONLY = (("optimizer_cpu_offload", "--optimizer-cpu-offload"),
               ("overlap_cpu_optimizer_d2h_h2d", "--overlap-cpu-optimizer-d2h-h2d"),
@@ -28,6 +28,18 @@ def check_offload_fraction(fraction: float) -> None:
     one check)."""
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
+
+
+def fraction_note(fraction: float, host: list[int], buckets: list[int]) -> str | None:
+    """A line when the whole buckets on the host (`host`, their element counts, of all
+    `buckets`) hold a share far from --optimizer-offload-fraction (0.25 or more off):
+    the state is split by gradient bucket, so few buckets cannot split it finely."""
+    share = sum(host) / max(sum(buckets), 1)
+    if abs(share - fraction) <= 0.25:
+        return None
+    return (f"--optimizer-offload-fraction {fraction:g} offloads {share:.0%} here: the state "
+            f"is split by whole gradient buckets and this run has {len(buckets)}; a smaller "
+            f"--ddp-bucket-size splits it finer")
 
 
 @dataclass(frozen=True)
@@ -73,7 +85,8 @@ def plain_offload(args) -> OffloadPlan | None:
     """The plain engine's offload plan of `args` (None: no offload); a ValueError naming the
     flag to change when the flags contradict each other."""
     t, zero = args.training, args.zero
-    ds = read_ds_config(zero.deepspeed_config)[0] if zero.zero_impl == "none" else {}
+    ds, source = read_ds_config(zero.deepspeed_config if zero.zero_impl == "none" else None)
+    merge_nvme_path(ds, zero.nvme_path, source)  # a JSON nvme_path must agree with the flag
     zo = ds.get("zero_optimization") or {}  # objects or null: `read_ds_config` checked
     opt, par = zo.get("offload_optimizer") or {}, zo.get("offload_param") or {}
     devices = {zero.offload_optimizer or opt.get("device"), zero.offload_param or par.get("device")}

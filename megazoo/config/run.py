@@ -3,6 +3,7 @@ each documented field is a `pretrain_gpt.py` flag (`flags.py`). `PretrainArgs` b
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from ..parallel.config import ParallelConfig
@@ -26,8 +27,9 @@ class TrainingConfig:
     """Optimizer steps to train for."""
     lr: float = 3e-3
     """Peak learning rate (reached after the warmup)."""
-    min_lr: float = 3e-4
-    """Learning rate at the end of the decay."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay (0, as in Megatron: a run that sets only --lr
+    decays to 0)."""
     lr_warmup_iters: int = 30
     """Steps of linear warmup from 0 to lr."""
     lr_decay_style: str = "cosine"
@@ -69,6 +71,12 @@ class TrainingConfig:
     overlap_param_gather: bool = False
     """With --use-distributed-optimizer: all-gather the updated parameters asynchronously,
     each bucket waited for by the first module of the next forward that uses it."""
+    tp_comm_overlap: bool = False
+    """Model-parallel communication overlapped with the GEMMs beside it, in up to 4 chunks:
+    tensor parallelism with --sequence-parallel cuts each all-gather + column-parallel GEMM
+    and row-parallel GEMM + reduce-scatter along the sequence (`megazoo.layers.tp_overlap`);
+    Ulysses cuts its all-to-alls by kv groups inside the QKV and output projections
+    (`megazoo.layers.ulysses_overlap`). Off: one collective per GEMM, through the same code."""
     ddp_bucket_size: int | None = None
     """Plain engine: elements per gradient bucket; None: max(40M, 1M x dp x sp) (Megatron's)."""
     gradient_accumulation_fusion: bool = True
@@ -110,15 +118,20 @@ class TrainingConfig:
     exit_interval: int | None = None
     """Stop (after saving, when --save is set) once the iteration divides by this."""
     cpu_threads: int | None = None
-    """torch.set_num_threads on CPU; None keeps torch's default."""
+    """torch.set_num_threads on CPU; None keeps torch's default (one thread a core: on a
+    shared machine fewer are faster, and the first log line says so)."""
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "micro_batch_size", "global_batch_size", "train_iters",
-                  "ddp_bucket_size")
+                  "ddp_bucket_size", "cpu_threads")
         _at_least(self, 0, "lr_warmup_iters", "max_skipped_steps", "clip_grad", "weight_decay",
                   "offload_delayed_update_start")
-        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"need 0 <= --min-lr <= --lr, got --lr {self.lr} --min-lr {self.min_lr}")
+        if not 0 <= self.min_lr <= self.lr < math.inf:  # nan fails every comparison
+            raise ValueError(f"need 0 <= --min-lr <= --lr, both finite, got --lr {self.lr} "
+                             f"--min-lr {self.min_lr}")
+        if self.offload_delayed_update_start and not self.offload_delayed_update:
+            raise ValueError("--offload-delayed-update-start needs --offload-delayed-update: "
+                             "add it or drop the start")
         if self.lr_decay_style not in DECAY_STYLES:
             raise ValueError(f"--lr-decay-style must be one of {DECAY_STYLES}, "
                              f"got {self.lr_decay_style!r}")
@@ -128,8 +141,8 @@ class TrainingConfig:
             raise ValueError("main gradients are always fp32 unless --accumulate-grads-in-bf16: "
                              "pass that instead of --no-accumulate-allreduce-grads-in-fp32")
         check_offload_fraction(self.optimizer_offload_fraction)
-        if (self.optimizer_offload_host_memory or 0) < 0:
-            raise ValueError(f"--optimizer-offload-host-memory must be >= 0 GB, got "
+        if not 0 <= (self.optimizer_offload_host_memory or 0) < math.inf:
+            raise ValueError(f"--optimizer-offload-host-memory must be a finite >= 0 GB, got "
                              f"{self.optimizer_offload_host_memory}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")

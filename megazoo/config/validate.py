@@ -28,6 +28,11 @@ def check_args(args: PretrainArgs) -> None:
     check_compression_layout(args.compression, args.parallel,
                              args.training.use_distributed_optimizer)
     dp, t = args.parallel.dp, args.training
+    tp_sp = args.parallel.tp > 1 and args.parallel.megatron_sp
+    if t.tp_comm_overlap and not (tp_sp or args.parallel.sp > 1):
+        raise ValueError("--tp-comm-overlap chunks Megatron-SP's all-gathers / reduce-scatters "
+                         "and Ulysses' all-to-alls: it needs --tensor-model-parallel-size > 1 "
+                         "with --sequence-parallel, or --sequence-parallel-size > 1")
     if dp is not None and t.global_batch_size % (t.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size {t.global_batch_size} must divide by "
                          f"--micro-batch-size {t.micro_batch_size} x dp {dp}")

@@ -24,8 +24,7 @@ import tempfile
 import torch
 
 from ..checkpoint import config_from_dict, rank_model, write_checkpoint
-from ..checkpoint.deepspeed import check_finite_loaded, read_ds_metadata
-from ..checkpoint.deepspeed import verify_checksums as verify_files
+from ..checkpoint.deepspeed import check_files, check_finite_loaded, read_ds_metadata
 from ..checkpoint.layout import stored_parameters
 from ..checkpoint.output import check_output_dir
 from ..checkpoint.resolve import resolve_checkpoint
@@ -75,8 +74,7 @@ def zero_to_megazoo(load, out, *, tp: int = 1, pp: int = 1, vpp: int = 1,
     load, out = os.fspath(load), os.fspath(out)
     check_output_dir(out, kind="megazoo", overwrite=overwrite, inputs=[load])
     folder = resolve_checkpoint(load)  # a --save folder: its latest
-    if verify_checksums:
-        verify_files(folder, read_ds_metadata(folder))
+    check_files(folder, read_ds_metadata(folder), verify_checksums)
     config, full, meta = full_state_dict(folder)
     check_finite_loaded(full.items(), folder, allow="")
     extra = {"converted_from": "deepspeed", "zero_stage": meta.get("zero_stage"),

@@ -20,6 +20,7 @@ writes one sequence per document, so sequence ``i`` is document ``i``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import struct
@@ -29,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..leftovers import remove_leftovers
+from .provenance import record_path
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -81,7 +83,8 @@ def data_file_paths(path_prefix: str | os.PathLike) -> tuple[Path, Path]:
 def _temp_names(path_prefix) -> tuple[str, str]:
     """(regex of this prefix's temp file names with a `pid` group, regex of the names older
     builders used: a uuid alone)."""
-    names = "|".join(re.escape(p.name) for p in data_file_paths(path_prefix))
+    names = "|".join(re.escape(p.name) for p in (*data_file_paths(path_prefix),
+                                                  record_path(path_prefix)))
     return rf"(?:{names})\.tmp-(?P<pid>\d+)-[0-9a-f]+", rf"(?:{names})\.tmp-[0-9a-f]{{32}}"
 
 
@@ -105,10 +108,13 @@ class IndexedDatasetBuilder:
     Data goes to temporary files next to the target (``PREFIX.bin.tmp-<pid>-<uuid>``),
     renamed into place at the end, so a reader never sees a half-written dataset. As a
     context manager, a clean exit finalizes and an exception removes the temporary files (a
-    killed writer's are removed by the next run: `clean_temp_files`).
+    killed writer's are removed by the next run: `clean_temp_files`). `tokenizer`, a
+    `Tokenizer.record()`, is written to ``PREFIX.tokenizer.json`` with the pair (see
+    `provenance`); without it, a record left by an earlier build is removed.
     """
 
-    def __init__(self, path_prefix: str | os.PathLike, dtype: np.dtype | type = np.uint16):
+    def __init__(self, path_prefix: str | os.PathLike, dtype: np.dtype | type = np.uint16,
+                 tokenizer: dict | None = None):
         self.dtype = np.dtype(dtype)
         codes = {known: code for code, known in DTYPE_CODES.items()}
         if self.dtype not in codes:
@@ -122,6 +128,8 @@ class IndexedDatasetBuilder:
         suffix = f".tmp-{os.getpid()}-{uuid.uuid4().hex}"
         self._tmp_bin = self._bin_path.with_name(self._bin_path.name + suffix)
         self._tmp_idx = self._idx_path.with_name(self._idx_path.name + suffix)
+        self._record, self._record_path = tokenizer, record_path(path_prefix)
+        self._tmp_record = self._record_path.with_name(self._record_path.name + suffix)
         self._bin = open(self._tmp_bin, "wb")
         self._sizes: list[int] = []
         self._limits = (np.iinfo(self.dtype).min, np.iinfo(self.dtype).max)
@@ -157,8 +165,14 @@ class IndexedDatasetBuilder:
             f.write(sizes.astype("<i4").tobytes())
             f.write(pointers.astype("<i8").tobytes())
             f.write(doc_idx.astype("<i8").tobytes())
+        if self._record is not None:
+            self._tmp_record.write_text(json.dumps({"tokenizer": self._record}, indent=1))
         os.replace(self._tmp_bin, self._bin_path)
         os.replace(self._tmp_idx, self._idx_path)
+        if self._record is None:
+            self._record_path.unlink(missing_ok=True)
+        else:
+            os.replace(self._tmp_record, self._record_path)
 
     def abort(self) -> None:
         """Drop everything written so far (temporary files only), also on a full disk (where
@@ -169,7 +183,7 @@ class IndexedDatasetBuilder:
             except OSError:
                 pass
             self._bin = None
-        for path in (self._tmp_bin, self._tmp_idx):
+        for path in (self._tmp_bin, self._tmp_idx, self._tmp_record):
             path.unlink(missing_ok=True)
 
     def __enter__(self) -> "IndexedDatasetBuilder":

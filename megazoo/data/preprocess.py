@@ -23,12 +23,14 @@ import glob
 import itertools
 import json
 import multiprocessing
+import os
 from pathlib import Path
 from typing import Iterator
 
 from ..cli_parser import HintingParser
 from ..errors import report_error, user_path
-from .indexed import IndexedDatasetBuilder, best_dtype, clean_temp_files
+from .indexed import IndexedDatasetBuilder, best_dtype, clean_temp_files, data_file_paths
+from .provenance import record_path
 from .tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -40,7 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = HintingParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", nargs="+", required=True,
                    help="input files or glob patterns (.jsonl/.json: JSON lines; else text)")
-    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    p.add_argument("--output-prefix", required=True,
+                   help="writes PREFIX.bin, PREFIX.idx and PREFIX.tokenizer.json")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing dataset of --output-prefix (never an input)")
     p.add_argument("--tokenizer-type", required=True, choices=sorted(TOKENIZER_TYPES))
     p.add_argument("--tokenizer-model", default=None,
                    help="SentencePiece .model or HF tokenizer.json (or its directory)")
@@ -106,6 +111,21 @@ def iter_documents(files: list[Path], json_key: str, split_lines: bool,
                 yield _json_text(line, json_key, path, lineno)
 
 
+def check_output_prefix(prefix: str, inputs: list[Path], overwrite: bool) -> None:
+    """ValueError unless writing `prefix`'s files loses nothing: never one of the inputs (even
+    with --overwrite), and an existing dataset only with --overwrite."""
+    outputs = [*data_file_paths(prefix), record_path(prefix)]
+    for path in inputs:
+        hit = next((out for out in outputs if out.resolve() == path.resolve()), None)
+        if hit is not None:
+            raise ValueError(f"--input {path} is also an output of --output-prefix {prefix} "
+                             f"({hit.name}): choose another --output-prefix")
+    existing = [out.name for out in outputs if os.path.lexists(out)]
+    if existing and not overwrite:
+        raise ValueError(f"--output-prefix {prefix} exists ({', '.join(existing)}): choose "
+                         f"another --output-prefix or pass --overwrite to replace it")
+
+
 def _json_text(line: str, json_key: str, path: Path, lineno: int) -> str:
     try:
         return str(json.loads(line)[json_key])
@@ -149,6 +169,7 @@ def preprocess(args: argparse.Namespace) -> tuple[int, int, int, int]:
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     files = expand_inputs(args.input)
+    check_output_prefix(args.output_prefix, files, args.overwrite)
     removed, in_the_way = clean_temp_files(args.output_prefix)
     for path in removed:
         print(f"removed {path}, left by an interrupted run")
@@ -167,7 +188,8 @@ def preprocess(args: argparse.Namespace) -> tuple[int, int, int, int]:
 def _write(args, encoder, tokenizer, batches) -> tuple[int, int, int, int]:
     """Tokenize `batches` into the output files (temp files renamed at the end)."""
     docs = tokens = skipped = undecodable = 0
-    with IndexedDatasetBuilder(args.output_prefix, best_dtype(tokenizer.vocab_size)) as builder:
+    with IndexedDatasetBuilder(args.output_prefix, best_dtype(tokenizer.vocab_size),
+                               tokenizer.record()) as builder:
         pool = multiprocessing.get_context("spawn").Pool(args.workers) if args.workers > 1 else None
         results = map(encoder, batches) if pool is None else pool.imap(encoder, batches)
         try:

@@ -11,6 +11,7 @@ Third-party libraries are imported when a tokenizer is built, not at module impo
 
 from __future__ import annotations
 
+import hashlib
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -24,6 +25,19 @@ class Tokenizer(ABC):
     """Number of ids (every id is ``< vocab_size``)."""
     eod: int
     """End-of-document id."""
+    model_file: str | None = None
+    """The file the tokenizer was read from (None: it needs none)."""
+
+    def record(self) -> dict:
+        """What identifies this tokenizer in the data it made: its type name, vocabulary size
+        and the sha256 of its model file (of the type name when it has none)."""
+        if self.model_file is None:
+            digest = hashlib.sha256(type(self).__name__.encode()).hexdigest()
+        else:
+            with open(self.model_file, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+        return {"type": type(self).__name__, "vocab_size": int(self.vocab_size),
+                "sha256": digest}
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -72,7 +86,7 @@ class SentencePieceTokenizer(Tokenizer):
         import sentencepiece
 
         path = _require_file(model_path, "SentencePiece model")
-        self.model_path = str(path)
+        self.model_path = self.model_file = str(path)
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=self.model_path)
         except Exception as exc:  # sentencepiece raises RuntimeError / OSError, by version
@@ -129,7 +143,7 @@ class HFTokenizer(Tokenizer):
         if p.is_dir():
             p = p / "tokenizer.json"
         p = _require_file(p, "tokenizer.json")
-        self.path = str(p)
+        self.path = self.model_file = str(p)
         try:
             self._tok = tokenizers.Tokenizer.from_file(self.path)
         except Exception as exc:  # the Rust library's parse errors are plain Exceptions

@@ -79,9 +79,7 @@ def read_prompts(args) -> list[str]:
     (the shell passes bytes that are not UTF-8 as lone surrogates)."""
     prompts = [(f"--prompt {n + 1}", text) for n, text in enumerate(args.prompt)]
     if args.prompt_file:
-        if not os.path.isfile(args.prompt_file):
-            raise ValueError(f"--prompt-file {args.prompt_file}: no such file")
-        lines = read_text(args.prompt_file, "--prompt-file ").splitlines()
+        lines = _prompt_file_text(args.prompt_file).splitlines()
         prompts += [(f"--prompt-file {args.prompt_file} line {n + 1}", line)
                     for n, line in enumerate(lines) if line.strip()]
     if not prompts:
@@ -97,12 +95,49 @@ def read_prompts(args) -> list[str]:
     return [text for _, text in prompts]
 
 
+def _prompt_file_text(path: str) -> str:
+    """The text of --prompt-file: `-` is stdin; a pipe or device (/dev/null, a process
+    substitution) reads like a file; a UTF-8 byte-order mark is dropped."""
+    if path == "-":
+        raw = sys.stdin.buffer.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"--prompt-file - (stdin) is not UTF-8 text (byte "
+                             f"0x{raw[exc.start]:02x} at offset {exc.start})") from None
+    elif not os.path.exists(path):
+        raise ValueError(f"--prompt-file {path}: no such file")
+    elif os.path.isdir(path):
+        raise ValueError(f"--prompt-file {path} is a folder: give a text file, one prompt a line")
+    else:
+        text = read_text(path, "--prompt-file ")
+    return text.removeprefix("\ufeff")
+
+
+def _weights_dtype(args, meta: dict, checkpoint: str):
+    """The --dtype to load in (None: as stored), refusing a checkpoint that is not a
+    floating-point model or that is in DeepSpeed's format."""
+    if str(meta.get("format", "")).startswith("megazoo-deepspeed"):
+        raise ValueError(f"{checkpoint} is a DeepSpeed-format checkpoint: consolidate it first "
+                         f"with zero_to_megazoo.py --load {checkpoint} --out DIR (or "
+                         f"megazoo-zero-to-megazoo), then --load DIR")
+    stored = str(meta.get("dtype", "float32"))
+    try:
+        parse_dtype(stored)
+    except ValueError:
+        raise ValueError(f"{checkpoint} holds {stored} weights, not a floating-point model: "
+                         f"convert it again from its source with --dtype float32, float16 or "
+                         f"bfloat16") from None
+    return parse_dtype(args.dtype) if args.dtype else None
+
+
 def prepare(args):
     """Everything checkable before any collective: (checkpoint, tokenizer, ids, sampling)."""
     sampling = Sampling(args.greedy, args.temperature, args.top_k, args.top_p)
     prompts = read_prompts(args)
     checkpoint = resolve_checkpoint(args.load)
     meta = read_json(os.path.join(checkpoint, "megazoo.json"), advice="the checkpoint is damaged")
+    args.dtype = _weights_dtype(args, meta, checkpoint)
     config = config_from_dict(meta.get("model") or {})
     tokenizer = find_tokenizer(checkpoint, args.tokenizer)
     ids = [encode_prompt(tokenizer, text) for text in prompts]
@@ -122,7 +157,7 @@ def run(args) -> None:
     from ..parallel import ParallelConfig, ParallelState
 
     checkpoint, tokenizer, ids, sampling = prepare(args)
-    dtype = parse_dtype(args.dtype) if args.dtype else None
+    dtype = args.dtype
     state = ParallelState.initialize(ParallelConfig(tp=args.tp, pp=args.pp))
     model = load_pretrained(checkpoint, state=state, device=local_device(), dtype=dtype,
                             verify_checksums=args.verify_checksums,

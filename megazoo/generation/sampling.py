@@ -38,8 +38,13 @@ class Sampling:
 
 
 def filter_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """float32 logits [b, V] / temperature with the tokens outside top-k / top-p at -inf."""
-    logits = logits.float() / sampling.temperature
+    """float32 logits [b, V] / temperature with the tokens outside top-k / top-p at -inf.
+
+    The row's maximum is subtracted first (softmax does not change): a tiny temperature then
+    sends the others to -inf and keeps the most likely at 0, its greedy limit, instead of
+    inf - inf = nan."""
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / sampling.temperature
     if 0 < sampling.top_k < logits.shape[-1]:
         kth = logits.topk(sampling.top_k, dim=-1).values[:, -1:]  # [b, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -1,7 +1,7 @@
 """Cross entropy over logits split by vocabulary across tensor-parallel ranks.
 
-Never gathers the full logits: three all-reduces over tp carry the max, the target logit and
-the sum of exponentials (plus the sum of logits for label smoothing). Computed in fp32
+Never gathers the full logits: two all-reduces over tp, the max, then the target logit and the
+sum of exponentials (and the sum of logits for label smoothing) stacked into one. Computed in fp32
 whatever the logits' dtype, after subtracting the global max, so fp16/bf16 logits neither
 overflow nor lose the loss.
 """
@@ -40,13 +40,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         in_shard = (target >= start) & (target < start + shard) & ~ignored
         local = (target - start).masked_fill(~in_shard, 0)
         target_logit = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~in_shard, 0.0)
-        target_logit = _sum(target_logit, group)
-
         exp = x.exp()
-        log_z = _sum(exp.sum(dim=-1), group).log()
+        sums = [target_logit, exp.sum(dim=-1)]
+        if smoothing > 0:
+            sums.append(x.masked_fill(padded, 0.0).sum(dim=-1))
+        sums = _sum(torch.stack(sums), group)  # [2 or 3, ...]: one all-reduce for all of them
+        target_logit, log_z = sums[0], sums[1].log()
         loss = log_z - target_logit
         if smoothing > 0:
-            mean_logit = _sum(x.masked_fill(padded, 0.0).sum(dim=-1), group) / vocab_size
+            mean_logit = sums[2] / vocab_size
             loss = (1.0 - smoothing) * loss + smoothing * (log_z - mean_logit)
         loss.masked_fill_(ignored, 0.0)
 

@@ -66,12 +66,18 @@ class VocabParallelEmbedding(nn.Module):
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """`forward` without the range check, which reads the ids back to the host: for callers
         whose ids are known to be in range (a generation step replayed as a CUDA graph)."""
+        partial = self.lookup_partial(ids)
+        return partial if group_size(self.group) == 1 else reduce_from_tensor_parallel_region(partial, self.group)
+
+    def lookup_partial(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> e_partial [..., dim]: this rank's rows, zeros for ids outside its range;
+        the sum over tp is the embedding. Megatron SP reduce-scatters it along the sequence
+        instead of all-reducing it (half the bytes, no split after). No range check."""
         if group_size(self.group) == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill_(outside, 0)
-        partial = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_parallel_region(partial, self.group)
+        return F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings} (padded {self.padded_num_embeddings}, "

@@ -29,6 +29,7 @@ from .mappings import (all_reduce, copy_to_tensor_parallel_region,
                        reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tensor_parallel_region)
 from .sharding import set_tp_layout
+from .tp_overlap import gather_linear, linear_reduce_scatter
 
 
 def _check_last_dim(x: torch.Tensor, expected: int, layer: str) -> None:
@@ -52,7 +53,8 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by rows (output features) over the tensor-parallel group.
 
     x_full [s, b, in] -> y_shard [s, b, out/tp] (or y_full [s, b, out] with gather_output).
-    With sequence_parallel, x is x_shard [s/tp, b, in], all-gathered along s first.
+    With sequence_parallel, x is x_shard [s/tp, b, in], all-gathered along s first, in
+    `tp_comm_chunks` chunks overlapping the GEMM (`tp_overlap.py`; 1: one all-gather).
     """
 
     def __init__(self, in_features: int, out_features: int, *, group: Group, bias: bool = True,
@@ -75,8 +77,12 @@ class ColumnParallelLinear(nn.Module):
         if self.bias is not None:
             set_tp_layout(self.bias, 0)
         init_shard_(self.weight, init_method, group_rank(group) * self.out_per_rank, 0)
+        self.tp_comm_chunks = 1  # `set_tp_comm_overlap`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if overlapped(self, x):
+            _check_last_dim(x, self.in_features, "ColumnParallelLinear")
+            return gather_linear(x, self.weight, self.bias, self.group, self.tp_comm_chunks)
         y = fp8_linear(self.gather_input(x), self.weight, self.bias, self.fp8)
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
@@ -100,8 +106,9 @@ class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by columns (input features) over the tensor-parallel group.
 
     x_shard [s, b, in/tp] -> y_full [s, b, out] (all-reduce), or y_shard [s/tp, b, out]
-    (reduce-scatter along s) with sequence_parallel. With input_is_parallel=False the full x
-    is split along its last dimension first.
+    (reduce-scatter along s, in `tp_comm_chunks` chunks overlapping the GEMM: `tp_overlap.py`)
+    with sequence_parallel. With input_is_parallel=False the full x is split along its last
+    dimension first.
     """
 
     def __init__(self, in_features: int, out_features: int, *, group: Group, bias: bool = True,
@@ -123,10 +130,14 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None and sequence_parallel:
             mark_sequence_parallel(self.bias)
         init_shard_(self.weight, init_method, 0, group_rank(group) * self.in_per_rank)
+        self.tp_comm_chunks = 1  # `set_tp_comm_overlap`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         expected = self.in_per_rank if self.input_is_parallel else self.in_features
         _check_last_dim(x, expected, "RowParallelLinear")
+        if overlapped(self, x):
+            y = linear_reduce_scatter(x, self.weight, self.group, self.tp_comm_chunks)
+            return y if self.bias is None else y + self.bias
         check_fp8_device(self.fp8, x.device)
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
@@ -153,6 +164,24 @@ class RowParallelLinear(nn.Module):
                 f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
                 f"sequence_parallel={self.sequence_parallel}"
                 + (f", fp8={self.fp8.format}/{self.fp8.recipe}" if self.fp8 else ""))
+
+
+def overlapped(layer, x: torch.Tensor) -> bool:
+    """Whether a parallel linear runs through `tp_overlap` (the Megatron-SP path at tp > 1 in
+    the run's dtype: FP8 GEMMs and autocast keep the separate collectives and GEMM)."""
+    return (layer.sequence_parallel and group_size(layer.group) > 1 and layer.fp8 is None
+            and not torch.is_autocast_enabled(x.device.type))
+
+
+def set_tp_comm_overlap(model: nn.Module, chunks: int) -> int:
+    """Set every parallel linear's `tp_comm_chunks` (`tp_overlap.py`; 1: one all-gather or
+    reduce-scatter per GEMM, the default); returns how many linears were set."""
+    if chunks < 1:
+        raise ValueError(f"--tp-comm-overlap chunks must be at least 1, got {chunks}")
+    layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    for layer in layers:
+        layer.tp_comm_chunks = chunks
+    return len(layers)
 
 
 def allreduce_sequence_parallel_grads(module: nn.Module, group: Group) -> None:

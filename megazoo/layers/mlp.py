@@ -7,7 +7,9 @@ x [s, b, h] -> y [s, b, h]; with sequence_parallel both are the rank's sequence 
 [s/tp, b, h]. The intermediate activation is split over tp along ffn, so no communication
 happens between the two matmuls. With `bias_gelu_fusion` (the default) the gelu MLP's local
 part runs as `gelu_mlp.gelu_mlp` on CUDA in bf16 / fp16 (fc1's bias and GELU, and GELU's
-derivative, inside the GEMMs); the collectives around it are the linears' own.
+derivative, inside the GEMMs); the collectives around it are the linears' own. With the
+linears' communication chunked (`tp_comm_chunks` > 1, `tp_overlap.py`) the MLP runs through
+the linears instead, whose GEMMs then overlap the transfers.
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gathered = group_size(self.fc1.group) if self.fc1.sequence_parallel else 1
         if (self.bias_gelu_fusion and self.activation == "gelu" and self.fc1.fp8 is None
-                and fusable(x, self.fc1.weight, gathered)):
+                and self.fc1.tp_comm_chunks == 1 and fusable(x, self.fc1.weight, gathered)):
             y_partial = gelu_mlp(self.fc1.gather_input(x), self.fc1.weight, self.fc1.bias,
                                  self.fc2.weight, self.fc2.local_bias())
             return self.fc2.reduce(y_partial)

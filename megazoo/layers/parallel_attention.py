@@ -42,7 +42,9 @@ from .groups import Group, group_rank, group_size, process_group
 from .init import NormalInit, default_init
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .sharding import set_tp_layout
+from .tp_overlap import usable_chunks
 from .ulysses import UlyssesAttention, check_global_inputs
+from .ulysses_overlap import project_from_heads, project_to_heads
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,7 @@ class ParallelAttention(nn.Module):
                                        group=tp_group, bias=config.dense_bias,
                                        sequence_parallel=megatron_sp,
                                        init_method=output_init_method, **factory)
+        self.ulysses_chunks = 1  # `set_ulysses_overlap`
         for p in self.qkv.parameters():  # which tp=1 rows of the fused QKV this rank holds
             set_tp_layout(p, 0, index=layout.qkv_rows, full_size=layout.qkv_rows_full)
         if layout.replicated_kv():
@@ -177,6 +180,8 @@ class ParallelAttention(nn.Module):
         tp = group_size(self.tp_group) if self.megatron_sp else 1
         seq_len = x.shape[0] * tp * self.layout.sp
         check_global_inputs(seq_len, x.shape[1], padding_mask, position_ids, "ParallelAttention")
+        if self.projected_ulysses(x):
+            return self._forward_projected(x, padding_mask, position_ids, seq_len)
         qkv = self.qkv(x)  # [s/sp, b, KL (GL+2) d]
         if self.recompute_core and torch.is_grad_enabled():  # keep qkv, rerun the core
             context = checkpoint(self.attention, qkv, padding_mask, position_ids,
@@ -185,6 +190,43 @@ class ParallelAttention(nn.Module):
             context = self.attention(qkv, padding_mask, position_ids)  # [s/sp, b, (H/tp) d]
         return self.dense(context)  # [s_local, b, hidden]
 
+    def projected_ulysses(self, x: torch.Tensor) -> bool:
+        """Whether Ulysses' all-to-alls run inside the projections (`ulysses_overlap.py`):
+        sp > 1, each destination's kv groups a plain slice of the fused rows (no kv copies),
+        the run's dtype (no FP8 GEMMs, no autocast)."""
+        return (self.layout.sp > 1 and self.layout.ulysses_send_index() is None
+                and self.qkv.fp8 is None and self.dense.fp8 is None
+                and not torch.is_autocast_enabled(x.device.type))
+
+    def _forward_projected(self, x, padding_mask, position_ids, seq_len: int) -> torch.Tensor:
+        """QKV projection + all-to-all, attention, all-to-all + output projection, the
+        all-to-alls chunked by kv groups and overlapped with the projections."""
+        self.attention.check_inputs(seq_len, x.shape[1], padding_mask, position_ids)
+        k = usable_chunks(self.layout.sp_groups[0], self.ulysses_chunks)
+        sp_group = self.attention.sp_group
+        qkv_heads = project_to_heads(self.qkv.gather_input(x), self.qkv.weight, self.qkv.bias,
+                                     sp_group, k)  # [s, b, KS (GS+2) d]
+        if self.recompute_core and torch.is_grad_enabled():  # keep qkv_heads, rerun the core
+            context = checkpoint(self.attention.local, qkv_heads, padding_mask, position_ids,
+                                 use_reentrant=False)
+        else:
+            context = self.attention.local(qkv_heads, padding_mask, position_ids)  # [s, b, HS d]
+        y = self.dense.reduce(project_from_heads(context, self.dense.weight, sp_group, k))
+        if group_size(self.tp_group) == 1 and self.dense.bias is not None:
+            y = y + self.dense.bias  # (at tp > 1 `reduce` adds it after the reduction)
+        return y  # [s_local, b, hidden]
+
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden_size}, megatron_sp={self.megatron_sp}, "
                 f"recompute_core={self.recompute_core}")
+
+
+def set_ulysses_overlap(model: nn.Module, chunks: int) -> int:
+    """Set every ParallelAttention's `ulysses_chunks` (up to `chunks` per all-to-all, whole kv
+    groups each; 1: one all-to-all each way, the default); returns how many were set."""
+    if chunks < 1:
+        raise ValueError(f"Ulysses overlap chunks must be at least 1, got {chunks}")
+    layers = [m for m in model.modules() if isinstance(m, ParallelAttention)]
+    for layer in layers:
+        layer.ulysses_chunks = chunks
+    return len(layers)

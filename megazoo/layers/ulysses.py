@@ -143,9 +143,24 @@ class UlyssesAttention(nn.Module):
         """qkv [s/sp, b, KL (GL+2) d] -> context [s/sp, b, (H/tp) d]; see the module docstring."""
         qkv, s = self.send_buffer(qkv, padding_mask, position_ids)
         qkv = all_to_all_sequence_to_heads(qkv, self.sp_group)  # [s, b, KS (GS+2) d]
-        context = self.attend(qkv, padding_mask, self.rope_factors(position_ids, s, qkv),
-                              self.slopes(qkv.device))  # [s, b, HS d]
+        context = self.local(qkv, padding_mask, position_ids)  # [s, b, HS d]
         return all_to_all_heads_to_sequence(context, self.sp_group)  # [s/sp, b, (H/tp) d]
+
+    def local(self, qkv_heads: torch.Tensor, padding_mask=None, position_ids=None) -> torch.Tensor:
+        """The attention between the all-to-alls: qkv_heads [s, b, KS (GS+2) d] (the full
+        sequence of this rank's kv groups) -> context [s, b, HS d]."""
+        rope = self.rope_factors(position_ids, qkv_heads.shape[0], qkv_heads)
+        return self.attend(qkv_heads, padding_mask, rope, self.slopes(qkv_heads.device))
+
+    def check_inputs(self, seq_len: int, batch: int, padding_mask, position_ids) -> None:
+        """ValueError (before any collective) unless the mask, positions and sparse layout
+        fit the full sequence of `seq_len` tokens."""
+        check_global_inputs(seq_len, batch, padding_mask, position_ids, type(self).__name__)
+        if self.sparse is not None:
+            if padding_mask is not None:
+                raise ValueError("sparse attention takes no padding_mask: pack the sequences "
+                                 "to full length or use dense attention")
+            self.sparse.layout(seq_len)  # ValueError (s vs block, global indices)
 
     def send_buffer(self, qkv: torch.Tensor, padding_mask, position_ids) -> tuple[torch.Tensor, int]:
         """Check the inputs (ValueError, before any collective); return the features to send
@@ -155,12 +170,7 @@ class UlyssesAttention(nn.Module):
             raise ValueError(f"{type(self).__name__} expects the fused qkv [s/sp, b, "
                              f"{lay.qkv_rows_per_rank}], got {tuple(qkv.shape)}")
         s, b = qkv.shape[0] * lay.sp, qkv.shape[1]
-        check_global_inputs(s, b, padding_mask, position_ids, type(self).__name__)
-        if self.sparse is not None:
-            if padding_mask is not None:
-                raise ValueError("sparse attention takes no padding_mask: pack the sequences "
-                                 "to full length or use dense attention")
-            self.sparse.layout(s)  # ValueError (s vs block, global indices) before the all-to-all
+        self.check_inputs(s, b, padding_mask, position_ids)
         send_index = self.send_index(qkv.device)
         if send_index is not None:  # kv heads shared by several sp ranks: send copies
             qkv = qkv.index_select(-1, send_index)

@@ -14,8 +14,10 @@ from torch import nn
 from ..layers import (ColumnParallelLinear, NormalInit, VocabParallelEmbedding,
                       copy_to_tensor_parallel_region,
                       gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
-                      gather_sequence_replicated, reduce_from_tensor_parallel_region,
-                      scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
+                      gather_sequence_replicated, mark_sequence_parallel,
+                      reduce_from_tensor_parallel_region,
+                      reduce_scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
+from ..layers.embedding import check_token_ids
 from ..config.layout import check_sequence_split, sequence_pieces
 from ..config.model import ModelConfig
 from ..layers.norm import build_norm
@@ -63,6 +65,8 @@ class Embedding(nn.Module):
             self.position_embeddings = nn.Parameter(torch.empty(
                 config.max_position_embeddings, config.hidden_size, device=device, dtype=dtype))
             NormalInit(std, seed, "embedding.position_embeddings.weight").fill_(self.position_embeddings)
+            if state.config.megatron_sp:
+                mark_sequence_parallel(self.position_embeddings)
         self.max_positions = config.max_position_embeddings
         self.norm = None
         if config.embedding_layernorm:
@@ -72,20 +76,31 @@ class Embedding(nn.Module):
 
     def forward(self, ids_sp: torch.Tensor, first_position: int,
                 check: bool = True) -> torch.Tensor:
-        """check=False: the ids are known to be in the vocabulary (no device sync)."""
+        """check=False: the ids are known to be in the vocabulary (no device sync).
+
+        Under Megatron SP the vocab-parallel partial sums are reduce-scattered along the
+        sequence (one reduce-scatter, not an all-reduce then a split) and each rank adds the
+        positions of its own rows; the position table is then tagged sequence-parallel (its
+        gradient is a partial sum over tp, completed once per step like a norm's)."""
+        if self.position_embeddings is not None and first_position + ids_sp.shape[1] > self.max_positions:
+            raise ValueError(f"sequence of {first_position + ids_sp.shape[1]} tokens exceeds "
+                             f"max_position_embeddings {self.max_positions}")
         # Looked up with the ids transposed, so the activations start as a contiguous
         # [s_sp, b, h] (a transposed [b, s_sp, h] view would make every residual add a
         # strided kernel and every norm copy its input first).
         ids_sb = ids_sp.t()
-        x = self.word_embeddings(ids_sb) if check else self.word_embeddings.lookup(ids_sb)
+        words = self.word_embeddings
+        if check:
+            check_token_ids(ids_sb, words.num_embeddings)
+        if self.state.config.megatron_sp and self.state.tp.size > 1:
+            x = reduce_scatter_to_sequence_parallel_region(words.lookup_partial(ids_sb),
+                                                           self.state.tp)  # [s_sp/tp, b, h]
+            first_position += self.state.tp.rank * x.shape[0]
+        else:
+            x = words.lookup(ids_sb)  # [s_sp, b, h]
         if self.position_embeddings is not None:
-            stop = first_position + ids_sp.shape[1]
-            if stop > self.max_positions:
-                raise ValueError(f"sequence of {stop} tokens exceeds max_position_embeddings "
-                                 f"{self.max_positions}")
+            stop = first_position + x.shape[0]
             x = x + self.position_embeddings[first_position:stop].unsqueeze(1)
-        if self.state.config.megatron_sp:
-            x = scatter_to_sequence_parallel_region(x, self.state.tp)  # [s_sp/tp, b, h]
         if self.norm is not None:
             x = self.norm(x)
         return F.dropout(x, self.dropout, self.training)

@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _default_corpus_vocab(args_from_namespace(ns))  # the run's configs and checks
         layout = resolve(args, options)
         est = _estimate(args.model, layout)
+        est.notes.extend(budget_notes(args, options))
         name = args.model_name or "the default model"
         if ns.out:
             picture = _draw(name, args, layout, ns.out)
@@ -132,6 +133,22 @@ def main(argv: list[str] | None = None) -> int:
         if ns.out:
             print(picture)
     return 0
+
+
+def budget_notes(args: PretrainArgs, options: PlanOptions) -> list[str]:
+    """Lines for what the plan takes without saying: a --disk-memory it cannot use (nothing
+    goes to disk without the plain engine's offload and its --nvme-path), and the default
+    corpus's vocabulary it sized the embedding and head by."""
+    t, notes = args.training, []
+    if options.disk_memory and not (t.optimizer_cpu_offload and args.zero.nvme_path):
+        need = " --optimizer-cpu-offload" if not t.optimizer_cpu_offload else ""
+        notes.append(f"--disk-memory {options.disk_memory:g} is not used: the plan puts "
+                     f"optimizer state on disk only with{need} --nvme-path DIR")
+    if corpus_vocab(args) is not None:
+        notes.append(f"vocabulary {corpus_vocab(args):,}: the default corpus's tokenizer, "
+                     "what pretrain_gpt.py trains on without --data-path (with it, your "
+                     "tokenizer's)")
+    return notes
 
 
 def _default_corpus_vocab(args: PretrainArgs) -> PretrainArgs:
@@ -195,6 +212,8 @@ def _largest(ns, options: PlanOptions, argv: list[str]) -> int:
                           "next_larger": following and dataclasses.asdict(following[0]),
                           **est.to_dict()}, indent=2))
         return 0
+    for note in budget_notes(args, options):
+        print(f"note: {note}")
     print(f"largest that trains here: {describe(config, est, options)}")
     if following:
         print(f"next larger: {describe(following[0], following[1], options)}")

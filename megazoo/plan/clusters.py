@@ -6,7 +6,8 @@ HBM capacity and bandwidth, GPUs per node, the NVLink bandwidth per GPU and dire
 inter-node bandwidth per node (`inter_node_gb_s_per_node`) or per GPU
 (`inter_node_gb_s_per_gpu`), PCIe per GPU, and the share of each link's bandwidth NCCL's
 collectives reach (`*_efficiency`, with the measurement or publication it comes from in
-`source`). A FILE.json holds one such object; missing optional fields take the defaults
+`source`), or, where it was measured, the collectives' bus bandwidth itself
+(`collective_bus_gb_s`). A FILE.json holds one such object; missing optional fields take the defaults
 below. Every bad value is one line naming the field.
 """
 from __future__ import annotations
@@ -45,12 +46,25 @@ class Cluster:
     """Share of `intra_node_gb_s` a large NCCL collective reaches (bus bandwidth)."""
     inter_node_efficiency: float = 0.85
     """The same for the network."""
+    collective_bus_gb_s: float | None = None
+    """Measured bus bandwidth of a large NCCL collective inside a node (nccl-tests' busbw:
+    a ring all-reduce of B bytes over t ranks takes 2 (t - 1) / t x B / busbw, an all-gather
+    or reduce-scatter (t - 1) / t x B / busbw). When given, every collective inside a node
+    (tp, SP, Ulysses, dp, ZeRO-3) and the pipeline's sends run at it, in place of
+    `intra_node_gb_s` x `intra_node_efficiency`."""
     host_adam_params_per_s: float = 1e9
     """CPU optimizer step rate per GPU's share of the host (offload; an assumption, not
     a measurement)."""
     source: str = ""
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # JSON true is not 1 here, "8" not 8
+            value, numeric = getattr(self, field.name), "float" in field.type or "int" in field.type
+            if numeric and value is not None and (isinstance(value, bool) or not isinstance(
+                    value, (int, float)) or ("int" in field.type and not isinstance(value, int))):
+                kind = "an integer" if "int" in field.type else "a number"
+                raise ValueError(f"cluster {self.name}: {field.name} must be {kind}, got "
+                                 f"{json.dumps(value)}")
         for name in ("peak_bf16_tflops", "hbm_gb", "hbm_gb_s", "intra_node_gb_s", "pcie_gb_s",
                      "host_adam_params_per_s"):
             if not getattr(self, name) > 0:
@@ -61,6 +75,8 @@ class Cluster:
         if (self.inter_node_gb_s_per_node is None) == (self.inter_node_gb_s_per_gpu is None):
             raise ValueError(f"cluster {self.name}: give exactly one of inter_node_gb_s_per_node "
                              "and inter_node_gb_s_per_gpu")
+        if self.collective_bus_gb_s is not None and not self.collective_bus_gb_s > 0:
+            raise ValueError(f"cluster {self.name}: collective_bus_gb_s must be > 0")
         for name in ("intra_node_efficiency", "inter_node_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"cluster {self.name}: {name} must be in (0, 1]")
@@ -69,6 +85,8 @@ class Cluster:
         """Bytes/s one GPU reaches in a collective over a group spanning `group_span`
         consecutive ranks: NVLink if they share a node, else the network (its per-GPU share)."""
         if group_span <= self.gpus_per_node:
+            if self.collective_bus_gb_s is not None:
+                return self.collective_bus_gb_s * 1e9
             return self.intra_node_gb_s * self.intra_node_efficiency * 1e9
         per_gpu = self.inter_node_gb_s_per_gpu
         if per_gpu is None:  # the node's share when every GPU of it sends at once
@@ -86,6 +104,9 @@ def load_cluster(spec: str) -> Cluster:
             fields = json.loads(Path(spec).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"--cluster {spec}: cannot read it as JSON ({exc})") from None
+        if not isinstance(fields, dict):
+            raise ValueError(f"--cluster {spec} holds a JSON {type(fields).__name__}, not an "
+                             f"object: give one object of the cluster's fields")
         name = fields.pop("name", Path(spec).stem)
     else:
         raise ValueError(f"unknown --cluster {spec!r}: give one of {', '.join(known)} or a "

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from ..config.model import ModelConfig
 from .layout import Resolved
 from .deepspeed_host import SUB_GROUP_ELEMENTS, sub_groups, zero3_cpu_offload_host
-from ..offload import (GB, HostSplit, bucket_elements_of, host_slots, host_split,
-                       offload_bytes, pinned, split_budget)
+from ..offload import (GB, HostSplit, bucket_elements_of, check_offload_plan, host_slots,
+                       host_split, offload_bytes, pinned, split_budget)
 from .tensors import model_tensors
 
 TORCH_HOST_RUNTIME_BYTES = 1.39e9  # host side of a process without DeepSpeed (FSDP2 gpt-1.3b: 23.5 GB)
@@ -92,6 +92,11 @@ def _offload_parts(parts: Parts, config: ModelConfig, layout: Resolved, n: int, 
                         state_bytes=state_b)
     parts.optim, parts.buffers = off.gpu_state, off.gpu_buffers
     slots, split = planned_split(config, layout, n)
+    if layout.optimizer_offload.host_memory is not None:  # the engine's check, same words
+        ranks = min(layout.options.gpus_per_node, layout.world_size)
+        check_offload_plan(split.host, 0.0,
+                           host_memory=layout.optimizer_offload.host_memory * GB * ranks,
+                           disk_memory=None, nvme_path="--nvme-path", ranks_per_host=ranks)
     parts.host, parts.disk = split.host + TORCH_HOST_RUNTIME_BYTES, split.disk
     if layout.saves:  # OffloadAdamW.full_state: full flat fp32 masters, m and v
         parts.host += 12 * n

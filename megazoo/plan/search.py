@@ -99,13 +99,14 @@ def _flags(t, u, p, v, d, b, recompute, megatron_sp, num_layers) -> list[str]:
 
 def search(parse, base: list[str], num_layers: int, gpus: int, global_batch: int,
            cluster: Cluster, rescore: int = 20
-           ) -> tuple[list[Candidate], int, int]:
-    """(fitting candidates, fastest first; layouts the run refused; layouts too big).
+           ) -> tuple[list[Candidate], int, list[tuple[float, list[str]]]]:
+    """(fitting candidates, fastest first; layouts the run refused; (GB, flags) of the
+    layouts too big, smallest first: the nearest is what a search finding none reports).
 
     `parse(argv)` is the planner's parsing: flags -> the run's checked PretrainArgs. Every
     candidate is timed with the pipeline's closed form, the best `rescore` again with the
     schedule simulated (they lead the list)."""
-    found, refused, too_big = [], 0, 0
+    found, refused, too_big = [], 0, []
     options = PlanOptions(gpu_memory=cluster.hbm_gb, gpus_per_node=cluster.gpus_per_node)
     for t, u, p, v, d, b in layouts(num_layers, gpus, global_batch, cluster.gpus_per_node):
         for recompute, msp in itertools.product(RECOMPUTE, (False, True) if t > 1 else (False,)):
@@ -118,11 +119,11 @@ def search(parse, base: list[str], num_layers: int, gpus: int, global_batch: int
                 continue
             memory = _estimate(args.model, layout).gpu_total
             if memory > cluster.hbm_gb * GB:
-                too_big += 1
+                too_big.append((memory / GB, flags))
                 continue
             found.append(Candidate(flags, step_time(args, layout, cluster, exact=False),
                                    memory / GB, layout.world_size, (args, layout)))
     found.sort(key=lambda c: -c.time.tokens_per_s)
     exact = [dataclasses.replace(c, time=step_time(*c.inputs, cluster)) for c in found[:rescore]]
     found = sorted(exact, key=lambda c: -c.time.tokens_per_s) + found[rescore:]
-    return found, refused, too_big
+    return found, refused, sorted(too_big, key=lambda x: x[0])

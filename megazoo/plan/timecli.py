@@ -61,7 +61,7 @@ def predict(ns) -> dict:
             "layout": f"TP{layout.tp}-SP{layout.sp}-PP{layout.pp}-VPP{layout.vpp}-DP{layout.dp}",
             **dataclasses.asdict(time), "gpu_memory_gb": memory[top].gpu_total / GB,
             "gpu_memory_stage": top, "memory": memory[top].to_dict(), **extra,
-            "fits": memory[top].gpu_total <= cluster.hbm_gb * GB,
+            "fits": all(m.fits for m in memory),  # the fp32 build too, as the notes say
             "notes": notes + time.notes + memory[top].notes}
 
 
@@ -104,7 +104,9 @@ def run_search(ns, parser, argv: list[str]) -> dict:
              "gpu_memory_gb": c.gpu_memory_gb, "command": c.command(cluster.gpus_per_node)}
             for c in found[:ns.top]]
     result = {"cluster": cluster.name, "gpus": gpus, "fitting": len(found),
-              "refused": refused, "too_big": too_big, "top": rows, "why": []}
+              "refused": refused, "too_big": len(too_big), "top": rows, "why": []}
+    if not found:
+        result["why"].append(_none_fit(too_big, refused, cluster))
     given_layout = {"--tp", "--tensor-model-parallel-size", "--pp", "--dp",
                     "--pipeline-model-parallel-size"} & {a.split("=")[0] for a in argv}
     if found and given_layout:  # compare with the layout the user gave
@@ -118,6 +120,17 @@ def run_search(ns, parser, argv: list[str]) -> dict:
             f"micro-batch ({args.training.global_batch_size}), pp the {args.model.num_layers} "
             f"layers, tp x sp the {args.model.num_attention_heads} heads")
     return result
+
+
+def _none_fit(too_big: list, refused: int, cluster) -> str:
+    """Why a search found nothing: the nearest layout and its memory, or the run's checks."""
+    if too_big:
+        gb, flags = too_big[0]
+        return (f"nothing fits {cluster.hbm_gb:g} GB per GPU: the nearest, {' '.join(flags)}, "
+                f"needs {gb:.1f} GB; more GPUs (--gpus), a smaller --micro-batch-size or "
+                f"--recompute-granularity full make room")
+    return (f"the run's checks refuse all {refused} layouts of these GPUs: the sizes must "
+            f"divide the heads, the layers and the global batch; pass --gpus N or change them")
 
 
 def _shares(stages: list[dict], step: float) -> dict:

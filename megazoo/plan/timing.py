@@ -88,33 +88,40 @@ def stage_layers(num_layers: int, pp: int, vpp: int) -> list[int]:
 
 
 def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
-              config: ModelConfig | None = None, exact: bool = True) -> StepTime:
+              config: ModelConfig | None = None, exact: bool = True,
+              tp_overlap: bool = False) -> StepTime:
     """Predict one step of the run `args` (resolved as `layout`) on `cluster`; `config`
     overrides args.model (a layer count pretrain_gpt.py cannot split, see `stage_layers`).
     exact=False replaces the pipeline simulation by its closed form (`_pipeline`), for
-    screening many layouts."""
+    screening many layouts. tp_overlap: tp / SP collectives chunked beside the GEMMs
+    (`work.block_work`)."""
     config = config or args.model
     rates = kernel_rates(cluster.calibration).scaled(cluster.peak_bf16_tflops,
                                                      cluster.hbm_gb_s, cluster.gpu)
     p, v, m = layout.pp, layout.vpp, layout.num_micro_batches
     layers = stage_layers(config.num_layers, p, v)
-    block = block_work(config, layout, rates, cluster)
+    block = block_work(config, layout, rates, cluster, overlap=tp_overlap)
     works = [block * n for n in layers]
     works[0] = works[0] + embedding_work(config, layout, rates, cluster)
     works[-1] = works[-1] + head_work(config, layout, rates, cluster)
     params = rank_parameters(config, layout.tp, [sum(layers[r::p]) for r in range(p)])
     zero3 = [_zero3_exposed(w, params[i % p] / v, layout, cluster) for i, w in enumerate(works)]
+    # ZeRO-3's per-micro-batch exposure runs inside the pipeline (`ends`); what is reduced
+    # once per step (FSDP2 syncing on the last micro-batch) and the dp reduction follow it
     ends = _pipeline([w + z for w, z in zip(works, zero3)], layout, config, cluster, exact)
+    inside = [m * sum(z.fwd_comm + z.bwd_comm for z in zero3[r::p]) for r in range(p)]
     tail = [_dp_exposed(args, layout, cluster, params[r], works[r::p])
-            + m * sum(z.fwd_comm + z.bwd_comm for z in zero3[r::p]) for r in range(p)]
+            + _zero3_step_reduce(layout, cluster, params[r], works[r::p], sum(layers[r::p]) + 1)
+            for r in range(p)]
     optim = [_optimizer(layout, cluster, rates, params[r]) for r in range(p)]
     step = max(e + d + o for e, d, o in zip(ends, tail, optim))
     stages = []
     for r in range(p):
         compute = m * sum(w.fwd + w.bwd for w in works[r::p])
         comm = m * sum(w.fwd_comm + w.bwd_comm for w in works[r::p])
+        dp_comm = tail[r] + inside[r]
         stages.append(StageTime(sum(layers[r::p]), compute, comm,
-                                step - compute - comm - tail[r] - optim[r], tail[r], optim[r]))
+                                step - compute - comm - dp_comm - optim[r], dp_comm, optim[r]))
     gpus, batch, s = layout.world_size, layout.micro_batch_size * m * layout.dp, layout.seq_length
     model = flops_per_iteration(batch, s, config.num_layers, config.hidden_size,
                                 config.padded_vocab(1))
@@ -148,16 +155,49 @@ def _pipeline(works: list[Work], layout: Resolved, config: ModelConfig, cluster:
     return [t[-1].end for t in sim.timelines]
 
 
-def _zero3_exposed(work: Work, params: float, layout: Resolved, cluster: Cluster) -> Work:
-    """ZeRO-3's per-micro-batch gathers and reduce-scatter beyond the compute hiding them."""
+def _zero3_seconds_per_byte(params: float, layout: Resolved, cluster: Cluster) -> float:
+    """Seconds to all-gather (or reduce-scatter) one byte per parameter of `params` over
+    dp x sp (0 when ZeRO-3 is off or that group has one rank)."""
     z = layout.dp * layout.sp
     if layout.zero_stage != 3 or z == 1:
+        return 0.0
+    return (z - 1) / z * params / cluster.link_bytes_s(layout.tp * z)
+
+
+def _zero3_reduces_per_microbatch(layout: Resolved) -> bool:
+    """DeepSpeed reduce-scatters in every micro-batch's backward; FSDP2 only under a pipeline
+    with --fsdp-reduce-every-microbatch (else once, in each chunk's last backward)."""
+    return layout.zero_impl != "fsdp2" or (layout.pp > 1 and layout.fsdp_reduce_every_microbatch)
+
+
+def _zero3_exposed(work: Work, params: float, layout: Resolved, cluster: Cluster) -> Work:
+    """ZeRO-3's per-micro-batch traffic beyond the compute hiding it: the bf16 parameters
+    gathered for forward and again for backward (unless FSDP2 keeps them,
+    --no-fsdp-reshard-after-forward), the gradients reduce-scattered (FSDP2: in its reduce
+    dtype, fp32 under bf16) where that happens every micro-batch."""
+    per_byte = _zero3_seconds_per_byte(params, layout, cluster)
+    if per_byte == 0.0:
         return Work()
-    link = cluster.link_bytes_s(layout.tp * z)
-    gather = (z - 1) / z * 2.0 * params / link
+    gather = 2.0 * per_byte
     if layout.offload_param == "cpu":
-        gather += 2.0 * params / z / (cluster.pcie_gb_s * 1e9)
-    return Work(0.0, 0.0, max(0.0, gather - work.fwd), max(0.0, 2 * gather - work.bwd))
+        gather += 2.0 * params / (layout.dp * layout.sp) / (cluster.pcie_gb_s * 1e9)
+    fsdp2 = layout.zero_impl == "fsdp2"
+    again = gather if not fsdp2 or layout.fsdp_reshard_after_forward else 0.0
+    reduce = (layout.reduce_bytes if fsdp2 else 2.0) * per_byte
+    reduce = reduce if _zero3_reduces_per_microbatch(layout) else 0.0
+    return Work(0.0, 0.0, max(0.0, gather - work.fwd), max(0.0, again + reduce - work.bwd))
+
+
+def _zero3_step_reduce(layout: Resolved, cluster: Cluster, params: float, works: list[Work],
+                       units: int) -> float:
+    """FSDP2's once-per-step reduce-scatter, unit by unit (`units`: the rank's blocks and
+    its root) as the last backward finishes each: hidden behind the rest of that backward,
+    except the last unit's share."""
+    per_byte = _zero3_seconds_per_byte(params, layout, cluster)
+    if per_byte == 0.0 or _zero3_reduces_per_microbatch(layout):
+        return 0.0
+    reduce = layout.reduce_bytes * per_byte
+    return max(reduce - sum(w.bwd for w in works), reduce / max(units, 1))
 
 
 def _dp_exposed(args: PretrainArgs, layout: Resolved, cluster: Cluster, params: float,

@@ -19,11 +19,16 @@ per GPU T = s b / u; h width, f MLP width, kv = key/value heads x head dim):
   gradient's copy 2 (h + 2 kv) / t + the MLP's (GELU 2 f / t, SwiGLU 5 f / t).
 - recompute: full reruns the forward (GEMMs, attention, elementwise, its tp collectives)
   inside the backward; selective reruns the attention's forward.
-- tp / sp collectives (not overlapped, as in megazoo and Megatron-LM 2021): 2 all-reduces of
-  T h bf16 forward and 2 backward (under Megatron SP the same bytes as all-gathers and
-  reduce-scatters), ring cost 2 (t - 1) / t x bytes; Ulysses: the q/k/v and output
-  all-to-alls forward and backward, (u - 1) / u x bytes. The group runs over NVLink when its
-  t u ranks share a node (`Cluster.link_bytes_s`).
+- tp / sp collectives, each of the full T h bf16 activation B = 2 T h bytes, at the group's
+  bus bandwidth (`Cluster.link_bytes_s`: the measured `collective_bus_gb_s` where given):
+  tp without SP, 2 all-reduces forward and 2 backward (2 (t - 1) / t x B each); Megatron
+  SP's minimum, forward an all-gather before each column-parallel GEMM (q/k/v, MLP in) and a
+  reduce-scatter after each row-parallel one ((t - 1) / t x B each: 4), backward the mirror
+  (2 reduce-scatters, 2 all-gathers) plus the re-gather of the two column GEMMs' inputs for
+  their weight gradients (6); Ulysses: the q/k/v and output all-to-alls forward and
+  backward, (u - 1) / u x bytes. Overlapped (`overlap`, the idea of Megatron-core's
+  --tp-comm-overlap: each collective chunked beside the GEMM it feeds or drains), a
+  direction exposes what its GEMMs cannot hide, and at least one chunk of t.
 """
 from __future__ import annotations
 
@@ -76,8 +81,10 @@ def _kv_width(config: ModelConfig) -> int:
     return config.num_key_value_heads * config.head_dim
 
 
-def block_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluster: Cluster) -> Work:
-    """One transformer block, one micro-batch (module docstring)."""
+def block_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluster: Cluster,
+               overlap: bool = False) -> Work:
+    """One transformer block, one micro-batch (module docstring); `overlap`: tp
+    communication chunked beside the GEMMs."""
     t, u, b, s = layout.tp, layout.sp, layout.micro_batch_size, layout.seq_length
     h, f, kv = config.hidden_size, config.ffn_hidden_size, _kv_width(config)
     tokens = s * b // u
@@ -94,10 +101,12 @@ def block_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluste
         a_fwd, a_bwd = a_fwd * ALIBI_FACTOR, a_bwd * ALIBI_FACTOR
     e_fwd, e_bwd = (2.0 * tokens * n / rates.copy_bytes_s for n in _elementwise(config, layout))
     fwd = g_fwd + a_fwd + e_fwd
-    comm = _tp_comm(config, layout, cluster, tokens)
+    c_fwd, c_bwd = _tp_comm(config, layout, cluster, tokens)
+    if overlap and layout.tp > 1:
+        c_fwd, c_bwd = (max(c - g, c / layout.tp) for c, g in ((c_fwd, g_fwd), (c_bwd, g_bwd)))
     recompute = {"full": fwd, "selective": a_fwd}.get(layout.recompute, 0.0)
-    again = comm if layout.recompute == "full" else 0.0
-    return Work(fwd, g_bwd + a_bwd + e_bwd + recompute, comm, comm + again)
+    again = c_fwd if layout.recompute == "full" else 0.0
+    return Work(fwd, g_bwd + a_bwd + e_bwd + recompute, c_fwd, c_bwd + again)
 
 
 def _elementwise(config: ModelConfig, layout: Resolved) -> tuple[float, float]:
@@ -114,16 +123,24 @@ def _elementwise(config: ModelConfig, layout: Resolved) -> tuple[float, float]:
     return fwd, bwd
 
 
-def _tp_comm(config: ModelConfig, layout: Resolved, cluster: Cluster, tokens: int) -> float:
-    """Seconds of one direction's (forward's or backward's) tp / sp collectives."""
+def _tp_comm(config: ModelConfig, layout: Resolved, cluster: Cluster,
+             tokens: int) -> tuple[float, float]:
+    """Seconds of the (forward, backward) tp / sp collectives of one block (module
+    docstring), none overlapped."""
     t, u = layout.tp, layout.sp
     h, kv = config.hidden_size, _kv_width(config)
-    seconds = 2 * _all_reduce(cluster, t, 2.0 * tokens * h)  # two all-reduces
+    full = 2.0 * tokens * h  # one bf16 activation [T, h]
+    if layout.megatron_sp_on:
+        half = (t - 1) / t * full / cluster.link_bytes_s(t)  # one all-gather / reduce-scatter
+        fwd, bwd = 4 * half, 6 * half
+    else:
+        fwd = bwd = 2 * _all_reduce(cluster, t, full)
     if u > 1:
         link = cluster.link_bytes_s(t * u)
         moved = 2.0 * tokens * ((h + 2 * kv) + h) / t  # q/k/v in, attention output back
-        seconds += (u - 1) / u * moved / link
-    return seconds
+        fwd += (u - 1) / u * moved / link
+        bwd += (u - 1) / u * moved / link
+    return fwd, bwd
 
 
 def head_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluster: Cluster) -> Work:

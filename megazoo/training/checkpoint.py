@@ -90,6 +90,10 @@ def check_save_target(save_dir: str, iteration: int, kind: str, overwrite: bool,
     path = iteration_dir(save_dir, iteration)
     if not os.path.lexists(path):
         return False
+    if os.path.islink(path):  # replacing it would replace the link, not what it points to
+        raise ValueError(f"--save {save_dir} holds {path}, a symbolic link (to "
+                         f"{os.readlink(path)}): the run would replace it; remove the link or "
+                         f"choose another --save")
     latest = read_latest(save_dir)
     killed = read_latest(save_dir, SAVING) == iteration and (latest is None or iteration > latest)
     complete = os.path.isfile(os.path.join(path, METADATA_FILE))

@@ -21,6 +21,7 @@ from ..data import (GPTDatasetConfig, IndexedDataset, Tokenizer, build_tokenizer
                     build_train_valid_test_datasets, parse_data_prefix)
 from ..config.run import PretrainArgs
 from ..data.indexed import data_file_paths
+from ..data.provenance import check_tokenizer_record
 from ..errors import user_path
 from ..parallel.state import ParallelState
 from .default_corpus import prepare_default_corpus
@@ -29,8 +30,10 @@ ENTROPY_MAX_TOKENS = 50_000_000
 
 
 def check_vocabulary(prefixes: list[str], tokenizer: Tokenizer, model_vocab: int) -> None:
-    """ValueError when a data file holds ids the tokenizer (or the model) cannot have."""
+    """ValueError when a data file was made with another tokenizer (its record says so) or
+    holds ids the tokenizer (or the model) cannot have."""
     for prefix in prefixes:
+        check_tokenizer_record(prefix, tokenizer)
         ds = IndexedDataset(prefix)
         if ds.num_tokens == 0:
             raise ValueError(f"dataset {prefix} holds no tokens; rebuild it with "

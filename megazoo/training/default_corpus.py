@@ -89,15 +89,17 @@ def prepare_default_corpus(cache_dir: str, megabytes: float, vocab_size: int,
     log(f"preparing the default corpus: {len(texts)} standard-library files, "
         f"{sum(map(len, texts)) / 1e6:.1f} M characters -> {folder}")
     text_file = folder / f"train_text.{os.getpid()}.txt"
-    text_file.write_text("\n".join(texts), encoding="utf-8")
     tmp_prefix = folder / f"tok.{os.getpid()}"
-    try:
+    try:  # a full disk while writing the text file leaves nothing behind either
+        text_file.write_text("\n".join(texts), encoding="utf-8")
         path = train_code_tokenizer(text_file, vocab_size, tmp_prefix)
         tokenizer = SentencePieceTokenizer(path)
-        with IndexedDatasetBuilder(prefix, best_dtype(tokenizer.vocab_size)) as builder:
+        os.replace(path, model)
+        tokenizer.model_file = str(model)
+        with IndexedDatasetBuilder(prefix, best_dtype(tokenizer.vocab_size),
+                                   tokenizer.record()) as builder:
             for text in texts:
                 builder.add_document(tokenizer.encode(text) + [tokenizer.eod])
-        os.replace(path, model)
     finally:
         text_file.unlink(missing_ok=True)
         for leftover in folder.glob(f"tok.{os.getpid()}.*"):

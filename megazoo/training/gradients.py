@@ -10,9 +10,10 @@ Completion (what turns each rank's backward into the one-process model's gradien
   hook `SumReplicatedKV`; engines that replace parameters call it on their shards);
 - pp with tied embeddings: the embedding (first stage) and its head copy (last stage) are
   summed over `state.embedding`.
-Who does what: the plain backend's `GradBuffer` does the dp x sp part per bucket, the
-Megatron-SP tp sum runs per micro-batch from `hook_sequence_parallel_grads` (also used by
-DeepSpeed), the tied sum from `sum_tied_embedding`. `allreduce_gradients` does all of it
+Who does what: the plain backend's `GradBuffer` does the dp x sp part per bucket and the
+Megatron-SP tp sum once per step (one all-reduce per bucket, before its dp x sp reduction);
+DeepSpeed's engine gets the tp sum per micro-batch from `hook_sequence_parallel_grads`; the
+tied sum comes from `sum_tied_embedding`. `allreduce_gradients` does all of it
 per parameter after backward (reference for tests); `complete_sharded_gradients` does the
 rest for FSDP2's shards (whose reduce-scatter averaged over dp x sp).
 
@@ -34,6 +35,7 @@ from torch import nn
 
 from ..layers.linear import allreduce_sequence_parallel_grads
 from ..layers.sharding import tp_dim_of
+from ..parallel.device import comm_device, local_device
 from ..parallel.state import ParallelState
 
 
@@ -95,7 +97,7 @@ def sum_over(total: torch.Tensor, groups) -> None:
     """All-reduce (sum) `total` in place over each group of more than one rank."""
     for group in groups:
         if group.size > 1:
-            on_comm_device(total, lambda t, g=group: dist.all_reduce(t, group=g.group))
+            on_comm_device(total, lambda t, g=group: dist.all_reduce(t, group=g.group), group.group)
 
 
 def flat_grad_norm(views: list[torch.Tensor], state: ParallelState, sharded: bool) -> float:
@@ -171,21 +173,33 @@ def global_grad_norm(model: nn.Module, state: ParallelState) -> float:
         g = _counted(p, state)
         if g is not None:
             by_device.setdefault(g.device, []).append(_norm(g))
-    total = torch.zeros((), dtype=torch.float32)
+    # The sum lives where the gradients do (the GPU unless offloaded: NCCL-only groups take
+    # no host tensor, and a host sum would sync once per device); the one host sync is
+    # `_global_norm`'s read.
+    device = next(iter(by_device), None) or _grad_device(params)
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for norms in by_device.values():
-        total += torch.stack(norms).square().sum().cpu()
+        total += torch.stack(norms).square().sum().to(device)
     return _global_norm(total, state, any(hasattr(p, "placements") for p in params))
 
 
-def on_comm_device(t: torch.Tensor, op) -> None:
-    """Run the in-place collective `op` on `t`, through the GPU when `t` is a host tensor
-    (offloaded gradients, a norm summed on the host) and the process group is NCCL."""
-    if t.device.type == "cpu" and dist.get_backend() == "nccl":
-        moved = t.to(torch.cuda.current_device())
-        op(moved)
-        t.copy_(moved)
-    else:
+def _grad_device(params: list[torch.Tensor]) -> torch.device:
+    """Where a rank that counts none of its gradients sums its zero: with its gradients, or
+    on this rank's device when it has none."""
+    return local(params[0].grad).device if params else local_device()
+
+
+def on_comm_device(t: torch.Tensor, op, group=None) -> None:
+    """Run the in-place collective `op` over `group` on `t`, through this rank's accelerator
+    when `group` has no backend for `t`'s device (`parallel.device.comm_device`: a host
+    tensor, such as an offloaded gradient, under NCCL)."""
+    target = comm_device(t.device, group)
+    if target == t.device:
         op(t)
+        return
+    moved = t.to(target)
+    op(moved)
+    t.copy_(moved)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -215,7 +229,8 @@ def sum_tied_embedding(model: nn.Module, state: ParallelState, grad_of=None) -> 
     grad = grad_of(weight) if grad_of else weight.grad
     if grad is None:
         grad = torch.zeros_like(local(weight))
-    on_comm_device(local(grad), lambda t: dist.all_reduce(t, group=state.embedding.group))
+    on_comm_device(local(grad), lambda t: dist.all_reduce(t, group=state.embedding.group),
+                   state.embedding.group)
 
 
 def hook_sequence_parallel_grads(model: nn.Module, state: ParallelState) -> list:
@@ -263,9 +278,10 @@ def complete_sharded_gradients(model: nn.Module, state: ParallelState) -> None:
     if state.tp.size > 1:
         for p in grads:
             if state.config.sequence_parallel and getattr(p, "sequence_parallel", False):
-                on_comm_device(local(p.grad), lambda t: dist.all_reduce(t, group=state.tp.group))
+                on_comm_device(local(p.grad), lambda t: dist.all_reduce(t, group=state.tp.group),
+                               state.tp.group)
             kv = getattr(p, "sum_replicated_kv", None)
             if kv is not None:
                 rows = fsdp_rows(p, local(p.grad)) or slice(0, p.shape[0])
-                on_comm_device(local(p.grad), lambda t: kv.sum_rows(t, rows.start))
+                on_comm_device(local(p.grad), lambda t: kv.sum_rows(t, rows.start), state.tp.group)
     sum_tied_embedding(model, state)

@@ -8,6 +8,7 @@ pictures are the caller's (`megazoo.plot.draw_run_curves`).
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 
@@ -19,8 +20,10 @@ from .checkpoint import save_training_checkpoint
 from .data import tokens_per_step
 from ..checkpoint.files import NonFiniteError
 from ..errors import user_path
+from .metrics import speed_note
 from .nonfinite import SkipWatch, refuse_nonfinite_loss, stopped_by_nonfinite_save
 from .run_checks import saved_iterations
+from .signals import StopSignals, TrainingInterrupted, interrupted_message
 
 SUMMARY_STEPS = 10  # the final train loss averages this many last iterations
 
@@ -67,7 +70,7 @@ def seed_step(seed: int, iteration: int, state) -> None:
     torch.manual_seed(((seed + 100 * state.pp.rank) * 1_000_003 + iteration) % 2 ** 63)
 
 
-def _save(run, iteration: int, watch: SkipWatch, result, valid: float | None) -> None:
+def _save(run, iteration: int, watch: SkipWatch, result, valid: float | None) -> str:
     """Save iteration `iteration`; a save refused for inf / nan stops the run (exit 1), and
     so does a non-finite last training or evaluation loss (`nonfinite.refuse_nonfinite_loss`):
     weights that give such a loss are not saved, and `latest` stays where it was."""
@@ -83,6 +86,7 @@ def _save(run, iteration: int, watch: SkipWatch, result, valid: float | None) ->
     except NonFiniteError as exc:
         raise stopped_by_nonfinite_save(exc, iteration, watch, result) from None
     run.logger.print(f"saved checkpoint {path}")
+    return path
 
 
 def _log_record(run, iteration, result, seconds, steps, skipped_total) -> dict:
@@ -137,11 +141,21 @@ def train(run) -> dict:
         return {"train_loss": None, "valid_loss": None, "losses": [], "steps": [],
                 "complete": True}
     _header(run)
-    progress, steps = _Progress(run), []
-    valid = None
-    start = window_start = time.perf_counter()
-    window_steps = 0
+    progress = _Progress(run)
+    start = time.perf_counter()
     watch = SkipWatch(a, run.start_iteration, run.logger.print)
+    with StopSignals() as stop:
+        steps, valid = _steps(run, progress, watch, stop)
+    progress.close()
+    return _summary(run, steps, valid, time.perf_counter() - start)
+
+
+def _steps(run, progress, watch: SkipWatch, stop: StopSignals) -> tuple[list, float | None]:
+    """The iterations (log, evaluate, save); after a SIGINT / SIGTERM the step under way
+    finishes, is saved, and TrainingInterrupted ends the run."""
+    a, log = run.args, run.args.logging
+    steps, valid = [], None
+    window_start, window_steps = time.perf_counter(), 0
     for it in range(run.start_iteration, a.training.train_iters):
         step_start = time.perf_counter()
         seed_step(a.training.seed, it, run.state)
@@ -152,19 +166,31 @@ def train(run) -> dict:
         n = it + 1
         watch.after_step(n, result)
         if n % log.log_interval == 0:
-            run.logger.write(_log_record(run, n, result, time.perf_counter() - window_start,
-                                         window_steps, watch.total))
+            seconds = time.perf_counter() - window_start
+            run.logger.write(_log_record(run, n, result, seconds, window_steps, watch.total))
+            if not run.logger.records[:-1] and run.data.device.type == "cpu" and \
+                    n < a.training.train_iters:  # the first line of this segment
+                run.logger.print(speed_note(a.training.train_iters - n, seconds / window_steps,
+                                            torch.get_num_threads(), os.cpu_count() or 1,
+                                            os.getloadavg()[0], bool(a.training.cpu_threads)))
             window_start, window_steps = time.perf_counter(), 0
         if n % log.eval_interval == 0 or n == a.training.train_iters:
             valid = evaluate(run)
             if valid is not None:
                 run.logger.write({"iteration": n, "valid_loss": valid})
+        saved = None
         if a.checkpoint.save and saved_iterations(a, run.start_iteration, [n]):
-            _save(run, n, watch, result, valid)
+            saved = _save(run, n, watch, result, valid)
+        signum = stop.agreed(run.state, run.data.device)
+        if signum:
+            if a.checkpoint.save and saved is None:
+                saved = _save(run, n, watch, result, valid)
+            progress.close()
+            raise TrainingInterrupted(interrupted_message(signum, n, saved, a.checkpoint.save),
+                                      signum)
         if a.training.exit_interval and n % a.training.exit_interval == 0:
             break
-    progress.close()
-    return _summary(run, steps, valid, time.perf_counter() - start)
+    return steps, valid
 
 
 def _summary(run, steps: list, valid, elapsed) -> dict:

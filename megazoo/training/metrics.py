@@ -50,11 +50,14 @@ class MetricsLogger:
 
     def __init__(self, logging_cfg, device: torch.device, is_rank0: bool, print_fn=print,
                  save_dir: str | None = None, run_config: dict | None = None,
-                 metrics_dir: str | None = None):
+                 metrics_dir: str | None = None, start_iteration: int = 0):
         self.device, self.is_rank0, self.print = device, is_rank0, print_fn
         self.sinks, self.writers = [], []  # (flag, path, open file) of each JSON-lines file
         self.records: list[dict] = []  # this segment's, kept to tell whether it logged any
         self.metrics_path = os.path.join(metrics_dir, METRICS_FILE) if metrics_dir else None
+        if is_rank0 and self.metrics_path:
+            with user_path("--save", self.metrics_path):
+                drop_records_after(self.metrics_path, start_iteration)
         if is_rank0:
             for flag, path in (("--log-json", logging_cfg.log_json),
                                ("--save", self.metrics_path)):
@@ -110,6 +113,46 @@ class MetricsLogger:
         for writer in self.writers:
             writer.close()
         self.sinks, self.writers = [], []
+
+
+def speed_note(remaining: int, step_s: float, threads: int, cores: int, load: float,
+               threads_given: bool) -> str:
+    """What the first log line of a CPU run adds: how long the remaining steps take at this
+    speed, and, when other work keeps the cores busy (the 1-minute load average less this
+    run's own threads), how many threads to ask for: torch's default of one a core makes them
+    fight that work, which on a loaded machine is several times slower."""
+    minutes = remaining * step_s / 60
+    note = f"at this speed the remaining {remaining} steps take about {minutes:.0f} min"
+    free = max(1, cores - round(max(0.0, load - threads)))
+    if not threads_given and free < threads:
+        note += (f"; the machine is busy (load average {load:.1f} on {cores} cores): "
+                 f"--cpu-threads {free} is likely faster than the {threads} threads now")
+    return note
+
+
+def drop_records_after(path: str, iteration: int) -> None:
+    """Rewrite the JSON-lines file `path` without the records of iterations after
+    `iteration`: what a killed segment logged past its last checkpoint, which the run resumed
+    there logs again (each iteration then appears once in the file)."""
+    def later(line: str) -> bool:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return False
+        return isinstance(record, dict) and isinstance(record.get("iteration"), int) \
+            and record["iteration"] > iteration
+
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return
+    keep = [line for line in lines if not later(line)]
+    if len(keep) != len(lines):
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
 
 
 def _fmt(key: str, value) -> str:

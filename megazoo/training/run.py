@@ -20,7 +20,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.attention import resume_sparse_layout
 from ..config.flags import parse_args
+from ..config.offload import fraction_note
 from ..config.validate import check_args
 from ..config.run import PretrainArgs
 from ..layers.fp8 import check_fp8_run
@@ -32,9 +34,13 @@ from .checkpoint import load_training_checkpoint
 from .data import TrainData, build_data, resolve_data_source, unigram_entropy
 from .backends import Engine, TrainingStopped, build_engine
 from .backends.lean_build import build_run_model
+from ..layers.linear import set_tp_comm_overlap
+from ..layers.parallel_attention import set_ulysses_overlap
+from ..layers.tp_overlap import TP_COMM_CHUNKS
 from .metrics import MetricsLogger
 from .run_checks import check_save_targets, prepare_save_dir, resume_warnings
 from .loop import evaluate, train
+from .signals import TrainingInterrupted
 
 USER_ERRORS = (ValueError, FileNotFoundError)
 
@@ -82,8 +88,16 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     prepare_save_dir(args, rank0, log)
     entropy = unigram_entropy(data.prefixes, data.tokenizer.vocab_size)
     device = data.device = local_device()
+    if args.checkpoint.load:  # the checkpoint's attention layout is part of its model
+        sparse, note = resume_sparse_layout(args.model.sparse_attention, args.checkpoint.load)
+        args.model = dataclasses.replace(args.model, sparse_attention=sparse)
+        if note:
+            log(note)
     model = build_run_model(args, state, device)  # lean: fp32 on the host, one unit at a time
     model.check_inputs = False  # build_data's check_vocabulary checked every id already
+    if args.training.tp_comm_overlap:
+        set_tp_comm_overlap(model, TP_COMM_CHUNKS)
+        set_ulysses_overlap(model, TP_COMM_CHUNKS)
     engine = build_engine(args, model, state)
     advice = host_thread_advice(engine.cpu_offload, torch.get_num_threads(), os.cpu_count() or 1,
                                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -92,6 +106,11 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     placement = getattr(getattr(engine, "optimizer", None), "placement", None)
     if placement and isinstance(placement, str):
         log(placement)
+        slots = engine.optimizer.slots  # the plain engine's offload: one slot a bucket
+        note = fraction_note(args.training.optimizer_offload_fraction,
+                             [s.numel for s in slots if s.host], [s.numel for s in slots])
+        if note:
+            log(f"warning: {note}")
     start = 0
     if args.checkpoint.load:
         extra = load_training_checkpoint(engine, args.checkpoint.load)
@@ -110,7 +129,7 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     metrics = None if args.logging.eval_only else args.checkpoint.save
     logger = MetricsLogger(args.logging, device, rank0, print_fn=log,
                            save_dir=args.checkpoint.save, run_config=args.to_dict(),
-                           metrics_dir=metrics or None)
+                           metrics_dir=metrics or None, start_iteration=start)
     return Run(args, state, data, engine, logger, start, entropy, owns)
 
 
@@ -175,4 +194,6 @@ def main(argv: list[str] | None = None, print_fn=print) -> int:
         return report_error(str(exc))
     except TrainingStopped as exc:
         return report_error(str(exc), code=1)
+    except TrainingInterrupted as exc:  # after a save: one line, not a traceback
+        return report_error(str(exc), code=exc.code, prefix="")
     return 0

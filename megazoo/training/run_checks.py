@@ -10,6 +10,8 @@ files, so a refusal happens on all ranks before any collective.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import re
 
@@ -19,6 +21,7 @@ from ..checkpoint.resolve import (iteration_dir, previous_checkpoint, read_lates
                                   resolve_checkpoint)
 from ..errors import read_json, user_path
 from .checkpoint import LATEST_TMP, check_save_target, forget_saving
+from .lr_schedule import learning_rate
 
 
 def read_options(args) -> dict:
@@ -94,6 +97,12 @@ def prepare_save_dir(args, rank0: bool, log) -> None:
     save = args.checkpoint.save
     if not save:
         return
+    parent = os.path.dirname(os.path.abspath(save))
+    if re.fullmatch(r"iter_\d+", os.path.basename(os.path.normpath(save))) and (
+            os.path.isfile(os.path.join(save, "megazoo.json"))
+            or os.path.isfile(os.path.join(parent, "latest"))):
+        raise ValueError(f"--save {save} is one checkpoint of a --save folder; new checkpoints "
+                         f"would nest inside it: pass --save {parent}")
     check_writable(save)
     if rank0:
         for path in remove_leftovers(save, LATEST_TMP):
@@ -150,7 +159,35 @@ def resume_warnings(args, extra: dict) -> list[str]:
                 field == "tokenizer_model" and _same_file(theirs, ours)):
             out.append(f"the checkpoint was trained with {flag} {theirs}, this run uses "
                        f"{flag} {ours}")
-    return out
+    schedule = schedule_change(args.training, (extra.get("args") or {}).get("training") or {},
+                               int(extra.get("iteration", 0)))
+    return out + ([schedule] if schedule else [])
+
+
+SCHEDULE_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters",
+                   "train_iters")
+
+
+def schedule_change(ours, theirs: dict, start: int) -> str | None:
+    """A line when this run's learning rate at `start` differs from the one the checkpoint's
+    run would have used there (`theirs`: its recorded training args), saying why when it is
+    the usual cause: a larger --train-iters moves the end of the decay, so the rate climbs
+    back up (a cosine "re-warm") instead of continuing."""
+    recorded = {k: theirs[k] for k in SCHEDULE_FIELDS if k in theirs}
+    try:
+        old = dataclasses.replace(ours, **recorded)
+    except (TypeError, ValueError):  # another megazoo's fields: nothing to compare
+        return None
+    before, now = learning_rate(start, old), learning_rate(start, ours)
+    if math.isclose(before, now, rel_tol=1e-9, abs_tol=1e-15):
+        return None
+    line = (f"the learning-rate schedule changed: iteration {start + 1} would have used lr "
+            f"{before:.3e} in the checkpoint's run, this run uses {now:.3e}")
+    if old.train_iters != ours.train_iters and ours.lr_decay_iters is None:
+        line += (f" (the {ours.lr_decay_style} decay ends at --train-iters, now {ours.train_iters}"
+                 f" instead of {old.train_iters}; pass --lr-decay-iters {old.decay_iters} to "
+                 f"continue the old schedule)")
+    return line
 
 
 def _same_file(a: str, b: str) -> bool:

@@ -97,6 +97,17 @@ def test_a_missing_checksum_is_an_error_unless_told_not_to(ckpt, edit):
     assert torch.equal(dict(model.named_parameters())[KEY], dict(tiny_model().named_parameters())[KEY])
 
 
+@pytest.mark.parametrize("files", [[], "x", ["model-pp000-tp001.safetensors"]])
+def test_an_edited_file_list_is_one_line(ckpt, tmp_path, capsys, files):
+    meta = json.loads((ckpt / "megazoo.json").read_text())
+    (ckpt / "megazoo.json").write_text(json.dumps({**meta, "files": files}))
+    for verify in ([], ["--no-verify-checksums"]):
+        refused(reshard_main, ["--load", str(ckpt), "--out", str(tmp_path / "o"), *verify],
+                capsys, "megazoo.json lists the files")
+    with pytest.raises(ValueError, match="the file was edited or damaged"):
+        load_pretrained(ckpt, verify_checksums=False)
+
+
 @pytest.mark.parametrize("main", [reshard_main, megazoo_to_hf_main])
 def test_converters_verify_checksums_unless_told_not_to(ckpt, tmp_path, capsys, main):
     begin, _ = tensor_span(ckpt / FILE, KEY)

@@ -240,3 +240,15 @@ def test_script_runs_from_a_checkout(hf_dirs, tmp_path):
                         capture_output=True, text=True, cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     assert CheckpointReader(tmp_path / "o").dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int32", "uint8", "bool"])
+def test_converters_refuse_non_floating_dtypes(tmp_path, capsys, dtype):
+    """Weights cast to an integer dtype are zeros (and sign bits): refused, nothing written."""
+    save_checkpoint(build_model(tiny("gpt"), None, device="cpu"), tmp_path / "mz")
+    for main, argv in ((reshard_main, ["--load", str(tmp_path / "mz"), "--out"]),
+                       (megazoo_to_hf_main, ["--load", str(tmp_path / "mz"), "--out"])):
+        assert main([*argv, str(tmp_path / "out"), "--dtype", dtype]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"'{dtype}' is not a floating-point type" in err[0], err
+    assert sorted(os.listdir(tmp_path)) == ["mz"]

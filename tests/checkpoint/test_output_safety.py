@@ -161,3 +161,14 @@ def test_out_that_the_load_path_resolves_to_is_refused(training_folder, tmp_path
         refused(main, ["--load", str(training_folder), "--out", str(out), "--overwrite", *extra],
                 capsys, "is or contains the input")
     assert snapshot(training_folder) == before
+
+
+def test_overwrite_onto_a_link_is_refused_and_leaves_no_old_link(tmp_path, capsys):
+    save_checkpoint(tiny_model(0), tmp_path / "a")
+    save_checkpoint(tiny_model(1), tmp_path / "b")
+    (tmp_path / "link").symlink_to(tmp_path / "b")
+    before = snapshot(tmp_path / "b")
+    argv = ["--load", str(tmp_path / "a"), "--out", str(tmp_path / "link"), "--overwrite"]
+    refused(reshard_main, argv, capsys, f"--out {tmp_path / 'link'} is a symbolic link")
+    assert snapshot(tmp_path / "b") == before
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "link"]

@@ -197,10 +197,11 @@ def test_preprocess_split_lines_and_errors(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"other": 1}\n', encoding="utf-8")
     result = _preprocess("--input", str(bad), "--output-prefix", str(prefix),
-                         "--tokenizer-type", "ByteLevelTokenizer")
+                         "--tokenizer-type", "ByteLevelTokenizer", "--overwrite")
     assert result.returncode == 2 and "bad.jsonl:2" in result.stderr
     assert len(IndexedDataset(prefix)) == 3  # the failed run left the old files alone
-    assert sorted(p.name for p in tmp_path.glob("lines.*")) == ["lines.bin", "lines.idx", "lines.txt"]
+    assert sorted(p.name for p in tmp_path.glob("lines.*")) == [
+        "lines.bin", "lines.idx", "lines.tokenizer.json", "lines.txt"]
 
 
 def test_preprocess_with_hf_tokenizer_and_workers(tmp_path):

@@ -120,6 +120,8 @@ def test_hf_tokenizer_next_to_the_checkpoint_and_missing_tokenizer(tmp_path, cap
     (["--prompt", "x", "--tokenizer", "nowhere.json"], "--tokenizer nowhere.json: not found"),
     (["--prompt", "x", "--prompt-file", "nowhere.txt"], "--prompt-file nowhere.txt: no such"),
     (["--prompt", "x", "--dtype", "float8"], "float8"),
+    (["--prompt", "x", "--dtype", "int8"], "'int8' is not a floating-point type"),
+    (["--prompt", "x", "--prompt-file", "."], "--prompt-file . is a folder"),
     (["--prompt", "x", "--pp", "3"], "--pp 3 exceeds the model's 2 layers"),
 ] + ([] if torch.accelerator.is_available() else [
     (["--prompt", "x", "--cuda-graphs"], "--cuda-graphs needs a CUDA device")]))
@@ -127,6 +129,44 @@ def test_bad_input_is_one_line_exit_2(trained, capsys, extra, message):
     save, _ = trained
     code, out, err = run_main(["--load", str(save), *extra], capsys)
     assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+
+
+def test_a_checkpoint_of_integer_weights_is_one_line(trained, tmp_path, capsys):
+    import json
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(trained[0] / "iter_0000003", ck)
+    meta = json.loads((ck / "megazoo.json").read_text())
+    (ck / "megazoo.json").write_text(json.dumps({**meta, "dtype": "int8"}))
+    code, out, err = run_main(["--load", str(ck), "--prompt", "x"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "holds int8 weights" in err, err
+
+
+def test_a_tiny_temperature_is_the_greedy_limit(trained, capsys):
+    save, _ = trained
+    flags = ["--load", str(save), "--prompt", "def f(", "--max-new-tokens", "4"]
+    code, greedy, err = run_main(flags + ["--greedy"], capsys)
+    assert code == 0, err
+    code, cold, err = run_main(flags + ["--temperature", "1e-38"], capsys)
+    assert code == 0 and cold == greedy, err
+
+
+def test_prompt_file_reads_stdin_devices_and_drops_a_bom(trained, tmp_path, capsys,
+                                                         monkeypatch):
+    save, _ = trained
+    flags = ["--load", str(save), "--max-new-tokens", "2", "--greedy"]
+    code, plain, err = run_main(flags + ["--prompt", "def f("], capsys)
+    assert code == 0, err
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes("\ufeffdef f(\n".encode("utf-8"))
+    code, out, err = run_main(flags + ["--prompt-file", str(bom)], capsys)
+    assert code == 0 and out == plain, err
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"def f(\n")))
+    code, out, err = run_main(flags + ["--prompt-file", "-"], capsys)
+    assert code == 0 and out == plain, err
+    code, out, err = run_main(flags + ["--prompt-file", "/dev/null"], capsys)
+    assert code == 2 and "no prompt given" in err, err  # read (empty), not "no such file"
 
 
 def test_bad_load_folder(tmp_path, capsys):

@@ -35,6 +35,13 @@ def test_draws_stay_in_the_filter_and_follow_it():
     assert abs((draws[:, 0] == 1).float().mean().item() - 0.5 / 0.95) < 0.04
 
 
+def test_a_tiny_temperature_draws_the_most_likely_token():
+    g = torch.Generator().manual_seed(0)
+    for temperature in (1e-38, 1e-45):
+        assert torch.equal(sample(LOGITS, Sampling(temperature=temperature), g),
+                           torch.tensor([1, 0]))
+
+
 def test_temperature_sharpens_and_seed_repeats():
     g = torch.Generator().manual_seed(1)
     cold = torch.stack([sample(LOGITS, Sampling(temperature=0.01), g) for _ in range(200)])

@@ -81,8 +81,12 @@ def compare(model, ref: dict, state: ParallelState, what: str, tag: str) -> list
     return errors
 
 
-def _run_layout(cfg, ref, state, tag, via_logits=False) -> list[str]:
+def _run_layout(cfg, ref, state, tag, via_logits=False, prepare=None) -> list[str]:
+    """One layout against `ref` (loss, logits, weights, gradients); `prepare(model)` runs on
+    the built model first (switching a path on, say)."""
     model = build_model(cfg, state, device="cpu", seed=0)
+    if prepare is not None:
+        prepare(model)
     errors = compare(model, ref, state, "weights", tag)
     ids, labels = batch()
     if via_logits:  # the convenience path: full logits on every rank, loss outside

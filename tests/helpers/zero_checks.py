@@ -188,3 +188,30 @@ def fsdp_save_resume(par: ParallelConfig, path: str) -> dict:
     plain.load(path)
     return {"after": after, "resumed": train(fresh, state, range(2, 4)),
             "plain": train(plain, state, range(2, 4)), "extra": extra}
+
+
+def fsdp_collective_inputs(path: str) -> dict:
+    """FSDP2 on 2 ranks at dp 2 (steps, eval, save, a fresh engine loading it, a step), tp 2
+    with Megatron SP, pp 2 (the tied embedding's sum): {layout: (collectives seen, those
+    handed a host tensor)} (`helpers.host_tensors`: what NCCL refuses on GPUs)."""
+    from helpers.host_tensors import HostTensors
+
+    layouts = {"dp2": ParallelConfig(), "tp2-sp": ParallelConfig(tp=2, sequence_parallel=True),
+               "pp2": ParallelConfig(pp=2)}
+    out = {}
+    for name, par in layouts.items():
+        engine, state, _ = fsdp_engine(par)
+        fresh = fsdp_engine(par)[0] if name == "dp2" else None
+        # Models and batches are made before tracking starts: the batches stand for what the
+        # training loop puts on the compute device.
+        data = [batches(i, state) for i in (0, 1, 9, 2)]
+        with HostTensors() as seen:
+            for mbs in data[:2]:
+                engine.train_step(mbs)
+            engine.eval_loss(data[2])
+            if fresh is not None:
+                engine.save(path, {"iteration": 2})
+                fresh.load(path)
+                fresh.train_step(data[3])
+        out[name] = (seen.collectives, seen.violations)
+    return out

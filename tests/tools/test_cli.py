@@ -46,3 +46,15 @@ def test_scripts_are_thin_shims_without_path_hacks(script):
     assert called and f"sys.exit({called.group(1)}())" in text, script
     body = ast.parse(text).body  # docstring, import sys, the import, the __main__ call
     assert len(body) <= 4, f"{script}: {len(body)} top-level statements; the logic belongs in megazoo"
+
+
+def test_sparse_layout_says_when_the_causal_mask_is_applied(capsys):
+    """--causal intersects the layout with causality; the printed section still says
+    "attention": "bidirectional" (DeepSpeed's key), so the line says the mask is applied."""
+    from megazoo.cli import sparse_layout
+
+    assert sparse_layout(["--seq", "256", "--causal"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "'attention': 'bidirectional'" in header and "intersected with the causal mask" in header
+    assert sparse_layout(["--seq", "256"]) == 0
+    assert "causal" not in capsys.readouterr().out.splitlines()[0]

@@ -109,3 +109,24 @@ def test_planner_plans_the_vocabulary_the_run_trains_with(argv, vocab, capsys):
     assert main(argv + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["args"]["model"]["vocab_size"] == vocab
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--disk-memory", "50"], "--disk-memory 50 is not used: the plan puts optimizer state on "
+                              "disk only with --optimizer-cpu-offload --nvme-path DIR"),
+    (["--optimizer-cpu-offload", "--disk-memory", "50"], "only with --nvme-path DIR"),
+    ([], "vocabulary 2,048: the default corpus's tokenizer"),
+    (["--largest", "--disk-memory", "50"], "--disk-memory 50 is not used"),
+])
+def test_budgets_and_vocabulary_the_plan_takes_are_said(argv, says, capsys):
+    assert main(argv) == 0
+    assert says in capsys.readouterr().out
+
+
+def test_a_preset_or_a_used_disk_budget_gets_no_such_note(tmp_path, capsys):
+    assert main(["--model", "gpt-125m", "--micro-batch-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "vocabulary" not in out and "is not used" not in out
+    assert main(["--optimizer-cpu-offload", "--nvme-path", str(tmp_path), "--disk-memory",
+                 "50"]) == 0
+    assert "is not used" not in capsys.readouterr().out

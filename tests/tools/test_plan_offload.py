@@ -2,6 +2,7 @@
 run makes before training, and `--largest`."""
 import dataclasses
 import os
+import re
 
 import pytest
 
@@ -294,3 +295,23 @@ def test_largest_plans_the_vocabulary_the_run_trains_with(tmp_path):
         assert corpus_vocab(args) == vocab
         shapes = family_shapes("llama", 2048, corpus_vocab(args))
         assert {c.vocab_size for c in shapes} == {vocab or 32000}
+
+
+def test_a_split_the_run_refuses_the_planner_refuses_in_its_words(tmp_path, capsys):
+    """--optimizer-offload-host-memory below what the host share needs: the run refuses it
+    before training (`split_store.host_store`), and the planner, given the same flags, says
+    the same line instead of "fits" (one rule: `offload.check_offload_plan`)."""
+    from helpers.runs import make_data, tiny_argv
+    from megazoo.training.run import main as train
+
+    data = make_data(tmp_path)
+    flags = tiny_argv(data, "--optimizer-cpu-offload", "--nvme-path", str(tmp_path),
+                      "--optimizer-offload-host-memory", "0.000001")
+    assert train(flags) == 2
+    run_line = capsys.readouterr().err.strip().splitlines()
+    assert len(run_line) == 1 and "of host memory but 1e-06 GB is available" in run_line[0]
+    assert main(flags) == 2
+    plan_line = capsys.readouterr().err.strip().splitlines()
+    number = re.compile(r"needs [0-9.e-]+ GB")  # the planner sizes the byte tokenizer's
+    assert [number.sub("needs N GB", x) for x in plan_line] == \
+        [number.sub("needs N GB", x) for x in run_line]  # vocabulary as the model config's

@@ -175,3 +175,60 @@ def test_cli_json_and_one_line_errors(capsys, tmp_path):
     assert main(LAYOUT.split() + ["--search"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(e.startswith("error: ") for e in err)
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"gpus_per_node": True}, "gpus_per_node must be an integer, got true"),
+    ({"gpus_per_node": 8.0}, "gpus_per_node must be an integer, got 8.0"),
+    ({"hbm_gb": False}, "hbm_gb must be a number, got false"),
+    ({"pcie_gb_s": "32"}, "pcie_gb_s must be a number, got \"32\""),
+])
+def test_a_cluster_file_takes_no_bool_or_string_for_a_number(tmp_path, capsys, edit, says):
+    spec = json.loads((load_cluster.__globals__["PRESETS_FILE"]).read_text())["h100-sxm"]
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({**spec, **edit}))
+    argv = ["--model", "gpt-1.3b", "--micro-batch-size", "1", "--cluster", str(path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+
+
+def test_a_cluster_file_holding_a_list_is_one_line(tmp_path, capsys):
+    path = tmp_path / "c.json"
+    path.write_text("[1, 2]")
+    assert main(["--model", "gpt-1.3b", "--cluster", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds a JSON list, not an object" in err, err
+
+
+@pytest.mark.parametrize("impl", ["--deepspeed", "--zero-impl fsdp2"])
+def test_zero3_at_pp1_counts_its_gathers_once_as_dp_time(impl):
+    """One stage has no pipeline to wait on: no bubble, and ZeRO-3's exposed gathers and
+    reduce-scatters appear once, as dp_comm, in the step as in the breakdown (they were
+    counted in the step twice, the second time printed as the bubble)."""
+    t = _predict(f"--model gpt-1.3b --dp 8 {impl} --zero-stage 3 --micro-batch-size 4 "
+                 f"--global-batch-size 64 --bf16", "h100-sxm")
+    (stage,) = t.stages
+    assert stage.dp_comm > 0.01 and abs(stage.bubble) < 1e-12
+    parts = stage.compute + stage.tp_comm + stage.dp_comm + stage.optimizer
+    assert abs(t.step_s - parts) < 1e-12
+
+
+def test_a_search_finding_nothing_names_the_nearest_layout(capsys):
+    assert main("--model bloom-176b --cluster h100-sxm --search --gpus 8 --bf16 "
+                "--micro-batch-size 1 --global-batch-size 8 --seq-length 2048".split()) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("0 layouts fit on 8 GPUs")
+    assert out[1].startswith("why: nothing fits 80 GB per GPU: the nearest, "
+                             "--tensor-model-parallel-size 8") and "GB; more GPUs" in out[1]
+
+
+def test_the_headline_agrees_with_the_fp32_build_note(capsys):
+    """BLOOM-176B, ZeRO-3 with parameter offload: training fits in 80 GB, the fp32 build
+    (705 GB) does not; the prediction's headline must not say "fits" above that note."""
+    assert main("--model bloom-176b --cluster h100-sxm --dp 8 --deepspeed --zero-stage 3 "
+                "--offload-optimizer cpu --offload-param cpu --recompute-granularity full "
+                "--micro-batch-size 1 --global-batch-size 8 --bf16".split()) == 0
+    out = capsys.readouterr().out
+    assert "that, not training, does not fit" in out
+    assert out.splitlines()[0].endswith("(does NOT fit)")

@@ -60,6 +60,21 @@ def test_preprocess_on_a_full_disk_leaves_no_temp_files(text, tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
 
 
+def test_default_corpus_on_a_full_disk_leaves_no_training_text(tmp_path, monkeypatch):
+    from megazoo.training import default_corpus
+
+    monkeypatch.setattr(default_corpus, "stdlib_files", lambda mb: [Path(argparse.__file__)])
+
+    def full_disk(self, data, encoding=None):  # half the text written, then ENOSPC
+        Path.write_bytes(self, data[: len(data) // 2].encode())
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    monkeypatch.setattr(default_corpus.Path, "write_text", full_disk)
+    with pytest.raises(OSError):
+        default_corpus.prepare_default_corpus(str(tmp_path), 0.01, 300, log=lambda _: None)
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
 def test_preprocess_removes_a_killed_runs_temp_files_and_names_others(text, tmp_path, capsys):
     prefix = tmp_path / "out"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
@@ -74,7 +89,7 @@ def test_preprocess_removes_a_killed_runs_temp_files_and_names_others(text, tmp_
     assert f"removed {tmp_path}/out.bin.tmp-{dead}-abc123, left by an interrupted run" in out
     assert f"warning: {legacy} left by another run of this --output-prefix" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == \
-        sorted(["in.txt", "out.bin", "out.idx", legacy.name])
+        sorted(["in.txt", "out.bin", "out.idx", "out.tokenizer.json", legacy.name])
     assert len(IndexedDataset(prefix)) == 1
 
 

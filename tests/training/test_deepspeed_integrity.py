@@ -111,3 +111,20 @@ def test_nan_under_a_matching_checksum_is_refused(data, ckpt, tmp_path, capsys):
             capsys, "holds 1 non-finite value")
     assert not (tmp_path / "out").exists()
     assert "holds 1 non-finite value" in resume_error(data, ckpt, capsys)
+
+
+def test_a_truncated_shard_read_without_checksums_is_one_line(data, ckpt, tmp_path, capsys):
+    shard = ckpt / "iter_0000002" / SHARD
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    err = resume_error(data, ckpt, capsys, "--no-verify-checksums")
+    assert str(shard) in err and "truncated or damaged" in err
+    refused(zero_to_megazoo_main, ["--load", str(ckpt), "--out", str(tmp_path / "out"),
+                                   "--no-verify-checksums"], capsys, "truncated or damaged")
+
+
+def test_generate_on_a_deepspeed_checkpoint_names_the_converter(ckpt, capsys):
+    from megazoo.generation.cli import main as generate
+
+    assert generate(["--load", str(ckpt), "--prompt", "a", "--tokenizer", "bytes"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "zero_to_megazoo.py --load" in err[0], err

@@ -138,3 +138,73 @@ def test_nonfinite_tensor_then_allow_nonfinite_load(data, damaged, capsys):
         eval_error(data, damaged, capsys)
     assert main(tiny_argv(data, "--load", str(damaged), "--eval-only",
                           "--allow-nonfinite-load")) == 0
+
+
+@pytest.mark.parametrize("signum", [2, 15])  # SIGINT (Ctrl-C), SIGTERM
+def test_a_signal_saves_the_step_then_resume_is_exact(data, reference, tmp_path, monkeypatch,
+                                                       capsys, signum):
+    """The signal arrives during step 2 (not a save interval): the step ends, iter_0000002 is
+    saved, one line names it; resuming repeats the uninterrupted run bit for bit, and
+    metrics.jsonl holds each iteration once."""
+    import json
+    import signal
+
+    from megazoo.training import loop
+
+    losses, ref_save = reference[0]["losses"], reference[1]
+    real = loop.seed_step
+
+    def seed_then_signal(seed, iteration, state):
+        real(seed, iteration, state)
+        if iteration == 1:  # inside the second step
+            signal.raise_signal(signum)
+
+    monkeypatch.setattr(loop, "seed_step", seed_then_signal)
+    save = tmp_path / "ck"
+    argv = tiny_argv(data, "--save", str(save), "--save-interval", "3")
+    assert main(argv) == 128 + signum
+    err = capsys.readouterr().err.strip().splitlines()
+    name = signal.Signals(signum).name
+    assert err == [f"{name} at iteration 2: saved {save / 'iter_0000002'}; resume with "
+                   f"--load {save} (same flags)"]
+    assert (save / "latest").read_text().strip() == "2"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    monkeypatch.setattr(loop, "seed_step", real)
+    rest = run_training(argv + ["--load", str(save)])["losses"]
+    assert rest == losses[2:]
+    ours, ref = CheckpointReader(save / "iter_0000006"), CheckpointReader(ref_save / "iter_0000006")
+    assert all(ours.full_tensor(n).equal(ref.full_tensor(n)) for n in ref.names())
+    logged = [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
+    iterations = [r["iteration"] for r in logged if "loss" in r]
+    assert iterations == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_signal_without_save_stops_with_one_line(data, monkeypatch, capsys):
+    import signal
+
+    from megazoo.training import loop
+
+    real = loop.seed_step
+    monkeypatch.setattr(loop, "seed_step", lambda seed, it, state: (
+        real(seed, it, state), it == 0 and signal.raise_signal(signal.SIGINT)))
+    assert main(tiny_argv(data)) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["SIGINT at iteration 1: stopped; nothing saved (no --save), pass --save DIR "
+                   "to keep a checkpoint when interrupted"]
+
+
+def test_records_a_killed_segment_logged_past_its_checkpoint_appear_once(data, reference,
+                                                                         tmp_path):
+    """As after kill -9 between logging iteration 6 and saving it: latest names 3, and
+    metrics.jsonl holds 4..6 already; the resumed run logs them again, replacing them."""
+    import json
+
+    save = tmp_path / "ck"
+    shutil.copytree(reference[1], save)
+    shutil.rmtree(save / "iter_0000006")
+    (save / "latest").write_text("3\n")
+    run_training(tiny_argv(data, "--save", str(save), "--save-interval", "3", "--load",
+                           str(save)))
+    logged = [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in logged if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["iteration"] for r in logged if "valid_loss" in r] == [3, 6]

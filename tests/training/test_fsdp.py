@@ -50,3 +50,16 @@ def test_fsdp2_pipeline_matches_plain_and_resumes(tmp_path):
             for (l0, n0), (l1, n1) in zip(resume["after"], resume[name]):
                 assert l1 == pytest.approx(l0, rel=1e-5), (name, l1, l0)
                 assert n1 == pytest.approx(n0, rel=1e-5), (name, n1, n0)
+
+
+def test_fsdp2_hands_no_host_tensor_to_a_collective(tmp_path):
+    """What crashed FSDP2 at dp 2 / dp 4 on NCCL ("No backend type associated with device
+    type cpu"), which gloo hides: a host-made tensor (the norm's sum, a save's agreement flag
+    on a host twin) handed to a collective. Every collective of a step, eval, save and load
+    at dp 2, tp 2 + SP and pp 2 is checked (helpers.host_tensors); each layout must issue
+    collectives at all, so the check is not vacuous."""
+    results = run_distributed(ranks.fsdp_collective_inputs, 2, str(tmp_path / "ck"), timeout=300)
+    for rank, layouts in enumerate(results):
+        for name, (count, violations) in layouts.items():
+            assert count > 0, f"rank {rank} {name}: no collective seen"
+            assert not violations, f"rank {rank} {name}: {violations[:5]}"

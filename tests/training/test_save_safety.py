@@ -144,3 +144,21 @@ def test_an_unfinished_folder_is_replaced_only_when_a_killed_save_left_it(tmp_pa
     (folder / "mine.txt").unlink()
     with pytest.raises(ValueError, match="is not a complete checkpoint"):
         check_save_target(str(tmp_path), 6, "deepspeed", False, 3)
+
+
+def test_overwrite_checkpoints_refuses_an_iteration_folder_that_is_a_link(data, save, tmp_path,
+                                                                          capsys):
+    target = tmp_path / "elsewhere"
+    shutil.move(save / "iter_0000006", target)
+    (save / "iter_0000006").symlink_to(target)
+    before = snapshot(save), snapshot(target)
+    assert main(tiny_argv(data, "--save", str(save), "--overwrite-checkpoints")) == 2
+    assert f"holds {save / 'iter_0000006'}, a symbolic link" in one_error(capsys)
+    assert (snapshot(save), snapshot(target)) == before
+
+
+def test_save_pointed_at_an_iteration_folder_names_the_parent(data, save, capsys):
+    before = snapshot(save)
+    assert main(tiny_argv(data, "--save", str(save / "iter_0000006"), "--load", str(save))) == 2
+    assert f"new checkpoints would nest inside it: pass --save {save}" in one_error(capsys)
+    assert snapshot(save) == before

@@ -1,6 +1,7 @@
 """Sparse attention configured from `--deepspeed_config`'s sparse_attention section (every
 engine) and the --sparse-* flags; a short pretrain_gpt.py run with the seeds' section."""
 import json
+import shutil
 import subprocess
 import sys
 
@@ -74,3 +75,36 @@ def test_pretrain_gpt_runs_the_seeds_sparse_section(tmp_path):
     meta = json.loads((save / "iter_0000003" / "megazoo.json").read_text())
     assert meta["model"]["sparse_attention"]["mode"] == "fixed"
     assert meta["model"]["sparse_attention"]["different_layout_per_head"] is True
+
+
+def test_resuming_keeps_the_checkpoints_sparse_layout_or_refuses_another(data, tmp_path, capsys):
+    """A checkpoint trained sparse resumes sparse without the flags (the same losses as with
+    them, and the next checkpoint records the layout); another layout is refused by name."""
+    from megazoo.training.run import main, run_training
+
+    sparse = ["--sparse-attention-mode", "fixed", "--sparse-block", "16"]
+    base = ["--seq-length", "64", "--generate-tokens", "0", "--save-interval", "2"]
+    save = tmp_path / "ck"
+    run_training(tiny_argv(data, *base, *sparse, "--train-iters", "2", "--save", str(save)))
+    again = tmp_path / "again"
+    shutil.copytree(save, again)
+    lines = []
+    out = run_training(tiny_argv(data, *base, "--train-iters", "4", "--save", str(save),
+                                 "--load", str(save)), print_fn=lines.append)
+    assert any("resuming with the checkpoint's sparse attention" in line for line in lines)
+    meta = json.loads((save / "iter_0000004" / "megazoo.json").read_text())
+    assert meta["model"]["sparse_attention"]["mode"] == "fixed"
+    same = run_training(tiny_argv(data, *base, *sparse, "--train-iters", "4", "--save",
+                                  str(again), "--load", str(again)))
+    assert out["losses"] == same["losses"]
+    for other in (["--sparse-attention-mode", "bigbird", "--sparse-block", "16"], []):
+        if not other:  # a dense checkpoint resumed with sparse flags
+            dense = tmp_path / "dense"
+            run_training(tiny_argv(data, *base, "--train-iters", "2", "--save", str(dense)))
+            argv = tiny_argv(data, *base, *sparse, "--train-iters", "4", "--load", str(dense))
+        else:
+            argv = tiny_argv(data, *base, *other, "--train-iters", "4", "--load", str(save))
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "was trained with" in err[0] and "this run asks for" in err[0]

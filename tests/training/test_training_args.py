@@ -117,3 +117,12 @@ def test_help_shows_every_flags_default():
                   and a.dest not in ("model_name", "local_rank", "help")]
     assert documented and all("(default: " in a.help for a in documented), \
         [a.option_strings[0] for a in documented if "(default: " not in a.help]
+
+
+def test_tp_comm_overlap_flag_needs_megatron_sp():
+    a = parse_args(["--tp-comm-overlap", "--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    assert a.training.tp_comm_overlap
+    assert parse_args(["--tp-comm-overlap", "--sequence-parallel-size", "2"]).training.tp_comm_overlap
+    for argv in (["--tp-comm-overlap"], ["--tp-comm-overlap", "--tp", "2"]):
+        with pytest.raises(ValueError, match="> 1 with --sequence-parallel, or --sequence-parallel-size"):
+            parse_args(argv)

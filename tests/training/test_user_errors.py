@@ -155,3 +155,44 @@ def test_a_file_of_the_user_in_the_disk_tier_folder_is_one_line_and_kept(data, t
                                           "--optimizer-offload-host-memory", "0.0007")))
     assert "did not make (shard00000.bin)" in err and "--nvme-path" in err
     assert mine.read_bytes() == b"a user's data"
+
+
+def test_a_longer_resume_says_the_cosine_schedule_rewarms(data, tmp_path):
+    """Resuming with a larger --train-iters moves the end of the decay: the lr climbs back up
+    (here 1.0e-3 at the end of 2 iterations, then near the peak again). A line says so and
+    how to continue the old schedule; the same --train-iters prints nothing of the kind."""
+    from megazoo.training.run import run_training
+
+    save = tmp_path / "ck"
+    run_training(tiny_argv(data, "--train-iters", "4", "--save", str(save),
+                           "--save-interval", "2", "--exit-interval", "2"))
+    lines = []
+    run_training(tiny_argv(data, "--train-iters", "4", "--save", str(save), "--load", str(save)),
+                 print_fn=lines.append)
+    assert not any("learning-rate schedule changed" in x for x in lines), lines
+    longer = tmp_path / "longer"
+    run_training(tiny_argv(data, "--train-iters", "2", "--save", str(longer)))
+    lines = []
+    run_training(tiny_argv(data, "--train-iters", "6", "--save", str(longer), "--load",
+                           str(longer)), print_fn=lines.append)
+    note = [x for x in lines if "learning-rate schedule changed" in x]
+    assert len(note) == 1 and "iteration 3 would have used lr 1.000e-03" in note[0], lines
+    assert "pass --lr-decay-iters 2 to continue the old schedule" in note[0]
+
+
+def test_the_first_log_line_says_how_long_the_run_takes_and_what_to_pass(data):
+    from megazoo.training.metrics import speed_note
+    from megazoo.training.run import run_training
+
+    idle = speed_note(760, 0.15, threads=2, cores=2, load=2.1, threads_given=False)
+    assert idle == "at this speed the remaining 760 steps take about 2 min"
+    busy = speed_note(760, 4.0, threads=2, cores=2, load=7.0, threads_given=False)
+    assert busy == ("at this speed the remaining 760 steps take about 51 min; the machine is "
+                    "busy (load average 7.0 on 2 cores): --cpu-threads 1 is likely faster "
+                    "than the 2 threads now")
+    assert "busy" not in speed_note(760, 4.0, threads=2, cores=2, load=7.0, threads_given=True)
+    lines = []
+    run_training(tiny_argv(data), print_fn=lines.append)
+    notes = [x for x in lines if x.startswith("at this speed the remaining 5 steps take about")]
+    assert len(notes) == 1 and lines.index(notes[0]) == \
+        next(i for i, x in enumerate(lines) if x.startswith("iteration 1 |")) + 1

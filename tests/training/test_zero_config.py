@@ -1,12 +1,15 @@
 """DeepSpeed config merging (`megazoo.config.ds_config`), without processes."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from megazoo.config.ds_config import build_ds_config
+from megazoo.config.ds_tuning import layer_elements, zero3_settings
+from megazoo.config.presets import PRESETS
 from megazoo.config.run import TrainingConfig
 from megazoo.parallel import ParallelConfig
 
@@ -14,8 +17,10 @@ from helpers.run_args import ds_args as args
 
 
 def test_flags_only():
-    ds = build_ds_config(args(zero_stage=3, offload_optimizer="cpu"), dp=2)
-    assert ds["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    a = args(zero_stage=3, offload_optimizer="cpu")
+    ds = build_ds_config(a, dp=2)
+    assert ds["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                       **zero3_settings(a.model)}
     assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["train_batch_size"] == 32
     assert ds["gradient_accumulation_steps"] == 4 and ds["gradient_clipping"] == 1.0
     assert ds["bf16"] == {"enabled": False} and ds["fp16"] == {"enabled": False}
@@ -221,3 +226,25 @@ def test_every_engine_refuses_json_batch_conflicts_alike(tmp_path, monkeypatch, 
     other = refusal(["--deepspeed_config", str(path), *flags, *engine],
                     lambda a: build_engine(a, torch.nn.Linear(2, 2), ParallelState.single()))
     assert other == deepspeed and "make them agree" in other
+
+
+def test_zero3_gets_a_users_tuning_scaled_to_the_model(tmp_path):
+    """ZeRO-3 without those keys: overlap, contiguous gradients, one layer per reduce bucket
+    and prefetch, norms and biases whole; the JSON's own values (and only "auto" ones are
+    replaced) win; stages 1-2 are left as DeepSpeed has them."""
+    gpt = PRESETS["gpt-1.3b"]  # 24 x 2048: one layer is 12 h^2 (4h MLP, no GQA)
+    assert layer_elements(gpt) == 12 * 2048 ** 2
+    llama = dataclasses.replace(PRESETS["gpt-1.3b"], family="llama", activation="swiglu",
+                                num_key_value_heads=4, ffn_hidden_size=5504)
+    assert layer_elements(llama) == 2 * 2048 ** 2 + 2 * 2048 * 512 + 3 * 2048 * 5504
+    user = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 123,
+                                  "stage3_prefetch_bucket_size": "auto", "overlap_comm": False}}
+    a = args(tmp_path, user)
+    a.model = gpt
+    zo = build_ds_config(a, dp=2)["zero_optimization"]
+    assert zo["reduce_bucket_size"] == 123 and zo["overlap_comm"] is False
+    assert zo["stage3_prefetch_bucket_size"] == 12 * 2048 ** 2
+    assert zo["stage3_param_persistence_threshold"] == 20480 and zo["contiguous_gradients"]
+    assert build_ds_config(args(zero_stage=2), dp=2)["zero_optimization"] == {"stage": 2}
+    stage2 = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
+    assert build_ds_config(args(tmp_path, stage2), dp=2)["zero_optimization"] == {"stage": 2}

@@ -30,8 +30,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from ...checkpoint.deepspeed import (FILES_KEY, check_finite_loaded, record_checksums,
-                                           verify_checksums)
+from ...checkpoint.deepspeed import (FILES_KEY, check_files, check_finite_loaded,
+                                      record_checksums)
 from ...checkpoint.deepspeed import read_ds_metadata, write_ds_metadata
 from ...checkpoint.save import refuse_nonfinite
 from ...config.compression import check_onebit_backend
@@ -174,8 +174,7 @@ class DeepSpeedEngine(Engine):
     def load(self, path: str) -> dict:
         meta = read_ds_metadata(path)
         options = read_options(self.args)
-        if options["verify_checksums"]:
-            verify_checksums(path, meta, self.state, self.device)
+        check_files(path, meta, options["verify_checksums"], self.state, self.device)
         saved = (meta["layout"]["tp"], meta["layout"]["dp"] * meta["layout"]["sp"])
         here = (self.state.tp.size, self.state.dp_sp.size)
         if saved != here:  # DeepSpeed's partitions are tied to the tp and dp x sp sizes

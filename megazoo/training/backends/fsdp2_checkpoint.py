@@ -20,8 +20,12 @@ from .fsdp2_sharding import copy_tags
 AUX = ("exp_avg", "exp_avg_sq")
 
 
-def _full(t) -> torch.Tensor:
-    return t.full_tensor().cpu() if hasattr(t, "full_tensor") else t.detach().cpu()
+def _full(t, device: torch.device) -> torch.Tensor:
+    """The whole tensor on the host. An offloaded shard goes to `device` for the gather
+    first: the mesh's group has no backend for host tensors on GPUs (NCCL)."""
+    if not hasattr(t, "full_tensor"):
+        return t.detach().cpu()
+    return t.to(device).full_tensor().cpu()
 
 
 def save_fsdp(engine, path: str, extra: dict) -> None:
@@ -30,25 +34,31 @@ def save_fsdp(engine, path: str, extra: dict) -> None:
     model, state, opt = engine.model, engine.state, engine.optimizer
     weights, aux = {}, {prefix: {} for prefix in AUX}
     for name, p in model.named_parameters():  # same order on every rank: matched gathers
-        weights[name] = _full(p)
+        weights[name] = _full(p, engine.device)
         st = opt.state.get(p, {})
         for prefix in AUX:
-            aux[prefix][name] = _full(st[prefix]) if prefix in st else torch.zeros_like(weights[name])
+            aux[prefix][name] = (_full(st[prefix], engine.device) if prefix in st
+                                 else torch.zeros_like(weights[name]))
     twin = build_model(model.config, state, device="meta")
     tags = {n: dict(vars(p)) for n, p in twin.named_parameters()}
     twin.load_state_dict(weights, assign=True)
     copy_tags(twin, tags)
     first = next(iter(opt.state.values()), {"step": 0})  # (every parameter's step is the same)
     meta = {"steps": engine.steps, "adam_step": int(first["step"]), "scaler": None}
-    save_checkpoint(twin, path, state=state, extra={**extra, "engine": meta}, aux=aux)
+    # the twin holds host copies: the save's collectives run on the engine's device
+    save_checkpoint(twin, path, state=state, extra={**extra, "engine": meta}, aux=aux,
+                    device=engine.device)
 
 
 def _shard_like(full: torch.Tensor, p):
-    """This rank's FSDP2 shard of `full`, as a DTensor placed like `p` (no communication)."""
+    """This rank's FSDP2 shard of `full`, as a DTensor placed like `p` (no communication),
+    its local tensor where p's is (the host under CPU offload: distribute_tensor puts it on
+    the mesh's device type)."""
     from torch.distributed.tensor import distribute_tensor
 
-    return distribute_tensor(full.to(local(p).device, local(p).dtype), p.device_mesh,
-                             p.placements, src_data_rank=None)
+    shard = distribute_tensor(full.to(dtype=local(p).dtype), p.device_mesh, p.placements,
+                              src_data_rank=None)
+    return shard.to(local(p).device)
 
 
 def load_fsdp(engine, path: str) -> dict:
@@ -67,7 +77,8 @@ def load_fsdp(engine, path: str) -> dict:
         for name, p in model.named_parameters():
             local(p).copy_(local(_shard_like(full[name], p)))
             if step > 0:
-                opt.state[p] = {"step": torch.tensor(float(step)),
+                # on the parameter's device, as AdamW makes it (fused kernels read it there)
+                opt.state[p] = {"step": torch.tensor(float(step), device=local(p).device),
                                 **{prefix: _shard_like(aux[prefix][name], p) for prefix in AUX}}
     engine.steps = int(info.get("steps", 0))
     return extra

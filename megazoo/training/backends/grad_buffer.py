@@ -19,6 +19,13 @@ linears' backward summed into `main_grad` already: `megazoo.layers.wgrad`). A pa
 gradient is final after its `num_microbatches`-th call; a bucket is ready when all its
 parameters are final.
 
+Megatron-SP parameters (tagged `sequence_parallel`: norms, row-parallel biases) saw only
+their tp rank's sequence shard, so their gradient is also summed over tp: once per step, in
+ONE all-reduce per bucket over the bucket's SP parameters (`_sum_over_tp`), right before
+the bucket's dp x sp reduction (the two sums commute), never per micro-batch. In the
+gpt-1.3b shape that is a handful of small all-reduces per step where a per-micro-batch
+hook per parameter issued six per layer per micro-batch.
+
 Reduction (the dp x sp part of the gradient contract, `megazoo.training.gradients`): each
 bucket is divided by dp and summed over `state.dp_sp` by the `reducer`
 (`megazoo.compress.Reducer`: a dense all-reduce, or with `shard=True` a reduce-scatter
@@ -34,6 +41,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ...offload.buckets import bucket_spans
@@ -102,6 +110,10 @@ class GradBuffer:
                     p.data = view
                     p.main_grad = self.view(self.main_grad, p)
         self._calls = {id(p): 0 for p in params}
+        over_tp = state.tp.size > 1 and state.config.megatron_sp
+        self._tp_summed = {b.index: [p for p in b.params if over_tp
+                                     and getattr(p, "sequence_parallel", False)]
+                           for b in self.buckets}
         self.fused = list(fused)
         if any(id(p) not in self.offsets for p in self.fused):
             raise ValueError("a fused weight must be a trainable parameter of the model")
@@ -184,6 +196,7 @@ class GradBuffer:
         if bucket.launch_time is not None:
             return
         bucket.launch_time = time.perf_counter()
+        self._sum_over_tp(bucket)
         if self.group.size == 1:
             if self.on_final is not None:
                 self.on_final(bucket)
@@ -196,6 +209,17 @@ class GradBuffer:
             lo, hi = bucket.shard_range(self.group.rank, self.group.size)
             shard = self.main_grad[lo:hi]
         bucket.handle = self.reducer.reduce(bucket, data, shard)
+
+    def _sum_over_tp(self, bucket: Bucket) -> None:
+        """Sum the step's gradients of the bucket's Megatron-SP parameters over tp: one
+        all-reduce of their concatenation (module docstring)."""
+        grads = [p.main_grad for p in self._tp_summed[bucket.index]]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.state.tp.group)
+        torch._foreach_copy_(grads, [f.view_as(g) for f, g in
+                                     zip(flat.split([g.numel() for g in grads]), grads)])
 
     def finish(self, before_deferred=None) -> None:
         """Launch every bucket not launched yet (deferred ones after `before_deferred()`,

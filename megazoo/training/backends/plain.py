@@ -30,7 +30,7 @@ from .grad_buffer import GradBuffer
 from .lean_build import initial_values
 from ...parallel.device import local_device
 from ..gradients import (clip_divisor, counted_flat_ranges, flat_grad_norm,
-                        hook_sequence_parallel_grads, intersect, sum_tied_embedding,
+                        intersect, sum_tied_embedding,
                         tied_embedding_weight)
 from .delayed_offload import DelayedOffloadAdamW
 from .master_optimizer import MOMENTS, MasterAdamW
@@ -83,7 +83,6 @@ class PlainEngine(Engine):
     def __init__(self, model: torch.nn.Module, state: ParallelState, config: PretrainArgs):
         self.model, self.state, self.config = model, state, config
         cfg = self.cfg = config.training
-        hook_sequence_parallel_grads(model, state)
         tied = tied_embedding_weight(model, state)
         bucket = cfg.bucket_elements(state.dp_sp.size)
         # the bucket reduction, dense or compressed (megazoo.compress)
