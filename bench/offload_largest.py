@@ -57,7 +57,7 @@ def machine_budgets(nvme_path: str | None, dry: bool, host_margin: float = 0.0) 
         return ["--gpu-memory", "80", "--host-memory", "125", "--disk-memory", "64"]
     import torch
 
-    from megazoo.plan.offload import host_memory_bytes
+    from megazoo.offload import host_memory_bytes
 
     free, _ = torch.cuda.mem_get_info()
     out = ["--gpu-memory", f"{free / 1e9:.1f}",

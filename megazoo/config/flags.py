@@ -148,6 +148,21 @@ def _given(ns: argparse.Namespace, group: str) -> dict:
     return {k[len(prefix):]: v for k, v in vars(ns).items() if k.startswith(prefix)}
 
 
+def given_fields(ns: argparse.Namespace, group: str) -> dict:
+    """{field: value} of the `group` fields ("model", "training", ...) given in `ns`: what a
+    caller that completes a command line (the planner) asks instead of argparse's names."""
+    return _given(ns, group)
+
+
+def set_fields(ns: argparse.Namespace, group: str, values: dict, *,
+               keep_given: bool = True) -> None:
+    """Set `group` fields of `ns` as if given on the command line; `keep_given`: only those
+    not given already (defaults of a caller's own)."""
+    for name, value in values.items():
+        if not (keep_given and hasattr(ns, f"{group}__{name}")):
+            setattr(ns, f"{group}__{name}", value)
+
+
 def _model_config(ns: argparse.Namespace) -> ModelConfig:
     base = PRESETS[ns.model_name] if ns.model_name else DEFAULT_MODEL  # copied, never changed
     overrides = _given(ns, "model")

@@ -62,7 +62,7 @@ class OffloadPlan:
     """Optimizer steps updated at once before the delay starts."""
     host_memory: float | None = None
     """With nvme_path: host bytes the host share may take (--optimizer-offload-host-memory);
-    None: the host's available memory at start (`plan.offload.split_budget`)."""
+    None: the host's available memory at start (`offload.split_budget`)."""
     saves: bool = False
     """The run writes checkpoints (gathering full fp32 state on the host: the split leaves
     room for it)."""

@@ -7,8 +7,9 @@ blocks the tile's rows see, in order: `layers.sparse.blocks` builds the lists an
 A chunk's bits say which (row block, key block) pairs of it are set: bit
 `i * (BLOCK_N // SUB) + j` is row block i of the tile against the chunk's key block j. The key
 side is the mirror image: tiles of BLOCK_N keys walking chunks of row blocks, with bit
-`j * (BLOCK_M // SUB) + i` for key block j of the tile against the chunk's row block i. So the work follows the layout at SUB-token
-granularity (a random 16-token block costs one chunk slot, not a 128 x 128 tile).
+`j * (BLOCK_M // SUB) + i` for key block j of the tile against the chunk's row block i. So
+the work follows the layout at SUB-token granularity (a random 16-token block costs one chunk
+slot, not a 128 x 128 tile).
 
 The arithmetic is FlashAttention-2's (online softmax in base 2, fp32 accumulation); the
 log-sum-exp is returned and taken in natural log. A query seeing no key outputs 0 with
@@ -75,9 +76,18 @@ def _program(sizes):
 
 
 @triton.jit
-def _at(strides, b, h, pos):
-    """Offsets of positions pos of batch b, head h in a [s, b, h, d] tensor of these strides."""
-    return b * strides[1] + h * strides[2] + pos.to(tl.int64) * strides[0]
+def _offsets(strides, b, h, pos, dim):
+    """Offsets [len(pos), D] of rows pos of batch b, head h in a [s, b, h, d] tensor of these
+    strides (s, b, h)."""
+    return (b * strides[1] + h * strides[2] + pos[:, None].to(tl.int64) * strides[0]
+            + dim[None, :])
+
+
+@triton.jit
+def _rows(P, strides, b, h, pos, dim):
+    """Pointers to the same rows as `_offsets`, the scalar part added to the pointer first."""
+    return (P + b * strides[1] + h * strides[2] + pos[:, None].to(tl.int64) * strides[0]
+            + dim[None, :])
 
 
 @triton.jit
@@ -116,8 +126,7 @@ def _fwd(Q, K, V, O, LSE, walk, sizes, strides, strided, merge, scale_log2, D: t
     lane = tl.arange(0, BLOCK_N)
     dim = tl.arange(0, D)
     row_ok = rows < seq_len
-    q = tl.load(Q + _at(strides[0], b, h, rows)[:, None] + dim[None, :], mask=row_ok[:, None],
-                other=0.0)
+    q = tl.load(_rows(Q, strides[0], b, h, rows, dim), mask=row_ok[:, None], other=0.0)
     kv = b * strides[1][1] + (h // group) * strides[1][2]
     shift = (tl.arange(0, BLOCK_M) // SUB)[:, None] * (BLOCK_N // SUB) + (lane // SUB)[None, :]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -151,8 +160,8 @@ def _fwd(Q, K, V, O, LSE, walk, sizes, strides, strided, merge, scale_log2, D: t
         total = tl.where(w_l + w_g > 0, w_l + w_g, 1.0)
         out = (w_l[:, None] * out + w_g[:, None] * og.to(tl.float32)) / total[:, None]
         lse = tl.where(w_l + w_g > 0, top + tl.log(total), float("-inf"))
-    tl.store(O + _at(strides[2], b, h, rows)[:, None] + dim[None, :],
-             out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(_rows(O, strides[2], b, h, rows, dim), out.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
     tl.store(LSE + bh.to(tl.int64) * seq_len + rows, lse, mask=row_ok)
 
 
@@ -167,12 +176,11 @@ def _dq(Q, K, V, O, DO, DQ, LSE, DELTA, walk, sizes, strides, strided, merge, sc
     lane = tl.arange(0, BLOCK_N)
     dim = tl.arange(0, D)
     row_ok = rows < seq_len
-    at_q = _at(strides[0], b, h, rows)[:, None] + dim[None, :]
+    at_q = _offsets(strides[0], b, h, rows, dim)
     q = tl.load(Q + at_q, mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + at_q, mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + bh.to(tl.int64) * seq_len + rows, mask=row_ok, other=0.0) * LOG2E_
-    o = tl.load(O + _at(strides[2], b, h, rows)[:, None] + dim[None, :], mask=row_ok[:, None],
-                other=0.0)
+    o = tl.load(_rows(O, strides[2], b, h, rows, dim), mask=row_ok[:, None], other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # D = rowsum(dO * O), for _dkdv too
     tl.store(DELTA + bh.to(tl.int64) * seq_len + rows, delta, mask=row_ok)
     kv = b * strides[1][1] + (h // group) * strides[1][2]
@@ -205,7 +213,7 @@ def _dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, walk, sizes, strides, strided, merge,
     lane = tl.arange(0, BLOCK_M)
     dim = tl.arange(0, D)
     col_ok = cols < seq_len
-    at_k = _at(strides[1], b, h // group, cols)[:, None] + dim[None, :]
+    at_k = _offsets(strides[1], b, h // group, cols, dim)
     k = tl.load(K + at_k, mask=col_ok[:, None], other=0.0)
     v = tl.load(V + at_k, mask=col_ok[:, None], other=0.0)
     qo = b * strides[0][1] + h * strides[0][2]
@@ -230,7 +238,7 @@ def _dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, walk, sizes, strides, strided, merge,
     dk = dk * scale
     if MERGE:  # plus the global part's gradients of the gathered keys, summed over residues
         dk, dv = _add_gathered(dk, dv, cols, col_ok, b, h, hl, dim, sizes[1], strided, merge)
-    at_g = _at(strides[2], b, h, cols)[:, None] + dim[None, :]
+    at_g = _offsets(strides[2], b, h, cols, dim)
     tl.store(DK + at_g, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + at_g, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 

@@ -12,28 +12,21 @@ The command line is `pretrain_gpt.py`'s, checked by the run's own `check_args`, 
 planner's few flags (`cli.py`). `estimate_memory(args)` is a pure function of the run's
 `PretrainArgs`: a `MemoryEstimate` in bytes, stated part by part where each is computed:
 parameters, gradients and optimizer states per engine (`engines.py`; the plain engine's
-offload: `offload.py`), ZeRO-3's gathered working set, buffers and the verdict (`memory.py`),
-activations tensor by tensor (`activations.py`), each pipeline stage (`stages.py`), the
-largest shape that fits (`largest.py`). bench/results/plan_memory_* compare it with
+offload: `megazoo.offload`, the rules the engine applies too), ZeRO-3's gathered working
+set, buffers and the verdict (`memory.py`), activations tensor by tensor (`activations.py`),
+each pipeline stage (`stages.py`), the largest shape that fits (`largest.py`). bench/results/plan_memory_* compare it with
 measurements.
-
-The package imports its parts on first use, so `megazoo.plan.offload` (which the training
-engine imports) loads without the planner's command line.
 """
-import importlib
+from .activations import block_coefficients, stage_activations
+from .cli import format_table, main
+from .clusters import Cluster, load_cluster
+from .layout import PlanOptions, Resolved, resolve
+from .memory import (GB, RUNTIME_BYTES, MemoryEstimate, activation_bytes, estimate_memory,
+                     stage_parameters)
+from .stages import stage_estimates
+from .timing import StepTime, step_time
 
-_EXPORTS = {
-    "block_coefficients": "activations", "stage_activations": "activations",
-    "format_table": "cli", "main": "cli", "PlanOptions": "layout", "Resolved": "layout",
-    "resolve": "layout", "GB": "memory", "RUNTIME_BYTES": "memory", "MemoryEstimate": "memory",
-    "activation_bytes": "memory", "estimate_memory": "memory", "stage_parameters": "memory",
-    "stage_estimates": "stages", "Cluster": "clusters", "load_cluster": "clusters",
-    "StepTime": "timing", "step_time": "timing",
-}
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+__all__ = ["block_coefficients", "stage_activations", "format_table", "main", "Cluster",
+           "load_cluster", "PlanOptions", "Resolved", "resolve", "GB", "RUNTIME_BYTES",
+           "MemoryEstimate", "activation_bytes", "estimate_memory", "stage_parameters",
+           "stage_estimates", "StepTime", "step_time"]

@@ -15,7 +15,8 @@ import typing
 
 from ..cli_parser import HintingParser
 from ..errors import report_error
-from ..config.flags import args_from_namespace, build_parser, field_docs
+from ..config.flags import (args_from_namespace, build_parser, field_docs, given_fields,
+                            set_fields)
 from ..config.presets import PRESETS
 from ..config.run import PretrainArgs
 from .command import launch_command
@@ -93,11 +94,12 @@ def format_table(name: str, layout: Resolved, est: MemoryEstimate) -> str:
 def _engine(layout) -> str:
     """The engine and its offload, as the table's header says it."""
     if layout.plain_engine:
-        where = "host, what does not fit on disk" if layout.nvme else "host"
-        return "megazoo engine" + (f", {layout.optimizer_offload_fraction:.0%} of the optimizer "
-                                   f"on the {where}" if layout.optimizer_cpu_offload else "")
+        off = layout.optimizer_offload
+        where = "host, what does not fit on disk" if off.disk else "host"
+        return "megazoo engine" + (f", {off.ratio:.0%} of the optimizer on the {where}"
+                                   if off.on else "")
     return (f"{layout.zero_impl} ZeRO-{layout.zero_stage}, offload optimizer="
-            f"{layout.offload_optimizer} param={layout.offload_param}")
+            f"{layout.optimizer_offload.device} param={layout.offload_param}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,27 +181,26 @@ def _default_sequence(ns) -> None:
     """A --model preset's sequence length (its positions) when --seq-length is not given,
     instead of the small default run's 128; with --largest also its other defaults."""
     if ns.largest:
-        for dest, value in LARGEST_DEFAULTS:
-            if not hasattr(ns, dest):
-                setattr(ns, dest, value)
+        for group, values in LARGEST_DEFAULTS.items():
+            set_fields(ns, group, values)
         # the run's checks see the family's smallest shape (the search replaces it)
-        first = family_shapes(ns.model_family, ns.data__seq_length)[0]
+        first = family_shapes(ns.model_family, given_fields(ns, "data")["seq_length"])[0]
         ns.model_name = None
-        for name in ("family", "num_layers", "hidden_size", "num_attention_heads",
-                     "num_key_value_heads", "ffn_hidden_size", "max_position_embeddings"):
-            setattr(ns, "model__" + name, getattr(first, name))
-    if not hasattr(ns, "data__seq_length") and ns.model_name:
-        ns.data__seq_length = PRESETS[ns.model_name].max_position_embeddings
+        set_fields(ns, "model", {name: getattr(first, name) for name in (
+            "family", "num_layers", "hidden_size", "num_attention_heads",
+            "num_key_value_heads", "ffn_hidden_size", "max_position_embeddings")},
+            keep_given=False)
+    if ns.model_name:
+        set_fields(ns, "data", {"seq_length": PRESETS[ns.model_name].max_position_embeddings})
 
 
 def _largest(ns, options: PlanOptions, argv: list[str]) -> int:
     """--largest: search the family, print the answer and its command (0), or why none fits (2)."""
-    if not hasattr(ns, "training__global_batch_size"):
-        ns.training__global_batch_size = ns.training__micro_batch_size * getattr(
-            ns, "parallel__dp", 1)
+    training = given_fields(ns, "training")
+    set_fields(ns, "training", {"global_batch_size": training["micro_batch_size"]
+                                * given_fields(ns, "parallel").get("dp", 1)})
     args = args_from_namespace(ns)
-    pick = args.training.optimizer_cpu_offload and \
-        not hasattr(ns, "training__optimizer_offload_fraction")
+    pick = args.training.optimizer_cpu_offload and "optimizer_offload_fraction" not in training
     best, following = search(args, options, ns.model_family, pick)
     if best is None:
         return report_error(f"no {ns.model_family} shape fits; the smallest: "

@@ -67,7 +67,7 @@ def launch_command(args: PretrainArgs, per_node: int | None = None) -> str:
     """The shell line that launches the run: python for one GPU, else torchrun over the
     layout's GPUs (nodes of `per_node` GPUs where given and exceeded)."""
     par = args.parallel
-    world = par.tp * par.sp * par.pp * (par.dp or 1)
+    world = par.tp * par.sp * par.cp * par.pp * (par.dp or 1)
     if world == 1:
         launch = ["python"]
     elif per_node and world > per_node:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 
 from ..config.model import ModelConfig
-from .offload import pinned
+from ..offload import pinned
 from .tensors import model_tensors
 
 SUB_GROUP_ELEMENTS = 1e9  # DeepSpeed ZeRO-3 sub_group_size default

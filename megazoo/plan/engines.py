@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from ..config.model import ModelConfig
 from .layout import Resolved
 from .deepspeed_host import SUB_GROUP_ELEMENTS, sub_groups, zero3_cpu_offload_host
-from .offload import (GB, HostSplit, bucket_elements_of, check_offload_plan, host_slots,
-                      host_split, offload_bytes, pinned, split_budget)
+from ..offload import (GB, HostSplit, bucket_elements_of, check_offload_plan, host_slots,
+                       host_split, offload_bytes, pinned, split_budget)
 from .tensors import model_tensors
 
 TORCH_HOST_RUNTIME_BYTES = 1.39e9  # host side of a process without DeepSpeed (FSDP2 gpt-1.3b: 23.5 GB)
@@ -62,13 +62,13 @@ def plain_parts(config: ModelConfig, layout: Resolved, n: int, unit: float = 0.0
                        + f" parameters, {'bf16' if grad_b == 2 else 'fp32'} main gradients, fp32 "
                        "masters + AdamW moments"
                        + (f" sharded over dp x sp = {z}" if layout.distributed_optimizer else ""))
-    if layout.optimizer_cpu_offload:
+    if layout.optimizer_offload.on:
         _offload_parts(parts, config, layout, n, shard, grad_b, state_b)
     if layout.gradient_compression is not None and z > 1:
         server = layout.gradient_compression != "topk" and not layout.distributed_optimizer
         parts.optim += 4 * n * (1 + (1 / z if server else 0))
         parts.notes.append(f"gradient compression {layout.gradient_compression}: fp32 residuals")
-    if layout.low_precision and (layout.optimizer_cpu_offload or layout.grads_bf16):
+    if layout.low_precision and (layout.optimizer_offload.on or layout.grads_bf16):
         masters = parts.optim * (4 / state_b)  # the GPU share's initial fp32 masters
         parts.build = max(4 * unit, parts.params + parts.grads + masters)
         parts.host = max(parts.host, 4 * n + TORCH_HOST_RUNTIME_BYTES)
@@ -87,14 +87,15 @@ def _offload_parts(parts: Parts, config: ModelConfig, layout: Resolved, n: int, 
     slots (its buckets, `offload.host_slots`) and where they live (`offload.host_split`:
     with --nvme-path, in memory while they fit the budget, the rest on disk). Both sides
     step with the one-pass kernels: no fp32 gradient scratch (`offload`'s docstring)."""
-    off = offload_bytes(n / shard, fraction=layout.optimizer_offload_fraction,
+    off = offload_bytes(n / shard, fraction=layout.optimizer_offload.ratio,
                         bucket_elements=layout.bucket_elements, grad_bytes=grad_b,
                         state_bytes=state_b)
     parts.optim, parts.buffers = off.gpu_state, off.gpu_buffers
     slots, split = planned_split(config, layout, n)
-    if layout.offload_host_memory is not None:  # the engine's check of the split, same words
+    if layout.optimizer_offload.host_memory is not None:  # the engine's check, same words
         ranks = min(layout.options.gpus_per_node, layout.world_size)
-        check_offload_plan(split.host, 0.0, host_memory=layout.offload_host_memory * GB * ranks,
+        check_offload_plan(split.host, 0.0,
+                           host_memory=layout.optimizer_offload.host_memory * GB * ranks,
                            disk_memory=None, nvme_path="--nvme-path", ranks_per_host=ranks)
     parts.host, parts.disk = split.host + TORCH_HOST_RUNTIME_BYTES, split.disk
     if layout.saves:  # OffloadAdamW.full_state: full flat fp32 masters, m and v
@@ -106,9 +107,9 @@ def _offload_parts(parts: Parts, config: ModelConfig, layout: Resolved, n: int, 
         on_disk = len(slots) - split.memory
         where += (f" ({split.memory} buckets in memory, the last {on_disk} of the forward on "
                   f"disk under --nvme-path: {split.disk / GB:.1f} GB)")
-    elif layout.nvme:
+    elif layout.optimizer_offload.disk:
         where += " (all in memory: --nvme-path holds nothing)"
-    parts.notes.append(f"optimizer offload: {layout.optimizer_offload_fraction:.0%} of the "
+    parts.notes.append(f"optimizer offload: {layout.optimizer_offload.ratio:.0%} of the "
                        f"masters and moments ({state_b} B/param) on {where}")
 
 
@@ -120,9 +121,11 @@ def planned_split(config: ModelConfig, layout: Resolved, n: int) -> tuple[list[f
     z = layout.dp * layout.seq_ranks
     tensors = [t for t, _ in model_tensors(config, layout.tp, config.num_layers // layout.pp,
                                            last=layout.pp == 1)]
-    buckets = bucket_elements_of(tensors, layout.bucket_elements, z)
+    # a tied embedding's copy on a pipeline end waits for its sum: a bucket of its own
+    tied = layout.pp > 1 and config.tie_word_embeddings
+    buckets = bucket_elements_of(tensors, layout.bucket_elements, z, {0} if tied else set())
     shard = z if layout.distributed_optimizer else 1
-    forward = host_slots(buckets, layout.optimizer_offload_fraction, shard)[::-1]
+    forward = host_slots(buckets, layout.optimizer_offload.ratio, shard)[::-1]
     return forward, host_split(forward, split_host_budget(layout, n),
                                grad_bytes=2 if layout.grads_bf16 else 4,
                                param_bytes=layout.param_bytes)
@@ -133,10 +136,10 @@ def split_host_budget(layout: Resolved, n: int) -> float | None:
     engine computes it): --optimizer-offload-host-memory, else this rank's share of
     --host-memory less its runtime; None without the disk tier or a host size (all in
     memory)."""
-    if not layout.nvme:
+    if not layout.optimizer_offload.disk:
         return None
-    if layout.offload_host_memory is not None:
-        return layout.offload_host_memory * GB
+    if layout.optimizer_offload.host_memory is not None:
+        return layout.optimizer_offload.host_memory * GB
     opts = layout.options
     if not opts.host_memory:
         return None
@@ -154,7 +157,7 @@ def deepspeed_parts(config: ModelConfig, layout: Resolved, n: int, grad_b: int) 
     the host (also in fp32 runs), with pinned buffers rounded to powers of two
     (`deepspeed_host`); offloaded ZeRO-3 parameters are one pinned buffer per group."""
     z = layout.dp * layout.seq_ranks
-    stage, ratio = layout.zero_stage, layout.offload_optimizer_ratio
+    stage, ratio = layout.zero_stage, layout.optimizer_offload.ratio
     per = n / z
     state_b = 12 if layout.low_precision else 8
     parts = Parts(params=layout.param_bytes * n / (z if stage == 3 else 1),
@@ -165,7 +168,7 @@ def deepspeed_parts(config: ModelConfig, layout: Resolved, n: int, grad_b: int) 
         parts.params = 0.0
         parts.host = sum(pinned(layout.param_bytes * g) for g in sub_groups(config, layout.tp, z,
                                                                           size=math.inf))
-    if layout.offload_optimizer == "cpu":  # the host keeps an fp32 master copy in fp32 runs too
+    if layout.optimizer_offload.on:  # the host keeps an fp32 master copy in fp32 runs too
         # ZeRO-3 steps its first int((1 - ratio) x count) sub-groups on the GPU (the ratio is
         # 1 below ZeRO-3: the config refuses others)
         on_gpu = int((1 - ratio) * len(groups))
@@ -174,13 +177,13 @@ def deepspeed_parts(config: ModelConfig, layout: Resolved, n: int, grad_b: int) 
         parts.notes.append(f"optimizer offload: fp32 masters + Adam m, v + fp32 grads on the "
                            f"host" + (f", {len(groups) - on_gpu} of {len(groups)} sub-groups"
                                       if ratio < 1 else ""))
-    elif stage >= 1 and layout.offload_optimizer != "nvme":  # torch AdamW (single-tensor) on
+    elif stage >= 1:  # torch AdamW (single-tensor) on
         # a flat fp32 group: sqrt(v), then that / its bias correction, both alive at once
         largest = max(groups) if groups else per
         parts.step = 8 * largest
         parts.notes.append(f"DeepSpeed optimizer step: AdamW temporaries {parts.step / 1e9:.2f} "
                            "GB (8 B x the largest flat group)")
-    if stage == 3 and layout.offload_optimizer != "cpu":
+    if stage == 3 and not layout.optimizer_offload.on:
         parts.grads += 4 * min(per, SUB_GROUP_ELEMENTS)
         parts.notes.append("DeepSpeed ZeRO-3: fp32 gradient buffer of the largest sub-group")
     return parts
@@ -199,7 +202,7 @@ def fsdp2_parts(config: ModelConfig, layout: Resolved, n: int, unit: float = 0.0
     sharded copy of the unit (`unit` elements) `fully_shard` is making."""
     z = layout.dp * layout.seq_ranks
     parts = Parts(params=4 * n / z, grads=4 * n / z, optim=8 * n / z, build=4 * (n + unit / z))
-    if layout.offload_optimizer == "cpu":
+    if layout.optimizer_offload.on:
         shards = _pinned_shards(config, layout.tp, layout.pp, z)
         parts.host = 2 * shards + 8 * n / z + TORCH_HOST_RUNTIME_BYTES
         parts.params = parts.grads = parts.optim = 0.0

@@ -36,9 +36,9 @@ LLAMA_WIDTHS = (2048, 3072, 4096, 5120, 6144, 7168, 8192)
 GPT_WIDTHS = ((768, 12), (1024, 16), (1536, 16), (2048, 16), (2560, 32), (4096, 32),
               (5120, 40), (6144, 48), (8192, 64), (12288, 96))
 FRACTIONS = tuple(i / 20 for i in range(21))
-# What --largest sets when the flag is not given: (namespace dest, value).
-LARGEST_DEFAULTS = (("data__seq_length", 2048), ("training__micro_batch_size", 1),
-                    ("model__recompute", "full"), ("training__bf16", True))
+# What --largest sets when the flag is not given: {config group: {field: value}}.
+LARGEST_DEFAULTS = {"data": {"seq_length": 2048}, "training": {"micro_batch_size": 1, "bf16": True},
+                    "model": {"recompute": "full"}}
 
 
 def family_shapes(family: str, seq_length: int, vocab_size: int | None = None) -> list[ModelConfig]:

@@ -52,6 +52,26 @@ class PlanOptions:
 
 
 @dataclass(frozen=True)
+class OptimizerOffload:
+    """The optimizer state's offload, one record for every engine: DeepSpeed's
+    `offload_optimizer` (its ratio), FSDP2's CPUOffloadPolicy, the plain engine's
+    --optimizer-cpu-offload (--optimizer-offload-fraction, its disk tier)."""
+
+    device: str = "none"
+    """"none" or "cpu" (the planner models host offload only)."""
+    ratio: float = 1.0
+    """Share of the masters and moments on the host."""
+    disk: bool = False
+    """Plain engine with --nvme-path: the host share spills to disk (`offload.host_split`)."""
+    host_memory: float | None = None
+    """Plain engine with the disk tier: --optimizer-offload-host-memory (GB), or None."""
+
+    @property
+    def on(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True)
 class Resolved:
     """The numbers the formulas use (derived from PretrainArgs + PlanOptions by `resolve`)."""
 
@@ -67,8 +87,7 @@ class Resolved:
     recompute: str
     zero_impl: str
     zero_stage: int
-    offload_optimizer: str
-    offload_optimizer_ratio: float
+    optimizer_offload: OptimizerOffload
     offload_param: str
     fsdp_reshard_after_forward: bool
     options: PlanOptions
@@ -78,14 +97,6 @@ class Resolved:
     """Plain engine: masters and moments sharded over dp x sp."""
     gradient_compression: str | None = None
     """Plain engine: topk / 1bit / 2bit (its error-feedback residuals take memory)."""
-    optimizer_cpu_offload: bool = False
-    """Plain engine: masters and moments (a fraction of them) on the host."""
-    optimizer_offload_fraction: float = 1.0
-    """Plain engine: the host's share of the optimizer state."""
-    nvme: bool = False
-    """Plain engine with --optimizer-cpu-offload and --nvme-path: the host's share on disk."""
-    offload_host_memory: float | None = None
-    """Plain engine with the disk tier: --optimizer-offload-host-memory (GB), or None."""
     grads_bf16: bool = False
     """Plain engine: bf16 main gradients (--accumulate-grads-in-bf16)."""
     saves: bool = False
@@ -133,7 +144,8 @@ class Resolved:
 
 
 def _zero(args: PretrainArgs, dp: int) -> tuple[int, str, float, str]:
-    """(stage, optimizer offload, offloaded ratio, parameter offload) the engine will use."""
+    """(stage, optimizer offload, offloaded ratio, parameter offload) the engine will use;
+    the plain engine's optimizer offload: --optimizer-cpu-offload, its fraction."""
     zero = args.zero
     if zero.zero_impl == "deepspeed":
         ds = build_ds_config(args, dp)
@@ -144,7 +156,9 @@ def _zero(args: PretrainArgs, dp: int) -> tuple[int, str, float, str]:
         cpu = "cpu" if "cpu" in (zero.offload_optimizer, zero.offload_param) else "none"
         result = (3, cpu, 1.0, cpu)
     else:
-        result = (0, "none", 1.0, "none")
+        t = args.training
+        result = (0, "cpu" if t.optimizer_cpu_offload else "none",
+                  t.optimizer_offload_fraction if t.optimizer_cpu_offload else 1.0, "none")
     if "nvme" in (result[1], result[3]):
         raise ValueError("the planner models cpu offload only: plan an nvme layout with "
                          "--offload-optimizer cpu / --offload-param cpu (the GPU side is the same)")
@@ -162,16 +176,15 @@ def resolve(args: PretrainArgs, options: PlanOptions | None = None) -> Resolved:
         micro_batch_size=t.micro_batch_size, seq_length=args.data.seq_length,
         num_micro_batches=max(1, t.global_batch_size // (t.micro_batch_size * dp)),
         megatron_sp=par.megatron_sp, recompute=args.model.recompute,
-        zero_impl=args.zero.zero_impl, zero_stage=stage, offload_optimizer=offload_optimizer,
-        offload_optimizer_ratio=ratio, offload_param=offload_param,
+        zero_impl=args.zero.zero_impl, zero_stage=stage, offload_param=offload_param,
+        optimizer_offload=OptimizerOffload(
+            offload_optimizer, ratio, disk=offload_optimizer == "cpu" and args.zero.nvme_path
+            is not None and args.zero.zero_impl == "none",
+            host_memory=t.optimizer_offload_host_memory),
         fsdp_reshard_after_forward=args.zero.fsdp_reshard_after_forward,
         options=options or PlanOptions(), low_precision=t.bf16 or t.fp16,
         distributed_optimizer=t.use_distributed_optimizer,
         gradient_compression=args.compression.algorithm,
-        optimizer_cpu_offload=t.optimizer_cpu_offload,
-        optimizer_offload_fraction=t.optimizer_offload_fraction,
-        nvme=bool(t.optimizer_cpu_offload and args.zero.nvme_path),
-        offload_host_memory=t.optimizer_offload_host_memory,
         grads_bf16=t.accumulate_grads_in_bf16, saves=bool(args.checkpoint.save),
         bucket_elements=t.bucket_elements(dp * par.sp * par.cp), cp=par.cp,
         reduce_bytes=2 if args.compression.communication_data_type in ("bf16", "fp16") else 4,

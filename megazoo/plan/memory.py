@@ -10,7 +10,7 @@ from ..models.params import count_parameters, parameter_parts
 from .activations import stage_activations
 from .engines import Parts, deepspeed_parts, fsdp2_parts, plain_parts
 from .layout import PlanOptions, Resolved, resolve
-from .offload import GB
+from ..offload import GB
 
 BUCKET_ELEMENTS = 5e8  # DeepSpeed reduce_bucket_size / allgather_bucket_size defaults
 RUNTIME_BYTES = 2**30  # CUDA context, cuBLAS / NCCL workspaces

@@ -20,7 +20,7 @@ import argparse
 import copy
 import dataclasses
 
-from ..config.flags import args_from_namespace
+from ..config.flags import args_from_namespace, given_fields, set_fields
 from ..config.model import ModelConfig
 from ..config.presets import PRESETS
 from ..config.run import PretrainArgs
@@ -36,14 +36,14 @@ def plan_args(ns: argparse.Namespace) -> tuple[PretrainArgs, ModelConfig, list[s
         args = args_from_namespace(ns)
         return args, args.model, []
     except ValueError:
-        layers = getattr(ns, "model__num_layers", None) or (
+        layers = given_fields(ns, "model").get("num_layers") or (
             PRESETS[ns.model_name].num_layers if ns.model_name in PRESETS else None)
-        pp = getattr(ns, "parallel__pp", 1) or 1
+        pp = given_fields(ns, "parallel").get("pp", 1) or 1
         if layers is None or pp < 2 or layers % pp == 0 or (layers + 2) % pp \
-                or getattr(ns, "training__num_layers_per_virtual_pipeline_stage", None):
+                or given_fields(ns, "training").get("num_layers_per_virtual_pipeline_stage"):
             raise
     stand_in = copy.copy(ns)
-    stand_in.model__num_layers = layers + 2
+    set_fields(stand_in, "model", {"num_layers": layers + 2}, keep_given=False)
     args = args_from_namespace(stand_in)  # every other check, as the run does them
     config = dataclasses.replace(args.model, num_layers=layers)
     split = stage_layers(layers, pp, 1)

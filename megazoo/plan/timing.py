@@ -231,7 +231,7 @@ def _optimizer(layout: Resolved, cluster: Cluster, rates, params: float) -> floa
     z = layout.dp * layout.seq_ranks
     sharded = (layout.distributed_optimizer if layout.plain_engine else layout.zero_stage >= 1)
     share = params / (z if sharded else 1)
-    off = layout.offload_optimizer_ratio if layout.offload_optimizer == "cpu" else 0.0
+    off = layout.optimizer_offload.ratio if layout.optimizer_offload.on else 0.0
     gpu = (1 - off) * share * rates.adamw_s_per_param + 4.0 * share / rates.copy_bytes_s
     host = off * share * (1 / cluster.host_adam_params_per_s + 6.0 / (cluster.pcie_gb_s * 1e9))
     return gpu + host

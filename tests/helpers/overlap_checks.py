@@ -16,7 +16,7 @@ import torch
 
 from megazoo.config.zero import ZeroConfig
 from megazoo.parallel import ParallelConfig
-from megazoo.plan.offload import host_split
+from megazoo.offload import host_split
 
 from . import ddp_checks as checks
 

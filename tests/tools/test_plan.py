@@ -8,7 +8,7 @@ from megazoo.models import PRESETS, ModelConfig, build_model, count_parameters
 from megazoo.plan import (GB, RUNTIME_BYTES, PlanOptions, activation_bytes, block_coefficients,
                           estimate_memory, stage_parameters)
 from megazoo.plan.engines import TORCH_HOST_RUNTIME_BYTES
-from megazoo.plan.offload import pinned
+from megazoo.offload import pinned
 
 from helpers.run_args import TOY, plan_args
 

@@ -145,17 +145,17 @@ def upcast_scratch_then(flags) -> tuple[float, float]:
     each side; 0 without offload or bf16 gradients). The plan_check rows were measured with
     it; the engine and the plan no longer have it, so the rows are compared with it added."""
     from megazoo.plan.layout import resolve
-    from megazoo.plan.offload import bucket_elements_of, host_slots
+    from megazoo.offload import bucket_elements_of, host_slots
     from megazoo.plan.tensors import model_tensors
 
     args = parse_args(flags)
     args.model = dataclasses.replace(args.model, vocab_size=2048)
     layout = resolve(args, PlanOptions())
-    if not (layout.optimizer_cpu_offload and layout.grads_bf16):
+    if not (layout.plain_engine and layout.optimizer_offload.on and layout.grads_bf16):
         return 0.0, 0.0
     tensors = [numel for numel, _ in model_tensors(args.model, 1)]
     buckets = bucket_elements_of(tensors, layout.bucket_elements, 1)
-    host = host_slots(buckets, layout.optimizer_offload_fraction, 1)
+    host = host_slots(buckets, layout.optimizer_offload.ratio, 1)
     return 4.0 * max(buckets[len(host):], default=0), 4.0 * max(host, default=0)
 
 

@@ -12,7 +12,7 @@ from megazoo.plan.largest import family_shapes, search
 from megazoo.plan.layout import PlanOptions, corpus_vocab
 from megazoo.plan.memory import estimate_memory
 from megazoo.models.build import build_model
-from megazoo.plan.offload import (HOST_RESERVE, bucket_elements_of, check_nvme_path,
+from megazoo.offload import (HOST_RESERVE, bucket_elements_of, check_nvme_path,
                                   check_offload_plan, host_slots, host_split, offload_bytes,
                                   pinned, split_budget)
 from megazoo.plan.tensors import model_tensors

@@ -125,7 +125,7 @@ def test_host_state_comes_after_the_gpu_shares_initial_values_are_gone(monkeypat
     opt = engine.optimizer
     host_params = {id(p) for s in opt.slots if s.host for p in s.bucket.params}
     gpu_params = {id(p) for s in opt.slots if not s.host for p in s.bucket.params}
-    on_host = [left for store, left in seen if store is opt.stores[True].memory]
+    on_host = [left for store, left in seen if store is opt.stores.host.memory]
     assert gpu_params and len(on_host) == sum(s.host for s in opt.slots) > 1
     assert all(left <= host_params for left in on_host), "GPU share's values still held"
     assert not held["values"]  # every value dropped once the masters hold it

@@ -87,13 +87,13 @@ def _run_on_disk(path: str, nvme: str, host_gb: float | None = None,
     engine.save(path, {"iteration": 3})
     opt = engine.optimizer
     return {"losses": losses, "params": checks.full_params(path), "split": opt.split,
-            "host": len(opt.host_order), "jobs": opt._host_jobs(), "store": opt.stores[True]}
+            "host": len(opt.host_order), "jobs": opt._host_jobs(), "store": opt.stores.host}
 
 
 def split_budgets() -> dict:
     """--optimizer-offload-host-memory (GB) that puts every host bucket on disk, about half,
     none: the smallest budgets `host_split` (the engine's rule) gives each count for."""
-    from megazoo.plan.offload import host_split
+    from megazoo.offload import host_split
 
     engine, _ = checks.engine_for(ParallelConfig(), **offload(0.5))
     sizes = [s.numel for s in engine.optimizer.host_order]

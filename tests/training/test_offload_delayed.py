@@ -28,7 +28,7 @@ def delayed(fraction: float, on: bool = True, start: int = 0) -> dict:
 def _host_masters(opt) -> dict:
     """{slot index: the host slot's fp32 masters now} (after the host step in flight)."""
     getattr(opt, "_wait_host_steps", opt.wait_params)()
-    return {s.index: opt.stores[True].acquire(s.index)["master"].clone()
+    return {s.index: opt.stores.host.acquire(s.index)["master"].clone()
             for s in opt.slots if s.host}
 
 
@@ -53,7 +53,7 @@ def test_host_share_runs_one_update_behind_and_the_gpu_share_does_not(start):
                 assert torch.equal(have, behind[s.index]), (t, s.index)
                 assert not late or not torch.equal(have, masters[t][s.index])
             else:
-                assert torch.equal(have, opt.stores[False].acquire(s.index)["master"]), t
+                assert torch.equal(have, opt.stores.gpu.acquire(s.index)["master"]), t
 
 
 def test_the_first_update_is_the_undelayed_one_and_the_next_gradient_is_taken_before_it():

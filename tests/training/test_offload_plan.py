@@ -4,7 +4,7 @@ with a pinned --optimizer-offload-host-memory), planned with `estimate_memory` f
 arguments and trained one step.
 
 Tolerance: none on what both sides compute. The planner and the engine apply one function
-(`plan.offload.host_split`) to the same buckets, so the host slots, which of them live on
+(`offload.host_split`) to the same buckets, so the host slots, which of them live on
 disk, the host bytes and each file's size must agree exactly (the files are 12 B per element
 padded to 4 KiB). The blocks a file takes (st_blocks) may only exceed its size up to the
 filesystem's allocation unit: the store preallocates and writes every byte, so a file that
@@ -24,7 +24,7 @@ from megazoo.parallel import ParallelConfig, ParallelState
 from megazoo.plan.engines import planned_split
 from megazoo.plan.layout import PlanOptions, resolve
 from megazoo.plan.memory import estimate_memory
-from megazoo.plan.offload import disk_span, host_split
+from megazoo.offload import disk_span, host_split
 from megazoo.training.backends.plain import PlainEngine
 
 from helpers import ddp_checks as checks
@@ -67,7 +67,7 @@ def split_run(nvme: str):
                          state, args)
     loss = checks.train(engine, state, range(1))[0]  # every disk file written once
     engine.optimizer.wait_params()  # the worker's host steps (the store is one thread's)
-    engine.optimizer.stores[True].flush()
+    engine.optimizer.stores.host.flush()
     assert math.isfinite(loss)
     return est, forward, plan, engine.optimizer
 
@@ -78,12 +78,12 @@ def test_planned_disk_bytes_are_the_files_of_a_split_run(tmp_path):
     """The planner's host slots, split, host bytes and disk bytes are the engine's, and the
     disk bytes are the files it writes (no fp32 scratch: the one-pass kernel)."""
     est, forward, plan, opt = split_run(str(tmp_path / "nvme"))
-    assert opt._adamw[True].scratch_bytes(torch.bfloat16) == 0 and opt._adamw[True].scratch is None
+    assert opt._adamw.host.scratch_bytes(torch.bfloat16) == 0 and opt._adamw.host.scratch is None
     # the same host slots, the same split, the same buckets on disk (the last of the forward)
     assert [s.numel for s in opt.host_order] == forward
     assert (opt.split.memory, opt.split.host, opt.split.disk) == (plan.memory, plan.host,
                                                                   plan.disk)
-    store = opt.stores[True]
+    store = opt.stores.host
     assert [store.on_disk(s.index) for s in opt.host_order] == \
         [False] * plan.memory + [True] * (len(forward) - plan.memory)
     # shard i is host slot i (bucket order: the reverse of the forward)
@@ -111,9 +111,9 @@ def test_torch_fallback_splits_with_the_scratch_it_allocates(tmp_path, monkeypat
     finally:
         monkeypatch.delenv("MEGAZOO_NO_HOST_KERNEL")
         hk._load.cache_clear()
-    scratch = opt._adamw[True].scratch
+    scratch = opt._adamw.host.scratch
     assert scratch is not None and scratch.dtype == torch.float32
-    assert 4 * scratch.numel() == opt._adamw[True].scratch_bytes(torch.bfloat16) == 4 * max(forward)
+    assert 4 * scratch.numel() == opt._adamw.host.scratch_bytes(torch.bfloat16) == 4 * max(forward)
     budget = opt.plan.host_memory
     assert opt.split == host_split(forward, budget, grad_bytes=2, param_bytes=2,
                                    scratch=4 * max(forward))

@@ -19,24 +19,55 @@ DeepSpeed's CPUAdam on the GPU host.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 from torch.optim.adamw import adamw
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
+from ...offload.buckets import host_share as share_of
+
 NAMES = ("master", "exp_avg", "exp_avg_sq")
+HOST, GPU = "host", "gpu"  # the two places a slot's state lives
+T = TypeVar("T")
+
+
+@dataclass
+class Sides(Generic[T]):
+    """One value for each side, by name: `sides[slot.side]`, `sides.host`, `sides.gpu`."""
+
+    host: T
+    gpu: T
+
+    def __getitem__(self, side: str) -> T:
+        if side not in (HOST, GPU):
+            raise KeyError(f"a side is {HOST!r} or {GPU!r}, got {side!r}")
+        return self.host if side == HOST else self.gpu
+
+    def both(self) -> tuple[T, T]:
+        return self.host, self.gpu
+
+
+@dataclass
+class DelayedUpdate:
+    """A host slot's state under the delayed update (`delayed_offload.py`)."""
+
+    stale: bool = False
+    """The host has (or is computing) an update not sent up yet."""
+    upload: object = None
+    """The worker's job sending the last update's parameters up (a Future), or None."""
 
 
 @dataclass
 class Slot:
     """One bucket's shard of the optimizer: flat range [lo, hi), its parameters' pieces
-    (start, end, decayed) in shard coordinates, and where its state lives."""
+    (start, end, decayed) in shard coordinates, and where its state lives (HOST or GPU)."""
 
     bucket: object
     lo: int
     hi: int
     pieces: list
-    host: bool
+    side: str
     index: int = -1
     """Position in the state store of its place (host or GPU)."""
     steps: dict = field(default_factory=dict)
@@ -49,33 +80,29 @@ class Slot:
     future: object = None
     gather: object = None
     pending: bool = False
-    stale: bool = False
-    """Delayed update: the host has (or is computing) an update not sent up yet."""
-    upload: object = None
-    """Delayed update: the worker's job sending the last update's parameters up."""
+    delayed: DelayedUpdate | None = None
+    """The delayed update's state (host slots of `DelayedOffloadAdamW` only)."""
 
     @property
     def numel(self) -> int:
         return self.hi - self.lo
 
+    @property
+    def host(self) -> bool:
+        """Whether the state lives on the host."""
+        return self.side == HOST
+
 
 def host_share(buckets, fraction: float) -> set[int]:
-    """Indices of the buckets whose state goes to the host: the lowest indices first (the
-    parameters are laid out in reverse, so those are the last the forward uses and the ones
-    it can wait for longest), each taken while that brings the share nearer `fraction`."""
-    target, taken, out = fraction * sum(b.numel for b in buckets), 0, set()
-    for b in buckets:
-        if taken + b.numel / 2 > target:
-            break
-        out.add(b.index)
-        taken += b.numel
-    return out
+    """Indices of the buckets whose state goes to the host (`offload.buckets.host_share`, the
+    rule the planner applies)."""
+    return {buckets[i].index for i in share_of([b.numel for b in buckets], fraction)}
 
 
 def bucket_slots(buffers, fraction: float) -> list[Slot]:
     """One Slot per bucket of `buffers`, its shard range this rank's (`shard_ranges`)."""
     host = host_share(buffers.buckets, fraction)
-    slots, counts = [], {True: 0, False: 0}
+    slots, counts = [], {HOST: 0, GPU: 0}
     for bucket, (lo, hi) in zip(buffers.buckets, buffers.shard_ranges()):
         pieces = [(a - lo, b - lo, p.ndim >= 2) for p, a, b in buffers.pieces(bucket, lo, hi)]
         on_host = bucket.index in host
@@ -83,8 +110,9 @@ def bucket_slots(buffers, fraction: float) -> list[Slot]:
         device = torch.device("cpu") if on_host else buffers.param_data.device
         steps = {decay: [torch.zeros((), dtype=torch.float32, device=device)
                          for *_, d in pieces if d is decay] for decay in (True, False)}
-        slots.append(Slot(bucket, lo, hi, pieces, on_host, index=counts[on_host], steps=steps))
-        counts[on_host] += 1
+        side = HOST if on_host else GPU
+        slots.append(Slot(bucket, lo, hi, pieces, side, index=counts[side], steps=steps))
+        counts[side] += 1
     return slots
 
 

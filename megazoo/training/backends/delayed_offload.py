@@ -27,37 +27,49 @@ from __future__ import annotations
 
 import torch
 
+from .cpu_offload import DelayedUpdate
 from .offload_optimizer import OffloadAdamW
 
 
 class DelayedOffloadAdamW(OffloadAdamW):
-    """`OffloadAdamW` whose host share lands one step late; see the module docstring."""
+    """`OffloadAdamW` whose host share lands one step late; see the module docstring. Each
+    host slot carries its `DelayedUpdate` (an update waiting to go up, and its upload job)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for slot in self.host_order:
+            slot.delayed = DelayedUpdate()
 
     @torch.no_grad()
     def step(self, lr: float, grad_divisor: float = 1.0) -> None:
         if self.step_count < self.plan.delay_start:  # the warm-up: at once
             return super().step(lr, grad_divisor)
-        for slot in self.host_order:
-            if not slot.sent:
-                self._send(slot.bucket)  # (waits for that slot's last host step)
+        self._send_unsent()  # (each waits for that slot's last host step)
         self._wait_host_steps()
         after = self._begin_step(grad_divisor)
         for slot in self.host_order:  # the last update goes up first (jobs run in order)
             self._send_up(slot, after)
         for slot, nxt in self._host_jobs():
-            slot.sent, slot.stale = False, True
-            slot.future = self._worker.submit(self._host_step, slot, nxt, lr, False)
+            slot.sent, slot.delayed.stale = False, True
+            slot.future = self._worker.submit(self._host_step, slot, nxt, lr, None, False)
         self._device_steps(lr)
 
     def _send_up(self, slot, after) -> None:
         """Queue the upload of the slot's last update (if one waits)."""
-        if slot.stale:
-            slot.stale, slot.pending = False, True
-            slot.upload = self._worker.submit(self._upload, slot, after)
+        if slot.delayed.stale:
+            slot.delayed.stale, slot.pending = False, True
+            slot.delayed.upload = self._worker.submit(self._upload, slot, after)
+
+    def _wait_slot(self, slot, host_step: bool = True) -> None:
+        """The slot's upload job first, then as `OffloadAdamW._wait_slot`."""
+        if slot.delayed is not None and slot.delayed.upload is not None:
+            slot.delayed.upload.result()
+            slot.delayed.upload = None
+        super()._wait_slot(slot, host_step)
 
     def _upload(self, slot, after) -> None:
         """The slot's masters through the next ring buffer up to the device after `after`."""
-        store = self.stores[True]
+        store = self.stores.host
         ring = self._ring(slot)
         ring[1].copy_(store.acquire(slot.index)["master"])
         self._send_ring(slot, ring, after)

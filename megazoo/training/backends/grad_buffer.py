@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...offload.buckets import bucket_spans
 from ...parallel.state import ParallelState
 
 
@@ -68,28 +69,19 @@ class Bucket:
 
 
 def _layout(params: list, bucket_numel: int, pad_to: int, deferred_ids: set) -> tuple:
-    """Offsets of `params` (in the given order) and the buckets, padded to `pad_to`."""
-    offsets, buckets, current, start, pos = {}, [], [], 0, 0
-
-    def close(deferred: bool = False):
-        nonlocal current, start, pos
-        if not current:
-            return
-        pos = start + -(-(pos - start) // pad_to) * pad_to
-        buckets.append(Bucket(len(buckets), start, pos, current, deferred))
-        current, start = [], pos
-
-    for p in params:
-        alone = id(p) in deferred_ids
-        if alone:
-            close()
-        offsets[id(p)] = pos
-        current.append(p)
-        pos += p.numel()
-        if alone or pos - start >= bucket_numel:
-            close(alone)
-    close()
-    return offsets, buckets, pos
+    """Offsets of `params` (in the given order) and the buckets, padded to `pad_to`
+    (`offload.buckets.bucket_spans`: the rule the planner applies too)."""
+    deferred = {i for i, p in enumerate(params) if id(p) in deferred_ids}
+    spans = bucket_spans([p.numel() for p in params], bucket_numel, pad_to, deferred)
+    offsets, buckets = {}, []
+    for span in spans:
+        pos = span.start
+        for p in params[span.first:span.stop]:
+            offsets[id(p)] = pos
+            pos += p.numel()
+        buckets.append(Bucket(len(buckets), span.start, span.end, params[span.first:span.stop],
+                              span.deferred))
+    return offsets, buckets, spans[-1].end if spans else 0
 
 
 class GradBuffer:

@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from ...parallel.collectives import all_gather_flat
-from ...plan.offload import STORE_SLOTS, UP_BUFFERS
-from .cpu_offload import NAMES, ResidentStore, SlotAdamW, Transfers, bucket_slots
+from ...offload.bytes import STORE_SLOTS, UP_BUFFERS
+from .cpu_offload import NAMES, ResidentStore, Sides, SlotAdamW, Transfers, bucket_slots
 from .grad_buffer import GradBuffer
 from .lean_build import fill_flat_
 from .master_optimizer import hook_bucket_waits
@@ -59,20 +59,21 @@ class OffloadAdamW:
         self.host_order = [s for s in self.order if s.host]
         host = [s for s in self.slots if s.host]
         self.host_numel = sum(s.numel for s in host)
-        self._adamw = {host: SlotAdamW(torch.device("cpu") if host else self.device,
-                                       max((x.numel for x in self.slots if x.host == host),
-                                           default=0), kernel=host or self.copies.cuda)
-                       for host in (True, False)}  # (the GPU share's kernel: CUDA only)
+        gpu = [s for s in self.slots if not s.host]
+        self._adamw = Sides(  # (the GPU share's kernel: CUDA only)
+            host=SlotAdamW(torch.device("cpu"), max((x.numel for x in host), default=0),
+                           kernel=True),
+            gpu=SlotAdamW(self.device, max((x.numel for x in gpu), default=0),
+                          kernel=self.copies.cuda))
         store, self.split = host_store(plan, host, pin=self.copies.pin,
                                        rank=buffers.state.global_rank,
                                        grad_bytes=buffers.main_grad.element_size(),
                                        param_bytes=data.element_size(), initial=initial,
                                        numel=buffers.numel,
-                                       scratch=self._adamw[True].scratch_bytes(
+                                       scratch=self._adamw.host.scratch_bytes(
                                            buffers.main_grad.dtype))
-        self.stores = {True: store,
-                       False: ResidentStore([s.numel for s in self.slots if not s.host],
-                                            self.device, pin=False)}
+        self.stores = Sides(host=store, gpu=ResidentStore([s.numel for s in gpu], self.device,
+                                                          pin=False))
         self._initial = {}  # GPU slots: fp32 initial masters until their state exists
         # split: host gradients go down in their host step, through one buffer (host_split)
         self._late = bool(self.split.late and host)
@@ -84,13 +85,13 @@ class OffloadAdamW:
                 if slot.host:
                     slot.grad = shared[:slot.numel] if self._late else \
                         self.copies.host_empty(slot.numel, buffers.main_grad.dtype)
-        self.stores[True].flush()
+        self.stores.host.flush()
         # parameters go up through a small ring of staging buffers (an upload takes ~ms)
         largest = max((s.numel for s in host), default=0)
         self._up = [self.copies.host_empty(largest, data.dtype) for _ in range(UP_BUFFERS)]
         self._up_events, self._up_next = [None] * UP_BUFFERS, 0
-        self._divisor = {True: torch.ones((), dtype=torch.float32),
-                         False: torch.ones((), dtype=torch.float32, device=self.device)}
+        self._divisor = Sides(host=torch.ones((), dtype=torch.float32),
+                              gpu=torch.ones((), dtype=torch.float32, device=self.device))
         self.overlap_param_gather = cfg.overlap_param_gather and buffers.shard
         self.step_count = 0
         threads = torch.get_num_threads()
@@ -110,7 +111,7 @@ class OffloadAdamW:
             self._fill(self._initial[slot.index], slot, data, initial)
             return
         self._fill(self._acquire(slot)["master"], slot, data, initial)  # (moments start at 0)
-        self.stores[True].release(slot.index)
+        self.stores.host.release(slot.index)
 
     def _fill(self, dst: torch.Tensor, slot, data: torch.Tensor, initial: dict | None) -> None:
         if initial is None:
@@ -122,7 +123,7 @@ class OffloadAdamW:
 
     # -- state access -----------------------------------------------------------------------
     def _acquire(self, slot) -> dict:
-        state = self.stores[slot.host].acquire(slot.index)
+        state = self.stores[slot.side].acquire(slot.index)
         if not slot.host and slot.index in self._initial:
             state["master"].copy_(self._initial.pop(slot.index))
         return state
@@ -144,14 +145,20 @@ class OffloadAdamW:
         slot.d2h = self.copies.to_host(slot.grad, self.buffers.main_grad[slot.lo:slot.hi])
         slot.sent = True
 
+    def _send_unsent(self) -> None:
+        """Send down the host slots' gradients that have not left yet (a bucket finished
+        without the overlap, or late), in forward order."""
+        for slot in self.host_order:
+            if not slot.sent:
+                self._send(slot.bucket)
+
     # -- the step ---------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, lr: float, grad_divisor: float = 1.0) -> None:
         self.wait_params()
         after = self._begin_step(grad_divisor)
+        self._send_unsent()
         for slot in self.host_order:
-            if not slot.sent:
-                self._send(slot.bucket)
             slot.sent, slot.pending = False, True
         jobs = self._host_jobs()
         if self._worker is not None:  # the host starts first, the GPU share meanwhile
@@ -166,7 +173,7 @@ class OffloadAdamW:
     def _begin_step(self, grad_divisor: float):
         """Count the step, set its divisor; an event where backward is done with the parameters."""
         self.step_count += 1
-        for divisor in self._divisor.values():
+        for divisor in self._divisor.both():
             divisor.fill_(grad_divisor)
         return self.copies.mark()
 
@@ -174,7 +181,7 @@ class OffloadAdamW:
         """(host slot, the disk slots to start reading as it steps) in forward order. The
         disk slots come last and stream through STORE_SLOTS staging slots: the memory slots
         start reading the first of them as the host step starts, each disk slot the next."""
-        on_disk = self.stores[True].on_disk
+        on_disk = self.stores.host.on_disk
         disk = [s for s in self.host_order if on_disk(s.index)]
         ahead = {id(s): disk[k + 1:k + 2] for k, s in enumerate(disk)}
         return [(s, ahead.get(id(s), disk[:STORE_SLOTS])) for s in self.host_order]
@@ -185,16 +192,17 @@ class OffloadAdamW:
                 self._device_step(slot, lr)
 
     def _device_step(self, slot, lr: float) -> None:
-        self._adamw[False](self._acquire(slot), self.buffers.main_grad[slot.lo:slot.hi], slot,
-                           lr, self.cfg, self._divisor[False],
-                           self.buffers.param_data[slot.lo:slot.hi], step=self.step_count)
+        self._adamw.gpu(self._acquire(slot), self.buffers.main_grad[slot.lo:slot.hi], slot,
+                        lr, self.cfg, self._divisor.gpu,
+                        self.buffers.param_data[slot.lo:slot.hi], step=self.step_count)
         self._gather(slot, async_op=self.overlap_param_gather)
 
-    def _host_step(self, slot, nxt: list, lr: float, after) -> None:
+    def _host_step(self, slot, nxt: list, lr: float, after, send_up: bool = True) -> None:
         """On the host (the worker thread with overlap): start reading the disk slots `nxt`,
-        wait for the gradient, step, stage the new parameters and send them up once the
-        compute stream has passed `after`."""
-        store = self.stores[True]
+        wait for the gradient, step, stage the new parameters and, with `send_up`, send them
+        up once the compute stream has passed `after` (an event; None: at once). The delayed
+        update sends them later (`send_up` False)."""
+        store = self.stores.host
         state = store.acquire(slot.index)
         for later in nxt:  # the disk store reads them while this bucket steps
             store.prefetch(later.index)
@@ -203,9 +211,9 @@ class OffloadAdamW:
             slot.d2h = self.copies.to_host(slot.grad, self.buffers.main_grad[slot.lo:slot.hi],
                                            after)
         self.copies.host_waits(slot.d2h)
-        ring = self._ring(slot) if after is not False else None  # (False: the delayed
-        self._adamw[True](state, slot.grad, slot, lr, self.cfg,  # update sends them later)
-                          self._divisor[True], None if ring is None else ring[1])
+        ring = self._ring(slot) if send_up else None
+        self._adamw.host(state, slot.grad, slot, lr, self.cfg, self._divisor.host,
+                         None if ring is None else ring[1])
         if ring is not None:
             self._send_ring(slot, ring, after)
         store.release(slot.index)
@@ -236,13 +244,11 @@ class OffloadAdamW:
         slot.gather = handle if async_op else None
 
     def _wait_slot(self, slot, host_step: bool = True) -> None:
-        """Wait for the slot's upload job (delayed update), its host step unless not
-        `host_step`, then its parameters' copy up and all-gather."""
-        for name in ("upload", "future") if host_step else ("upload",):
-            job = getattr(slot, name)
-            if job is not None:
-                job.result()
-                setattr(slot, name, None)
+        """Wait for the slot's host step unless not `host_step`, then its parameters' copy up
+        and all-gather."""
+        if host_step and slot.future is not None:
+            slot.future.result()
+            slot.future = None
         if slot.pending:
             slot.pending = False
             self.copies.device_waits(slot.h2d)
@@ -275,7 +281,7 @@ class OffloadAdamW:
                 mine.copy_(state[k])
                 all_gather_flat(whole, mine, group=self.buffers.group.group)
                 out[k][b.start:b.end].copy_(whole)
-            self.stores[slot.host].release(slot.index, write=False)
+            self.stores[slot.side].release(slot.index, write=False)
         return out
 
     @torch.no_grad()
@@ -290,11 +296,11 @@ class OffloadAdamW:
                 else:
                     state[k].zero_()  # weights only: a fresh optimizer
             self.buffers.param_data[slot.lo:slot.hi].copy_(state["master"])
-            self.stores[slot.host].release(slot.index)
+            self.stores[slot.side].release(slot.index)
             for t in slot.steps[True] + slot.steps[False]:
                 t.fill_(float(step))
             self._gather(slot, async_op=False)
-        self.stores[True].flush()
+        self.stores.host.flush()
         self.step_count = step
 
     @property

@@ -36,7 +36,7 @@ from .delayed_offload import DelayedOffloadAdamW
 from .master_optimizer import MOMENTS, MasterAdamW
 from .offload_optimizer import OffloadAdamW
 from ...config.offload import OffloadPlan, plain_offload
-from ...plan.offload import check_nvme_path
+from ...offload.checks import check_nvme_path
 from ..scaler import DynamicLossScaler
 
 

@@ -7,12 +7,12 @@ host and the disk before training.
     store.acquire(i) / store.prefetch(i) / store.release(i) / store.flush()
     store.on_disk(i)                 # whether host slot i streams from disk
 
-The rule is `plan.offload.host_split`, the one the planner applies: with the disk tier, the
+The rule is `offload.bytes.host_split`, the one the planner applies: with the disk tier, the
 host slots the forward uses first keep their state in memory while it fits the host budget,
 the rest (the last of the forward) live on disk; everything in memory when it all fits. The
 budget: --optimizer-offload-host-memory, or this rank's share of the host's available
 memory at start (MemAvailable, plus the fp32 initial values the masters' fill frees, over the
-ranks on this host) less `plan.offload.HOST_RESERVE` and, when the run saves, the full fp32
+ranks on this host) less `offload.bytes.HOST_RESERVE` and, when the run saves, the full fp32
 state its checkpoint gathers (`split_budget`). `python -m megazoo.plan ... --host-memory GB`
 prints the same split for a host of that size.
 """
@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 import os
 
-from ...plan.offload import (check_nvme_path, check_offload_plan, host_memory_bytes,
-                             gb_text, host_split, split_budget)
+from ...offload.bytes import host_split, split_budget
+from ...offload.checks import check_nvme_path, check_offload_plan, gb_text, host_memory_bytes
 from .cpu_offload import ResidentStore
 from .lean_build import held_bytes
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ...plan.offload import DISK_ALIGN, STORE_SLOTS
+from ...offload.bytes import DISK_ALIGN, STORE_SLOTS
 from .cpu_offload import NAMES
 from .store_folder import claim_folder
 

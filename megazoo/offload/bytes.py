@@ -1,6 +1,6 @@
-"""Optimizer offload in the plain engine: where its bytes go (GPU, host, disk), and the checks
-a run makes before training (an unwritable `--nvme-path`, a host or disk too small: one line
-each, naming the numbers). The engine and the planner's estimate both use this one model.
+"""Optimizer offload in the plain engine: where its bytes go (GPU, host, disk). The engine
+(`training/backends`) and the planner's estimate (`plan/engines.py`) both use this one model;
+the checks a run makes before training are `checks.py`, the buckets `buckets.py`.
 
 The model (`--optimizer-cpu-offload`, Megatron-core's flags; S = the parameters whose
 optimizer state this rank holds: all of its stage, / (dp x sp) with --use-distributed-optimizer):
@@ -36,9 +36,6 @@ elements), capped at S.
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 
 from ..config.offload import check_offload_fraction
@@ -47,9 +44,9 @@ GB = 1e9
 STATE_BYTES = 12  # fp32 master + AdamW m, v per parameter
 TRANSFER_BUCKETS = 2  # bf16 copies of fp32 gradient buckets on the GPU
 WIRE_BYTES = 2  # bf16 gradients down, bf16 parameters up
-UP_BUFFERS = 4  # the engine's ring of pinned parameter uploads (offload_optimizer reads it)
-STORE_SLOTS = 2  # the disk tier's staging slots (NvmeStateStore's default reads it)
-DISK_ALIGN = 4096  # the disk tier pads each file to this (state_store.ALIGN reads it)
+UP_BUFFERS = 4  # the engine's ring of pinned parameter uploads
+STORE_SLOTS = 2  # the disk tier's staging slots (NvmeStateStore's default)
+DISK_ALIGN = 4096  # the disk tier pads each file to this (state_store.ALIGN)
 HOST_RESERVE = 4e9  # host bytes the split leaves free for everything else the run allocates
 
 
@@ -120,7 +117,8 @@ def host_split(slots: list[float], budget: float | None, *, grad_bytes: int,
     instead of one each (the next backward waits for the host step anyway: its forward
     needs the new parameters); the disk tier's STORE_SLOTS staging slots (pageable too) for
     the largest slot are set aside; and slots stay in memory, in forward order, while they
-    fit what is left: the first that does not and every later one go to disk. Disk slots are thus the last the forward uses: the host step
+    fit what is left: the first that does not and every later one go to disk. Disk slots are
+    thus the last the forward uses: the host step
     reaches them last and starts reading them as it starts. `late_grads` False (the delayed
     update, whose host step overlaps the next backward): every slot keeps its own landing
     buffer."""
@@ -147,79 +145,3 @@ def split_budget(available: float, saved_numel: float = 0.0) -> float:
     HOST_RESERVE, and, for a run that saves, the full fp32 masters and moments its
     checkpoint gathers (`saved_numel` elements, STATE_BYTES each)."""
     return available - HOST_RESERVE - STATE_BYTES * saved_numel
-
-
-def bucket_elements_of(tensors: list[int], bucket_elements: int, pad_to: int) -> list[int]:
-    """The engine's gradient buckets (`grad_buffer._layout`): the parameters in reverse, each
-    bucket closed once it holds `bucket_elements`, padded to a multiple of `pad_to` (dp x sp)."""
-    out, current = [], 0
-    for numel in reversed(tensors):
-        current += numel
-        if current >= bucket_elements:
-            out.append(-(-current // pad_to) * pad_to)
-            current = 0
-    return out + ([-(-current // pad_to) * pad_to] if current else [])
-
-
-def host_slots(buckets: list[int], fraction: float, shard: int) -> list[float]:
-    """Elements of each bucket whose state goes to the host (`cpu_offload.host_share`: the
-    first buckets while that brings the share nearer `fraction`), / `shard` per rank."""
-    target, taken, out = fraction * sum(buckets), 0, []
-    for numel in buckets:
-        if taken + numel / 2 > target:
-            break
-        out.append(numel / shard)
-        taken += numel
-    return out
-
-
-def check_nvme_path(path: str) -> float:
-    """Create `path` if needed, check that a file can be written there, and return the free
-    bytes of its file system; ValueError naming the path otherwise."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".megazoo-write-test"):
-            pass
-        return float(shutil.disk_usage(path).free)
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise ValueError(f"--nvme-path {path} is not a writable folder ({reason}): pass a "
-                         "folder on a local disk you can write to") from None
-
-
-def host_memory_bytes() -> float | None:
-    """Memory the host can give this process now (Linux MemAvailable), None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def check_offload_plan(host_needed: float, disk_needed: float, *, host_memory: float | None,
-                       disk_memory: float | None, nvme_path: str | None = None,
-                       ranks_per_host: int = 1) -> None:
-    """ValueError (one line, the numbers in GB) when the host or the disk cannot hold what the
-    plan puts there; `host_memory` / `disk_memory` None: not checked. `host_needed` and
-    `disk_needed` are one rank's; `ranks_per_host` ranks share the host and the disk."""
-    host_all, disk_all = host_needed * ranks_per_host, disk_needed * ranks_per_host
-    ranks = f" ({ranks_per_host} ranks x {gb_text(host_needed)} GB)" if ranks_per_host > 1 else ""
-    if host_memory is not None and host_all > host_memory:
-        advice = ("pass --nvme-path DIR to keep the optimizer state on disk" if not nvme_path
-                  else "use a smaller model or more GPUs")
-        raise ValueError(f"the plan needs {gb_text(host_all)} GB of host memory{ranks} but "
-                         f"{gb_text(host_memory)} GB is available: lower "
-                         f"--optimizer-offload-fraction (more state on the GPU) or {advice}")
-    if disk_all > 0 and disk_memory is not None and disk_all > disk_memory:
-        where = f"under --nvme-path {nvme_path}" if nvme_path else "on the disk"
-        raise ValueError(f"the plan needs {gb_text(disk_all)} GB {where} but "
-                         f"{gb_text(disk_memory)} GB is free: free space there, point "
-                         "--nvme-path at a larger disk, or lower --optimizer-offload-fraction")
-
-
-def gb_text(nbytes: float) -> str:
-    """GB with one decimal, or three significant digits below 0.1 GB (no "0.0 GB")."""
-    return f"{nbytes / GB:.1f}" if nbytes >= 0.1 * GB else f"{nbytes / GB:.3g}"
