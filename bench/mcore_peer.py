@@ -34,8 +34,11 @@ import torch.distributed as dist
 
 from bench.train_bench import SHAPES
 
-SHAPES = {**SHAPES, "tiny-llama": dict(family="llama", layers=4, hidden=64, heads=4,
-                                       kv_heads=2, ffn=128, seq=64, micro=1)}
+SHAPES = {**SHAPES,  # the LLaMA-8B-like rows, and its tiny stand-in for dry runs
+          "llama-8b-8l": dict(family="llama", layers=8, hidden=4096, heads=32, kv_heads=8,
+                              ffn=14336, seq=4096, micro=1),
+          "tiny-llama": dict(family="llama", layers=4, hidden=64, heads=4, kv_heads=2, ffn=128,
+                             seq=64, micro=1)}
 VOCAB = 2048  # megazoo's rows train on the default corpus's 2,048-token vocabulary
 
 
