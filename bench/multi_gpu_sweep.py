@@ -59,8 +59,9 @@ def megazoo_flags(shape_name: str, cfg, tp: int, pp: int, vpp: int, own) -> list
         str(BATCHES[shape_name]), "--train-iters", str(cfg.iters),
         "--log-interval", str(cfg.log_interval), "--eval-iters", "0"]
     flags += [] if cfg.dry_run else ["--bf16"]
-    if own is not None:
-        return flags + own
+    if own is not None:  # ZeRO engines shard and reduce by themselves
+        zero = {"--zero-impl", "--deepspeed"} & set(own)
+        return flags + ([] if zero else DISTOPT) + own
     flags += DISTOPT
     if tp > 1:
         flags += ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"]

@@ -30,6 +30,8 @@ def test_flags_of_a_pipeline_row_and_an_own_row():
     own = megazoo_flags("llama-8b-8l", cfg, 1, 1, 1, ["--zero-impl", "fsdp2"])
     assert own[-2:] == ["--zero-impl", "fsdp2"] and "--use-distributed-optimizer" not in own
     assert own[own.index("--global-batch-size") + 1] == "32"
+    ulysses = megazoo_flags("gpt-1.3b", cfg, 1, 1, 1, ["--ds-sequence-parallel-size", "2"])
+    assert "--use-distributed-optimizer" in ulysses  # the plain engine's rows all run it
 
 
 def test_table_ratios():
