@@ -131,8 +131,6 @@ def wire_overlap(config, chunks, cfg) -> None:
         config.grad_sync_func = [c.start_grad_sync for c in chunks]
         if cfg.vpp > 1 and cfg.cuda:
             config.param_sync_func = [c.start_param_sync for c in chunks]
-    if len(chunks) == 1:
-        config.grad_sync_func = getattr(config, "grad_sync_func", None)
     config.finalize_model_grads_func = finalize_model_grads
 
 
