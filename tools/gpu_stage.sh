@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepare ./.gpu/ for a GPU machine that has torch but lacks some of megazoo's dependencies
-# (typically DeepSpeed and the small packages it needs), and may have no network access.
+# (typically DeepSpeed and the small packages it needs, and megatron-core for the peer rows
+# of bench/mcore_peer.py), and may have no network access.
 #
 #   bash tools/gpu_stage.sh [PACKAGE==VERSION ...]        # here, from the repository root
 #   source .gpu/setup.sh && python -m bench.zero_bench    # there, after copying .gpu/ along
@@ -29,6 +30,9 @@ deps=(
   "pydantic-core==$(installed pydantic_core 2.46.4)"
   "annotated-types==$(installed annotated-types 0.7.0)"
   "typing-inspection==$(installed typing-inspection 0.4.2)"
+  # the megatron-core peer of bench/mcore_peer.py (its local spec: no apex, no TE)
+  "megatron-core==0.19.2"
+  "packaging==$(installed packaging 25.0)"
 )
 platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
            --platform manylinux2014_x86_64)

@@ -2,15 +2,17 @@
 
 Each layout is one torchrun-launched `pretrain_gpt.py` (2 or 4 ranks) on the same byte-level
 data, seed and flags as a one-GPU run of the same model (4 layers x 256, 8 heads, s 128,
-micro-batch 2, global batch 16, bf16, lr 1e-2: the loss falls from ~5.6 to ~3 in 6 steps,
-so a gradient that is wrong by a dp / tp / sp factor or misses a reduction shows within a
-step or two). The losses of steps 1-6 must equal the one-GPU run's within 2% each.
+micro-batch 2, global batch 16, bf16, lr 3e-3: the loss falls from 5.44 to 3.37 in 6 steps
+on CPU, so a gradient that is wrong by a dp / tp / sp factor or misses a reduction shows
+within a step or two). The losses of steps 1-6 must equal the one-GPU run's within 2% each.
 
 Tolerance: bf16 GEMMs round to 8 mantissa bits (2^-8 = 0.4% per product); a layout sums
 the same products in another order (tp's partial sums, reduce-scatter vs all-reduce, the
 pipeline's micro-batch order), so its loss differs from one GPU's by rounding that Adam's
-steps carry forward: measured well under 1% at this size; 2% leaves room for that and is far
-below what a wrong factor does (a dp gradient off by 2x moves step 2's loss by ~10%).
+steps carry forward: tp 2 + SP against one process, both bf16 on CPU, differ by at most
+1.0% over the 6 steps; 2% leaves room for that, and a gradient off by a factor of 2 moves
+the first step's gradient norm by 100% (compared too: AdamW's steps barely see a gradient's
+scale, so the losses alone would miss it).
 
 Marked `gpu(count=N)`: CPU CI skips them (tests/conftest.py). The DeepSpeed rows also skip
 where deepspeed does not import (`source .gpu/setup.sh` installs it on the GPU machine).
@@ -30,7 +32,8 @@ from helpers.runs import ROOT, make_data, tiny_argv
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
          "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "2",
          "--global-batch-size", "16", "--train-iters", "6", "--lr", "3e-3", "--min-lr", "3e-4",
-         "--lr-warmup-iters", "1", "--eval-interval", "100", "--cpu-threads", "2", "--bf16",
+         "--lr-warmup-iters", "1", "--eval-interval", "100", "--generate-tokens", "0",
+         "--cpu-threads", "2", "--bf16",
          "--seed", "1234"]
 SP = ["--sequence-parallel"]
 DISTOPT = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
@@ -63,8 +66,9 @@ LAYOUTS = {  # name: (GPUs, flags)
 LOSS_RTOL = 0.02  # see the module docstring
 
 
-def train(tmp, name: str, nproc: int, flags: list[str]) -> list[float]:
-    """Per-step losses of one pretrain_gpt.py run (torchrun when nproc > 1)."""
+def train(tmp, name: str, nproc: int, flags: list[str]) -> tuple[list[float], list[float]]:
+    """Per-step losses and gradient norms of one pretrain_gpt.py run (torchrun when
+    nproc > 1)."""
     log = tmp / f"{name}.jsonl"
     launcher = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
@@ -75,7 +79,8 @@ def train(tmp, name: str, nproc: int, flags: list[str]) -> list[float]:
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{name}: exit {done.returncode}\n{done.stderr[-3000:]}"
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    return [r["loss"] for r in records if "loss" in r and "tokens_per_s" in r]
+    steps = [r for r in records if "loss" in r and "tokens_per_s" in r]
+    return [r["loss"] for r in steps], [r["grad_norm"] for r in steps]
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +99,12 @@ def _case(name):
 @pytest.mark.parametrize("name", [_case(n) for n in LAYOUTS])
 def test_layout_matches_one_gpu(name, one_gpu, tmp_path):
     gpus, flags = LAYOUTS[name]
-    losses = train(tmp_path, name, gpus, flags)
-    assert len(losses) == len(one_gpu) == 6, (losses, one_gpu)
-    assert one_gpu[-1] < one_gpu[0] - 0.5, f"one GPU's loss did not fall: {one_gpu}"
-    for step, (got, ref) in enumerate(zip(losses, one_gpu), 1):
+    (losses, norms), (ref_losses, ref_norms) = train(tmp_path, name, gpus, flags), one_gpu
+    assert len(losses) == len(ref_losses) == 6, (losses, ref_losses)
+    assert ref_losses[-1] < ref_losses[0] - 0.5, f"one GPU's loss did not fall: {ref_losses}"
+    # AdamW barely sees a gradient's scale: the first step's norm (same weights, same data)
+    # catches a wrong dp / tp / sp factor that the losses would not
+    assert norms[0] == pytest.approx(ref_norms[0], rel=LOSS_RTOL), (name, norms, ref_norms)
+    for step, (got, ref) in enumerate(zip(losses, ref_losses), 1):
         assert got == pytest.approx(ref, rel=LOSS_RTOL), \
-            f"{name} step {step}: loss {got:.4f}, one GPU {ref:.4f} (all: {losses} vs {one_gpu})"
+            f"{name} step {step}: loss {got:.4f}, one GPU {ref:.4f} (all: {losses} vs {ref_losses})"
