@@ -26,9 +26,10 @@ per GPU T = s b / u; h width, f MLP width, kv = key/value heads x head dim):
   tp without SP, 2 all-reduces forward and 2 backward (2 (t - 1) / t x B each); Megatron
   SP's minimum, forward an all-gather before each column-parallel GEMM (q/k/v, MLP in) and a
   reduce-scatter after each row-parallel one ((t - 1) / t x B each: 4), backward the mirror
-  (2 reduce-scatters, 2 all-gathers) plus the re-gather of the two column GEMMs' inputs for
-  their weight gradients (6); Ulysses: the q/k/v and output all-to-alls forward and
-  backward, (u - 1) / u x bytes. Overlapped (`overlap`, the idea of Megatron-core's
+  (2 reduce-scatters, 2 all-gathers: the layers keep the gathered input for the weight
+  gradient, so nothing is re-gathered); Ulysses: the q/k/v and output all-to-alls forward
+  and backward, (u - 1) / u x bytes. The counts are `plan.collectives.layer_collectives`,
+  which tests check against what the layers issue. Overlapped (`overlap`, the idea of Megatron-core's
   --tp-comm-overlap: each collective chunked beside the GEMM it feeds or drains), a
   direction exposes what its GEMMs cannot hide, and at least one chunk of t.
 """
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from ..config.model import ModelConfig
 from .calibration import KernelRates
 from .clusters import Cluster
+from .collectives import layer_collectives
 from .context import ring_exposed
 from .layout import Resolved
 
@@ -130,22 +132,22 @@ def _elementwise(config: ModelConfig, layout: Resolved) -> tuple[float, float]:
 
 def _tp_comm(config: ModelConfig, layout: Resolved, cluster: Cluster,
              tokens: int) -> tuple[float, float]:
-    """Seconds of the (forward, backward) tp / sp collectives of one block (module
-    docstring), none overlapped."""
+    """Seconds of the (forward, backward) tp / sp collectives of one block, none overlapped:
+    what the layers issue (`plan.collectives.layer_collectives`; under Megatron SP two
+    all-gathers and two reduce-scatters each way, the gathered input kept for backward),
+    each at the link of its group."""
     t, u = layout.tp, layout.sp
-    h, kv = config.hidden_size, _kv_width(config)
-    full = 2.0 * tokens * h  # one bf16 activation [T, h]
-    if layout.megatron_sp_on:
-        half = (t - 1) / t * full / cluster.link_bytes_s(t)  # one all-gather / reduce-scatter
-        fwd, bwd = 4 * half, 6 * half
-    else:
-        fwd = bwd = 2 * _all_reduce(cluster, t, full)
-    if u > 1:
-        link = cluster.link_bytes_s(t * u)
-        moved = 2.0 * tokens * ((h + 2 * kv) + h) / t  # q/k/v in, attention output back
-        fwd += (u - 1) / u * moved / link
-        bwd += (u - 1) / u * moved / link
-    return fwd, bwd
+    seconds = {"forward": 0.0, "backward": 0.0}
+    for c in layer_collectives(config, tp=t, sp=u, megatron_sp=layout.megatron_sp_on,
+                               micro_batch=layout.micro_batch_size,
+                               seq_length=layout.seq_length // layout.cp):
+        if c.kind == "all_reduce":
+            seconds[c.direction] += c.calls * _all_reduce(cluster, t, c.bytes_each)
+        elif c.group == "tp":  # all-gather / reduce-scatter: (t - 1) / t of the full side
+            seconds[c.direction] += (t - 1) / t * c.bytes / cluster.link_bytes_s(t)
+        else:  # Ulysses' all-to-alls over t x u ranks' links
+            seconds[c.direction] += (u - 1) / u * c.bytes / cluster.link_bytes_s(t * u)
+    return seconds["forward"], seconds["backward"]
 
 
 def head_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluster: Cluster) -> Work:
