@@ -106,12 +106,12 @@ def _key_chunk(K, walk, chunk, kv, sk_s, rows, shift, dim, seq_len, hl, strided,
 
 
 @triton.jit
-def _global_rows(rows, row_ok, b, h, batch, ratio, skip, strides):
+def _global_rows(rows, row_ok, b, h, batch, ratio, skip, slot_stride, head_stride, row_stride):
     """Offsets of query rows in the strided plan's global part ([R b, h, n, ...] with query
     p = R (m + skip) + r in batch slot r b + b, strides (R b, h, n)), and which rows it has."""
     m = rows // ratio
     slot = ((rows % ratio) * batch + b).to(tl.int64)
-    at = slot * strides[0] + h * strides[1] + (m - skip).to(tl.int64) * strides[2]
+    at = slot * slot_stride + h * head_stride + (m - skip).to(tl.int64) * row_stride
     return at, row_ok & (m >= skip)
 
 
@@ -150,8 +150,10 @@ def _fwd(Q, K, V, O, LSE, walk, sizes, strides, strided, merge, scale_log2, D: t
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E_, float("-inf"))
     if MERGE:  # the global part's (out, lse) by log-sum-exp
         batch, ratio, skip = sizes[1], strided[2], merge[4]
-        at_g, has = _global_rows(rows, row_ok, b, h, batch, ratio, skip, merge[2])
-        at_l, _ = _global_rows(rows, row_ok, b, h, batch, ratio, skip, merge[3])
+        at_g, has = _global_rows(rows, row_ok, b, h, batch, ratio, skip, merge[2][0],
+                                 merge[2][1], merge[2][2])
+        at_l, _ = _global_rows(rows, row_ok, b, h, batch, ratio, skip, merge[3][0],
+                                 merge[3][1], 1)
         og = tl.load(merge[0] + at_g[:, None] + dim[None, :], mask=has[:, None], other=0.0)
         lg = tl.load(merge[1] + at_l, mask=has, other=float("-inf"))
         top = tl.maximum(lse, lg)
@@ -196,7 +198,8 @@ def _dq(Q, K, V, O, DO, DQ, LSE, DELTA, walk, sizes, strides, strided, merge, sc
         dq += tl.dot(ds.to(k.dtype), tl.trans(k))
     dq = dq * scale
     if MERGE:  # plus the global part's dq
-        at_g, has = _global_rows(rows, row_ok, b, h, sizes[1], strided[2], merge[2], merge[1])
+        at_g, has = _global_rows(rows, row_ok, b, h, sizes[1], strided[2], merge[2],
+                                 merge[1][0], merge[1][1], merge[1][2])
         dq += tl.load(merge[0] + at_g[:, None] + dim[None, :], mask=has[:, None],
                       other=0.0).to(tl.float32)
     tl.store(DQ + at_q, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
@@ -285,9 +288,10 @@ def forward(q, k, v, rows, *, scale, strided=None, merge=None, **launch):
     s, b, hq, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, s, device=q.device, dtype=torch.float32)
-    if merge is not None:
-        og, lg, skip = merge
-        merge = (og, lg, _strides(og)[0], _strides(lg)[0], skip)
+    if merge is not None:  # lse_g's rows travel as unit stride: Triton 3.6 miscompiles a
+        og, lg, skip = merge  # nested tuple argument that holds the integer 1
+        lg = lg.contiguous()
+        merge = (og, lg, _strides(og)[0], lg.stride()[:2], skip)
     _fwd[(rows[0].shape[1], b * hq)](
         q, k, v, out, lse, tuple(rows), strides=_strides(q, k, out), merge=merge,
         scale_log2=scale * LOG2E, **_shape(q, k, rows, strided=strided, merge=merge, **launch))
