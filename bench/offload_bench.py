@@ -26,7 +26,7 @@ Rows (each `pretrain_gpt.py` row in its own process, so peaks are its own):
   --largest-iters steps at each --largest-gbs (bench/offload_largest.py: a disk-bound 13B
   takes one call per global batch); the peer is DeepSpeed ZeRO-3 with cpu offload;
 - `infinity`, `infinity-largest`, `plain-at`: DeepSpeed ZeRO-Infinity (parameters and
-  optimizer state on --nvme-path) at 0.5B and at the largest its disk need allows, and the
+  optimizer state on --nvme-path) at 0.39B and at the largest its disk need allows, and the
   plain engine at that size (bench/offload_infinity.py).
 tokens/s, MFU, GPU peak and host RSS peak as the runs log them (median of the logged
 intervals after the first).
@@ -309,8 +309,7 @@ def main(argv=None) -> None:
     write_json(a.out, {"shape": shape, "fraction": a.fraction, "rows": rows})
     for r in rows:
         keys = ("num_parameters", "tokens_per_s", "step_s", "mfu", "peak_gb", "host_rss_gb",
-                "disk_gb",
-                "loss_first", "loss_last", "write_gb_per_s", "read_gb_per_s", "error")
+                "disk_gb", "loss_first", "loss_last", "write_gb_per_s", "read_gb_per_s", "error")
         print(r["row"], {k: (round(r[k], 3) if isinstance(r.get(k), float) else r.get(k))
                          for k in keys if k in r})
 

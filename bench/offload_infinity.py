@@ -100,16 +100,16 @@ def ds_json(shape: dict, nvme: str, param_device: str = "nvme") -> dict:
                 "single_submit": False, "overlap_events": True}}
 
 
-def infinity_sizes(disk_free: float, host_free: float, max_params: float | None = None,
+def infinity_sizes(disk_free: float, host_free: float, max_layers: int | None = None,
                    base: dict = BIG) -> list[int]:
-    """The layer counts `infinity-largest` tries (at most TRIES, largest first): the largest
-    whose disk need fits DISK_SHARE of `disk_free` and whose pinned buffers fit HOST_SHARE of
-    `host_free` (bytes), at most `max_params`; then STEP_DOWN of its parameters."""
+    """The layer counts `infinity-largest` tries (at most TRIES, largest first): the most
+    layers whose disk need fits DISK_SHARE of `disk_free` and whose pinned buffers fit
+    HOST_SHARE of `host_free` (bytes), at most `max_layers`; then STEP_DOWN of its parameters."""
     def fits(layers):
         s = dict(base, layers=layers)
         return (disk_need(s) <= DISK_SHARE * disk_free and
                 pinned_bytes(s) <= HOST_SHARE * host_free and
-                (max_params is None or num_parameters(s) <= max_params))
+                (max_layers is None or layers <= max_layers))
 
     top = 0
     while fits(top + 1):
@@ -177,19 +177,20 @@ def plain_at(shape: dict, nvme_root: str, gb: int, iters: int, dry: bool, left,
 
 
 ROWS = ("infinity", "infinity-largest", "plain-at")
-SMALL = dict(BIG, layers=8, hidden=2048, heads=16, kv_heads=8, ffn=5632)  # 0.5B: a quick check
+SMALL = dict(BIG, layers=8, hidden=2048, heads=16, kv_heads=8, ffn=5632)  # 0.39B: a quick check
 PLAIN_RESERVE = 150.0  # seconds `infinity-largest` leaves for the `plain-at` row after it
 
 
 def add_arguments(ap) -> None:
-    ap.add_argument("--infinity-gb", type=int, default=4,
+    ap.add_argument("--infinity-gb", type=int, default=2,
                     help="global batch of the ZeRO-Infinity and plain-at rows (micro-batch 1)")
     ap.add_argument("--infinity-param-device", choices=("nvme", "cpu"), default="nvme",
                     help="where ZeRO-Infinity keeps its bf16 parameters (the optimizer state "
                          "is on nvme either way)")
-    ap.add_argument("--infinity-max-params", type=float,
-                    help="the largest size infinity-largest tries (after a failed call: the "
-                         "size it would have tried next)")
+    ap.add_argument("--infinity-layers", type=int,
+                    help="layers of the 4096-wide LLaMA: the most infinity-largest tries (after "
+                         "a failed call: the size it names next), the size plain-at trains "
+                         "when no ZeRO-Infinity row ran before it in the call")
 
 
 def run_row(row: str, a, dry: bool, left, pretrain_row, tiny: dict, done: dict) -> list[dict]:
@@ -200,13 +201,16 @@ def run_row(row: str, a, dry: bool, left, pretrain_row, tiny: dict, done: dict) 
     run = dict(param_device=a.infinity_param_device, gb=a.infinity_gb, iters=a.largest_iters,
                dry=dry, pretrain_row=pretrain_row, tiny=tiny)
     if row == "infinity":
-        out = infinity_row("infinity 0.5B", SMALL, a.nvme_path, left=left, **run)
+        out = infinity_row(f"infinity {num_parameters(SMALL) / 1e9:.2f}B", SMALL, a.nvme_path, left=left, **run)
         done["shape"] = SMALL if "error" not in out else done.get("shape")
         return [out]
     if row == "plain-at":
+        if a.infinity_layers and "shape" not in done:
+            done["shape"] = dict(BIG, layers=a.infinity_layers)
         if "shape" not in done:
             return [{"row": row, "error": "no ZeRO-Infinity row trained before it: put "
-                                          "infinity or infinity-largest first in --rows"}]
+                                          "infinity or infinity-largest first in --rows, or "
+                                          "pass --infinity-layers"}]
         run.pop("param_device")
         return [plain_at(done["shape"], a.nvme_path, left=left, **run)]
     return largest_search(a, left, run, done)
@@ -220,12 +224,12 @@ def largest_search(a, left, run: dict, done: dict) -> list[dict]:
     for name in ("infinity", "plain"):  # earlier calls' files hide free disk
         shutil.rmtree(os.path.join(a.nvme_path, name), ignore_errors=True)
     disk, host = shutil.disk_usage(a.nvme_path).free, host_memory_bytes() or 0.0
-    sizes = infinity_sizes(disk, host, a.infinity_max_params)
+    sizes = infinity_sizes(disk, host, a.infinity_layers)
     note = {"row": "infinity-largest sizes", "disk_free_gb": disk / 1e9, "host_free_gb": host / 1e9,
             "layers": sizes, "parameters": [num_parameters(dict(BIG, layers=n)) for n in sizes],
             "disk_need_gb": [disk_need(dict(BIG, layers=n)) / 1e9 for n in sizes]}
     print(json.dumps(note), flush=True)
-    rows = [note]
+    rows = [note] if sizes else [dict(note, error="no size fits this disk and host")]
     reserve = PLAIN_RESERVE if "plain-at" in a.rows else 0.0
     for layers in sizes:
         if left() - reserve < 60:

@@ -83,7 +83,8 @@ def test_infinity_config_is_one_megazoo_and_deepspeed_accept(tmp_path):
 
 def test_infinity_sizes_fit_the_disk_largest_first():
     """The largest size's swap files fit 90% of the free disk and one layer more does not;
-    the second try is at most 0.85 of the first's parameters; a cap and a small disk bound it."""
+    the second try is at most 0.85 of the first's parameters; a cap, a small disk and a small
+    host bound it."""
     from bench.offload_infinity import BIG, disk_need, infinity_sizes, num_parameters
 
     disk, host = 55e9, 120e9
@@ -95,8 +96,7 @@ def test_infinity_sizes_fit_the_disk_largest_first():
     assert n[1] <= 0.85 * n[0] and num_parameters(dict(BIG, layers=sizes[1] + 1)) > 0.85 * n[0]
     # 18 B per parameter: 55 GB holds about 2.7B parameters of it
     assert 2.4e9 < n[0] < 2.8e9, n
-    capped = infinity_sizes(disk, host, max_params=n[1])
-    assert capped[0] == sizes[1]
+    assert infinity_sizes(disk, host, max_layers=sizes[1])[0] == sizes[1]
     assert infinity_sizes(1e9, host) == []
     assert infinity_sizes(disk, 1e9) == []  # the pinned buffers do not fit such a host
 
@@ -113,7 +113,7 @@ def test_dry_run_of_the_infinity_rows(tmp_path):
     offload_bench.main(["--dry-run", "--rows", "infinity", "plain-at", "--largest-iters", "3",
                         "--nvme-path", str(tmp_path / "nvme"), "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert [r["row"] for r in rows] == ["infinity 0.5B gb 4", "plain-at L8 gb 4"], rows
+    assert [r["row"] for r in rows] == ["infinity 0.39B gb 2", "plain-at L8 gb 2"], rows
     for r in rows:
         assert "error" not in r and r["tokens_per_s"] > 0 and r["steps"] == 3, r
     assert "--offload-param nvme" in rows[0]["command"]
