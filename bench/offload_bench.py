@@ -277,7 +277,7 @@ def main(argv=None) -> None:
             flags += ["--offload-delayed-update"] if row.startswith("delayed") else []
             rows.append(pretrain_row(f"{row} f={f}", shape, gb, a.iters, flags, dry, left()))
         elif row in infinity.ROWS:
-            rows += infinity.run_row(row, a, dry, left, pretrain_row, shape, done)
+            rows += infinity.run_row(row, a, dry, left, pretrain_row, model_flags, shape, done)
         elif row == "tolerance":
             rows += tolerance_rows(dry, left)
         elif row == "fsdp2":

@@ -138,11 +138,9 @@ def engine_flags(config: str, nvme: str, param_device: str) -> list[str]:
 
 
 def infinity_row(name: str, shape: dict, nvme_root: str, param_device: str, gb: int,
-                 iters: int, dry: bool, left, pretrain_row, tiny: dict) -> dict:
+                 iters: int, dry: bool, left, pretrain_row, model_flags, tiny: dict) -> dict:
     """ZeRO-Infinity trains `shape` `iters` steps at global batch `gb` (micro-batch 1); the
     swap files under `nvme_root`/infinity are measured, then removed (the next row's disk)."""
-    from bench.offload_bench import model_flags
-
     nvme = os.path.join(nvme_root, "infinity")
     shutil.rmtree(nvme, ignore_errors=True)
     os.makedirs(nvme)
@@ -159,19 +157,18 @@ def infinity_row(name: str, shape: dict, nvme_root: str, param_device: str, gb: 
 
 
 def plain_at(shape: dict, nvme_root: str, gb: int, iters: int, dry: bool, left,
-             pretrain_row, tiny: dict) -> dict:
+             pretrain_row, model_flags, tiny: dict) -> dict:
     """megazoo's plain offload (bf16 main gradients, the disk tier under `nvme_root`/plain) at
-    `shape`, at the lowest fraction the planner fits on this GPU."""
-    from bench.offload_bench import model_flags
-
+    `shape`, at the lowest fraction the planner fits on this GPU (its best: what fits on the
+    GPU stays there; the row's name says the fraction)."""
     nvme = largest.nvme_dir(os.path.join(nvme_root, "plain"))
     fraction = largest.planned_fraction(largest.machine_budgets(None, dry), model_flags(shape), gb)
-    flags = [*largest.PLAIN, "--optimizer-offload-fraction",
-             str(1.0 if fraction is None else fraction), "--nvme-path", nvme]
+    fraction = 1.0 if fraction is None else fraction
+    flags = [*largest.PLAIN, "--optimizer-offload-fraction", str(fraction), "--nvme-path", nvme]
     planned = {"command": " ".join(["python", "pretrain_gpt.py", *model_flags(shape), *flags]),
                "num_parameters": num_parameters(shape)}
-    row = largest.largest_rows(f"plain-at L{shape['layers']}", planned, [gb], iters, dry, left,
-                               pretrain_row, tiny, dry_flags=flags)[0]
+    row = largest.largest_rows(f"plain-at L{shape['layers']} f={fraction}", planned, [gb], iters,
+                               dry, left, pretrain_row, tiny, dry_flags=flags)[0]
     row["layers"] = shape["layers"]
     return row
 
@@ -193,16 +190,20 @@ def add_arguments(ap) -> None:
                          "when no ZeRO-Infinity row ran before it in the call")
 
 
-def run_row(row: str, a, dry: bool, left, pretrain_row, tiny: dict, done: dict) -> list[dict]:
-    """One of ROWS; `done` carries the shape ZeRO-Infinity last trained to `plain-at`."""
+def run_row(row: str, a, dry: bool, left, pretrain_row, model_flags, tiny: dict,
+            done: dict) -> list[dict]:
+    """One of ROWS (offload_bench's `pretrain_row` and `model_flags` run them); `done`
+    carries the shape ZeRO-Infinity last trained to `plain-at`."""
     if not a.nvme_path:
         return [{"row": row, "error": "needs --nvme-path DIR (the disk the swap files go on)"}]
     os.makedirs(a.nvme_path, exist_ok=True)
     run = dict(param_device=a.infinity_param_device, gb=a.infinity_gb, iters=a.largest_iters,
-               dry=dry, pretrain_row=pretrain_row, tiny=tiny)
+               dry=dry, pretrain_row=pretrain_row, model_flags=model_flags, tiny=tiny)
     if row == "infinity":
-        out = infinity_row(f"infinity {num_parameters(SMALL) / 1e9:.2f}B", SMALL, a.nvme_path, left=left, **run)
-        done["shape"] = SMALL if "error" not in out else done.get("shape")
+        name = f"infinity {num_parameters(SMALL) / 1e9:.2f}B"
+        out = infinity_row(name, SMALL, a.nvme_path, left=left, **run)
+        if "error" not in out:
+            done["shape"] = SMALL
         return [out]
     if row == "plain-at":
         if a.infinity_layers and "shape" not in done:
