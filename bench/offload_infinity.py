@@ -19,8 +19,10 @@ so its largest is bounded by the free disk alone.
 What it pins on the host (`pinned_bytes`): `offload_param.buffer_count` parameter buffers of
 `buffer_size` bf16 elements and `offload_optimizer.buffer_count` fp32 buffers of the largest
 sub-group. DeepSpeed asserts that a parameter buffer holds the largest sub-group, so the
-sub-group is 2e8 elements and the parameter buffer that plus the largest weight (its default
-1e9-element sub-groups would pin 26 GB).
+sub-group is 1e8 elements and the parameter buffer that plus the largest weight (its default
+1e9-element sub-groups would pin 40 GB); each parameter swapped in takes a whole buffer, so
+there are 16 of them and at most two layers' parameters stay live (DeepSpeed's 1e9
+elements would hold four layers of this shape, more weights than buffers).
 
 The GPU builds the whole fp32 model before DeepSpeed partitions it (megazoo's DeepSpeed path
 does not build under `deepspeed.zero.Init`): 4 B per parameter on the GPU, far from the limit
@@ -39,8 +41,10 @@ BIG = dict(family="llama", layers=24, hidden=4096, heads=32, kv_heads=8, ffn=143
 VOCAB = 2048  # the default corpus' tokenizer
 DISK_BYTES_PER_PARAM = 2 + 16  # bf16 parameter + fp32 master, two moments, gradient
 DISK_SLACK = 1.02  # DeepSpeed's aligned swap files
-SUB_GROUP = 200_000_000
-PARAM_BUFFERS, OPTIMIZER_BUFFERS = 5, 4  # DeepSpeed's defaults
+SUB_GROUP = 100_000_000
+# a swapped-in parameter takes a whole buffer: the layer computing, the one prefetched and
+# those kept live (2 layers' elements, 4 weights a layer) need 12; DeepSpeed's default is 5
+PARAM_BUFFERS, OPTIMIZER_BUFFERS = 16, 4
 DISK_SHARE = 0.9  # of the free disk DeepSpeed may fill
 HOST_SHARE = 0.5  # of MemAvailable its pinned buffers may take (the rest: the process, data)
 TRIES = 2  # sizes tried per call: a failed size costs a start-up and its disk writes
@@ -55,10 +59,15 @@ def padded(vocab: int, multiple: int = 128) -> int:
 def num_parameters(shape: dict, vocab: int = VOCAB) -> int:
     """Parameters of the LLaMA `shape`: layers (attention with GQA, SwiGLU MLP, two norms),
     the untied embedding and output head (padded vocabulary), the final norm."""
-    h, ffn, vocab = shape["hidden"], shape["ffn"], padded(vocab)
+    h = shape["hidden"]
+    return shape["layers"] * layer_parameters(shape) + 2 * padded(vocab) * h + h
+
+
+def layer_parameters(shape: dict) -> int:
+    """One layer's: q, kv (GQA), output, the SwiGLU MLP's three matrices, two norms."""
+    h, ffn = shape["hidden"], shape["ffn"]
     kv_width = h // shape["heads"] * shape["kv_heads"]
-    layer = 2 * h * h + 2 * h * kv_width + 3 * h * ffn + 2 * h
-    return shape["layers"] * layer + 2 * vocab * h + h
+    return 2 * h * h + 2 * h * kv_width + 3 * h * ffn + 2 * h
 
 
 def largest_weight(shape: dict, vocab: int = VOCAB) -> int:
@@ -93,6 +102,7 @@ def ds_json(shape: dict, nvme: str, param_device: str = "nvme") -> dict:
         param.update(nvme_path=nvme, buffer_count=PARAM_BUFFERS, buffer_size=buffer_elements(shape))
     return {"zero_optimization": {
         "stage": 3, "sub_group_size": SUB_GROUP, "offload_param": param,
+        "stage3_max_live_parameters": 2 * layer_parameters(shape),
         "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": True,
                               "buffer_count": OPTIMIZER_BUFFERS, "pipeline_read": True,
                               "pipeline_write": True}},
@@ -226,9 +236,12 @@ def largest_search(a, left, run: dict, done: dict) -> list[dict]:
         shutil.rmtree(os.path.join(a.nvme_path, name), ignore_errors=True)
     disk, host = shutil.disk_usage(a.nvme_path).free, host_memory_bytes() or 0.0
     sizes = infinity_sizes(disk, host, a.infinity_layers)
-    note = {"row": "infinity-largest sizes", "disk_free_gb": disk / 1e9, "host_free_gb": host / 1e9,
-            "layers": sizes, "parameters": [num_parameters(dict(BIG, layers=n)) for n in sizes],
-            "disk_need_gb": [disk_need(dict(BIG, layers=n)) / 1e9 for n in sizes]}
+    shapes = [dict(BIG, layers=n) for n in sizes]
+    note = {"row": "infinity-largest sizes", "disk_free_gb": disk / 1e9,
+            "host_free_gb": host / 1e9, "layers": sizes,
+            "parameters": [num_parameters(s) for s in shapes],
+            "disk_need_gb": [disk_need(s) / 1e9 for s in shapes],
+            "pinned_gb": [pinned_bytes(s) / 1e9 for s in shapes]}
     print(json.dumps(note), flush=True)
     rows = [note] if sizes else [dict(note, error="no size fits this disk and host")]
     reserve = PLAIN_RESERVE if "plain-at" in a.rows else 0.0

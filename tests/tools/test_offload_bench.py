@@ -65,7 +65,8 @@ def test_infinity_config_is_one_megazoo_and_deepspeed_accept(tmp_path):
     from megazoo.config.flags import parse_args
 
     from bench.offload_bench import model_flags
-    from bench.offload_infinity import BIG, engine_flags, largest_weight, write_config
+    from bench.offload_infinity import (BIG, engine_flags, largest_weight, layer_parameters,
+                                        write_config)
 
     shape = dict(BIG, layers=12)
     nvme = str(tmp_path / "nvme")
@@ -77,6 +78,10 @@ def test_infinity_config_is_one_megazoo_and_deepspeed_accept(tmp_path):
     assert zo["offload_param"]["nvme_path"] == zo["offload_optimizer"]["nvme_path"] == nvme
     assert zo["offload_param"]["buffer_size"] >= zo["sub_group_size"] + largest_weight(shape)
     assert largest_weight(shape) == 2 * 14336 * 4096  # fc1: gate and up, fused
+    # a swapped-in weight takes a whole buffer: 4 weights a layer (qkv, dense, fc1, fc2), the
+    # live layers and one prefetched must have one each
+    live = zo["stage3_max_live_parameters"] // layer_parameters(shape)
+    assert zo["offload_param"]["buffer_count"] >= 4 * (live + 1) and live >= 1
     cpu = json.loads(open(write_config(shape, nvme, str(tmp_path), "cpu")).read())
     assert cpu["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
 
