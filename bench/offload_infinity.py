@@ -81,10 +81,15 @@ def disk_need(shape: dict) -> float:
     return num_parameters(shape) * DISK_BYTES_PER_PARAM * DISK_SLACK
 
 
+def sub_group(shape: dict) -> int:
+    """sub_group_size: SUB_GROUP, or the whole model when smaller (the dry run's)."""
+    return min(SUB_GROUP, num_parameters(shape))
+
+
 def buffer_elements(shape: dict) -> int:
     """offload_param.buffer_size: the largest sub-group (a sub-group closes after the weight
-    that brings it past SUB_GROUP elements)."""
-    return SUB_GROUP + largest_weight(shape)
+    that brings it past sub_group_size elements)."""
+    return sub_group(shape) + largest_weight(shape)
 
 
 def pinned_bytes(shape: dict) -> float:
@@ -101,7 +106,7 @@ def ds_json(shape: dict, nvme: str, param_device: str = "nvme") -> dict:
     if param_device == "nvme":
         param.update(nvme_path=nvme, buffer_count=PARAM_BUFFERS, buffer_size=buffer_elements(shape))
     return {"zero_optimization": {
-        "stage": 3, "sub_group_size": SUB_GROUP, "offload_param": param,
+        "stage": 3, "sub_group_size": sub_group(shape), "offload_param": param,
         "stage3_max_live_parameters": 2 * layer_parameters(shape),
         "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": True,
                               "buffer_count": OPTIMIZER_BUFFERS, "pipeline_read": True,
