@@ -308,7 +308,7 @@ def main(argv=None) -> None:
         print(json.dumps(rows[-1]), flush=True)
     write_json(a.out, {"shape": shape, "fraction": a.fraction, "rows": rows})
     for r in rows:
-        keys = ("num_parameters", "tokens_per_s", "step_s", "mfu", "peak_gb", "host_rss_gb",
+        keys = ("layers", "num_parameters", "tokens_per_s", "step_s", "mfu", "peak_gb", "host_rss_gb",
                 "disk_gb", "loss_first", "loss_last", "write_gb_per_s", "read_gb_per_s", "error")
         print(r["row"], {k: (round(r[k], 3) if isinstance(r.get(k), float) else r.get(k))
                          for k in keys if k in r})
