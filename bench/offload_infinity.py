@@ -235,11 +235,11 @@ def run_row(row: str, a, dry: bool, left, pretrain_row, model_flags, tiny: dict,
 def largest_search(a, left, run: dict, done: dict) -> list[dict]:
     """ZeRO-Infinity's largest: the sizes `infinity_sizes` allows on this disk and host,
     largest first, until one trains; the time after it is kept for `plain-at`."""
-    from megazoo.plan.offload import host_memory_bytes
-
     for name in ("infinity", "plain"):  # earlier calls' files hide free disk
         shutil.rmtree(os.path.join(a.nvme_path, name), ignore_errors=True)
-    disk, host = shutil.disk_usage(a.nvme_path).free, host_memory_bytes() or 0.0
+    budgets = largest.machine_budgets(None, run["dry"])  # GB; the host: MemAvailable
+    host = float(budgets[budgets.index("--host-memory") + 1]) * 1e9
+    disk = shutil.disk_usage(a.nvme_path).free
     sizes = infinity_sizes(disk, host, a.infinity_layers)
     shapes = [dict(BIG, layers=n) for n in sizes]
     note = {"row": "infinity-largest sizes", "disk_free_gb": disk / 1e9,
