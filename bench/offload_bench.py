@@ -24,7 +24,10 @@ Rows (each `pretrain_gpt.py` row in its own process, so peaks are its own):
 - `--largest` / `--peer-largest`: the largest LLaMA `python -m megazoo.plan --largest` finds
   for this GPU, host and --nvme-path disk (at most --largest-disk GB of state on it), trained
   --largest-iters steps at each --largest-gbs (bench/offload_largest.py: a disk-bound 13B
-  takes one call per global batch); the peer is DeepSpeed ZeRO-3 with cpu offload.
+  takes one call per global batch); the peer is DeepSpeed ZeRO-3 with cpu offload;
+- `infinity`, `infinity-largest`, `plain-at`: DeepSpeed ZeRO-Infinity (parameters and
+  optimizer state on --nvme-path) at 0.39B and at the largest its disk need allows, and the
+  plain engine at that size (bench/offload_infinity.py).
 tokens/s, MFU, GPU peak and host RSS peak as the runs log them (median of the logged
 intervals after the first).
 """
@@ -42,6 +45,7 @@ import time
 import torch
 from torch.optim.adamw import adamw
 
+from bench import offload_infinity as infinity
 from bench import offload_largest as largest
 from bench.common import REPO, child_env, time_ms, write_json
 
@@ -237,11 +241,12 @@ def main(argv=None) -> None:
                     help="GB of the largest plain run's optimizer state the planner may put "
                          "on disk, tried in turn until the answer reaches 13B: it is read "
                          "and written once per step, so this bounds the step time")
+    infinity.add_arguments(ap)
     a = ap.parse_args(argv)
     dry, start = a.dry_run, time.perf_counter()
     shape = TINY if dry else SHAPE
     left = lambda: a.budget - (time.perf_counter() - start)  # noqa: E731
-    rows = []
+    rows, done = [], {}
     offload = ["--optimizer-cpu-offload", "--optimizer-offload-fraction", str(a.fraction),
                "--overlap-cpu-optimizer-d2h-h2d", *a.extra]
     print(f"offload fraction {a.fraction}", flush=True)
@@ -271,6 +276,8 @@ def main(argv=None) -> None:
                      "--overlap-cpu-optimizer-d2h-h2d", *a.extra]
             flags += ["--offload-delayed-update"] if row.startswith("delayed") else []
             rows.append(pretrain_row(f"{row} f={f}", shape, gb, a.iters, flags, dry, left()))
+        elif row in infinity.ROWS:
+            rows += infinity.run_row(row, a, dry, left, pretrain_row, model_flags, shape, done)
         elif row == "tolerance":
             rows += tolerance_rows(dry, left)
         elif row == "fsdp2":
@@ -301,8 +308,8 @@ def main(argv=None) -> None:
         print(json.dumps(rows[-1]), flush=True)
     write_json(a.out, {"shape": shape, "fraction": a.fraction, "rows": rows})
     for r in rows:
-        keys = ("tokens_per_s", "step_s", "mfu", "peak_gb", "host_rss_gb", "disk_gb",
-                "loss_first", "loss_last", "write_gb_per_s", "read_gb_per_s", "error")
+        keys = ("layers", "num_parameters", "tokens_per_s", "step_s", "mfu", "peak_gb", "host_rss_gb",
+                "disk_gb", "loss_first", "loss_last", "write_gb_per_s", "read_gb_per_s", "error")
         print(r["row"], {k: (round(r[k], 3) if isinstance(r.get(k), float) else r.get(k))
                          for k in keys if k in r})
 

@@ -129,13 +129,16 @@ def run_flags(command: str) -> list[str]:
 
 
 def largest_rows(name: str, planned: dict, gbs: list[int], iters: int, dry: bool,
-                 left, pretrain_row, tiny: dict) -> list[dict]:
-    """Train the planned model `iters` steps at each global batch size (micro-batch 1)."""
+                 left, pretrain_row, tiny: dict, dry_flags: list[str] | None = None) -> list[dict]:
+    """Train the planned model `iters` steps at each global batch size (micro-batch 1). The
+    dry run trains the tiny shape with `dry_flags` (default: the planned engine flags)."""
     if "error" in planned:
         return [{"row": name, "error": planned["error"]}]
     flags = run_flags(planned["command"])
     nvme = flags[flags.index("--nvme-path") + 1] if "--nvme-path" in flags else None
-    if dry:  # the plumbing only: the tiny shape with the planned engine flags
+    if dry and dry_flags is not None:
+        flags = dry_flags
+    elif dry:  # the plumbing only: the tiny shape with the planned engine flags
         keep = [f for f in ("--optimizer-cpu-offload", "--accumulate-grads-in-bf16",
                             "--deepspeed") if f in flags]
         flags = keep + (["--zero-stage", "3"] if "--deepspeed" in keep else [])

@@ -10,6 +10,9 @@
 # x86_64; versions default to the ones installed here, so both machines run the same
 # DeepSpeed. DeepSpeed is published as a source archive only: it is built here into a
 # pure-Python wheel (its C++/CUDA ops are compiled on first use on the GPU machine).
+# libaio (runtime and headers, Debian packages fetched with `apt-get download`) is staged
+# too: DeepSpeed's async_io op (ZeRO-Infinity's nvme offload) compiles against it; setup.sh
+# unpacks it under /tmp (never /) and points the compiler and loader there.
 # .gpu/ is git-ignored.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +49,16 @@ if ! ls "$wheels"/deepspeed-"$ds_version"-*.whl >/dev/null 2>&1; then
     "deepspeed==$ds_version"
 fi
 
+# libaio1 holds libaio.so.1, libaio-dev the header and the libaio.so link. Ubuntu 24.04
+# renamed the runtime libaio1t64; either gives the same library.
+debs=.gpu/debs
+mkdir -p "$debs"
+if ! ls "$debs"/libaio-dev_*.deb >/dev/null 2>&1; then
+  runtime=libaio1
+  apt-cache show libaio1 >/dev/null 2>&1 || runtime=libaio1t64
+  (cd "$debs" && apt-get download "$runtime" libaio-dev)
+fi
+
 cat > .gpu/setup.sh <<'SETUP'
 # Source from the repository root on the GPU machine: installs the staged wheels into
 # /tmp/megazoo-site (no index, no network) and puts them and the repository on PYTHONPATH.
@@ -53,8 +66,20 @@ python3 -m pip install --quiet --no-index --no-deps --no-cache-dir --upgrade \
   --target /tmp/megazoo-site .gpu/wheels/*.whl
 export PYTHONPATH="$PWD:/tmp/megazoo-site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+# libaio for DeepSpeed's async_io op: unpacked under /tmp; gcc reads CPATH / LIBRARY_PATH
+# (DeepSpeed's compatibility check compiles and links a test program calling io_submit, its
+# JIT build links -laio), the loader LD_LIBRARY_PATH (libaio.so.1 at import).
+aio=/tmp/megazoo-libaio
+for deb in .gpu/debs/*.deb; do [ -e "$deb" ] && dpkg-deb -x "$deb" "$aio"; done
+if [ -f "$aio/usr/include/libaio.h" ]; then
+  aio_lib="$(dirname "$(find "$aio" -name 'libaio.so*' -print -quit)")"
+  export CPATH="$aio/usr/include${CPATH:+:$CPATH}"
+  export LIBRARY_PATH="$aio_lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
+  export LD_LIBRARY_PATH="$aio_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 # NVLink multicast (NVLS) off: some shared multi-GPU hosts do not allow it.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 SETUP
 echo "staged in $wheels: $(ls "$wheels" | tr '\n' ' ')"
+echo "staged in $debs: $(ls "$debs" | tr '\n' ' ')"
 echo "copy .gpu/ to the GPU machine's checkout, then run: source .gpu/setup.sh && <command>"
