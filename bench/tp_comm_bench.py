@@ -98,6 +98,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=4)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--timeout", type=float, default=150, help="seconds per row")
+    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS),
+                   help="which rows (default: all; 'one GPU' is the scaling's base)")
     p.add_argument("--dry-run", action="store_true", help="tiny shape, fp32, CPU")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -107,7 +109,8 @@ def main(argv=None) -> int:
         return child(cfg.skip, cfg.steps, argv[split + 1:])
     os.makedirs(cfg.out, exist_ok=True)
     rows = {}
-    for name, (ranks, extra) in ROWS.items():
+    for name in cfg.rows:
+        ranks, extra = ROWS[name]
         launcher = torchrun(ranks) if ranks > 1 else None
         cmd = module_command("tp_comm_bench", launcher) + [
             "--child", "--skip", str(cfg.skip), "--steps", str(cfg.steps), "--", *row_flags(cfg, extra)]
@@ -118,7 +121,7 @@ def main(argv=None) -> int:
         rows[name] = dict(found[-1], ranks=ranks) if found else {"error": f"rc {rc}: {err[-300:]}"}
         print(name, json.dumps(rows[name]), flush=True)
         write_json(os.path.join(cfg.out, "tp_comm.json"), rows)  # kept if a later row hangs
-    base = rows["one GPU"].get("tokens_per_s")
+    base = rows.get("one GPU", {}).get("tokens_per_s")
     for name, row in rows.items():
         if base and "tokens_per_s" in row:
             row["vs_n_one_gpu"] = row["tokens_per_s"] / (row["ranks"] * base)
