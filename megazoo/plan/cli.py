@@ -212,11 +212,11 @@ def _largest(ns, options: PlanOptions, argv: list[str]) -> int:
                           "next_larger": following and dataclasses.asdict(following[0]),
                           **est.to_dict()}, indent=2))
         return 0
-    for note in budget_notes(args, options):
-        print(f"note: {note}")
     print(f"largest that trains here: {describe(config, est, options)}")
     if following:
         print(f"next larger: {describe(following[0], following[1], options)}")
+    for note in budget_notes(args, options):  # (the answer first, then what it assumed)
+        print(f"note: {note}")
     if est.build_peak + RUNTIME_BYTES > est.gpu_total:  # the fp32 build sets the limit
         alone, _ = search(args, options, ns.model_family, pick, with_build=False)
         if alone is not None and alone[1].num_parameters > est.num_parameters:
