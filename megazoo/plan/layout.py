@@ -65,6 +65,10 @@ class OptimizerOffload:
     """Plain engine with --nvme-path: the host share spills to disk (`offload.host_split`)."""
     host_memory: float | None = None
     """Plain engine with the disk tier: --optimizer-offload-host-memory (GB), or None."""
+    overlap: bool = False
+    """Plain engine with --overlap-cpu-optimizer-d2h-h2d: the host steps beside the GPU."""
+    delayed: bool = False
+    """Plain engine with --offload-delayed-update: the host step runs through the next step."""
 
     @property
     def on(self) -> bool:
@@ -180,7 +184,9 @@ def resolve(args: PretrainArgs, options: PlanOptions | None = None) -> Resolved:
         optimizer_offload=OptimizerOffload(
             offload_optimizer, ratio, disk=offload_optimizer == "cpu" and args.zero.nvme_path
             is not None and args.zero.zero_impl == "none",
-            host_memory=t.optimizer_offload_host_memory),
+            host_memory=t.optimizer_offload_host_memory,
+            overlap=args.zero.zero_impl == "none" and t.overlap_cpu_optimizer_d2h_h2d,
+            delayed=args.zero.zero_impl == "none" and t.offload_delayed_update),
         fsdp_reshard_after_forward=args.zero.fsdp_reshard_after_forward,
         options=options or PlanOptions(), low_precision=t.bf16 or t.fp16,
         distributed_optimizer=t.use_distributed_optimizer,

@@ -113,7 +113,8 @@ def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
     tail = [_dp_exposed(args, layout, cluster, params[r], works[r::p])
             + _zero3_step_reduce(layout, cluster, params[r], works[r::p], sum(layers[r::p]) + 1)
             for r in range(p)]
-    optim = [_optimizer(layout, cluster, rates, params[r]) for r in range(p)]
+    optim = [_optimizer(layout, cluster, rates, params[r], sum(w.fwd for w in works[r::p]))
+             for r in range(p)]
     step = max(e + d + o for e, d, o in zip(ends, tail, optim))
     stages = []
     for r in range(p):
@@ -226,12 +227,28 @@ def _dp_exposed(args: PretrainArgs, layout: Resolved, cluster: Cluster, params: 
     return reduce + gather
 
 
-def _optimizer(layout: Resolved, cluster: Cluster, rates, params: float) -> float:
-    """AdamW over this rank's share and the gradient-norm read; offload: host and PCIe."""
+def _optimizer(layout: Resolved, cluster: Cluster, rates, params: float,
+               forward: float) -> float:
+    """AdamW over this rank's share and the gradient-norm read; offload: the host share's
+    AdamW at the host's rate (`Cluster.host_adam_params_per_s`) and its PCIe traffic, its
+    gradients down and its parameters up. The plain engine's overlap sends the gradients down
+    during the backward and steps the host share beside the GPU share's step and the next
+    forward, which needs the host buckets last (`forward`: one micro-batch's forward of the
+    stage); what the host step and its uploads take beyond that shows. The delayed update
+    hides the host step behind a whole step."""
     z = layout.dp * layout.seq_ranks
     sharded = (layout.distributed_optimizer if layout.plain_engine else layout.zero_stage >= 1)
     share = params / (z if sharded else 1)
-    off = layout.optimizer_offload.ratio if layout.optimizer_offload.on else 0.0
+    offload = layout.optimizer_offload
+    off = offload.ratio if offload.on else 0.0
     gpu = (1 - off) * share * rates.adamw_s_per_param + 4.0 * share / rates.copy_bytes_s
-    host = off * share * (1 / cluster.host_adam_params_per_s + 6.0 / (cluster.pcie_gb_s * 1e9))
-    return gpu + host
+    if not off:
+        return gpu
+    pcie, host = cluster.pcie_gb_s * 1e9, off * share
+    step = host / cluster.host_adam_params_per_s
+    if not (layout.plain_engine and offload.overlap):  # fp32 gradients down, bf16 params up
+        return gpu + step + host * 6.0 / pcie
+    if offload.delayed:
+        return gpu
+    up = host * layout.param_bytes / pcie
+    return gpu + max(0.0, step + up - forward - gpu)

@@ -14,9 +14,10 @@ from megazoo.plan.calibration import fit_gemm, kernel_rates, load_fixture
 from megazoo.plan.cli import plan_parser
 from megazoo.plan.clusters import load_cluster
 from megazoo.plan.layout import resolve
-from megazoo.plan.published import plan_args
 from megazoo.plan.search import search
 from megazoo.plan.timing import step_time
+
+from helpers.plan_time import predict
 
 GPT_1_3B = ("--family gpt --num-layers 24 --hidden-size 2048 --num-attention-heads 16 "
             "--ffn-hidden-size 8192 --seq-length 2048 --max-position-embeddings 2048 "
@@ -27,11 +28,7 @@ LLAMA_8B_4L = ("--family llama --num-layers 4 --hidden-size 4096 --num-attention
                "--max-position-embeddings 4096 --micro-batch-size 1 --bf16 --global-batch-size 8")
 
 
-def _predict(flags: str, cluster: str, vocab: int | None = None):
-    args, config, _ = plan_args(plan_parser().parse_args(flags.split()))
-    if vocab is not None:
-        config = dataclasses.replace(config, vocab_size=vocab)
-    return step_time(args, resolve(args), load_cluster(cluster), config)
+_predict = predict
 
 
 def test_the_stored_fit_reproduces_the_recorded_gemms():
