@@ -190,8 +190,11 @@ def _data_parallel_size(par: dict) -> int | None:
         return None  # setup raises the layout error, with the world at hand
 
 
-def args_from_namespace(ns: argparse.Namespace) -> PretrainArgs:
-    """Dataclasses from parsed flags; raises ValueError saying which flag to change."""
+def args_from_namespace(ns: argparse.Namespace, check_data=None) -> PretrainArgs:
+    """Dataclasses from parsed flags; raises ValueError saying which flag to change.
+    `check_data(data_path, must_exist)`: the --data-path files' check, at its place in the
+    order of checks (the training run passes `data.indexed.check_data_path`; config does no
+    I/O itself)."""
     model = _model_config(ns)
     zero = ZeroConfig(**_given(ns, "zero"))
     ds, source = read_ds_config(zero.deepspeed_config)
@@ -212,9 +215,8 @@ def args_from_namespace(ns: argparse.Namespace) -> PretrainArgs:
                              f"--num-layers-per-virtual-pipeline-stage {per}")
         par["vpp"] = model.num_layers // (pp * per)
     data = _given(ns, "data")
-    if data.get("data_path"):  # the files, here and not in DataConfig (which does no I/O)
-        from ..data.indexed import check_data_path
-        check_data_path(data["data_path"], must_exist=data.get("tokenizer_type") is None)
+    if data.get("data_path") and check_data is not None:  # before the tokenizer's checks
+        check_data(data["data_path"], must_exist=data.get("tokenizer_type") is None)
     args = PretrainArgs(model=model, parallel=ParallelConfig(**par), training=training,
                         data=DataConfig(**data),
                         checkpoint=CheckpointConfig(**_given(ns, "checkpoint")),
@@ -224,6 +226,8 @@ def args_from_namespace(ns: argparse.Namespace) -> PretrainArgs:
     return args
 
 
-def parse_args(argv: list[str] | None = None) -> PretrainArgs:
-    """Parse a command line (argparse errors exit 2; bad values raise ValueError)."""
-    return args_from_namespace(build_parser().parse_args(argv))
+def parse_args(argv: list[str] | None = None, check_data=None) -> PretrainArgs:
+    """Parse a command line (argparse errors exit 2; bad values raise ValueError);
+    `check_data` as in `args_from_namespace` (`megazoo.training.run.parse_run_args` passes
+    the data files' check)."""
+    return args_from_namespace(build_parser().parse_args(argv), check_data)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..checkpoint.attention import resume_sparse_layout
 from ..config.flags import parse_args
+from ..data.indexed import check_data_path
 from ..config.offload import fraction_note
 from ..config.validate import check_args
 from ..config.run import PretrainArgs
@@ -159,12 +160,18 @@ def generate_hint(args: PretrainArgs) -> str:
             f"--max-new-tokens {args.logging.generate_tokens or 64}")
 
 
+def parse_run_args(argv: list[str] | None = None) -> PretrainArgs:
+    """pretrain_gpt.py's arguments: `config.flags.parse_args` with the --data-path files
+    checked (FileNotFoundError naming the missing file, before the tokenizer's checks)."""
+    return parse_args(argv, check_data=check_data_path)
+
+
 def run_training(argv: list[str] | None = None, print_fn=print) -> dict:
     """Parse, set up and train (or evaluate); return the summary (losses, valid loss, ...).
 
     Bad input raises USER_ERRORS before any step, on every rank.
     """
-    run = setup(parse_args(argv), print_fn)
+    run = setup(parse_run_args(argv), print_fn)
     try:
         if run.args.logging.eval_only:
             loss = evaluate(run)

@@ -16,6 +16,7 @@ import pytest
 from megazoo.checkpoint import save_checkpoint
 from megazoo.checkpoint.output import remove_leftovers
 from megazoo.config.flags import parse_args
+from megazoo.training.run import parse_run_args
 from megazoo.data import IndexedDatasetBuilder
 from megazoo.training import ds_ops
 from megazoo.checkpoint.resolve import resolve_checkpoint
@@ -62,14 +63,14 @@ def prefix(tmp_path):
 
 def test_data_path_naming_the_bin_file_says_drop_bin(prefix):
     with pytest.raises(FileNotFoundError, match=f"drop .bin \\(--data-path {prefix}\\)"):
-        parse_args(["--data-path", prefix + ".bin", "--tokenizer-type", "ByteLevelTokenizer"])
+        parse_run_args(["--data-path", prefix + ".bin", "--tokenizer-type", "ByteLevelTokenizer"])
 
 
 def test_missing_data_path_is_reported_before_the_tokenizer(prefix, tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing.idx not found"):
-        parse_args(["--data-path", str(tmp_path / "nothing")])
+        parse_run_args(["--data-path", str(tmp_path / "nothing")])
     with pytest.raises(ValueError, match="--data-path needs --tokenizer-type"):
-        parse_args(["--data-path", prefix])
+        parse_run_args(["--data-path", prefix])
 
 
 @pytest.mark.parametrize("errors, docs, note", [
