@@ -91,7 +91,7 @@ def row_flags(cfg, extra: list[str]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--out", default="tp_comm")
     p.add_argument("--shape", default="gpt-1.3b", choices=sorted(SHAPES))
     p.add_argument("--global-batch", type=int, default=32)

@@ -139,13 +139,17 @@ def read_json(path, what: str = "", advice: str = "fix or replace the file") -> 
 
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+OTHER_RANK_EXIT_DELAY_S = 5.0
+"""How long a rank other than 0 waits before it exits with a reported error: all ranks meet
+the same bad input at once, and rank 0, which prints the line, must exit first."""
 
 
 def report_error(message: str, code: int = 2, prefix: str = "error: ") -> int:
     """Print `prefix + message` as one line on stderr (on rank 0 only when a launcher started
     several ranks), record it in torchrun's error file, and return `code` (the exit status)."""
     line = prefix + " ".join(str(message).split())
-    if os.environ.get("RANK", "0") == "0":
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if rank0:
         print(line, file=sys.stderr, flush=True)
     error_file = os.environ.get(ERROR_FILE_ENV)
     if error_file:
@@ -156,4 +160,6 @@ def report_error(message: str, code: int = 2, prefix: str = "error: ") -> int:
                 json.dump(record, f)
         except OSError:
             pass  # the launcher's summary is a convenience; the line was printed
+    if not rank0:  # torchrun stops every rank once one exits: rank 0 first, or its line could
+        time.sleep(OTHER_RANK_EXIT_DELAY_S)  # be cut off before it is printed (no line at all)
     return code
