@@ -75,9 +75,10 @@ def _resumes_from(args, save: str) -> bool:
 def check_writable(save: str) -> None:
     """Create --save and write a file into it now, so a read-only file system, a file in the
     way or a refused permission is one line before the first step, not after the last (a
-    folder made only for this is removed again)."""
+    folder made only for this is removed again, by a run of one rank: with several, one
+    rank's removal could pull the folder from under another's probe)."""
     probe = os.path.join(save, f".megazoo-write-test.{os.getpid()}")
-    created = not os.path.isdir(save)
+    created = int(os.environ.get("WORLD_SIZE", "1")) == 1 and not os.path.isdir(save)
     with user_path("--save", save):
         os.makedirs(save, exist_ok=True)
         with open(probe, "w") as f:
@@ -87,7 +88,7 @@ def check_writable(save: str) -> None:
             try:
                 os.rmdir(save)
             except OSError:
-                pass  # another rank's probe is in it, or it has gone
+                pass  # it has gone
 
 
 def prepare_save_dir(args, rank0: bool, log) -> None:
