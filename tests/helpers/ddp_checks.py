@@ -65,6 +65,17 @@ def full_params(path: str) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def one_thread(fn, *args, **kwargs):
+    """fn(*args, **kwargs) with torch on one thread, as the spawned ranks run (a float32
+    reduction's order then matches theirs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_and_save(par: ParallelConfig, path: str, steps: int = 3, **training) -> dict:
     """Losses of `steps` steps, then a checkpoint at `path`; the full parameters it holds."""
     engine, state = engine_for(par, **training)

@@ -43,13 +43,7 @@ def _compare(out: dict, ref: dict, name: str) -> None:
                                    msg=lambda m, k=key: f"{name}: {k}: {m}")
 
 
-def _one_process(fn, *args, **kwargs):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        torch.set_num_threads(threads)
+_one_process = checks.one_thread
 
 
 @pytest.mark.parametrize("fraction,overlap", [(0.0, True), (0.5, True), (1.0, True),

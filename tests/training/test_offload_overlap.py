@@ -15,51 +15,36 @@ import pytest
 from megazoo.testing import run_distributed
 
 from helpers import overlap_checks as checks
-from helpers.ddp_checks import engine_for
+from helpers.ddp_checks import one_thread
 
 TIMEOUT = 600
 
 
-def _one_thread(fn, *args, **kwargs):
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the spawned ranks run
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 def test_overlap_equals_the_step_without_it(fraction):
-    assert _one_thread(checks.repeated, {}, fraction=fraction) == []
+    assert one_thread(checks.repeated, {}, fraction=fraction) == []
 
 
 def test_overlap_with_the_disk_tier_equals_the_step_without_it(tmp_path):
     budget = checks.split_budget()
-    assert _one_thread(checks.repeated, {}, nvme=str(tmp_path),
+    assert one_thread(checks.repeated, {}, nvme=str(tmp_path),
                        optimizer_offload_host_memory=budget) == []
 
 
 def test_delayed_update_gives_the_same_numbers_every_run(tmp_path):
     delayed = {"offload_delayed_update": True}
-    assert _one_thread(checks.repeated, None, **delayed) == []
+    assert one_thread(checks.repeated, None, **delayed) == []
     budget = checks.split_budget(**delayed)
-    assert _one_thread(checks.repeated, None, nvme=str(tmp_path),
+    assert one_thread(checks.repeated, None, nvme=str(tmp_path),
                        optimizer_offload_host_memory=budget, **delayed) == []
 
 
 def _two_ranks(nvme: str) -> list[str]:
     dist = {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
             "overlap_param_gather": True}
-    import torch.distributed as dist_
-
-    rank = dist_.get_rank()
-    budget = checks.split_budget(**dist)  # (of this rank's shards)
-    return (checks.repeated({}, **dist)
-            + checks.repeated({}, nvme=f"{nvme}/rank{rank}",
-                              optimizer_offload_host_memory=budget, **dist))
+    budget = checks.split_budget(**dist)  # (of this rank's shards; each rank's store has a
+    return (checks.repeated({}, **dist)  # folder of its own under --nvme-path)
+            + checks.repeated({}, nvme=nvme, optimizer_offload_host_memory=budget, **dist))
 
 
 def test_two_ranks_overlap_equals_the_step_without_it(tmp_path):
