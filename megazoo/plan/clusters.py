@@ -55,6 +55,15 @@ class Cluster:
     host_adam_params_per_s: float = 1e9
     """CPU optimizer step rate per GPU's share of the host (offload; an assumption, not
     a measurement)."""
+    host_block_ms: float | None = None
+    """Host time, in ms, to issue one transformer block's forward and backward for one
+    micro-batch (Python, autograd, the launches), collectives not counted: a property of
+    the host's CPU and of megazoo's code, measured on the cluster's machines. When given,
+    a pass whose GPU work is shorter than its host time runs at the host's pace (the step
+    time's `host` part); None: the host is assumed to keep ahead of the GPU."""
+    host_collective_ms: float = 0.0
+    """Host time, in ms, of one tp / sp collective call (torch.distributed and NCCL's
+    enqueue), added to `host_block_ms` per call the block issues."""
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -77,6 +86,10 @@ class Cluster:
                              "and inter_node_gb_s_per_gpu")
         if self.collective_bus_gb_s is not None and not self.collective_bus_gb_s > 0:
             raise ValueError(f"cluster {self.name}: collective_bus_gb_s must be > 0")
+        if self.host_block_ms is not None and not self.host_block_ms > 0:
+            raise ValueError(f"cluster {self.name}: host_block_ms must be > 0 (or left out)")
+        if not self.host_collective_ms >= 0:
+            raise ValueError(f"cluster {self.name}: host_collective_ms must be >= 0")
         for name in ("intra_node_efficiency", "inter_node_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"cluster {self.name}: {name} must be in (0, 1]")

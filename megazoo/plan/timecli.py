@@ -25,7 +25,7 @@ from .search import LAYOUT_FLAGS, SEARCH_FLAGS, drop_flags, search
 from .stages import stacked_bars, stage_estimates
 from .timing import step_time
 
-PARTS = ("compute", "tp_comm", "bubble", "dp_comm", "optimizer")
+PARTS = ("compute", "tp_comm", "host", "bubble", "dp_comm", "optimizer")
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -153,7 +153,7 @@ def explain(best, given: dict, args) -> list[str]:
     if recompute != args.model.recompute:
         lines.append(f"recompute {recompute} instead of {args.model.recompute} (full reruns "
                      "each block's forward: about a third more compute)")
-    for part in ("bubble", "tp_comm", "dp_comm"):
+    for part in ("bubble", "tp_comm", "host", "dp_comm"):
         if abs(mine[part] - theirs[part]) > 0.01:
             lines.append(f"{part}: {mine[part]:.1%} of the step vs {theirs[part]:.1%}")
     return lines

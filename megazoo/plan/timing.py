@@ -21,10 +21,15 @@ stage reduces its gradients over dp x sp and steps its optimizer:
   Adam (`Cluster.host_adam_params_per_s`) and the PCIe traffic (4 B gradients down, 2 B
   parameters up per parameter) of the offloaded share.
 
+The host: where the cluster gives its host time per block (`Cluster.host_block_ms`, and
+per tp / sp collective call), a virtual stage's micro-batch takes at least that long, as the
+GPU cannot run what the host has not issued yet (`work.host_paced`): a layout that divides
+a block's GPU work (tp, Ulysses) but not its host work becomes host-bound.
+
 step = max over stages of (end of its last backward + its dp reduction + its optimizer).
-Per stage the breakdown adds up to the step: compute, tp/sp communication, dp
-communication, optimizer and the rest, the bubble (waiting on the pipeline and on the
-slowest stage). FLOPs are counted as the run logs them (`flops_per_iteration`: no
+Per stage the breakdown adds up to the step: compute, tp/sp communication, the host's
+pace, dp communication, optimizer and the rest, the bubble (waiting on the pipeline and on
+the slowest stage). FLOPs are counted as the run logs them (`flops_per_iteration`: no
 recompute) and as Megatron-LM's papers do (96 B s l h^2 (1 + s / 6h + V / 16 l h): the
 forward rerun by full recompute included).
 """
@@ -41,7 +46,7 @@ from .calibration import kernel_rates
 from .clusters import Cluster
 from .layout import Resolved
 from .memory import rank_parameters
-from .work import Work, block_work, embedding_work, head_work
+from .work import Work, block_host, block_work, embedding_work, head_work, host_paced
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ class StageTime:
     layers: int
     compute: float
     tp_comm: float
+    host: float
+    """The GPU idle between launches where the host issues a pass slower than the GPU runs it."""
     bubble: float
     dp_comm: float
     optimizer: float
@@ -88,14 +95,14 @@ def stage_layers(num_layers: int, pp: int, vpp: int) -> list[int]:
 
 
 def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
-              config: ModelConfig | None = None, exact: bool = True,
-              tp_overlap: bool = False) -> StepTime:
+              config: ModelConfig | None = None, exact: bool = True) -> StepTime:
     """Predict one step of the run `args` (resolved as `layout`) on `cluster`; `config`
     overrides args.model (a layer count pretrain_gpt.py cannot split, see `stage_layers`).
     exact=False replaces the pipeline simulation by its closed form (`_pipeline`), for
-    screening many layouts. tp_overlap: tp / SP collectives chunked beside the GEMMs
-    (`work.block_work`)."""
+    screening many layouts. The run's --tp-comm-overlap chunks the tp / SP collectives
+    beside the GEMMs (`work.block_work`, `work.block_host`)."""
     config = config or args.model
+    tp_overlap = args.training.tp_comm_overlap
     rates = kernel_rates(cluster.calibration).scaled(cluster.peak_bf16_tflops,
                                                      cluster.hbm_gb_s, cluster.gpu)
     p, v, m = layout.pp, layout.vpp, layout.num_micro_batches
@@ -108,7 +115,10 @@ def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
     zero3 = [_zero3_exposed(w, params[i % p] / v, layout, cluster) for i, w in enumerate(works)]
     # ZeRO-3's per-micro-batch exposure runs inside the pipeline (`ends`); what is reduced
     # once per step (FSDP2 syncing on the last micro-batch) and the dp reduction follow it
-    ends = _pipeline([w + z for w, z in zip(works, zero3)], layout, config, cluster, exact)
+    host = block_host(config, layout, cluster, overlap=tp_overlap)
+    paced = [host_paced(w + z, n * host) for w, z, n in zip(works, zero3, layers)]
+    waits = [_total(q) - _total(w + z) for q, w, z in zip(paced, works, zero3)]
+    ends = _pipeline(paced, layout, config, cluster, exact)
     inside = [m * sum(z.fwd_comm + z.bwd_comm for z in zero3[r::p]) for r in range(p)]
     tail = [_dp_exposed(args, layout, cluster, params[r], works[r::p])
             + _zero3_step_reduce(layout, cluster, params[r], works[r::p], sum(layers[r::p]) + 1)
@@ -120,9 +130,10 @@ def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
     for r in range(p):
         compute = m * sum(w.fwd + w.bwd for w in works[r::p])
         comm = m * sum(w.fwd_comm + w.bwd_comm for w in works[r::p])
-        dp_comm = tail[r] + inside[r]
-        stages.append(StageTime(sum(layers[r::p]), compute, comm,
-                                step - compute - comm - dp_comm - optim[r], dp_comm, optim[r]))
+        dp_comm, wait = tail[r] + inside[r], m * sum(waits[r::p])
+        stages.append(StageTime(sum(layers[r::p]), compute, comm, wait,
+                                step - compute - comm - wait - dp_comm - optim[r], dp_comm,
+                                optim[r]))
     gpus, batch, s = layout.world_size, layout.micro_batch_size * m * layout.dp, layout.seq_length
     model = flops_per_iteration(batch, s, config.num_layers, config.hidden_size,
                                 config.padded_vocab(1))
@@ -131,6 +142,10 @@ def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
         1 + s / (6.0 * config.hidden_size))
     return StepTime(step, batch * s / step, model / step / gpus / 1e12, paper / step / gpus / 1e12,
                     gpus, stages, rates.gpu)
+
+
+def _total(work: Work) -> float:
+    return work.fwd + work.bwd + work.fwd_comm + work.bwd_comm
 
 
 def _pipeline(works: list[Work], layout: Resolved, config: ModelConfig, cluster: Cluster,

@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config.model import ModelConfig
+from ..layers.tp_overlap import TP_COMM_CHUNKS
 from .calibration import KernelRates
 from .clusters import Cluster
 from .collectives import layer_collectives
@@ -114,6 +115,31 @@ def block_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluste
     recompute = {"full": fwd, "selective": a_fwd}.get(layout.recompute, 0.0)
     again = c_fwd + ring_f if layout.recompute == "full" else 0.0  # (the ring runs again)
     return Work(fwd, g_bwd + a_bwd + e_bwd + recompute, c_fwd + ring_f, c_bwd + ring_b + again)
+
+
+def block_host(config: ModelConfig, layout: Resolved, cluster: Cluster,
+               overlap: bool = False) -> float:
+    """Seconds the host takes to issue one block's forward and backward for one micro-batch
+    (`Cluster.host_block_ms` plus `host_collective_ms` per tp / sp collective call, chunked
+    calls counted one by one); 0 where the cluster gives no host time."""
+    if cluster.host_block_ms is None:
+        return 0.0
+    chunks = TP_COMM_CHUNKS if overlap and layout.tp > 1 else 1
+    calls = sum(c.calls for c in layer_collectives(
+        config, tp=layout.tp, sp=layout.sp, megatron_sp=layout.megatron_sp_on,
+        micro_batch=layout.micro_batch_size, seq_length=layout.seq_length // layout.cp,
+        chunks=chunks))
+    return (cluster.host_block_ms + calls * cluster.host_collective_ms) / 1e3
+
+
+def host_paced(work: Work, host_s: float) -> Work:
+    """`work` as the GPU runs it when the host needs `host_s` to issue it: unchanged when the
+    GPU is the slower, else every part stretched in proportion (the GPU idles between
+    launches, in each pass alike)."""
+    device = work.fwd + work.bwd + work.fwd_comm + work.bwd_comm
+    if host_s <= device or device <= 0.0:
+        return work
+    return work * (host_s / device)
 
 
 def _elementwise(config: ModelConfig, layout: Resolved) -> tuple[float, float]:

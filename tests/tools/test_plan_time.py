@@ -159,7 +159,7 @@ def test_cli_json_and_one_line_errors(capsys, tmp_path):
         assert key in out
     assert len(out["stages"]) == 4 and out["gpus"] == 32
     for stage in out["stages"]:  # the parts of each stage add up to the step
-        parts = ("compute", "tp_comm", "bubble", "dp_comm", "optimizer")
+        parts = ("compute", "tp_comm", "host", "bubble", "dp_comm", "optimizer")
         assert sum(stage[k] for k in parts) == pytest.approx(out["step_s"])
     pytest.importorskip("matplotlib")
     assert main(LAYOUT.split() + ["--cluster", "h100-sxm", "--out", str(tmp_path / "s.png")]) == 0
