@@ -13,9 +13,11 @@ so the all-gather of chunk i+1 travels while chunk i multiplies, and the reduce-
 chunk i while chunk i+1 multiplies (the idea of Megatron-core's `--tp-comm-overlap` and
 torchtitan's async TP). The collectives are plain asynchronous NCCL (gloo on CPU) calls on
 their own stream: no symmetric memory, no NVLink multicast. `work.wait()` orders the
-compute stream after a transfer without a host sync. With k = 1 the same code issues one
-all-gather and one reduce-scatter per GEMM: the plain path (`ColumnParallelLinear` /
-`RowParallelLinear` under sequence parallelism) always runs through here.
+compute stream after a transfer without a host sync. With k = 1 (the plain path of
+`ColumnParallelLinear` / `RowParallelLinear` under sequence parallelism, which always runs
+through here) each GEMM is one collective and one GEMM, issued directly, the bias in the
+GEMM: no chunk bookkeeping. The host issues every block of every micro-batch, and under tp
+at micro-batch 4 it, not the GPU, sets the pace (bench/results/tp_host_bound_h200_2026-11-28.md).
 
 Rows. Chunk i of every rank's shard [S = s/tp rows] gathers into rows j S + i m .. + m of
 the full sequence for each rank j (m = S/k): tp contiguous blocks, multiplied block by block
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..parallel.collectives import all_gather_flat, reduce_scatter_flat
 from .groups import Group, group_size, process_group
@@ -107,18 +110,27 @@ def usable_chunks(shard_rows: int, requested: int) -> int:
     return max(k for k in range(1, max(requested, 1) + 1) if shard_rows % k == 0)
 
 
+def gather_rows(x_shard: torch.Tensor, group: Group, k: int) -> torch.Tensor:
+    """x_shard [S, ...] -> x_full [tp S, ...], empty for k > 1 (`gather_matmul` fills it chunk
+    by chunk), all-gathered in one call for k = 1 (stream-ordered, no host wait)."""
+    x_shard = x_shard.contiguous()
+    x_full = x_shard.new_empty((group_size(group) * x_shard.shape[0],) + tuple(x_shard.shape[1:]))
+    if k == 1:
+        all_gather_flat(x_full, x_shard, group=process_group(group))
+    return x_full
+
+
 def gather_matmul(x_shard: torch.Tensor, b: torch.Tensor, group: Group, k: int):
     """x_shard [S, *mid, K] all-gathered along rows (k chunks) and multiplied as it arrives:
     (x_full [tp S, *mid, K], x_full @ b [tp S, *mid, N]) for b [K, N]."""
-    tp, pg = group_size(group), process_group(group)
-    x_shard = x_shard.contiguous()
-    S, m = x_shard.shape[0], x_shard.shape[0] // k
-    x_full = x_shard.new_empty((tp * S,) + tuple(x_shard.shape[1:]))
+    x_full = gather_rows(x_shard, group, k)
+    if k == 1:
+        return x_full, torch.matmul(x_full, b)
+    tp, pg, S = group_size(group), process_group(group), x_shard.shape[0]
+    m = S // k
     y = x_shard.new_empty((tp * S,) + tuple(x_shard.shape[1:-1]) + (b.shape[1],))
 
     def fetch(i):
-        if k == 1:
-            return all_gather_flat(x_full, x_shard, group=pg, async_op=True)
         blocks = [x_full[j * S + i * m:j * S + (i + 1) * m] for j in range(tp)]
         return dist.all_gather(blocks, x_shard[i * m:(i + 1) * m], group=pg, async_op=True)
 
@@ -138,11 +150,15 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Group, k: int
     S = a.shape[0] // tp
     m = S // k
     y_shard = a.new_empty((S,) + tuple(a.shape[1:-1]) + (b.shape[1],))
+    if k == 1:
+        outgoing, part = InFlight(), torch.matmul(a, b)
+        outgoing.add(reduce_scatter_flat(y_shard, part, group=pg, async_op=True), part)
+        return y_shard, outgoing
 
     def compute(i):
         part = a.new_empty((tp * m,) + tuple(y_shard.shape[1:]))  # [tp m, *mid, N]
-        for j, (lo, hi) in enumerate(chunk_rows(S, tp, k, i)):  # k = 1: one block, all rows
-            torch.matmul(a[lo:hi], b, out=part if k == 1 else part[j * m:(j + 1) * m])
+        for j, (lo, hi) in enumerate(chunk_rows(S, tp, k, i)):
+            torch.matmul(a[lo:hi], b, out=part[j * m:(j + 1) * m])
         return part
 
     def send(i, part):
@@ -170,9 +186,13 @@ class _GatherLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_shard, weight, bias, group, k):
-        x_full, y = gather_matmul(x_shard, weight.t(), group, k)
-        if bias is not None:
-            y.add_(bias)
+        if k == 1:
+            x_full = gather_rows(x_shard, group, 1)
+            y = F.linear(x_full, weight, bias)
+        else:
+            x_full, y = gather_matmul(x_shard, weight.t(), group, k)
+            if bias is not None:
+                y.add_(bias)
         ctx.save_for_backward(x_full, weight)
         ctx.group, ctx.k, ctx.has_bias = group, k, bias is not None
         return y
