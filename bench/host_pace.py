@@ -1,0 +1,144 @@
+"""How long the host takes to issue a micro-batch, per layout: the planner's host constants.
+
+    python -m bench.host_pace                          # CPU, fp32
+    python -m bench.host_pace --device cuda --out $OUT/host_pace.json   # the GPU's host, bf16
+
+At micro-batch 4 the host, not the GPU, sets tp's and Ulysses' pace
+(bench/results/tp_host_bound_h200_2026-11-28.md). This measures that pace alone. One
+process plays rank 0 of each layout on torch's fake process group, whose collectives move
+nothing and return at once. The model is built at the real width, but the sequence is so
+short (`--seq`) that the GPU's work is negligible. So the wall time of a forward + backward
+is the host's time to issue it, and no other rank's skew enters.
+
+From the rows it fits the planner's `Cluster.host_block_ms` (tp 1: the time per block) and
+`host_collective_ms` (tp 2 + SP: the time per collective call, the calls per block being
+`plan.collectives.layer_collectives`). NCCL's own enqueue is not in the fake group's calls,
+so the per-call figure is a lower bound on a real group's.
+
+Reported per layout: ms per micro-batch (the best of `--repeats` rounds of `--steps`) and
+µs per block.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = {  # name -> (tp, Megatron SP, Ulysses size)
+    "tp1": (1, False, 1), "tp2+SP": (2, True, 1), "tp2": (2, False, 1), "ulysses sp2": (1, False, 2),
+}
+
+
+def _model(args, tp: int, megatron_sp: bool, sp: int):
+    from megazoo.config.model import ModelConfig
+    from megazoo.models.build import build_model
+    from megazoo.parallel.config import ParallelConfig
+    from megazoo.parallel.state import ParallelState
+
+    config = ModelConfig(family=args.family, num_layers=args.layers, hidden_size=args.hidden,
+                         num_attention_heads=args.heads, vocab_size=2048,
+                         max_position_embeddings=max(args.seq, 64))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * sp)
+    state = ParallelState.initialize(ParallelConfig(tp=tp, sequence_parallel=megatron_sp, sp=sp),
+                                     backend="fake")
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    return config, build_model(config, state, device=args.device, dtype=dtype), state
+
+
+def pace(args, name: str) -> dict:
+    """ms per micro-batch of one layout (module docstring)."""
+    tp, megatron_sp, sp = LAYOUTS[name]
+    config, model, state = _model(args, tp, megatron_sp, sp)
+    ids = torch.randint(0, config.vocab_size, (args.micro, args.seq), device=args.device)
+
+    def step():
+        loss = model(ids, ids)
+        loss.backward()
+
+    def sync():
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(3):
+        step()
+    best = float("inf")
+    for _ in range(args.repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        sync()
+        best = min(best, (time.perf_counter() - start) / args.steps)
+    return {"layout": name, "ms_per_micro_batch": best * 1e3,
+            "us_per_block": best * 1e6 / args.layers, "layers": args.layers}
+
+
+def fit(rows: dict, args) -> dict:
+    """host_block_ms from tp1; host_collective_ms from tp2 + SP's extra time per call."""
+    from megazoo.config.model import ModelConfig
+    from megazoo.plan.collectives import layer_collectives
+
+    out = {}
+    if "tp1" in rows:
+        out["host_block_ms"] = rows["tp1"]["ms_per_micro_batch"] / args.layers
+    if "tp1" in rows and "tp2+SP" in rows:
+        config = ModelConfig(family=args.family, num_layers=args.layers, hidden_size=args.hidden,
+                             num_attention_heads=args.heads)
+        calls = sum(c.calls for c in layer_collectives(config, tp=2, sp=1, megatron_sp=True,
+                                                       micro_batch=args.micro,
+                                                       seq_length=args.seq))
+        extra = rows["tp2+SP"]["ms_per_micro_batch"] - rows["tp1"]["ms_per_micro_batch"]
+        out["host_collective_ms"] = max(extra, 0.0) / (args.layers * calls)
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--family", choices=["gpt", "llama"], default="gpt")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=None, help="default: 2048 on cuda, 64 on cpu")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence (short: host-bound)")
+    p.add_argument("--micro", type=int, default=1)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    p.add_argument("--out", default=None, help="write the rows and the fit as JSON here")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no GPU here")
+    args.hidden = args.hidden or (2048 if args.device == "cuda" else 64)
+    for name in args.layouts:
+        tp, _, sp = LAYOUTS[name]
+        if args.seq % (tp * sp) or args.heads % (tp * sp):
+            p.error(f"--seq {args.seq} and --heads {args.heads} must divide by {tp * sp} ({name})")
+    return args
+
+
+def main(argv=None) -> int:
+    from bench.common import print_table, write_json
+
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # the host's one issuing thread; tiny tensors need no more
+    rows = {name: pace(args, name) for name in args.layouts}
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    constants = fit(rows, args)
+    print_table(list(rows.values()), ["layout", "ms_per_micro_batch", "us_per_block"])
+    print("fit: " + ", ".join(f"{k} {v:.3f}" for k, v in constants.items()))
+    write_json(args.out, {"device": args.device, "rows": rows, "fit": constants,
+                          "flags": vars(args)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
