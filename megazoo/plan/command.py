@@ -1,7 +1,9 @@
 """The pretrain_gpt.py command of a planned run, built from its parsed config (`PretrainArgs`),
 never from the planner's command line: every field that differs from its default becomes its
 flag (`config.flags`' names), so the planner's own flags (--gpu-memory, --host-memory, --dp,
-...) never reach it and the command runs as pasted.
+...) never reach it and the command runs as pasted. The key/value heads are the one field
+compared with the model itself: derived from the heads (MHA) they get no flag, set apart
+(GQA) they always do.
 
     run_argv(args)         # ["--model", "gpt-1.3b", "--bf16", ...]
     launch_command(args)   # "torchrun --nproc-per-node 8 pretrain_gpt.py ..."
@@ -48,10 +50,14 @@ def run_argv(args: PretrainArgs) -> list[str]:
     fields that differ from it, and every other field that differs from its default)."""
     argv = ["--model", args.model_name] if args.model_name else []
     base = PRESETS[args.model_name] if args.model_name else DEFAULT_MODEL
-    model = args.model
-    if model.num_key_value_heads == model.num_attention_heads:  # derived unless set apart
-        base = dataclasses.replace(base, num_key_value_heads=model.num_key_value_heads)
-    argv += _group_argv("model", model, base)
+    model, words = args.model, _group_argv("model", args.model, base)
+    kv = _flag("num_key_value_heads", model.num_key_value_heads, None)
+    if kv[0] in words:  # against the model's own heads, not the base's (module docstring)
+        at = words.index(kv[0])
+        words = words[:at] + words[at + 2:]
+    if model.num_key_value_heads != model.num_attention_heads:  # set apart: GQA / MQA
+        words += kv
+    argv += words
     parallel = args.parallel
     if args.training.num_layers_per_virtual_pipeline_stage is not None:  # it sets vpp
         parallel = dataclasses.replace(parallel, vpp=1)

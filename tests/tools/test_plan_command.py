@@ -48,3 +48,16 @@ def test_run_argv_round_trips_the_config():
                   "--min-lr", "0", "--optimizer-offload-fraction", "0.3"]):
         args = parse_args(argv)
         assert parse_args(run_argv(args)) == args
+
+
+def test_run_argv_heads_set_apart_from_the_default_model():
+    """Heads other than the default model's, with key/value heads derived (MHA) or set
+    (GQA): the command round-trips and names --num-key-value-heads only when set (the MHA
+    case raised a ValueError in --search's commands before)."""
+    mha = parse_args(["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16"])
+    gqa = parse_args(["--family", "llama", "--hidden-size", "2048", "--num-attention-heads", "16",
+                      "--num-key-value-heads", "4"])
+    for args, kv_named in ((mha, False), (gqa, True)):
+        words = run_argv(args)
+        assert parse_args(words) == args
+        assert ("--num-key-value-heads" in words) == kv_named, words
