@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.positions import apply_rope
-from ..models.parts import full_logits, lm_logits
+from ..models.parts import full_logits
 from ..pipeline.p2p import Channel
 from .cache import KVCache, StepInputs
 
@@ -75,7 +75,7 @@ def block_step(block, x: torch.Tensor, cache: KVCache, inp: StepInputs) -> torch
 
 def head(model, x: torch.Tensor) -> torch.Tensor:
     """x [s, b, h] -> logits [b, vocab] of the last token (gathered over tp)."""
-    shard = lm_logits(model.final_norm(x[-1:]), model.head_weight(), model.state)
+    shard = model.logits(model.final_norm(x[-1:]))
     return full_logits(shard, model.config.vocab_size, model.state)[:, -1]
 
 

@@ -101,6 +101,14 @@ class TransformerModel(nn.Module):
             for i in chunk:
                 self.layers[str(i)].set_recompute(mode if i - chunk.start < count else "none")
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [s_local, b, h] after the final norm -> logits_shard [s_sp, b, V_pad/tp]: the
+        untied head as a module call (the hooks that wait for its weight run), or the tied
+        embedding's weight (`lm_logits`)."""
+        if self.output_layer is None:
+            return lm_logits(x, self.head_weight(), self.state)
+        return self.output_layer(x)
+
     def head_weight(self) -> torch.Tensor:
         """The vocab-sharded [V_pad/tp, h] matrix of the output head."""
         if self.output_layer is None:
@@ -146,9 +154,7 @@ class TransformerModel(nn.Module):
             x = self.layers[str(i)](x)
         if not last:
             return x
-        x = self.final_norm(x)
-        logits_shard = lm_logits(x, self.head_weight(), self.state) if self.output_layer is None \
-            else self.output_layer(x)  # (a module call: hooks waiting for its weight run)
+        logits_shard = self.logits(self.final_norm(x))
         if labels is not None:
             return mean_token_loss(logits_shard, labels, self.config.vocab_size, self.state,
                                    self.check_inputs)
