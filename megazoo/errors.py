@@ -140,8 +140,10 @@ def read_json(path, what: str = "", advice: str = "fix or replace the file") -> 
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 OTHER_RANK_EXIT_DELAY_S = 5.0
-"""How long a rank other than 0 waits before it exits with a reported error: all ranks meet
-the same bad input at once, and rank 0, which prints the line, must exit first."""
+"""How long a rank other than 0 waits before it records and exits with a reported error: all
+ranks meet the same bad input at once, and rank 0, which prints the line, must exit first
+and be torchrun's root cause (the first failure by its error file's timestamp, in whole
+seconds: a file another rank wrote a second earlier would win)."""
 
 
 def report_error(message: str, code: int = 2, prefix: str = "error: ") -> int:
@@ -151,6 +153,8 @@ def report_error(message: str, code: int = 2, prefix: str = "error: ") -> int:
     rank0 = os.environ.get("RANK", "0") == "0"
     if rank0:
         print(line, file=sys.stderr, flush=True)
+    else:  # torchrun stops every rank once one exits: rank 0 first, or its line could be cut
+        time.sleep(OTHER_RANK_EXIT_DELAY_S)  # off before it is printed, or lose the root cause
     error_file = os.environ.get(ERROR_FILE_ENV)
     if error_file:
         record = {"message": {"message": line, "extraInfo": {
@@ -160,6 +164,4 @@ def report_error(message: str, code: int = 2, prefix: str = "error: ") -> int:
                 json.dump(record, f)
         except OSError:
             pass  # the launcher's summary is a convenience; the line was printed
-    if not rank0:  # torchrun stops every rank once one exits: rank 0 first, or its line could
-        time.sleep(OTHER_RANK_EXIT_DELAY_S)  # be cut off before it is printed (no line at all)
     return code

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers.checkpoints import tiny_model
-from megazoo import cli
+from megazoo import cli, errors
 from megazoo.checkpoint import save_checkpoint
 from megazoo.checkpoint.resolve import resolve_checkpoint
 from megazoo.convert import cli as convert_cli
@@ -181,7 +181,10 @@ def test_report_error_prints_on_rank_0_only_and_fills_the_error_file(tmp_path, m
     error_file = tmp_path / "error.json"
     monkeypatch.setenv(ERROR_FILE_ENV, str(error_file))
     monkeypatch.setenv("RANK", "1")
+    waited = []  # rank 1 records its error only after the delay: rank 0's file is the first
+    monkeypatch.setattr(errors.time, "sleep", lambda s: waited.append((s, error_file.exists())))
     assert report_error("--save x is on a read-only file system") == 2
+    assert waited == [(errors.OTHER_RANK_EXIT_DELAY_S, False)]
     assert capsys.readouterr().err == ""
     record = json.loads(error_file.read_text())["message"]
     assert record["message"] == "error: --save x is on a read-only file system"
