@@ -143,15 +143,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return parser
 
 
-def _given(ns: argparse.Namespace, group: str) -> dict:
+def given_fields(ns: argparse.Namespace, group: str) -> dict:
+    """{field: value} of the `group` fields ("model", "training", ...) given in `ns`: what the
+    configs are built from, and what a caller that completes a command line (the planner)
+    asks instead of argparse's names."""
     prefix = group + "__"
     return {k[len(prefix):]: v for k, v in vars(ns).items() if k.startswith(prefix)}
-
-
-def given_fields(ns: argparse.Namespace, group: str) -> dict:
-    """{field: value} of the `group` fields ("model", "training", ...) given in `ns`: what a
-    caller that completes a command line (the planner) asks instead of argparse's names."""
-    return _given(ns, group)
 
 
 def set_fields(ns: argparse.Namespace, group: str, values: dict, *,
@@ -165,7 +162,7 @@ def set_fields(ns: argparse.Namespace, group: str, values: dict, *,
 
 def _model_config(ns: argparse.Namespace) -> ModelConfig:
     base = PRESETS[ns.model_name] if ns.model_name else DEFAULT_MODEL  # copied, never changed
-    overrides = _given(ns, "model")
+    overrides = given_fields(ns, "model")
     if "family" in overrides and overrides["family"] != base.family:
         # A new family: its own defaults for the conventions, the preset's shape.
         keep = {k: getattr(base, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
@@ -196,16 +193,16 @@ def args_from_namespace(ns: argparse.Namespace, check_data=None) -> PretrainArgs
     order of checks (the training run passes `data.indexed.check_data_path`; config does no
     I/O itself)."""
     model = _model_config(ns)
-    zero = ZeroConfig(**_given(ns, "zero"))
+    zero = ZeroConfig(**given_fields(ns, "zero"))
     ds, source = read_ds_config(zero.deepspeed_config)
     warn_unused_sections(ds, source, zero.zero_impl)
     sparse = sparse_section(ns, ds, source)
     if sparse is not None:
         model = dataclasses.replace(model, sparse_attention=sparse)
-    compression = resolve_compression(_given(ns, "compression"), ds, source)
-    par = _given(ns, "parallel")
+    compression = resolve_compression(given_fields(ns, "compression"), ds, source)
+    par = given_fields(ns, "parallel")
     default_micro = TrainingConfig.__dataclass_fields__["micro_batch_size"].default
-    training = TrainingConfig(**training_fields(ds, _given(ns, "training"), _data_parallel_size(par),
+    training = TrainingConfig(**training_fields(ds, given_fields(ns, "training"), _data_parallel_size(par),
                                                 source, default_micro))
     if training.num_layers_per_virtual_pipeline_stage is not None:
         per, pp = training.num_layers_per_virtual_pipeline_stage, par.get("pp", 1)
@@ -214,13 +211,13 @@ def args_from_namespace(ns: argparse.Namespace, check_data=None) -> PretrainArgs
                              f"--pipeline-model-parallel-size {pp} x "
                              f"--num-layers-per-virtual-pipeline-stage {per}")
         par["vpp"] = model.num_layers // (pp * per)
-    data = _given(ns, "data")
+    data = given_fields(ns, "data")
     if data.get("data_path") and check_data is not None:  # before the tokenizer's checks
         check_data(data["data_path"], must_exist=data.get("tokenizer_type") is None)
     args = PretrainArgs(model=model, parallel=ParallelConfig(**par), training=training,
                         data=DataConfig(**data),
-                        checkpoint=CheckpointConfig(**_given(ns, "checkpoint")),
-                        logging=LoggingConfig(**_given(ns, "logging")),
+                        checkpoint=CheckpointConfig(**given_fields(ns, "checkpoint")),
+                        logging=LoggingConfig(**given_fields(ns, "logging")),
                         zero=zero, compression=compression, model_name=ns.model_name)
     check_args(args)
     return args

@@ -139,10 +139,11 @@ class TransformerModel(nn.Module):
                 raise ValueError("the first chunk of the first stage needs input_ids [b, s]")
             check_sequence_length(input_ids.shape[1], self.state)
             window = ulysses_window(input_ids.shape[1], self.state)
-            first = window.start if isinstance(window, slice) else window
-            if not isinstance(window, slice):  # cp: the rank's tokens are not contiguous
+            if isinstance(window, slice):
+                first = window.start
+            else:  # cp: the rank's tokens are not contiguous, their positions go along
                 self._check_positions(input_ids.shape[1])
-                window = window.to(input_ids.device)
+                first, window = window, window.to(input_ids.device)
             x = self.embedding(input_ids[:, window], first, self.check_inputs)
         elif hidden_states is None:
             raise ValueError("a chunk without the embedding needs hidden_states [s_local, b, h]; "

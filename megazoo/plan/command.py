@@ -32,12 +32,12 @@ def _flag(name: str, value, default) -> list[str]:
     return [flag, repr(value) if isinstance(value, float) else str(value)]
 
 
-def _group_argv(group: str, config, base) -> list[str]:
-    """Flags of one config group: its exposed fields that differ from `base`'s."""
+def _group_argv(group: str, config, base, skip: tuple[str, ...] = ()) -> list[str]:
+    """Flags of one config group: its exposed fields (but `skip`) that differ from `base`'s."""
     cls, names = GROUPS[group]
     docs, out = field_docs(cls), []
     for f in dataclasses.fields(cls):
-        if (names is None or f.name in names) and f.name in docs:
+        if (names is None or f.name in names) and f.name in docs and f.name not in skip:
             value = getattr(config, f.name)
             default = getattr(base, f.name) if base is not None else f.default
             if value != default and default is not dataclasses.MISSING:
@@ -50,14 +50,10 @@ def run_argv(args: PretrainArgs) -> list[str]:
     fields that differ from it, and every other field that differs from its default)."""
     argv = ["--model", args.model_name] if args.model_name else []
     base = PRESETS[args.model_name] if args.model_name else DEFAULT_MODEL
-    model, words = args.model, _group_argv("model", args.model, base)
-    kv = _flag("num_key_value_heads", model.num_key_value_heads, None)
-    if kv[0] in words:  # against the model's own heads, not the base's (module docstring)
-        at = words.index(kv[0])
-        words = words[:at] + words[at + 2:]
+    model, kv = args.model, "num_key_value_heads"  # judged against the model's own heads
+    argv += _group_argv("model", model, base, skip=(kv,))
     if model.num_key_value_heads != model.num_attention_heads:  # set apart: GQA / MQA
-        words += kv
-    argv += words
+        argv += _flag(kv, model.num_key_value_heads, None)
     parallel = args.parallel
     if args.training.num_layers_per_virtual_pipeline_stage is not None:  # it sets vpp
         parallel = dataclasses.replace(parallel, vpp=1)

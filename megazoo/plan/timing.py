@@ -116,8 +116,9 @@ def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
     # ZeRO-3's per-micro-batch exposure runs inside the pipeline (`ends`); what is reduced
     # once per step (FSDP2 syncing on the last micro-batch) and the dp reduction follow it
     host = block_host(config, layout, cluster, overlap=tp_overlap)
-    paced = [host_paced(w + z, n * host) for w, z, n in zip(works, zero3, layers)]
-    waits = [_total(q) - _total(w + z) for q, w, z in zip(paced, works, zero3)]
+    loaded = [w + z for w, z in zip(works, zero3)]
+    paced = [host_paced(w, n * host) for w, n in zip(loaded, layers)]
+    waits = [q.total - w.total for q, w in zip(paced, loaded)]
     ends = _pipeline(paced, layout, config, cluster, exact)
     inside = [m * sum(z.fwd_comm + z.bwd_comm for z in zero3[r::p]) for r in range(p)]
     tail = [_dp_exposed(args, layout, cluster, params[r], works[r::p])
@@ -142,10 +143,6 @@ def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
         1 + s / (6.0 * config.hidden_size))
     return StepTime(step, batch * s / step, model / step / gpus / 1e12, paper / step / gpus / 1e12,
                     gpus, stages, rates.gpu)
-
-
-def _total(work: Work) -> float:
-    return work.fwd + work.bwd + work.fwd_comm + work.bwd_comm
 
 
 def _pipeline(works: list[Work], layout: Resolved, config: ModelConfig, cluster: Cluster,

@@ -67,6 +67,11 @@ class Work:
     def __mul__(self, k: float) -> Work:
         return Work(self.fwd * k, self.bwd * k, self.fwd_comm * k, self.bwd_comm * k)
 
+    @property
+    def total(self) -> float:
+        """Forward and backward, with their exposed collectives."""
+        return self.fwd + self.bwd + self.fwd_comm + self.bwd_comm
+
 
 def _linear(rates: KernelRates, tokens: int, n_in: float, n_out: float,
             fp8: bool) -> tuple[float, float]:
@@ -109,7 +114,7 @@ def block_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluste
     e_fwd, e_bwd = (2.0 * tokens * n / rates.copy_bytes_s for n in _elementwise(config, layout))
     fwd = g_fwd + a_fwd + e_fwd
     ring_f, ring_b = ring_exposed(config, layout, cluster, a_fwd, a_bwd)
-    c_fwd, c_bwd = _tp_comm(config, layout, cluster, tokens)
+    c_fwd, c_bwd = _tp_comm(config, layout, cluster)
     if overlap and layout.tp > 1:
         c_fwd, c_bwd = (max(c - g, c / layout.tp) for c, g in ((c_fwd, g_fwd), (c_bwd, g_bwd)))
     recompute = {"full": fwd, "selective": a_fwd}.get(layout.recompute, 0.0)
@@ -125,21 +130,25 @@ def block_host(config: ModelConfig, layout: Resolved, cluster: Cluster,
     if cluster.host_block_ms is None:
         return 0.0
     chunks = TP_COMM_CHUNKS if overlap and layout.tp > 1 else 1
-    calls = sum(c.calls for c in layer_collectives(
-        config, tp=layout.tp, sp=layout.sp, megatron_sp=layout.megatron_sp_on,
-        micro_batch=layout.micro_batch_size, seq_length=layout.seq_length // layout.cp,
-        chunks=chunks))
+    calls = sum(c.calls for c in _block_collectives(config, layout, chunks))
     return (cluster.host_block_ms + calls * cluster.host_collective_ms) / 1e3
+
+
+def _block_collectives(config: ModelConfig, layout: Resolved, chunks: int = 1):
+    """`layer_collectives` of one block in this layout (a cp rank's share of the sequence)."""
+    return layer_collectives(config, tp=layout.tp, sp=layout.sp,
+                             megatron_sp=layout.megatron_sp_on,
+                             micro_batch=layout.micro_batch_size,
+                             seq_length=layout.seq_length // layout.cp, chunks=chunks)
 
 
 def host_paced(work: Work, host_s: float) -> Work:
     """`work` as the GPU runs it when the host needs `host_s` to issue it: unchanged when the
     GPU is the slower, else every part stretched in proportion (the GPU idles between
     launches, in each pass alike)."""
-    device = work.fwd + work.bwd + work.fwd_comm + work.bwd_comm
-    if host_s <= device or device <= 0.0:
+    if host_s <= work.total or work.total <= 0.0:
         return work
-    return work * (host_s / device)
+    return work * (host_s / work.total)
 
 
 def _elementwise(config: ModelConfig, layout: Resolved) -> tuple[float, float]:
@@ -156,17 +165,14 @@ def _elementwise(config: ModelConfig, layout: Resolved) -> tuple[float, float]:
     return fwd, bwd
 
 
-def _tp_comm(config: ModelConfig, layout: Resolved, cluster: Cluster,
-             tokens: int) -> tuple[float, float]:
+def _tp_comm(config: ModelConfig, layout: Resolved, cluster: Cluster) -> tuple[float, float]:
     """Seconds of the (forward, backward) tp / sp collectives of one block, none overlapped:
     what the layers issue (`plan.collectives.layer_collectives`; under Megatron SP two
     all-gathers and two reduce-scatters each way, the gathered input kept for backward),
     each at the link of its group."""
     t, u = layout.tp, layout.sp
     seconds = {"forward": 0.0, "backward": 0.0}
-    for c in layer_collectives(config, tp=t, sp=u, megatron_sp=layout.megatron_sp_on,
-                               micro_batch=layout.micro_batch_size,
-                               seq_length=layout.seq_length // layout.cp):
+    for c in _block_collectives(config, layout):
         if c.kind == "all_reduce":
             seconds[c.direction] += c.calls * _all_reduce(cluster, t, c.bytes_each)
         elif c.group == "tp":  # all-gather / reduce-scatter: (t - 1) / t of the full side
