@@ -59,8 +59,10 @@ def megazoo_flags(shape_name: str, cfg, tp: int, pp: int, vpp: int, own) -> list
         str(BATCHES[shape_name]), "--train-iters", str(cfg.iters),
         "--log-interval", str(cfg.log_interval), "--eval-iters", "0"]
     flags += [] if cfg.dry_run else ["--bf16"]
+    zero = own is not None and bool({"--zero-impl", "--deepspeed"} & set(own))
+    if cfg.cuda_graph and pp == 1 and not zero:  # what --enable-cuda-graph captures
+        flags += ["--enable-cuda-graph"]
     if own is not None:  # ZeRO engines shard and reduce by themselves
-        zero = {"--zero-impl", "--deepspeed"} & set(own)
         return flags + ([] if zero else DISTOPT) + own
     flags += DISTOPT
     if tp > 1:
@@ -96,7 +98,7 @@ def run_shape(shape_name: str, cfg) -> dict:
         key = f"{shape_name} {name}".replace(" ", "_").replace("+", "_")
         flags = megazoo_flags(shape_name, cfg, tp, pp, vpp, own)
         row = {"gpus": nproc, "megazoo": run_variant(key, flags, logs, cfg.timeout, nproc)}
-        if own is None:
+        if own is None and cfg.peer:
             row["mcore"] = mcore_row(shape_name, cfg, nproc, tp, pp, vpp)
         rows[name] = row
         write_json(path, saved)
@@ -131,6 +133,11 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=12, help="pretrain_gpt.py iterations per row")
     p.add_argument("--timeout", type=float, default=None, help="seconds per child (default 420)")
     p.add_argument("--dry-run", action="store_true", help="CPU, gloo, 2 ranks, tiny shapes")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="megazoo's rows with one pipeline stage and the plain engine add "
+                        "--enable-cuda-graph")
+    p.add_argument("--no-peer", dest="peer", action="store_false",
+                   help="megazoo's rows only (megatron-core's were measured in another call)")
     cfg = p.parse_args(argv)
     if cfg.dry_run:
         cfg.shapes = ["tiny" if s.startswith("gpt") else "tiny-llama" for s in cfg.shapes]

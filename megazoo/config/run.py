@@ -77,6 +77,11 @@ class TrainingConfig:
     and row-parallel GEMM + reduce-scatter along the sequence (`megazoo.layers.tp_overlap`);
     Ulysses cuts its all-to-alls by kv groups inside the QKV and output projections
     (`megazoo.layers.ulysses_overlap`). Off: one collective per GEMM, through the same code."""
+    enable_cuda_graph: bool = False
+    """Capture each transformer block's training forward and backward as CUDA graphs at the
+    first micro-batch and replay them (`megazoo.training.block_graphs`): the host issues one
+    launch per block where it issued hundreds, for layouts whose GPUs wait on the host
+    (tensor and sequence parallelism). One pipeline stage, the plain engine."""
     ddp_bucket_size: int | None = None
     """Plain engine: elements per gradient bucket; None: max(40M, 1M x dp x sp) (Megatron's)."""
     gradient_accumulation_fusion: bool = True

@@ -33,9 +33,37 @@ def check_args(args: PretrainArgs) -> None:
         raise ValueError("--tp-comm-overlap chunks Megatron-SP's all-gathers / reduce-scatters "
                          "and Ulysses' all-to-alls: it needs --tensor-model-parallel-size > 1 "
                          "with --sequence-parallel, or --sequence-parallel-size > 1")
+    if t.enable_cuda_graph:
+        check_cuda_graph(args)
     if dp is not None and t.global_batch_size % (t.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size {t.global_batch_size} must divide by "
                          f"--micro-batch-size {t.micro_batch_size} x dp {dp}")
+
+
+def check_cuda_graph(args: PretrainArgs) -> None:
+    """What --enable-cuda-graph (`megazoo.training.block_graphs`) captures: the plain engine's
+    blocks, one pipeline stage, without context parallelism, recompute, FP8, sparse attention,
+    key/value heads repeated over tp or the offloaded optimizer (the device is checked when
+    the run starts)."""
+    p, m = args.parallel, args.model
+    conflicts = [
+        (args.zero.zero_impl != "none", "it runs with the plain engine: drop --deepspeed / --zero-impl"),
+        (p.pp > 1, "a pipeline keeps several micro-batches in flight and a block's graph holds "
+                   "one: set --pipeline-model-parallel-size 1"),
+        (p.cp > 1, "context parallelism is not captured: set --context-parallel-size 1"),
+        (m.recompute != "none", "activation recompute is not captured: drop --recompute-granularity"),
+        (m.fp8_format is not None, "FP8's scaling state is not captured: drop --fp8-format"),
+        (m.sparse_attention is not None, "sparse attention is not captured: use dense attention"),
+        (m.num_key_value_heads < p.tp, f"{m.num_key_value_heads} key/value heads over tp {p.tp} "
+                                       f"repeat on several ranks, whose gradient hook is not "
+                                       f"captured: use tp <= {m.num_key_value_heads}"),
+        (args.zero.zero_impl == "none" and plain_offload(args) is not None,
+         "the offloaded optimizer is not supported: drop --optimizer-cpu-offload / "
+         "--offload-optimizer"),
+    ]
+    for conflict, why in conflicts:
+        if conflict:
+            raise ValueError(f"--enable-cuda-graph: {why} (or drop --enable-cuda-graph)")
 
 
 def check_engine(zero: ZeroConfig, parallel: ParallelConfig) -> None:

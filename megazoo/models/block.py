@@ -15,6 +15,9 @@ the parameter-free middle of the attention (RoPE, softmax(QK^T)V with its dropou
 Ulysses sp > 1 the two all-to-alls, which are then repeated in backward: ParallelAttention's
 `recompute_core`). Both use non-reentrant `torch.utils.checkpoint`, which restores the RNG
 state so dropout masks repeat.
+
+`replay`, when set (`megazoo.training.block_graphs`), runs the block's training forward and
+its backward as captured CUDA graphs; evaluation and generation run the block eagerly.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_number, self.hidden_dropout = layer_number, config.hidden_dropout
         self.recompute = "none"
+        self.replay = None  # x -> y through captured CUDA graphs, training only
         megatron_sp = state.config.megatron_sp
         std = config.init_std
         out_std = std / math.sqrt(2 * config.num_layers) if config.scaled_output_init else std
@@ -71,6 +75,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s_local, b, h] -> y [s_local, b, h]."""
+        if self.replay is not None and self.training and torch.is_grad_enabled():
+            return self.replay(x)
         if self.recompute == "full" and torch.is_grad_enabled():
             return checkpoint(self._forward, x, use_reentrant=False)
         return self._forward(x)

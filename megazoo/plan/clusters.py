@@ -52,6 +52,11 @@ class Cluster:
     or reduce-scatter (t - 1) / t x B / busbw). When given, every collective inside a node
     (tp, SP, Ulysses, dp, ZeRO-3) and the pipeline's sends run at it, in place of
     `intra_node_gb_s` x `intra_node_efficiency`."""
+    collective_latency_us: float = 0.0
+    """Time, in µs, one NCCL collective call inside a node takes beyond its bytes at
+    `collective_bus_gb_s` (its launch and the ring's steps): what makes a 16-32 MB
+    all-gather run near half the bus bandwidth of a 1 GiB all-reduce. Added per tp, SP and
+    Ulysses collective call, chunked calls counted one by one."""
     host_adam_params_per_s: float = 1e9
     """CPU optimizer step rate per GPU's share of the host (offload; an assumption, not
     a measurement)."""
@@ -88,6 +93,8 @@ class Cluster:
             raise ValueError(f"cluster {self.name}: collective_bus_gb_s must be > 0")
         if self.host_block_ms is not None and not self.host_block_ms > 0:
             raise ValueError(f"cluster {self.name}: host_block_ms must be > 0 (or left out)")
+        if not self.collective_latency_us >= 0:
+            raise ValueError(f"cluster {self.name}: collective_latency_us must be >= 0")
         if not self.host_collective_ms >= 0:
             raise ValueError(f"cluster {self.name}: host_collective_ms must be >= 0")
         for name in ("intra_node_efficiency", "inter_node_efficiency"):

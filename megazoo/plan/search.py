@@ -8,7 +8,9 @@ given and the global batch divisible by micro-batch x d, each micro-batch size, 
 (none, selective, full) and Megatron SP on and off (t > 1), the candidate's flags are the
 user's flags with the layout replaced, and go through the run's own parsing and checks
 (`args_from_namespace` -> `check_args`): a layout the run refuses is never returned. The
-plain engine's distributed optimizer and both overlaps are on where dp x sp x cp > 1. The memory
+plain engine's distributed optimizer and both overlaps are on where dp x sp x cp > 1, and
+CUDA graphs (`--enable-cuda-graph`) with tp or Ulysses where the run accepts them (one
+pipeline stage, no recompute, the plain engine: else the candidate runs eagerly). The memory
 planner's most loaded rank must fit the cluster's GPU; the rest are
 timed (`timing.step_time`) and ranked. Each result carries its pretrain_gpt.py command.
 """
@@ -102,6 +104,19 @@ def _flags(t, u, c, p, v, d, b, recompute, megatron_sp, num_layers) -> list[str]
     return flags + ["--dp", str(d)]
 
 
+def _first_accepted(parse, base: list[str], flags: list[str], options: PlanOptions,
+                    graphs: bool):
+    """(flags, args, layout) with --enable-cuda-graph added where `graphs` and the run
+    accepts it, else without; None when the run refuses the layout itself."""
+    for extra in (["--enable-cuda-graph"], []) if graphs else ([],):
+        try:
+            args = parse(base + flags + extra)
+            return flags + extra, args, resolve(args, options)
+        except (ValueError, SystemExit):
+            continue
+    return None
+
+
 def search(parse, base: list[str], num_layers: int, gpus: int, global_batch: int,
            cluster: Cluster, rescore: int = 20
            ) -> tuple[list[Candidate], int, list[tuple[float, list[str]]]]:
@@ -116,12 +131,11 @@ def search(parse, base: list[str], num_layers: int, gpus: int, global_batch: int
     for t, u, c, p, v, d, b in layouts(num_layers, gpus, global_batch, cluster.gpus_per_node):
         for recompute, msp in itertools.product(RECOMPUTE, (False, True) if t > 1 else (False,)):
             flags = _flags(t, u, c, p, v, d, b, recompute, msp, num_layers)
-            try:
-                args = parse(base + flags)
-                layout = resolve(args, options)
-            except (ValueError, SystemExit):
+            parsed = _first_accepted(parse, base, flags, options, graphs=t * u > 1)
+            if parsed is None:
                 refused += 1
                 continue
+            flags, args, layout = parsed
             memory = _estimate(args.model, layout).gpu_total
             if memory > cluster.hbm_gb * GB:
                 too_big.append((memory / GB, flags))

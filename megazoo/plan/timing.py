@@ -115,7 +115,8 @@ def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
     zero3 = [_zero3_exposed(w, params[i % p] / v, layout, cluster) for i, w in enumerate(works)]
     # ZeRO-3's per-micro-batch exposure runs inside the pipeline (`ends`); what is reduced
     # once per step (FSDP2 syncing on the last micro-batch) and the dp reduction follow it
-    host = block_host(config, layout, cluster, overlap=tp_overlap)
+    graphs = args.training.enable_cuda_graph  # the blocks replay: no per-block host time
+    host = 0.0 if graphs else block_host(config, layout, cluster, overlap=tp_overlap)
     loaded = [w + z for w, z in zip(works, zero3)]
     paced = [host_paced(w, n * host) for w, n in zip(loaded, layers)]
     waits = [q.total - w.total for q, w in zip(paced, loaded)]

@@ -114,7 +114,8 @@ def block_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluste
     e_fwd, e_bwd = (2.0 * tokens * n / rates.copy_bytes_s for n in _elementwise(config, layout))
     fwd = g_fwd + a_fwd + e_fwd
     ring_f, ring_b = ring_exposed(config, layout, cluster, a_fwd, a_bwd)
-    c_fwd, c_bwd = _tp_comm(config, layout, cluster)
+    chunks = TP_COMM_CHUNKS if overlap and layout.tp > 1 else 1
+    c_fwd, c_bwd = _tp_comm(config, layout, cluster, chunks)
     if overlap and layout.tp > 1:
         c_fwd, c_bwd = (max(c - g, c / layout.tp) for c, g in ((c_fwd, g_fwd), (c_bwd, g_bwd)))
     recompute = {"full": fwd, "selective": a_fwd}.get(layout.recompute, 0.0)
@@ -165,16 +166,19 @@ def _elementwise(config: ModelConfig, layout: Resolved) -> tuple[float, float]:
     return fwd, bwd
 
 
-def _tp_comm(config: ModelConfig, layout: Resolved, cluster: Cluster) -> tuple[float, float]:
+def _tp_comm(config: ModelConfig, layout: Resolved, cluster: Cluster,
+             chunks: int = 1) -> tuple[float, float]:
     """Seconds of the (forward, backward) tp / sp collectives of one block, none overlapped:
     what the layers issue (`plan.collectives.layer_collectives`; under Megatron SP two
     all-gathers and two reduce-scatters each way, the gathered input kept for backward),
-    each at the link of its group."""
+    each at the link of its group, plus `Cluster.collective_latency_us` per call (each of
+    `chunks` chunks a call)."""
     t, u = layout.tp, layout.sp
     seconds = {"forward": 0.0, "backward": 0.0}
-    for c in _block_collectives(config, layout):
+    for c in _block_collectives(config, layout, chunks):
+        seconds[c.direction] += c.calls * cluster.collective_latency_us / 1e6
         if c.kind == "all_reduce":
-            seconds[c.direction] += c.calls * _all_reduce(cluster, t, c.bytes_each)
+            seconds[c.direction] += c.calls * _all_reduce(cluster, t, c.bytes_each, latency=False)
         elif c.group == "tp":  # all-gather / reduce-scatter: (t - 1) / t of the full side
             seconds[c.direction] += (t - 1) / t * c.bytes / cluster.link_bytes_s(t)
         else:  # Ulysses' all-to-alls over t x u ranks' links
@@ -205,6 +209,8 @@ def embedding_work(config: ModelConfig, layout: Resolved, rates: KernelRates,
     return Work(moved, 2 * moved, comm, 0.0)
 
 
-def _all_reduce(cluster: Cluster, t: int, nbytes: float) -> float:
-    """Seconds of a ring all-reduce of `nbytes` over `t` ranks: 2 (t - 1) / t x nbytes."""
-    return 2 * (t - 1) / t * nbytes / cluster.link_bytes_s(t)
+def _all_reduce(cluster: Cluster, t: int, nbytes: float, latency: bool = True) -> float:
+    """Seconds of a ring all-reduce of `nbytes` over `t` ranks: 2 (t - 1) / t x nbytes, and
+    the call's latency (`latency`) where there is a ring."""
+    fixed = cluster.collective_latency_us / 1e6 if latency and t > 1 else 0.0
+    return 2 * (t - 1) / t * nbytes / cluster.link_bytes_s(t) + fixed

@@ -34,6 +34,7 @@ from ..plot import draw_run_curves
 from .checkpoint import load_training_checkpoint
 from .data import TrainData, build_data, resolve_data_source, unigram_entropy
 from .backends import Engine, TrainingStopped, build_engine
+from .block_graphs import BlockGraphs, graph_blocks
 from .backends.lean_build import build_run_model
 from ..layers.linear import set_tp_comm_overlap
 from ..layers.parallel_attention import set_ulysses_overlap
@@ -58,6 +59,7 @@ class Run:
     start_iteration: int
     entropy: float
     owns_process_group: bool
+    graphs: BlockGraphs | None = None  # --enable-cuda-graph
 
 
 def _one_rank_group_for_zero(args: PretrainArgs) -> None:
@@ -78,6 +80,8 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
         torch.set_num_threads(args.training.cpu_threads)
     seed_everything(args.training.seed)
     check_fp8_run(args.model.fp8(), local_device())  # every rank, before any collective
+    if args.training.enable_cuda_graph and local_device().type != "cuda":
+        raise ValueError("--enable-cuda-graph needs CUDA GPUs: drop it on this machine")
     owns = not dist.is_initialized()
     _one_rank_group_for_zero(args)
     state = ParallelState.initialize(args.parallel)
@@ -100,6 +104,7 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
         set_tp_comm_overlap(model, TP_COMM_CHUNKS)
         set_ulysses_overlap(model, TP_COMM_CHUNKS)
     engine = build_engine(args, model, state)
+    graphs = graph_blocks(model, engine.buffers) if args.training.enable_cuda_graph else None
     advice = host_thread_advice(engine.cpu_offload, torch.get_num_threads(), os.cpu_count() or 1,
                                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if advice and not args.training.cpu_threads:
@@ -131,7 +136,7 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     logger = MetricsLogger(args.logging, device, rank0, print_fn=log,
                            save_dir=args.checkpoint.save, run_config=args.to_dict(),
                            metrics_dir=metrics or None, start_iteration=start)
-    return Run(args, state, data, engine, logger, start, entropy, owns)
+    return Run(args, state, data, engine, logger, start, entropy, owns, graphs)
 
 
 def seed_everything(seed: int) -> None:
@@ -186,6 +191,8 @@ def run_training(argv: list[str] | None = None, print_fn=print) -> dict:
         return out
     finally:
         run.logger.close()
+        if run.graphs is not None:  # before the process group goes (`BlockGraphs.release`)
+            run.graphs.release()
         # gloo needs no teardown, and destroying it can abort the process at exit with torch
         # 2.13 (`cli._leave_gloo`)
         if run.owns_process_group and runs_nccl():

@@ -22,7 +22,7 @@ def test_rows_per_machine(monkeypatch):
 
 
 def test_flags_of_a_pipeline_row_and_an_own_row():
-    cfg = SimpleNamespace(iters=12, log_interval=3, dry_run=False)
+    cfg = SimpleNamespace(iters=12, log_interval=3, dry_run=False, cuda_graph=False)
     flags = megazoo_flags("gpt-1.3b", cfg, 1, 4, 2, None)
     assert flags[-4:] == ["--pipeline-model-parallel-size", "4",
                           "--num-layers-per-virtual-pipeline-stage", "3"]
@@ -32,6 +32,12 @@ def test_flags_of_a_pipeline_row_and_an_own_row():
     assert own[own.index("--global-batch-size") + 1] == "32"
     ulysses = megazoo_flags("gpt-1.3b", cfg, 1, 1, 1, ["--ds-sequence-parallel-size", "2"])
     assert "--use-distributed-optimizer" in ulysses  # the plain engine's rows all run it
+    assert "--enable-cuda-graph" not in ulysses
+    cfg.cuda_graph = True  # graphs where they capture: one pipeline stage, the plain engine
+    assert "--enable-cuda-graph" in megazoo_flags("gpt-1.3b", cfg, 2, 1, 1, None)
+    assert "--enable-cuda-graph" in megazoo_flags("gpt-1.3b", cfg, 1, 1, 1, ["--ds-sequence-parallel-size", "2"])
+    assert "--enable-cuda-graph" not in megazoo_flags("gpt-1.3b", cfg, 1, 4, 2, None)
+    assert "--enable-cuda-graph" not in megazoo_flags("gpt-1.3b", cfg, 1, 1, 1, ["--zero-impl", "fsdp2"])
 
 
 def test_table_ratios():

@@ -14,7 +14,7 @@ from megazoo.plan.calibration import fit_gemm, kernel_rates, load_fixture
 from megazoo.plan.cli import plan_parser
 from megazoo.plan.clusters import load_cluster
 from megazoo.plan.layout import resolve
-from megazoo.plan.search import search
+from megazoo.plan.search import drop_flags, search
 from megazoo.plan.timing import step_time
 
 from helpers.plan_time import predict
@@ -143,9 +143,16 @@ def test_search_returns_only_layouts_the_run_accepts():
     assert refused > 0 and found
     for c in found:
         dp = int(c.flags[c.flags.index("--dp") + 1])
-        run = args_from_namespace(parser.parse_args(base + c.flags[:c.flags.index("--dp")]))
+        run = args_from_namespace(parser.parse_args(base + drop_flags(c.flags, {"--dp"})))
         check_args(dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, dp=dp)))
         assert run.parallel.tp * run.parallel.sp in (1, 2, 4)
+        # CUDA graphs where tp or Ulysses run and the run captures them: one stage, no
+        # context parallelism, no recompute
+        p = run.parallel
+        graphs = p.tp * p.sp > 1 and p.pp == 1 and p.cp == 1 and run.model.recompute == "none"
+        assert run.training.enable_cuda_graph == graphs, c.flags
+        assert ("--enable-cuda-graph" in c.command(8)) == graphs
+    assert any(c.time.stages[0].host == 0.0 and "--enable-cuda-graph" in c.flags for c in found)
     speeds = [c.time.tokens_per_s for c in found[:3]]
     assert speeds == sorted(speeds, reverse=True)
 

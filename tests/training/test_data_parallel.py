@@ -139,6 +139,36 @@ def test_gradient_accumulation_fusion_changes_no_value_on_cpu(reference, tmp_pat
         assert torch.equal(off["params"][key], want), key
 
 
+def test_weights_accumulating_inside_graphs_change_no_value_on_cpu(reference, tmp_path,
+                                                                  monkeypatch):
+    """Under --enable-cuda-graph the fused weights' backward is a replayed graph: it always
+    adds into main_grad and runs no Python, so the flags the eager fusion sets per call are
+    never set. Emulated on CPU (the accumulation adds and sets no flag), the buffer must
+    zero their ranges at each step's start and its hook must skip their placeholder
+    gradient: then the run is bit-equal to the eager fusion's (0 + g is g). Without the
+    zeroing, step 2 would carry step 1's gradient; without the skip, each would count twice."""
+    from megazoo.layers import wgrad
+    from megazoo.training.backends.plain import PlainEngine
+
+    def replayed(weight):
+        assert not weight.main_grad_fresh, "a graphed weight's accumulation must add"
+        return weight.main_grad, True
+
+    monkeypatch.setattr(wgrad, "_target", replayed)
+    real_init = PlainEngine.__init__
+
+    def init_then_graph(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.buffers.graph_weights(self.buffers.fused)
+
+    monkeypatch.setattr(PlainEngine, "__init__", init_then_graph)
+    out = checks.one_thread(checks.run_and_save, ParallelConfig(), str(tmp_path / "graphed"))
+    ref = reference["fp32"]
+    assert out["losses"] == ref["losses"]
+    for key, want in ref["params"].items():
+        assert torch.equal(out["params"][key], want), key
+
+
 def test_grad_buffer_refuses_a_fused_weight_outside_the_model():
     from torch import nn
 

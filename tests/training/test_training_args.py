@@ -126,3 +126,18 @@ def test_tp_comm_overlap_flag_needs_megatron_sp():
     for argv in (["--tp-comm-overlap"], ["--tp-comm-overlap", "--tp", "2"]):
         with pytest.raises(ValueError, match="> 1 with --sequence-parallel, or --sequence-parallel-size"):
             parse_args(argv)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--pipeline-model-parallel-size", "2"], "set --pipeline-model-parallel-size 1"),
+    (["--context-parallel-size", "2"], "set --context-parallel-size 1"),
+    (["--recompute-granularity", "full"], "drop --recompute-granularity"),
+    (["--deepspeed", "--zero-stage", "3"], "plain engine"),
+    (["--optimizer-cpu-offload"], "drop --optimizer-cpu-offload"),
+    (["--num-attention-heads", "8", "--num-key-value-heads", "1"], "use tp <= 1"),
+])
+def test_cuda_graph_flag_refuses_what_it_does_not_capture(argv, says):
+    graphs = ["--enable-cuda-graph", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    assert parse_args(graphs).training.enable_cuda_graph
+    with pytest.raises(ValueError, match=f"--enable-cuda-graph: .*{says}"):
+        parse_args(graphs + argv)

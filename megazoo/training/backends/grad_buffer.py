@@ -15,7 +15,9 @@ size so that it splits into equal shards (the distributed optimizer's unit of ow
 
 Accumulation: a post-accumulate-grad hook adds the parameter's `.grad` into `main_grad` and
 drops `.grad`, once per micro-batch; the weights given as `fused` skip the add (their
-linears' backward summed into `main_grad` already: `megazoo.layers.wgrad`). A parameter's
+linears' backward summed into `main_grad` already: `megazoo.layers.wgrad`). Fused weights
+inside CUDA graphs (`graph_weights`) always add, their ranges zeroed at each step's start:
+a replayed graph cannot tell the step's first micro-batch from the others. A parameter's
 gradient is final after its `num_microbatches`-th call; a bucket is ready when all its
 parameters are final.
 
@@ -122,6 +124,8 @@ class GradBuffer:
             p.fuse_wgrad, p.main_grad_fresh = id(p) in fused_ids, True
             p.grad_added_to_main_grad = False
         self._expected = 1
+        self._in_graph: set[int] = set()
+        self._graph_grads: list[torch.Tensor] = []
         self.reducer = reducer  # `megazoo.compress.Reducer`
         self.reducer.bind(self)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -154,6 +158,18 @@ class GradBuffer:
             return [(b.start, b.end) for b in self.buckets]
         return [b.shard_range(self.group.rank, self.group.size) for b in self.buckets]
 
+    def graph_weights(self, weights: list) -> None:
+        """`weights` (fused ones) accumulate into `main_grad` inside CUDA graphs from now on:
+        always adding, so their ranges are zeroed now and at the start of every step."""
+        if any(id(p) not in {id(f) for f in self.fused} for p in weights):
+            raise ValueError("only fused weights accumulate inside a graph")
+        self._in_graph = {id(p) for p in weights}
+        self._graph_grads = [p.main_grad for p in weights]
+        for p in weights:
+            p.main_grad_fresh = False
+        if self._graph_grads:
+            torch._foreach_zero_(self._graph_grads)
+
     # -- one step -------------------------------------------------------------------------
     def start_step(self, num_microbatches: int) -> None:
         """Start counting; each parameter's gradient is final after this many backward calls.
@@ -164,7 +180,9 @@ class GradBuffer:
         self.wait()
         self._expected = num_microbatches
         for p in self.fused:
-            p.main_grad_fresh = True
+            p.main_grad_fresh = id(p) not in self._in_graph
+        if self._graph_grads:
+            torch._foreach_zero_(self._graph_grads)
         for key in self._calls:
             self._calls[key] = 0
         for bucket in self.buckets:
@@ -172,7 +190,7 @@ class GradBuffer:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         calls = self._calls[id(p)] = self._calls[id(p)] + 1
-        if getattr(p, "grad_added_to_main_grad", False):
+        if getattr(p, "grad_added_to_main_grad", False) or id(p) in self._in_graph:
             p.grad_added_to_main_grad = False
         else:
             if calls == 1:
