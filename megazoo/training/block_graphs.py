@@ -80,6 +80,7 @@ class BlockGraphs:
         if hooked:  # (check_cuda_graph refuses the layouts that have one)
             raise ValueError(f"a gradient hook on {hooked[0]} would not run at replay")
         self.captured: list[_Captured] | None = None
+        self._made: list[torch.cuda.CUDAGraph] = []  # every graph made, captured or not
         for index, block in enumerate(blocks):
             block.replay = lambda x, i=index: self.run(i, x)
 
@@ -89,6 +90,10 @@ class BlockGraphs:
                 raise RuntimeError("the first graphed call must be the first block's")
             self.captured = self._capture(x)
         graph = self.captured[index]
+        if x.shape != graph.x.shape or x.dtype != graph.x.dtype:
+            raise ValueError(f"--enable-cuda-graph captured blocks for {tuple(graph.x.shape)} "
+                             f"{graph.x.dtype} activations, got {tuple(x.shape)} {x.dtype}: "
+                             f"every micro-batch must have the first one's shape")
         return _Replay.apply(graph, x, *graph.params)
 
     def _capture(self, x: torch.Tensor) -> list[_Captured]:
@@ -101,14 +106,14 @@ class BlockGraphs:
         captured, inp = [], sample.requires_grad_(True)
         for block, params in zip(self.blocks, self.params):
             graph = _Captured(params, inp)
-            graph.forward = torch.cuda.CUDAGraph()
+            graph.forward = self._new_graph()
             with torch.cuda.graph(graph.forward, pool=pool, capture_error_mode="thread_local"):
                 graph.y = block._forward(inp)
             captured.append(graph)
             inp = graph.y.detach().requires_grad_(True)
         dy = torch.zeros_like(captured[-1].y)
         for graph in reversed(captured):
-            graph.dy, graph.backward = dy, torch.cuda.CUDAGraph()
+            graph.dy, graph.backward = dy, self._new_graph()
             with torch.cuda.graph(graph.backward, pool=pool, capture_error_mode="thread_local"):
                 graph.grads = torch.autograd.grad(graph.y, [graph.x, *graph.params], dy,
                                                   allow_unused=True)
@@ -119,16 +124,19 @@ class BlockGraphs:
         self.graph_weights(fused)  # zeroes what warm-up and capture summed into them
         return captured
 
+    def _new_graph(self) -> torch.cuda.CUDAGraph:
+        self._made.append(torch.cuda.CUDAGraph())
+        return self._made[-1]
+
     def release(self) -> None:
-        """Free the graphs and run the blocks eagerly again. Call it before the process
-        group is destroyed: NCCL's communicator destroy waits forever on a communicator
-        that a live graph still holds work of."""
-        if self.captured is not None:
+        """Free the graphs (those of a capture that failed half-way too) and run the blocks
+        eagerly again. Call it before the process group is destroyed: NCCL's communicator
+        destroy waits forever on a communicator that a live graph still holds work of."""
+        if self._made:
             torch.cuda.synchronize()
-            for graph in self.captured:
-                graph.forward.reset()
-                graph.backward.reset()
-        self.captured = None
+        for graph in self._made:
+            graph.reset()
+        self._made, self.captured = [], None
         for block in self.blocks:
             block.replay = None
 
@@ -142,7 +150,6 @@ class BlockGraphs:
                     y = block._forward(x)
                     torch.autograd.grad(y, [x, *params], sample, allow_unused=True)
         torch.cuda.current_stream(sample.device).wait_stream(side)
-
 
 
 def graph_blocks(model: nn.Module, buffers) -> BlockGraphs:
