@@ -1,7 +1,7 @@
 """A training run's user and environment errors are one line and exit status 2, before the
 first step where they can be seen then: a --save, --log-json or --data-cache-path that cannot
 be written (a file in the way, a full disk), a disk that fills up at save time (`latest`
-stays), a tokenizer file that does not parse, a --prompt that is not UTF-8, an abbreviated
+stays), CUDA graphs without a GPU, a tokenizer file that does not parse, a --prompt that is not UTF-8, an abbreviated
 flag. And what a resumed run keeps: a finished run says so and how to extend it, the metrics
 of every segment stay in SAVE/metrics.jsonl (the curves and `python -m megazoo.plot SAVE` show
 the whole run), and --seed seeds Python's and numpy's generators too (two fresh runs save the
@@ -14,6 +14,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from helpers.runs import tiny_argv
 from megazoo.checkpoint import save as checkpoint_save
@@ -35,6 +36,12 @@ def test_a_file_where_the_save_folder_should_be_is_refused_before_training(data,
     assert err == (f"error: --save {save}: {tmp_path / 'f'} is a file where a folder is "
                    f"expected: move it away or choose another --save")
     assert (tmp_path / "f").read_text() == "mine"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine captures the graphs")
+def test_cuda_graphs_without_a_gpu_are_one_line(data, capsys):
+    err = one_line(capsys, main(tiny_argv(data, "--enable-cuda-graph")))
+    assert err == "error: --enable-cuda-graph needs CUDA GPUs: drop it on this machine"
 
 
 def test_log_json_on_a_full_disk(data, capsys):
