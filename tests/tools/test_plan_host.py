@@ -107,3 +107,16 @@ def test_cluster_host_fields_checked(tmp_path):
         load_cluster(str(spec))
     spec.write_text(base + ', "host_block_ms": 2}')
     assert load_cluster(str(spec)).host_block_ms == 2
+
+
+def test_a_host_bound_prediction_points_at_cuda_graphs():
+    """Where the GPUs wait on the host and the run would take --enable-cuda-graph, the
+    prediction says so; not with graphs on, not where the run refuses them (recompute),
+    not where the GPU sets the pace (dp)."""
+    def hinted(layout):
+        return any("--enable-cuda-graph" in n for n in predict(layout).notes)
+
+    assert hinted("--tp 2" + SP) and hinted("--ds-sequence-parallel-size 2")
+    assert not hinted("--tp 2" + SP + GRAPHS)
+    assert not hinted("--tp 2" + SP + " --recompute full")
+    assert not hinted("--dp 4")
