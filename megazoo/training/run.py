@@ -24,7 +24,7 @@ from ..checkpoint.attention import resume_sparse_layout
 from ..config.flags import parse_args
 from ..data.indexed import check_data_path
 from ..config.offload import fraction_note
-from ..config.validate import check_args
+from ..config.validate import check_args, check_cuda_graph
 from ..config.run import PretrainArgs
 from ..layers.fp8 import check_fp8_run
 from ..errors import report_error
@@ -109,6 +109,9 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
                                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if advice and not args.training.cpu_threads:
         log(f"warning: {advice}")
+    hint = cuda_graph_hint(args, device)
+    if hint:
+        log(f"note: {hint}")
     placement = getattr(getattr(engine, "optimizer", None), "placement", None)
     if placement and isinstance(placement, str):
         log(placement)
@@ -145,6 +148,22 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
     torch.manual_seed(seed)
+
+
+def cuda_graph_hint(args: PretrainArgs, device: torch.device) -> str | None:
+    """A line for a GPU run with tensor or Ulysses parallelism that could replay its blocks as
+    CUDA graphs and does not: the host often sets such a run's pace
+    (`megazoo.training.block_graphs`). None otherwise."""
+    p = args.parallel
+    if device.type != "cuda" or args.training.enable_cuda_graph or p.tp * p.sp == 1:
+        return None
+    try:
+        check_cuda_graph(args)
+    except ValueError:
+        return None
+    return ("tensor / Ulysses parallelism issues hundreds of launches per block; add "
+            "--enable-cuda-graph to replay each block as a CUDA graph when the host, not the "
+            "GPU, sets the pace")
 
 
 def host_thread_advice(cpu_offload: bool, threads: int, cores: int, local_ranks: int) -> str | None:

@@ -1,5 +1,6 @@
 """pretrain_gpt.py's parser: flags generated from the config dataclasses, aliases, presets."""
 import pytest
+import torch
 
 from megazoo.config.flags import DEFAULT_MODEL, build_parser, field_docs, parse_args
 from megazoo.config.run import TrainingConfig
@@ -141,3 +142,15 @@ def test_cuda_graph_flag_refuses_what_it_does_not_capture(argv, says):
     assert parse_args(graphs).training.enable_cuda_graph
     with pytest.raises(ValueError, match=f"--enable-cuda-graph: .*{says}"):
         parse_args(graphs + argv)
+
+
+def test_a_gpu_run_with_tp_or_ulysses_is_pointed_at_cuda_graphs():
+    from megazoo.training.run import cuda_graph_hint
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # (a device object needs no GPU)
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    assert "--enable-cuda-graph" in cuda_graph_hint(parse_args(tp2), cuda)
+    assert "--enable-cuda-graph" in cuda_graph_hint(parse_args(["--sequence-parallel-size", "2"]), cuda)
+    for argv, device in ((tp2, cpu), (tp2 + ["--enable-cuda-graph"], cuda), ([], cuda),
+                         (tp2 + ["--pipeline-model-parallel-size", "2"], cuda)):
+        assert cuda_graph_hint(parse_args(argv), device) is None, argv
