@@ -118,7 +118,7 @@ def probe(tokens: int, hidden: int, ffn: int, iters: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=8192, help="micro-batch x sequence")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--ffn", type=int, default=8192)
