@@ -66,6 +66,15 @@ def check_cuda_graph(args: PretrainArgs) -> None:
             raise ValueError(f"--enable-cuda-graph: {why} (or drop --enable-cuda-graph)")
 
 
+def cuda_graph_accepted(args: PretrainArgs) -> bool:
+    """Whether the run `args` would take --enable-cuda-graph (`check_cuda_graph` passes)."""
+    try:
+        check_cuda_graph(args)
+    except ValueError:
+        return False
+    return True
+
+
 def check_engine(zero: ZeroConfig, parallel: ParallelConfig) -> None:
     """The ZeRO flags against the engine that reads them (values left to a DeepSpeed JSON,
     None here, are checked when the JSON is merged)."""

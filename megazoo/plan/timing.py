@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from ..config.model import ModelConfig
 from ..config.run import PretrainArgs
-from ..config.validate import check_cuda_graph
+from ..config.validate import cuda_graph_accepted
 from ..models.flops import flops_per_iteration
 from ..pipeline.schedules import build_schedule
 from ..pipeline.simulate import simulate
@@ -144,20 +144,11 @@ def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
     paper = model + 24.0 * batch * s * config.num_layers * config.hidden_size ** 2 * (
         1 + s / (6.0 * config.hidden_size))
     notes, waited = [], max(st.host for st in stages) / step
-    if waited > 0.05 and _graphs_accepted(args):
+    if waited > 0.05 and cuda_graph_accepted(args):
         notes.append(f"the host sets the pace: the GPUs wait {waited:.0%} of the step for "
                      f"launches; --enable-cuda-graph replays the blocks instead")
     return StepTime(step, batch * s / step, model / step / gpus / 1e12, paper / step / gpus / 1e12,
                     gpus, stages, rates.gpu, notes)
-
-
-def _graphs_accepted(args: PretrainArgs) -> bool:
-    """Whether the run would take --enable-cuda-graph (`config.validate.check_cuda_graph`)."""
-    try:
-        check_cuda_graph(args)
-    except ValueError:
-        return False
-    return True
 
 
 def _pipeline(works: list[Work], layout: Resolved, config: ModelConfig, cluster: Cluster,

@@ -114,8 +114,7 @@ def block_work(config: ModelConfig, layout: Resolved, rates: KernelRates, cluste
     e_fwd, e_bwd = (2.0 * tokens * n / rates.copy_bytes_s for n in _elementwise(config, layout))
     fwd = g_fwd + a_fwd + e_fwd
     ring_f, ring_b = ring_exposed(config, layout, cluster, a_fwd, a_bwd)
-    chunks = TP_COMM_CHUNKS if overlap and layout.tp > 1 else 1
-    c_fwd, c_bwd = _tp_comm(config, layout, cluster, chunks)
+    c_fwd, c_bwd = _tp_comm(config, layout, cluster, overlap)
     if overlap and layout.tp > 1:
         c_fwd, c_bwd = (max(c - g, c / layout.tp) for c, g in ((c_fwd, g_fwd), (c_bwd, g_bwd)))
     recompute = {"full": fwd, "selective": a_fwd}.get(layout.recompute, 0.0)
@@ -130,13 +129,14 @@ def block_host(config: ModelConfig, layout: Resolved, cluster: Cluster,
     calls counted one by one); 0 where the cluster gives no host time."""
     if cluster.host_block_ms is None:
         return 0.0
-    chunks = TP_COMM_CHUNKS if overlap and layout.tp > 1 else 1
-    calls = sum(c.calls for c in _block_collectives(config, layout, chunks))
+    calls = sum(c.calls for c in _block_collectives(config, layout, overlap))
     return (cluster.host_block_ms + calls * cluster.host_collective_ms) / 1e3
 
 
-def _block_collectives(config: ModelConfig, layout: Resolved, chunks: int = 1):
-    """`layer_collectives` of one block in this layout (a cp rank's share of the sequence)."""
+def _block_collectives(config: ModelConfig, layout: Resolved, overlap: bool = False):
+    """`layer_collectives` of one block in this layout (a cp rank's share of the sequence);
+    `overlap`: --tp-comm-overlap's chunks under tp, each a call."""
+    chunks = TP_COMM_CHUNKS if overlap and layout.tp > 1 else 1
     return layer_collectives(config, tp=layout.tp, sp=layout.sp,
                              megatron_sp=layout.megatron_sp_on,
                              micro_batch=layout.micro_batch_size,
@@ -167,15 +167,15 @@ def _elementwise(config: ModelConfig, layout: Resolved) -> tuple[float, float]:
 
 
 def _tp_comm(config: ModelConfig, layout: Resolved, cluster: Cluster,
-             chunks: int = 1) -> tuple[float, float]:
+             overlap: bool = False) -> tuple[float, float]:
     """Seconds of the (forward, backward) tp / sp collectives of one block, none overlapped:
     what the layers issue (`plan.collectives.layer_collectives`; under Megatron SP two
     all-gathers and two reduce-scatters each way, the gathered input kept for backward),
-    each at the link of its group, plus `Cluster.collective_latency_us` per call (each of
-    `chunks` chunks a call)."""
+    each at the link of its group, plus `Cluster.collective_latency_us` per call (under
+    `overlap`, each chunk a call)."""
     t, u = layout.tp, layout.sp
     seconds = {"forward": 0.0, "backward": 0.0}
-    for c in _block_collectives(config, layout, chunks):
+    for c in _block_collectives(config, layout, overlap):
         seconds[c.direction] += c.calls * cluster.collective_latency_us / 1e6
         if c.kind == "all_reduce":
             seconds[c.direction] += c.calls * _all_reduce(cluster, t, c.bytes_each, latency=False)

@@ -24,7 +24,7 @@ from ..checkpoint.attention import resume_sparse_layout
 from ..config.flags import parse_args
 from ..data.indexed import check_data_path
 from ..config.offload import fraction_note
-from ..config.validate import check_args, check_cuda_graph
+from ..config.validate import check_args, cuda_graph_accepted
 from ..config.run import PretrainArgs
 from ..layers.fp8 import check_fp8_run
 from ..errors import report_error
@@ -155,11 +155,8 @@ def cuda_graph_hint(args: PretrainArgs, device: torch.device) -> str | None:
     CUDA graphs and does not: the host often sets such a run's pace
     (`megazoo.training.block_graphs`). None otherwise."""
     p = args.parallel
-    if device.type != "cuda" or args.training.enable_cuda_graph or p.tp * p.sp == 1:
-        return None
-    try:
-        check_cuda_graph(args)
-    except ValueError:
+    if device.type != "cuda" or args.training.enable_cuda_graph or p.tp * p.sp == 1 \
+            or not cuda_graph_accepted(args):
         return None
     return ("tensor / Ulysses parallelism issues hundreds of launches per block; add "
             "--enable-cuda-graph to replay each block as a CUDA graph when the host, not the "

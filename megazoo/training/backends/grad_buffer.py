@@ -161,7 +161,8 @@ class GradBuffer:
     def graph_weights(self, weights: list) -> None:
         """`weights` (fused ones) accumulate into `main_grad` inside CUDA graphs from now on:
         always adding, so their ranges are zeroed now and at the start of every step."""
-        if any(id(p) not in {id(f) for f in self.fused} for p in weights):
+        fused = {id(f) for f in self.fused}
+        if any(id(p) not in fused for p in weights):
             raise ValueError("only fused weights accumulate inside a graph")
         self._in_graph = {id(p) for p in weights}
         self._graph_grads = [p.main_grad for p in weights]
