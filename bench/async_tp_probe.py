@@ -11,12 +11,14 @@ each row GEMM with its output reduce-scattered after (attention out [T, h/t] x [
 MLP out [T, f/t] x [f/t, h]):
 - `gemm`: the GEMM alone, the floor;
 - `nccl`: the collective then the GEMM, what megazoo runs (`layers.tp_overlap`, one chunk);
-- `nccl_chunked`: megazoo's --tp-comm-overlap path, 4 chunks, NCCL on its own stream;
+- `nccl_chunked2` / `nccl_chunked`: megazoo's --tp-comm-overlap path in 2 / 4 chunks, NCCL on
+  its own stream;
 - `symm_mem`: torch's async-TP ops (`torch.ops.symm_mem.fused_all_gather_matmul` /
   `fused_matmul_reduce_scatter`), whose transfers are copy-engine P2P writes over
   symmetric memory, consumed chunk by chunk by the GEMM (NVLink multicast stays off).
 Each variant's result is checked against `nccl`'s (relative max error printed), and timed
-with CUDA events over `--iters` runs after a warm-up. Rank 0 prints a table, µs per call.
+with CUDA events over `--iters` runs after a warm-up, eagerly and (on CUDA) captured in a
+CUDA graph and replayed, as `--enable-cuda-graph` runs it. Rank 0 prints a table, µs per call.
 """
 from __future__ import annotations
 
@@ -50,6 +52,19 @@ def _timed(fn, iters: int, cuda: bool) -> float:
     end.record()
     torch.cuda.synchronize()
     return begin.elapsed_time(end) / iters * 1e3
+
+
+def _graphed(fn, iters: int) -> float:
+    """µs per replay of fn() captured in a CUDA graph (fn has run eagerly: communicators and
+    workspaces exist)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        fn()
+    try:
+        return _timed(graph.replay, iters, True)
+    finally:
+        torch.cuda.synchronize()
+        graph.reset()
 
 
 def _scattered(a: torch.Tensor, b: torch.Tensor, group, k: int) -> torch.Tensor:
@@ -95,22 +110,27 @@ def probe(tokens: int, hidden: int, ffn: int, iters: int) -> list[dict]:
             full = torch.cat([a] * t)
             variants = {"gemm": lambda: full @ b,
                         "nccl": lambda: gather_matmul(a, b, group, 1)[1],
+                        "nccl_chunked2": lambda: gather_matmul(a, b, group, 2)[1],
                         "nccl_chunked": lambda: gather_matmul(a, b, group, TP_COMM_CHUNKS)[1]}
         else:
             variants = {"gemm": lambda: a @ b,
                         "nccl": lambda: _scattered(a, b, group, 1),
+                        "nccl_chunked2": lambda: _scattered(a, b, group, 2),
                         "nccl_chunked": lambda: _scattered(a, b, group, TP_COMM_CHUNKS)}
         fused = _symm_mem(column, a, b, group)
         if fused is not None:
             variants["symm_mem"] = fused
         want = variants["nccl"]().float()
         for variant, fn in variants.items():
-            row = {"gemm": name, "variant": variant, "us": None, "rel_err": None, "error": None}
+            row = {"gemm": name, "variant": variant, "us": None, "us_graph": None,
+                   "rel_err": None, "error": None}
             try:
                 got = fn().float()
                 if variant != "gemm":
                     row["rel_err"] = float((got - want).abs().max() / want.abs().max())
                 row["us"] = _timed(fn, iters, cuda)
+                if cuda:
+                    row["us_graph"] = _graphed(fn, iters)
             except Exception as exc:  # noqa: BLE001 - a variant torch lacks here is a row
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
@@ -140,7 +160,11 @@ def main(argv=None) -> int:
         if rank != 0:
             return 0
     for r in rows:
-        shown = f"{r['us']:9.1f} µs" if r["us"] is not None else r["error"]
+        shown = f"{r['us']:9.1f} µs" if r["us"] is not None else ""
+        if r["us_graph"] is not None:
+            shown += f"  graphed {r['us_graph']:9.1f} µs"
+        if r["error"]:
+            shown += f"  {r['error']}"
         err = "" if r["rel_err"] is None else f"  rel err {r['rel_err']:.1e}"
         print(f"{r['gemm']:9s} {r['variant']:13s} {shown}{err}")
     if cfg.out:

@@ -67,6 +67,7 @@ def megazoo_flags(shape_name: str, cfg, tp: int, pp: int, vpp: int, own) -> list
     flags += DISTOPT
     if tp > 1:
         flags += ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"]
+        flags += ["--tp-comm-overlap"] if cfg.tp_comm_overlap else []
     if pp > 1:
         per = shape["layers"] // (pp * vpp)
         flags += ["--pipeline-model-parallel-size", str(pp),
@@ -136,6 +137,8 @@ def parse_args(argv=None):
     p.add_argument("--cuda-graph", action="store_true",
                    help="megazoo's rows with one pipeline stage and the plain engine add "
                         "--enable-cuda-graph")
+    p.add_argument("--tp-comm-overlap", action="store_true",
+                   help="megazoo's tensor-parallel rows add --tp-comm-overlap")
     p.add_argument("--no-peer", dest="peer", action="store_false",
                    help="megazoo's rows only (megatron-core's were measured in another call)")
     cfg = p.parse_args(argv)

@@ -18,9 +18,13 @@ output gradient are copied in.
 
 Gradients (`GradBuffer.graph_weights`): the weights whose gradient the linears sum into
 `main_grad` (`megazoo.layers.wgrad`) accumulate inside the backward graph, always adding;
-the buffer zeroes their ranges at the start of each step. The other parameters' gradients
-(norms, biases) are outputs of the backward graph that autograd hands to the buffer's hook
-as without graphs, and the buckets' reductions are launched from there, outside the graphs.
+the buffer zeroes their ranges at the start of each step. Their placeholder gradients
+(`wgrad._delivered`, never read) are dropped after capture, so the graphs keep no
+weight-sized output for them; at replay the backward hands autograd None for them and tells
+the buffer itself (`GradBuffer.graph_delivered`), which counts the micro-batch as its hook
+would. The other parameters' gradients (norms, biases) are outputs of the backward graph
+that autograd hands to the buffer's hook as without graphs. The buckets' reductions are
+launched from there, outside the graphs, after the replay that filled them.
 
 `release` frees the graphs; the run calls it before it destroys the process group.
 
@@ -44,7 +48,9 @@ class _Captured:
         self.params, self.x = params, x
         self.forward = self.backward = None
         self.y = self.dy = None
-        self.grads: tuple = ()  # (dx, one per parameter)
+        self.grads: tuple = ()  # (dx, one per parameter; None for the fused weights)
+        self.fused: list[nn.Parameter] = []  # delivered into main_grad by the graph
+        self.delivered = None  # GradBuffer.graph_delivered
 
 
 class _Replay(torch.autograd.Function):
@@ -65,16 +71,18 @@ class _Replay(torch.autograd.Function):
         if dy.data_ptr() != graph.dy.data_ptr():
             graph.dy.copy_(dy)
         graph.backward.replay()
+        graph.delivered(graph.fused)
         return None, *(g.detach() if g is not None else None for g in graph.grads)
 
 
 class BlockGraphs:
     """Captures `blocks` (one pipeline stage's, in forward order) at their first training
-    call and replays them after; `graph_weights(weights)` is called once, after capture,
-    with the fused weights inside the graphs (`GradBuffer.graph_weights`)."""
+    call and replays them after. `buffers` owns the gradients: `graph_weights(weights)` is
+    called once, after capture, with the fused weights inside the graphs, and
+    `graph_delivered(weights)` after each backward replay with that block's."""
 
-    def __init__(self, blocks: list[nn.Module], graph_weights):
-        self.blocks, self.graph_weights = blocks, graph_weights
+    def __init__(self, blocks: list[nn.Module], buffers):
+        self.blocks, self.buffers = blocks, buffers
         self.params = [[p for p in b.parameters() if p.requires_grad] for b in blocks]
         hooked = [n for b in blocks for n, p in b.named_parameters() if p._backward_hooks]
         if hooked:  # (check_cuda_graph refuses the layouts that have one)
@@ -115,13 +123,17 @@ class BlockGraphs:
         for graph in reversed(captured):
             graph.dy, graph.backward = dy, self._new_graph()
             with torch.cuda.graph(graph.backward, pool=pool, capture_error_mode="thread_local"):
-                graph.grads = torch.autograd.grad(graph.y, [graph.x, *graph.params], dy,
-                                                  allow_unused=True)
+                grads = torch.autograd.grad(graph.y, [graph.x, *graph.params], dy,
+                                            allow_unused=True)
+            graph.fused = [p for p in graph.params if getattr(p, "fuse_wgrad", False)]
+            graph.grads = (grads[0], *(None if getattr(p, "fuse_wgrad", False) else g
+                                       for p, g in zip(graph.params, grads[1:])))
+            graph.delivered = self.buffers.graph_delivered
             graph.y = graph.y.detach()  # the autograd graph of the capture is done with
             dy = graph.grads[0]
         for p in fused:
             p.grad_added_to_main_grad = False
-        self.graph_weights(fused)  # zeroes what warm-up and capture summed into them
+        self.buffers.graph_weights(fused)  # zeroes what warm-up and capture summed into them
         return captured
 
     def _new_graph(self) -> torch.cuda.CUDAGraph:
@@ -156,4 +168,4 @@ def graph_blocks(model: nn.Module, buffers) -> BlockGraphs:
     """Graph the blocks of `model` (a TransformerModel of one pipeline stage, whose gradients
     `buffers`, the plain engine's GradBuffer, owns)."""
     blocks = [model.layers[str(i)] for chunk in model.chunks for i in chunk]
-    return BlockGraphs(blocks, buffers.graph_weights)
+    return BlockGraphs(blocks, buffers)

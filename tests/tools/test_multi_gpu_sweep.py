@@ -22,7 +22,8 @@ def test_rows_per_machine(monkeypatch):
 
 
 def test_flags_of_a_pipeline_row_and_an_own_row():
-    cfg = SimpleNamespace(iters=12, log_interval=3, dry_run=False, cuda_graph=False)
+    cfg = SimpleNamespace(iters=12, log_interval=3, dry_run=False, cuda_graph=False,
+                          tp_comm_overlap=False)
     flags = megazoo_flags("gpt-1.3b", cfg, 1, 4, 2, None)
     assert flags[-4:] == ["--pipeline-model-parallel-size", "4",
                           "--num-layers-per-virtual-pipeline-stage", "3"]
@@ -38,6 +39,11 @@ def test_flags_of_a_pipeline_row_and_an_own_row():
     assert "--enable-cuda-graph" in megazoo_flags("gpt-1.3b", cfg, 1, 1, 1, ["--ds-sequence-parallel-size", "2"])
     assert "--enable-cuda-graph" not in megazoo_flags("gpt-1.3b", cfg, 1, 4, 2, None)
     assert "--enable-cuda-graph" not in megazoo_flags("gpt-1.3b", cfg, 1, 1, 1, ["--zero-impl", "fsdp2"])
+    cfg.tp_comm_overlap = True  # the tensor-parallel rows only
+    assert "--tp-comm-overlap" in megazoo_flags("gpt-1.3b", cfg, 2, 2, 2, None)
+    assert "--tp-comm-overlap" not in megazoo_flags("gpt-1.3b", cfg, 1, 4, 2, None)
+    assert "--tp-comm-overlap" not in megazoo_flags("gpt-1.3b", cfg, 1, 1, 1,
+                                                    ["--ds-sequence-parallel-size", "2"])
 
 
 def test_table_ratios():

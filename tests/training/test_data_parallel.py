@@ -143,10 +143,12 @@ def test_weights_accumulating_inside_graphs_change_no_value_on_cpu(reference, tm
                                                                   monkeypatch):
     """Under --enable-cuda-graph the fused weights' backward is a replayed graph: it always
     adds into main_grad and runs no Python, so the flags the eager fusion sets per call are
-    never set. Emulated on CPU (the accumulation adds and sets no flag), the buffer must
-    zero their ranges at each step's start and its hook must skip their placeholder
-    gradient: then the run is bit-equal to the eager fusion's (0 + g is g). Without the
-    zeroing, step 2 would carry step 1's gradient; without the skip, each would count twice."""
+    never set, and autograd gets no gradient for them: the replay tells the buffer
+    (`graph_delivered`). Emulated on CPU (the accumulation adds, sets no flag, and is
+    delivered to the buffer instead of returned), the buffer must zero their ranges at each
+    step's start and count each delivery as one micro-batch's gradient: then the run is
+    bit-equal to the eager fusion's (0 + g is g). Without the zeroing, step 2 would carry
+    step 1's gradient; without the count, no bucket would ever be reduced."""
     from megazoo.layers import wgrad
     from megazoo.training.backends.plain import PlainEngine
 
@@ -154,12 +156,19 @@ def test_weights_accumulating_inside_graphs_change_no_value_on_cpu(reference, tm
         assert not weight.main_grad_fresh, "a graphed weight's accumulation must add"
         return weight.main_grad, True
 
+    owner = []
+
+    def delivered(weight):
+        owner[0].graph_delivered([weight])
+
     monkeypatch.setattr(wgrad, "_target", replayed)
+    monkeypatch.setattr(wgrad, "_delivered", delivered)
     real_init = PlainEngine.__init__
 
     def init_then_graph(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         self.buffers.graph_weights(self.buffers.fused)
+        owner[:] = [self.buffers]
 
     monkeypatch.setattr(PlainEngine, "__init__", init_then_graph)
     out = checks.one_thread(checks.run_and_save, ParallelConfig(), str(tmp_path / "graphed"))

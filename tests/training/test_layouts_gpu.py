@@ -55,6 +55,7 @@ LAYOUTS = {  # name: (GPUs, flags)
     "dp2": (2, []),
     "dp2-distopt": (2, DISTOPT),
     "tp2-sp": (2, tp(2) + SP),
+    "tp2-sp-overlap": (2, tp(2) + SP + ["--tp-comm-overlap"]),
     "tp2": (2, tp(2)),
     "ulysses-sp2": (2, ["--ds-sequence-parallel-size", "2"]),
     "pp2-interleaved": (2, PP2_INTERLEAVED),
@@ -119,6 +120,7 @@ def test_layout_matches_one_gpu(name, one_gpu, tmp_path):
 GRAPHED = {  # name: (GPUs, flags) run eagerly and with --enable-cuda-graph
     "one-gpu": (1, DISTOPT),
     "tp2-sp": (2, tp(2) + SP + DISTOPT),
+    "tp2-sp-overlap": (2, tp(2) + SP + DISTOPT + ["--tp-comm-overlap"]),
     "ulysses-sp2": (2, ["--ds-sequence-parallel-size", "2"] + DISTOPT),
     "tp2xdp2-sp": (4, tp(2) + SP + DISTOPT),
 }

@@ -17,7 +17,8 @@ Accumulation: a post-accumulate-grad hook adds the parameter's `.grad` into `mai
 drops `.grad`, once per micro-batch; the weights given as `fused` skip the add (their
 linears' backward summed into `main_grad` already: `megazoo.layers.wgrad`). Fused weights
 inside CUDA graphs (`graph_weights`) always add, their ranges zeroed at each step's start:
-a replayed graph cannot tell the step's first micro-batch from the others. A parameter's
+a replayed graph cannot tell the step's first micro-batch from the others; the replay
+reports their gradients (`graph_delivered`) in place of the hook. A parameter's
 gradient is final after its `num_microbatches`-th call; a bucket is ready when all its
 parameters are final.
 
@@ -128,7 +129,8 @@ class GradBuffer:
         self._graph_grads: list[torch.Tensor] = []
         self.reducer = reducer  # `megazoo.compress.Reducer`
         self.reducer.bind(self)
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._handles = {id(p): p.register_post_accumulate_grad_hook(self._on_grad)
+                         for p in params}
 
     def cast_params(self, dtype: torch.dtype) -> None:
         """Re-point every parameter at a new flat buffer of `dtype` holding its values."""
@@ -159,17 +161,29 @@ class GradBuffer:
         return [b.shard_range(self.group.rank, self.group.size) for b in self.buckets]
 
     def graph_weights(self, weights: list) -> None:
-        """`weights` (fused ones) accumulate into `main_grad` inside CUDA graphs from now on:
-        always adding, so their ranges are zeroed now and at the start of every step."""
+        """`weights` (fused ones) accumulate into `main_grad` inside CUDA graphs for the rest
+        of the run: always adding, so their ranges are zeroed now and at the start of every
+        step. Autograd gets no gradient for them; the replay reports each one
+        (`graph_delivered`), so their hooks go."""
         fused = {id(f) for f in self.fused}
         if any(id(p) not in fused for p in weights):
             raise ValueError("only fused weights accumulate inside a graph")
         self._in_graph = {id(p) for p in weights}
+        for p in weights:
+            self._handles.pop(id(p)).remove()
         self._graph_grads = [p.main_grad for p in weights]
         for p in weights:
             p.main_grad_fresh = False
         if self._graph_grads:
             torch._foreach_zero_(self._graph_grads)
+
+    def graph_delivered(self, weights: list) -> None:
+        """A backward graph has summed these graphed weights' gradients into `main_grad`:
+        each counts as one micro-batch's gradient (what the hook does for the others)."""
+        for p in weights:
+            if id(p) not in self._in_graph:
+                raise ValueError("graph_delivered takes graphed weights only")
+            self._on_grad(p)
 
     # -- one step -------------------------------------------------------------------------
     def start_step(self, num_microbatches: int) -> None:
