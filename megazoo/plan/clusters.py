@@ -57,6 +57,11 @@ class Cluster:
     `collective_bus_gb_s` (its launch and the ring's steps): what makes a 16-32 MB
     all-gather run near half the bus bandwidth of a 1 GiB all-reduce. Added per tp, SP and
     Ulysses collective call, chunked calls counted one by one."""
+    overlap_hidden: float = 1.0
+    """Share of an overlapped NCCL collective's time that the compute beside it hides (the
+    data-parallel buckets behind the backward, ZeRO-3's prefetches): 1 when NCCL's kernels
+    and the GEMMs share the GPU without slowing each other, less where the GEMMs hold every
+    SM and the collective waits for them."""
     host_adam_params_per_s: float = 1e9
     """CPU optimizer step rate per GPU's share of the host (offload; an assumption, not
     a measurement)."""
@@ -97,7 +102,7 @@ class Cluster:
             raise ValueError(f"cluster {self.name}: collective_latency_us must be >= 0")
         if not self.host_collective_ms >= 0:
             raise ValueError(f"cluster {self.name}: host_collective_ms must be >= 0")
-        for name in ("intra_node_efficiency", "inter_node_efficiency"):
+        for name in ("intra_node_efficiency", "inter_node_efficiency", "overlap_hidden"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"cluster {self.name}: {name} must be in (0, 1]")
 

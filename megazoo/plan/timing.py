@@ -204,7 +204,14 @@ def _zero3_exposed(work: Work, params: float, layout: Resolved, cluster: Cluster
     again = gather if not fsdp2 or layout.fsdp_reshard_after_forward else 0.0
     reduce = (layout.reduce_bytes if fsdp2 else 2.0) * per_byte
     reduce = reduce if _zero3_reduces_per_microbatch(layout) else 0.0
-    return Work(0.0, 0.0, max(0.0, gather - work.fwd), max(0.0, again + reduce - work.bwd))
+    return Work(0.0, 0.0, gather - _hidden(cluster, gather, work.fwd),
+                again + reduce - _hidden(cluster, again + reduce, work.bwd))
+
+
+def _hidden(cluster: Cluster, comm: float, beside: float) -> float:
+    """Seconds of `comm`, overlapped with `beside` seconds of compute, that do not show:
+    the cluster's `overlap_hidden` share of what the compute could cover."""
+    return cluster.overlap_hidden * min(comm, beside)
 
 
 def _zero3_step_reduce(layout: Resolved, cluster: Cluster, params: float, works: list[Work],
@@ -216,7 +223,7 @@ def _zero3_step_reduce(layout: Resolved, cluster: Cluster, params: float, works:
     if per_byte == 0.0 or _zero3_reduces_per_microbatch(layout):
         return 0.0
     reduce = layout.reduce_bytes * per_byte
-    return max(reduce - sum(w.bwd for w in works), reduce / max(units, 1))
+    return reduce - _hidden(cluster, reduce * (1 - 1 / max(units, 1)), sum(w.bwd for w in works))
 
 
 def _dp_exposed(args: PretrainArgs, layout: Resolved, cluster: Cluster, params: float,
@@ -237,11 +244,10 @@ def _dp_exposed(args: PretrainArgs, layout: Resolved, cluster: Cluster, params: 
         gather = share * 2.0 * params / link if layout.zero_stage else 0.0
         overlap, overlap_gather = True, False
     bucket = min(1.0, layout.bucket_elements / max(params, 1.0))
-    if overlap:
-        window = sum(w.bwd + w.bwd_comm for w in works)
-        reduce = max(reduce - window, reduce * bucket)
-    if overlap_gather:
-        gather *= bucket
+    if overlap:  # all but the last bucket behind one micro-batch's backward
+        reduce -= _hidden(cluster, reduce * (1 - bucket), sum(w.bwd + w.bwd_comm for w in works))
+    if overlap_gather:  # all but the first bucket behind the next step's forward
+        gather -= _hidden(cluster, gather * (1 - bucket), gather)
     return reduce + gather
 
 
