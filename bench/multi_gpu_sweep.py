@@ -60,7 +60,7 @@ def megazoo_flags(shape_name: str, cfg, tp: int, pp: int, vpp: int, own) -> list
         "--log-interval", str(cfg.log_interval), "--eval-iters", "0"]
     flags += [] if cfg.dry_run else ["--bf16"]
     zero = own is not None and bool({"--zero-impl", "--deepspeed"} & set(own))
-    if cfg.cuda_graph and pp == 1 and not zero:  # what --enable-cuda-graph captures
+    if cfg.cuda_graph and not zero:  # what --enable-cuda-graph captures: the plain engine
         flags += ["--enable-cuda-graph"]
     if own is not None:  # ZeRO engines shard and reduce by themselves
         return flags + ([] if zero else DISTOPT) + own
@@ -135,8 +135,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=None, help="seconds per child (default 420)")
     p.add_argument("--dry-run", action="store_true", help="CPU, gloo, 2 ranks, tiny shapes")
     p.add_argument("--cuda-graph", action="store_true",
-                   help="megazoo's rows with one pipeline stage and the plain engine add "
-                        "--enable-cuda-graph")
+                   help="megazoo's rows with the plain engine add --enable-cuda-graph")
     p.add_argument("--tp-comm-overlap", action="store_true",
                    help="megazoo's tensor-parallel rows add --tp-comm-overlap")
     p.add_argument("--no-peer", dest="peer", action="store_false",

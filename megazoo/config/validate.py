@@ -42,14 +42,12 @@ def check_args(args: PretrainArgs) -> None:
 
 def check_cuda_graph(args: PretrainArgs) -> None:
     """What --enable-cuda-graph (`megazoo.training.block_graphs`) captures: the plain engine's
-    blocks, one pipeline stage, without context parallelism, recompute, FP8, sparse attention,
+    blocks, of one pipeline stage or several, without context parallelism, recompute, FP8, sparse attention,
     key/value heads repeated over tp or the offloaded optimizer (the device is checked when
     the run starts)."""
     p, m = args.parallel, args.model
     conflicts = [
         (args.zero.zero_impl != "none", "it runs with the plain engine: drop --deepspeed / --zero-impl"),
-        (p.pp > 1, "a pipeline keeps several micro-batches in flight and a block's graph holds "
-                   "one: set --pipeline-model-parallel-size 1"),
         (p.cp > 1, "context parallelism is not captured: set --context-parallel-size 1"),
         (m.recompute != "none", "activation recompute is not captured: drop --recompute-granularity"),
         (m.fp8_format is not None, "FP8's scaling state is not captured: drop --fp8-format"),

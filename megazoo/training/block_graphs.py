@@ -28,10 +28,17 @@ launched from there, outside the graphs, after the replay that filled them.
 
 `release` frees the graphs; the run calls it before it destroys the process group.
 
-A block's output is its graph's output buffer, which the next micro-batch's forward
-rewrites: with one pipeline stage each micro-batch's backward ends before the next forward
-starts, so nothing reads a rewritten buffer. `check_args` refuses the layouts and features
-this does not cover (`config.validate.check_cuda_graph`).
+A block's output is its graph's output buffer, which a later micro-batch's forward
+rewrites. With one pipeline stage each micro-batch's backward ends before the next forward
+starts. A pipeline keeps several micro-batches of a chunk in flight, so each chunk is
+captured `graph_slots` times, as many as the stage's schedule keeps in flight in it, each
+copy with its own static tensors and memory pool, and micro-batch j replays copy j mod n:
+its previous user, micro-batch j - n, has finished its backward by then (the schedules run
+a chunk's forwards and backwards in micro-batch order). The buffers sent to the next stage
+are read by the send before that; the input gradients sent to the previous stage are handed
+out as copies, since a later backward of the same copy could rewrite them while an
+asynchronous send still reads them. `check_args` refuses the layouts and features this does
+not cover (`config.validate.check_cuda_graph`).
 """
 from __future__ import annotations
 
@@ -51,6 +58,7 @@ class _Captured:
         self.grads: tuple = ()  # (dx, one per parameter; None for the fused weights)
         self.fused: list[nn.Parameter] = []  # delivered into main_grad by the graph
         self.delivered = None  # GradBuffer.graph_delivered
+        self.copy_dx = False  # dx leaves for another stage: hand out a copy
 
 
 class _Replay(torch.autograd.Function):
@@ -72,48 +80,76 @@ class _Replay(torch.autograd.Function):
             graph.dy.copy_(dy)
         graph.backward.replay()
         graph.delivered(graph.fused)
-        return None, *(g.detach() if g is not None else None for g in graph.grads)
+        dx, *grads = (g.detach() if g is not None else None for g in graph.grads)
+        return None, dx.clone() if graph.copy_dx else dx, *grads
 
 
 class BlockGraphs:
-    """Captures `blocks` (one pipeline stage's, in forward order) at their first training
-    call and replays them after. `buffers` owns the gradients: `graph_weights(weights)` is
-    called once, after capture, with the fused weights inside the graphs, and
-    `graph_delivered(weights)` after each backward replay with that block's."""
+    """Captures the blocks of one pipeline stage's `chunks` (each a list of blocks in forward
+    order) at their first training call and replays them after: `slots[c]` copies of chunk
+    c's graphs (`graph_slots`), micro-batches taking them in turn. `buffers` owns the
+    gradients: `graph_weights(weights)` is called once, after capture, with the fused
+    weights inside the graphs, and `graph_delivered(weights)` after each backward replay
+    with that block's."""
 
-    def __init__(self, blocks: list[nn.Module], buffers):
-        self.blocks, self.buffers = blocks, buffers
-        self.params = [[p for p in b.parameters() if p.requires_grad] for b in blocks]
-        hooked = [n for b in blocks for n, p in b.named_parameters() if p._backward_hooks]
+    def __init__(self, chunks: list[list[nn.Module]], buffers, slots: list[int] | None = None,
+                 sends_grads: bool = False):
+        self.chunks, self.buffers, self.sends_grads = chunks, buffers, sends_grads
+        self.slots = slots or [1] * len(chunks)
+        if len(self.slots) != len(chunks) or min(self.slots) < 1:
+            raise ValueError(f"one slot count >= 1 per chunk, got {self.slots}")
+        self.params = [[[p for p in b.parameters() if p.requires_grad] for b in blocks]
+                       for blocks in chunks]
+        hooked = [n for blocks in chunks for b in blocks for n, p in b.named_parameters()
+                  if p._backward_hooks]
         if hooked:  # (check_cuda_graph refuses the layouts that have one)
             raise ValueError(f"a gradient hook on {hooked[0]} would not run at replay")
-        self.captured: list[_Captured] | None = None
+        self.captured: list[list[list[_Captured]]] | None = None  # [chunk][slot][block]
         self._made: list[torch.cuda.CUDAGraph] = []  # every graph made, captured or not
-        for index, block in enumerate(blocks):
-            block.replay = lambda x, i=index: self.run(i, x)
+        self._forwards = [0] * len(chunks)  # forwards started per chunk: the next slot
+        self._slot = [0] * len(chunks)  # the slot of each chunk's micro-batch in forward
+        for c, blocks in enumerate(chunks):
+            for i, block in enumerate(blocks):
+                block.replay = lambda x, c=c, i=i: self.run(c, i, x)
 
-    def run(self, index: int, x: torch.Tensor) -> torch.Tensor:
+    def run(self, chunk: int, index: int, x: torch.Tensor) -> torch.Tensor:
         if self.captured is None:
-            if index != 0:
+            if (chunk, index) != (0, 0):
                 raise RuntimeError("the first graphed call must be the first block's")
             self.captured = self._capture(x)
-        graph = self.captured[index]
+        if index == 0:  # a micro-batch enters the chunk: the next slot in turn
+            self._slot[chunk] = self._forwards[chunk] % self.slots[chunk]
+            self._forwards[chunk] += 1
+        graph = self.captured[chunk][self._slot[chunk]][index]
         if x.shape != graph.x.shape or x.dtype != graph.x.dtype:
             raise ValueError(f"--enable-cuda-graph captured blocks for {tuple(graph.x.shape)} "
                              f"{graph.x.dtype} activations, got {tuple(x.shape)} {x.dtype}: "
                              f"every micro-batch must have the first one's shape")
         return _Replay.apply(graph, x, *graph.params)
 
-    def _capture(self, x: torch.Tensor) -> list[_Captured]:
-        fused = [p for params in self.params for p in params if getattr(p, "fuse_wgrad", False)]
+    def _capture(self, x: torch.Tensor) -> list[list[list[_Captured]]]:
+        fused = [p for chunk in self.params for params in chunk for p in params
+                 if getattr(p, "fuse_wgrad", False)]
         for p in fused:  # inside a graph a fused weight's gradient always adds
             p.main_grad_fresh = False
         sample = x.detach().clone()
-        self._warm_up(sample)
+        for blocks, params in zip(self.chunks, self.params):
+            self._warm_up(blocks, params, sample)
+        captured = [[self._capture_chunk(blocks, params, sample) for _ in range(n)]
+                    for blocks, params, n in zip(self.chunks, self.params, self.slots)]
+        for p in fused:
+            p.grad_added_to_main_grad = False
+        self.buffers.graph_weights(fused)  # zeroes what warm-up and capture summed into them
+        return captured
+
+    def _capture_chunk(self, blocks: list[nn.Module], params: list[list[nn.Parameter]],
+                       sample: torch.Tensor) -> list[_Captured]:
+        """One slot of one chunk: forwards in block order, backwards in reverse, in a pool
+        of its own (another slot's replays come between this slot's forward and backward)."""
         pool = torch.cuda.graph_pool_handle()
-        captured, inp = [], sample.requires_grad_(True)
-        for block, params in zip(self.blocks, self.params):
-            graph = _Captured(params, inp)
+        captured, inp = [], sample.clone().requires_grad_(True)
+        for block, block_params in zip(blocks, params):
+            graph = _Captured(block_params, inp)
             graph.forward = self._new_graph()
             with torch.cuda.graph(graph.forward, pool=pool, capture_error_mode="thread_local"):
                 graph.y = block._forward(inp)
@@ -131,9 +167,9 @@ class BlockGraphs:
             graph.delivered = self.buffers.graph_delivered
             graph.y = graph.y.detach()  # the autograd graph of the capture is done with
             dy = graph.grads[0]
-        for p in fused:
-            p.grad_added_to_main_grad = False
-        self.buffers.graph_weights(fused)  # zeroes what warm-up and capture summed into them
+        # the chunk's input gradient goes to the previous stage by an asynchronous send,
+        # which may still read it when this copy's next backward would rewrite it
+        captured[0].copy_dx = self.sends_grads
         return captured
 
     def _new_graph(self) -> torch.cuda.CUDAGraph:
@@ -149,23 +185,52 @@ class BlockGraphs:
         for graph in self._made:
             graph.reset()
         self._made, self.captured = [], None
-        for block in self.blocks:
-            block.replay = None
+        for blocks in self.chunks:
+            for block in blocks:
+                block.replay = None
 
-    def _warm_up(self, sample: torch.Tensor) -> None:
+    def _warm_up(self, blocks: list[nn.Module], params: list[list[nn.Parameter]],
+                 sample: torch.Tensor) -> None:
         side = torch.cuda.Stream(sample.device)
         side.wait_stream(torch.cuda.current_stream(sample.device))
         with torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):
-                for block, params in zip(self.blocks, self.params):
+                for block, block_params in zip(blocks, params):
                     x = sample.clone().requires_grad_(True)
                     y = block._forward(x)
-                    torch.autograd.grad(y, [x, *params], sample, allow_unused=True)
+                    torch.autograd.grad(y, [x, *block_params], sample, allow_unused=True)
         torch.cuda.current_stream(sample.device).wait_stream(side)
 
 
-def graph_blocks(model: nn.Module, buffers) -> BlockGraphs:
-    """Graph the blocks of `model` (a TransformerModel of one pipeline stage, whose gradients
-    `buffers`, the plain engine's GradBuffer, owns)."""
-    blocks = [model.layers[str(i)] for chunk in model.chunks for i in chunk]
-    return BlockGraphs(blocks, buffers)
+def graph_slots(program) -> list[int]:
+    """Copies of each chunk's graphs a stage's pipeline `program` (its actions,
+    `megazoo.pipeline.schedules.build_schedule`) needs: the most micro-batches in flight in
+    the chunk at once (forward run, backward not yet). Micro-batch j takes copy j mod n of
+    its chunk, which is free again when its forward starts only if the chunk's forwards and
+    backwards both run in micro-batch order; a program that does not is refused."""
+    from ..pipeline.schedules import ActionKind
+
+    chunks = 1 + max(a.chunk for a in program if a.kind in (ActionKind.F, ActionKind.B))
+    live, peak = [0] * chunks, [1] * chunks
+    order = {ActionKind.F: [[] for _ in range(chunks)], ActionKind.B: [[] for _ in range(chunks)]}
+    for action in program:
+        if action.kind not in order:
+            continue
+        order[action.kind][action.chunk].append(action.microbatch)
+        live[action.chunk] += 1 if action.kind == ActionKind.F else -1
+        peak[action.chunk] = max(peak[action.chunk], live[action.chunk])
+    for kind, per_chunk in order.items():
+        if any(seq != sorted(seq) for seq in per_chunk):
+            raise ValueError(f"--enable-cuda-graph: the schedule runs a chunk's {kind.value} "
+                             f"out of micro-batch order, which the graphs' copies cannot follow")
+    return peak
+
+
+def graph_blocks(model: nn.Module, buffers, program) -> BlockGraphs:
+    """Graph the blocks of `model` (one pipeline stage's TransformerModel, whose gradients
+    `buffers`, the plain engine's GradBuffer, owns) for the stage's pipeline `program`."""
+    from ..pipeline.schedules import ActionKind
+
+    chunks = [[model.layers[str(i)] for i in chunk] for chunk in model.chunks]
+    sends = any(a.kind == ActionKind.SEND_B for a in program)
+    return BlockGraphs(chunks, buffers, graph_slots(program), sends_grads=sends)

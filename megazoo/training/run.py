@@ -34,6 +34,7 @@ from ..plot import draw_run_curves
 from .checkpoint import load_training_checkpoint
 from .data import TrainData, build_data, resolve_data_source, unigram_entropy
 from .backends import Engine, TrainingStopped, build_engine
+from ..pipeline.schedules import build_schedule
 from .block_graphs import BlockGraphs, graph_blocks
 from .backends.lean_build import build_run_model
 from ..layers.linear import set_tp_comm_overlap
@@ -104,7 +105,12 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
         set_tp_comm_overlap(model, TP_COMM_CHUNKS)
         set_ulysses_overlap(model, TP_COMM_CHUNKS)
     engine = build_engine(args, model, state)
-    graphs = graph_blocks(model, engine.buffers) if args.training.enable_cuda_graph else None
+    graphs = None
+    if args.training.enable_cuda_graph:
+        micro_batches = args.training.global_batch_size // state.dp.size // \
+            args.training.micro_batch_size
+        program = build_schedule(state.pp.size, len(model.chunks), micro_batches)[state.pp.rank]
+        graphs = graph_blocks(model, engine.buffers, program)
     advice = host_thread_advice(engine.cpu_offload, torch.get_num_threads(), os.cpu_count() or 1,
                                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if advice and not args.training.cpu_threads:

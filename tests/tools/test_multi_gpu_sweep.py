@@ -34,10 +34,10 @@ def test_flags_of_a_pipeline_row_and_an_own_row():
     ulysses = megazoo_flags("gpt-1.3b", cfg, 1, 1, 1, ["--ds-sequence-parallel-size", "2"])
     assert "--use-distributed-optimizer" in ulysses  # the plain engine's rows all run it
     assert "--enable-cuda-graph" not in ulysses
-    cfg.cuda_graph = True  # graphs where they capture: one pipeline stage, the plain engine
+    cfg.cuda_graph = True  # graphs where they capture: the plain engine
     assert "--enable-cuda-graph" in megazoo_flags("gpt-1.3b", cfg, 2, 1, 1, None)
     assert "--enable-cuda-graph" in megazoo_flags("gpt-1.3b", cfg, 1, 1, 1, ["--ds-sequence-parallel-size", "2"])
-    assert "--enable-cuda-graph" not in megazoo_flags("gpt-1.3b", cfg, 1, 4, 2, None)
+    assert "--enable-cuda-graph" in megazoo_flags("gpt-1.3b", cfg, 1, 4, 2, None)
     assert "--enable-cuda-graph" not in megazoo_flags("gpt-1.3b", cfg, 1, 1, 1, ["--zero-impl", "fsdp2"])
     cfg.tp_comm_overlap = True  # the tensor-parallel rows only
     assert "--tp-comm-overlap" in megazoo_flags("gpt-1.3b", cfg, 2, 2, 2, None)

@@ -146,10 +146,10 @@ def test_search_returns_only_layouts_the_run_accepts():
         run = args_from_namespace(parser.parse_args(base + drop_flags(c.flags, {"--dp"})))
         check_args(dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, dp=dp)))
         assert run.parallel.tp * run.parallel.sp in (1, 2, 4)
-        # CUDA graphs where tp or Ulysses run and the run captures them: one stage, no
-        # context parallelism, no recompute
+        # CUDA graphs where tp or Ulysses run and the run captures them: no context
+        # parallelism, no recompute
         p = run.parallel
-        graphs = p.tp * p.sp > 1 and p.pp == 1 and p.cp == 1 and run.model.recompute == "none"
+        graphs = p.tp * p.sp > 1 and p.cp == 1 and run.model.recompute == "none"
         assert run.training.enable_cuda_graph == graphs, c.flags
         assert ("--enable-cuda-graph" in c.command(8)) == graphs
     assert any(c.time.stages[0].host == 0.0 and "--enable-cuda-graph" in c.flags for c in found)

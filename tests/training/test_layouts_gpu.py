@@ -123,6 +123,8 @@ GRAPHED = {  # name: (GPUs, flags) run eagerly and with --enable-cuda-graph
     "tp2-sp-overlap": (2, tp(2) + SP + DISTOPT + ["--tp-comm-overlap"]),
     "ulysses-sp2": (2, ["--ds-sequence-parallel-size", "2"] + DISTOPT),
     "tp2xdp2-sp": (4, tp(2) + SP + DISTOPT),
+    "pp2-interleaved": (2, PP2_INTERLEAVED + DISTOPT),
+    "tp2xpp2-sp": (4, tp(2) + SP + PP2_INTERLEAVED + DISTOPT),
 }
 GRAPH_RTOL = 2e-3
 """A replayed graph runs the eager run's kernels in the eager order on the same values (the

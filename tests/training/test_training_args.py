@@ -130,7 +130,6 @@ def test_tp_comm_overlap_flag_needs_megatron_sp():
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--pipeline-model-parallel-size", "2"], "set --pipeline-model-parallel-size 1"),
     (["--context-parallel-size", "2"], "set --context-parallel-size 1"),
     (["--recompute-granularity", "full"], "drop --recompute-granularity"),
     (["--deepspeed", "--zero-stage", "3"], "plain engine"),
@@ -151,6 +150,8 @@ def test_a_gpu_run_with_tp_or_ulysses_is_pointed_at_cuda_graphs():
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     assert "--enable-cuda-graph" in cuda_graph_hint(parse_args(tp2), cuda)
     assert "--enable-cuda-graph" in cuda_graph_hint(parse_args(["--sequence-parallel-size", "2"]), cuda)
+    assert "--enable-cuda-graph" in cuda_graph_hint(
+        parse_args(tp2 + ["--pipeline-model-parallel-size", "2"]), cuda)  # pipelines capture too
     for argv, device in ((tp2, cpu), (tp2 + ["--enable-cuda-graph"], cuda), ([], cuda),
-                         (tp2 + ["--pipeline-model-parallel-size", "2"], cuda)):
+                         (tp2 + ["--context-parallel-size", "2"], cuda)):
         assert cuda_graph_hint(parse_args(argv), device) is None, argv
