@@ -169,10 +169,9 @@ class GradBuffer:
         if any(id(p) not in fused for p in weights):
             raise ValueError("only fused weights accumulate inside a graph")
         self._in_graph = {id(p) for p in weights}
-        for p in weights:
-            self._handles.pop(id(p)).remove()
         self._graph_grads = [p.main_grad for p in weights]
         for p in weights:
+            self._handles.pop(id(p)).remove()
             p.main_grad_fresh = False
         if self._graph_grads:
             torch._foreach_zero_(self._graph_grads)
