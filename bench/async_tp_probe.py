@@ -16,6 +16,10 @@ MLP out [T, f/t] x [f/t, h]):
 - `symm_mem`: torch's async-TP ops (`torch.ops.symm_mem.fused_all_gather_matmul` /
   `fused_matmul_reduce_scatter`), whose transfers are copy-engine P2P writes over
   symmetric memory, consumed chunk by chunk by the GEMM (NVLink multicast stays off).
+- `beside` (row GEMMs): the GEMM and an independent reduce-scatter of its output's size on a
+  second stream, issued together: near the longer of the two where they overlap, near
+  their sum where NCCL's kernels wait for the SMs the GEMM holds (the planner's
+  `overlap_hidden`).
 Each variant's result is checked against `nccl`'s (relative max error printed), and timed
 with CUDA events over `--iters` runs after a warm-up, eagerly and (on CUDA) captured in a
 CUDA graph and replayed, as `--enable-cuda-graph` runs it. Rank 0 prints a table, µs per call.
@@ -87,6 +91,27 @@ def _symm_mem(column: bool, a: torch.Tensor, b: torch.Tensor, group):
     return lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group.group_name)
 
 
+def _beside(a: torch.Tensor, b: torch.Tensor, group):
+    """a @ b and an independent reduce-scatter of a tensor of its output's size on a side
+    stream, both issued at once; returns the GEMM's result."""
+    y = a @ b
+    src = torch.randn_like(y)
+    out = y.new_empty(y.shape[0] // dist.get_world_size(group), *y.shape[1:])
+    side = torch.cuda.Stream() if a.device.type == "cuda" else None
+
+    def run():
+        if side is None:
+            dist.reduce_scatter_tensor(out, src, group=group)
+            return a @ b
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            dist.reduce_scatter_tensor(out, src, group=group)
+        y = a @ b
+        torch.cuda.current_stream().wait_stream(side)
+        return y
+    return run
+
+
 def probe(tokens: int, hidden: int, ffn: int, iters: int) -> list[dict]:
     """Every GEMM x variant on this rank: [{gemm, variant, us, rel_err}]."""
     group, t = dist.group.WORLD, dist.get_world_size()
@@ -120,13 +145,15 @@ def probe(tokens: int, hidden: int, ffn: int, iters: int) -> list[dict]:
         fused = _symm_mem(column, a, b, group)
         if fused is not None:
             variants["symm_mem"] = fused
+        if not column:
+            variants["beside"] = _beside(a, b, group)
         want = variants["nccl"]().float()
         for variant, fn in variants.items():
             row = {"gemm": name, "variant": variant, "us": None, "us_graph": None,
                    "rel_err": None, "error": None}
             try:
                 got = fn().float()
-                if variant != "gemm":
+                if variant not in ("gemm", "beside"):
                     row["rel_err"] = float((got - want).abs().max() / want.abs().max())
                 row["us"] = _timed(fn, iters, cuda)
                 if cuda:

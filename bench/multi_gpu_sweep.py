@@ -35,16 +35,18 @@ BATCHES = {"gpt-1.3b": 64, "llama-8b-8l": 32, "tiny": 8, "tiny-llama": 8}
 DISTOPT = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 
 
-def layouts(n: int, layers: int) -> dict:
+def layouts(n: int, layers: int, vpp: int = 2) -> dict:
     """{row name: (tp, pp, vpp, megazoo-only flags or None)} for N GPUs: megatron-core runs
-    the rows whose last item is None too (the same tp / pp / vpp, SP where tp > 1)."""
+    the rows whose last item is None too (the same tp / pp / vpp, SP where tp > 1). The
+    pipeline rows hold `vpp` virtual stages per rank (named in the row where it is not 2)."""
     rows = {f"dp{n}": (1, 1, 1, None)}
+    chunks = "" if vpp == 2 else f" vpp{vpp}"
     for tp in (t for t in (2, 4) if t <= n):
         rows[f"tp{tp}+SP" + (f" x dp{n // tp}" if tp < n else "")] = (tp, 1, 1, None)
-    if n == 4:
-        rows["tp2+SP x pp2 interleaved"] = (2, 2, 2, None)
-    if layers % (2 * n) == 0:
-        rows[f"pp{n} interleaved"] = (1, n, 2, None)
+    if n == 4 and layers % (2 * vpp) == 0:
+        rows["tp2+SP x pp2 interleaved" + chunks] = (2, 2, vpp, None)
+    if layers % (n * vpp) == 0:
+        rows[f"pp{n} interleaved" + chunks] = (1, n, vpp, None)
     rows[f"Ulysses sp{n}"] = (1, 1, 1, ["--ds-sequence-parallel-size", str(n)])
     rows[f"ZeRO-3 fsdp2 dp{n}"] = (1, 1, 1, ["--zero-impl", "fsdp2", "--zero-stage", "3"])
     if importlib.util.find_spec("deepspeed") is not None:
@@ -92,7 +94,8 @@ def run_shape(shape_name: str, cfg) -> dict:
     logs = os.path.join(cfg.out, "logs")
     os.makedirs(logs, exist_ok=True)
     plan = {"one GPU": (1, 1, 1, 1, None)}
-    plan.update({k: (cfg.gpus, *v) for k, v in layouts(cfg.gpus, SHAPES[shape_name]["layers"]).items()})
+    rows_here = layouts(cfg.gpus, SHAPES[shape_name]["layers"], cfg.vpp)
+    plan.update({k: (cfg.gpus, *v) for k, v in rows_here.items()})
     for name, (nproc, tp, pp, vpp, own) in plan.items():
         if cfg.rows and name not in cfg.rows:
             continue
@@ -131,6 +134,8 @@ def parse_args(argv=None):
                    choices=["gpt-1.3b", "llama-8b-8l"])
     p.add_argument("--gpus", type=int, default=None, help="GPUs per row (default: all visible)")
     p.add_argument("--rows", nargs="*", default=None, help="only these row names")
+    p.add_argument("--vpp", type=int, default=2,
+                   help="virtual pipeline stages per rank in the pipeline rows")
     p.add_argument("--iters", type=int, default=12, help="pretrain_gpt.py iterations per row")
     p.add_argument("--timeout", type=float, default=None, help="seconds per child (default 420)")
     p.add_argument("--dry-run", action="store_true", help="CPU, gloo, 2 ranks, tiny shapes")

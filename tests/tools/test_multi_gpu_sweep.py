@@ -19,6 +19,10 @@ def test_rows_per_machine(monkeypatch):
     assert [k for k, v in four.items() if v[3] is None] == [
         "dp4", "tp2+SP x dp2", "tp4+SP", "tp2+SP x pp2 interleaved", "pp4 interleaved"]
     assert "pp4 interleaved" not in layouts(4, 4)  # 4 layers cannot split into 8 chunks
+    finer = layouts(4, 24, vpp=6)  # one layer per virtual stage, named in the row
+    assert finer["pp4 interleaved vpp6"] == (1, 4, 6, None)
+    assert finer["tp2+SP x pp2 interleaved vpp6"] == (2, 2, 6, None)
+    assert "pp4 interleaved vpp5" not in layouts(4, 24, vpp=5)
 
 
 def test_flags_of_a_pipeline_row_and_an_own_row():
