@@ -70,7 +70,7 @@ def test_graphed_rows_within_ten_percent(layout, measured):
     (bench/results/cuda_graphs_h200_2026-11-28.md). The pipeline rows replay each chunk's
     graphs (bench/results/pipeline_graphs_h200x4_2026-11-28.md); at one layer per virtual
     stage the model's smaller bubble is offset on the machine by 3x the stage transfers,
-    which it does not charge (+8%)."""
+    which it charges on the pipeline's path only, not beside the compute (+8%)."""
     time = predict(layout)
     assert all(s.host == 0.0 for s in time.stages)
     assert time.tokens_per_s == pytest.approx(measured, rel=0.10)
