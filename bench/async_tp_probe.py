@@ -16,6 +16,9 @@ MLP out [T, f/t] x [f/t, h]):
 - `symm_mem`: torch's async-TP ops (`torch.ops.symm_mem.fused_all_gather_matmul` /
   `fused_matmul_reduce_scatter`), whose transfers are copy-engine P2P writes over
   symmetric memory, consumed chunk by chunk by the GEMM (NVLink multicast stays off).
+- `low_contention`: the collective on torch's copy-engine path
+  (`torch.ops.symm_mem._low_contention_all_gather` / `_reduce_scatter`: peer copies, no SMs
+  but the reduce-scatter's sum) then the GEMM, unchunked: NCCL's transfer, off the SMs;
 - `beside` (row GEMMs): the GEMM and an independent reduce-scatter of its output's size on a
   second stream, issued together: near the longer of the two where they overlap, near
   their sum where NCCL's kernels wait for the SMs the GEMM holds (the planner's
@@ -112,6 +115,18 @@ def _beside(a: torch.Tensor, b: torch.Tensor, group):
     return run
 
 
+def _low_contention(column: bool, a: torch.Tensor, b: torch.Tensor, group):
+    """The GEMM with its collective on torch's copy-engine path, or None off CUDA."""
+    if a.device.type != "cuda":
+        return None
+    import torch.distributed._symmetric_memory  # noqa: F401 (registers torch.ops.symm_mem)
+
+    ops, wait = torch.ops.symm_mem, torch.ops._c10d_functional.wait_tensor
+    if column:
+        return lambda: wait(ops._low_contention_all_gather(a, group.group_name)) @ b
+    return lambda: wait(ops._low_contention_reduce_scatter(a @ b, "sum", group.group_name))
+
+
 def probe(tokens: int, hidden: int, ffn: int, iters: int) -> list[dict]:
     """Every GEMM x variant on this rank: [{gemm, variant, us, rel_err}]."""
     group, t = dist.group.WORLD, dist.get_world_size()
@@ -142,9 +157,10 @@ def probe(tokens: int, hidden: int, ffn: int, iters: int) -> list[dict]:
                         "nccl": lambda: _scattered(a, b, group, 1),
                         "nccl_chunked2": lambda: _scattered(a, b, group, 2),
                         "nccl_chunked": lambda: _scattered(a, b, group, TP_COMM_CHUNKS)}
-        fused = _symm_mem(column, a, b, group)
-        if fused is not None:
-            variants["symm_mem"] = fused
+        for variant, make in (("symm_mem", _symm_mem), ("low_contention", _low_contention)):
+            fn = make(column, a, b, group)
+            if fn is not None:
+                variants[variant] = fn
         if not column:
             variants["beside"] = _beside(a, b, group)
         want = variants["nccl"]().float()
