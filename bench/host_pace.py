@@ -10,10 +10,12 @@ nothing and return at once. The model is built at the real width, but the sequen
 short (`--seq`) that the GPU's work is negligible. So the wall time of a forward + backward
 is the host's time to issue it, and no other rank's skew enters.
 
-From the rows it fits the planner's `Cluster.host_block_ms` (tp 1: the time per block) and
+From the rows it fits the planner's `Cluster.host_block_ms` (tp 1: the time per block),
 `host_collective_ms` (tp 2 + SP: the time per collective call, the calls per block being
-`plan.collectives.layer_collectives`). NCCL's own enqueue is not in the fake group's calls,
-so the per-call figure is a lower bound on a real group's.
+`plan.collectives.layer_collectives`) and `host_fsdp2_block_ms` (the FSDP2 row, ZeRO-3 at
+dp 4 as `--zero-impl fsdp2` shards it, a micro-batch that does not sync gradients: what
+FSDP2's hooks add per block). NCCL's own enqueue is not in the fake group's calls, so the
+per-call figure is a lower bound on a real group's.
 
 Reported per layout: ms per micro-batch (the best of `--repeats` rounds of `--steps`) and
 µs per block.
@@ -27,12 +29,13 @@ import time
 import torch
 import torch.distributed as dist
 
-LAYOUTS = {  # name -> (tp, Megatron SP, Ulysses size)
-    "tp1": (1, False, 1), "tp2+SP": (2, True, 1), "tp2": (2, False, 1), "ulysses sp2": (1, False, 2),
+LAYOUTS = {  # name -> (tp, Megatron SP, Ulysses size, FSDP2's dp or 0 for the plain engine)
+    "tp1": (1, False, 1, 0), "tp2+SP": (2, True, 1, 0), "tp2": (2, False, 1, 0),
+    "ulysses sp2": (1, False, 2, 0), "fsdp2 dp4": (1, False, 1, 4),
 }
 
 
-def _model(args, tp: int, megatron_sp: bool, sp: int):
+def _model(args, tp: int, megatron_sp: bool, sp: int, fsdp_dp: int):
     from megazoo.config.model import ModelConfig
     from megazoo.models.build import build_model
     from megazoo.parallel.config import ParallelConfig
@@ -45,17 +48,26 @@ def _model(args, tp: int, megatron_sp: bool, sp: int):
         dist.destroy_process_group()
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * sp)
-    state = ParallelState.initialize(ParallelConfig(tp=tp, sequence_parallel=megatron_sp, sp=sp),
-                                     backend="fake")
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    return config, build_model(config, state, device=args.device, dtype=dtype), state
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * sp * max(fsdp_dp, 1))
+    state = ParallelState.initialize(ParallelConfig(tp=tp, sequence_parallel=megatron_sp, sp=sp,
+                                                    dp=max(fsdp_dp, 1)), backend="fake")
+    bf16 = args.device == "cuda"
+    if not fsdp_dp:
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        return config, build_model(config, state, device=args.device, dtype=dtype), state
+    from megazoo.training.backends.fsdp2_sharding import shard_mesh, shard_stage
+
+    model = build_model(config, state, device=args.device, dtype=torch.float32)  # fp32 masters
+    device = torch.device(args.device)
+    shard_stage(model, shard_mesh(state, device), device=device, bf16=bf16, cpu_offload=False,
+                reshard_after_forward=True)
+    model.set_requires_gradient_sync(False)  # a micro-batch before the step's last
+    return config, model, state
 
 
 def pace(args, name: str) -> dict:
     """ms per micro-batch of one layout (module docstring)."""
-    tp, megatron_sp, sp = LAYOUTS[name]
-    config, model, state = _model(args, tp, megatron_sp, sp)
+    config, model, state = _model(args, *LAYOUTS[name])
     ids = torch.randint(0, config.vocab_size, (args.micro, args.seq), device=args.device)
 
     def step():
@@ -81,7 +93,8 @@ def pace(args, name: str) -> dict:
 
 
 def fit(rows: dict, args) -> dict:
-    """host_block_ms from tp1; host_collective_ms from tp2 + SP's extra time per call."""
+    """host_block_ms from tp1; host_collective_ms from tp2 + SP's extra time per call;
+    host_fsdp2_block_ms from the FSDP2 row's extra time per block."""
     from megazoo.config.model import ModelConfig
     from megazoo.plan.collectives import layer_collectives
 
@@ -96,6 +109,9 @@ def fit(rows: dict, args) -> dict:
                                                        seq_length=args.seq))
         extra = rows["tp2+SP"]["ms_per_micro_batch"] - rows["tp1"]["ms_per_micro_batch"]
         out["host_collective_ms"] = max(extra, 0.0) / (args.layers * calls)
+    if "tp1" in rows and "fsdp2 dp4" in rows:
+        extra = rows["fsdp2 dp4"]["ms_per_micro_batch"] - rows["tp1"]["ms_per_micro_batch"]
+        out["host_fsdp2_block_ms"] = max(extra, 0.0) / args.layers
     return out
 
 
@@ -117,7 +133,7 @@ def parse_args(argv=None):
         p.error("--device cuda: no GPU here")
     args.hidden = args.hidden or (2048 if args.device == "cuda" else 64)
     for name in args.layouts:
-        tp, _, sp = LAYOUTS[name]
+        tp, _, sp, _ = LAYOUTS[name]
         if args.seq % (tp * sp) or args.heads % (tp * sp):
             p.error(f"--seq {args.seq} and --heads {args.heads} must divide by {tp * sp} ({name})")
     return args

@@ -74,6 +74,10 @@ class Cluster:
     host_collective_ms: float = 0.0
     """Host time, in ms, of one tp / sp collective call (torch.distributed and NCCL's
     enqueue), added to `host_block_ms` per call the block issues."""
+    host_fsdp2_block_ms: float = 0.0
+    """Host time, in ms, that FSDP2's hooks add to a block's forward and backward for one
+    micro-batch under `--zero-impl fsdp2` (unshard, reshard, their copies' launches),
+    added to `host_block_ms`; `bench/host_pace.py`'s FSDP2 row measures it."""
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -100,8 +104,9 @@ class Cluster:
             raise ValueError(f"cluster {self.name}: host_block_ms must be > 0 (or left out)")
         if not self.collective_latency_us >= 0:
             raise ValueError(f"cluster {self.name}: collective_latency_us must be >= 0")
-        if not self.host_collective_ms >= 0:
-            raise ValueError(f"cluster {self.name}: host_collective_ms must be >= 0")
+        for name in ("host_collective_ms", "host_fsdp2_block_ms"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"cluster {self.name}: {name} must be >= 0")
         for name in ("intra_node_efficiency", "inter_node_efficiency", "overlap_hidden"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"cluster {self.name}: {name} must be in (0, 1]")

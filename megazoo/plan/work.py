@@ -126,11 +126,13 @@ def block_host(config: ModelConfig, layout: Resolved, cluster: Cluster,
                overlap: bool = False) -> float:
     """Seconds the host takes to issue one block's forward and backward for one micro-batch
     (`Cluster.host_block_ms` plus `host_collective_ms` per tp / sp collective call, chunked
-    calls counted one by one); 0 where the cluster gives no host time."""
+    calls counted one by one, plus `host_fsdp2_block_ms` under FSDP2); 0 where the cluster
+    gives no host time."""
     if cluster.host_block_ms is None:
         return 0.0
     calls = sum(c.calls for c in _block_collectives(config, layout, overlap))
-    return (cluster.host_block_ms + calls * cluster.host_collective_ms) / 1e3
+    hooks = cluster.host_fsdp2_block_ms if layout.zero_impl == "fsdp2" else 0.0
+    return (cluster.host_block_ms + calls * cluster.host_collective_ms + hooks) / 1e3
 
 
 def _block_collectives(config: ModelConfig, layout: Resolved, overlap: bool = False):

@@ -10,10 +10,11 @@ from megazoo.plan.published import plan_args
 from megazoo.plan.timing import step_time
 
 
-def predict(flags: str, cluster: str, vocab: int | None = None):
-    """`step_time` of the planner flags `flags` on `cluster` (`vocab`: the model's vocabulary
-    instead of the flags')."""
+def predict(flags: str, cluster, vocab: int | None = None):
+    """`step_time` of the planner flags `flags` on `cluster` (a name, or a `Cluster`;
+    `vocab`: the model's vocabulary instead of the flags')."""
     args, config, _ = plan_args(plan_parser().parse_args(flags.split()))
     if vocab is not None:
         config = dataclasses.replace(config, vocab_size=vocab)
-    return step_time(args, resolve(args), load_cluster(cluster), config)
+    cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    return step_time(args, resolve(args), cluster, config)

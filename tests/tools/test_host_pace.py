@@ -3,6 +3,7 @@ and the planner constants it fits (the GPU numbers come from `--device cuda`).""
 import json
 
 import pytest
+import torch
 
 from bench import host_pace
 
@@ -15,6 +16,7 @@ def test_cpu_rows_and_fit(tmp_path, capsys):
     assert set(saved["rows"]) == set(host_pace.LAYOUTS)
     assert all(r["ms_per_micro_batch"] > 0 for r in saved["rows"].values())
     assert saved["fit"]["host_block_ms"] > 0 and saved["fit"]["host_collective_ms"] >= 0
+    assert saved["fit"]["host_fsdp2_block_ms"] >= 0
     assert "fit: host_block_ms" in capsys.readouterr().out
 
 
@@ -22,10 +24,33 @@ def test_fit_arithmetic():
     """tp1 gives the time per block; tp2 + SP's extra time spread over its 8 calls per block
     (2 all-gathers and 2 reduce-scatters each way)."""
     args = host_pace.parse_args(["--layers", "4", "--heads", "4"])
-    rows = {"tp1": {"ms_per_micro_batch": 8.0}, "tp2+SP": {"ms_per_micro_batch": 11.2}}
+    rows = {"tp1": {"ms_per_micro_batch": 8.0}, "tp2+SP": {"ms_per_micro_batch": 11.2},
+            "fsdp2 dp4": {"ms_per_micro_batch": 14.0}}
     fit = host_pace.fit(rows, args)
     assert fit["host_block_ms"] == pytest.approx(2.0)
     assert fit["host_collective_ms"] == pytest.approx(3.2 / (4 * 8))
+    assert fit["host_fsdp2_block_ms"] == pytest.approx(6.0 / 4)  # FSDP2's extra per block
+
+
+def test_fsdp2_row_runs_sharded_without_gradient_sync():
+    """The FSDP2 row's model is FSDP2-sharded over a dp 4 mesh and, as in a micro-batch
+    before the step's last, does not reduce-scatter its gradients."""
+    from torch.distributed.fsdp import FSDPModule
+
+    args = host_pace.parse_args(["--layers", "2", "--heads", "4", "--seq", "16"])
+    try:
+        _, model, state = host_pace._model(args, *host_pace.LAYOUTS["fsdp2 dp4"])
+        assert state.dp.size == 4 and isinstance(model, FSDPModule)
+        assert all(isinstance(block, FSDPModule) for block in model.layers.values())
+        ids = torch.randint(0, 2048, (1, 16))
+        model(ids, ids).backward()
+        # without gradient sync FSDP2 keeps the unsharded gradients: no sharded .grad
+        assert all(p.grad is None for p in model.parameters())
+        model.set_requires_gradient_sync(True)
+        model(ids, ids).backward()
+        assert all(p.grad is not None for p in model.parameters())
+    finally:
+        torch.distributed.destroy_process_group()  # the fake group: no later test sees it
 
 
 def test_refuses_a_split_that_does_not_divide(capsys):

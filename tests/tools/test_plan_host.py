@@ -15,6 +15,8 @@ run to run on these machines, so a single run can fall outside it. The rows with
 collectives' cost, bandwidth and per-call latency. The data-parallel rows check
 `overlap_hidden`: an overlapped NCCL collective hides 0.06 of its time behind a GEMM there.
 """
+import dataclasses
+
 import pytest
 
 from helpers.plan_time import predict as _predict
@@ -109,8 +111,6 @@ def test_overlapped_collectives_hide_only_the_measured_share():
     `overlap_hidden` (0.06) of their time: dp 4 loses about 3% to them, where a cluster whose
     collectives hid fully behind the backward would lose almost nothing (measured: 0.956 of
     linear at gpt-1.3b)."""
-    import dataclasses
-
     from megazoo.plan.layout import resolve
     from megazoo.plan.published import plan_args
     from megazoo.plan.cli import plan_parser
@@ -162,11 +162,32 @@ def test_cluster_host_fields_checked(tmp_path):
     spec.write_text(base + ', "host_block_ms": 2, "host_collective_ms": -1}')
     with pytest.raises(ValueError, match="host_collective_ms must be >= 0"):
         load_cluster(str(spec))
+    spec.write_text(base + ', "host_block_ms": 2, "host_fsdp2_block_ms": -0.5}')
+    with pytest.raises(ValueError, match="host_fsdp2_block_ms must be >= 0"):
+        load_cluster(str(spec))
     spec.write_text(base + ', "overlap_hidden": 0}')
     with pytest.raises(ValueError, match=r"overlap_hidden must be in \(0, 1\]"):
         load_cluster(str(spec))
     spec.write_text(base + ', "host_block_ms": 2}')
     assert load_cluster(str(spec)).host_block_ms == 2
+
+
+def test_fsdp2_hooks_cost_host_time_per_block():
+    """`host_fsdp2_block_ms` (what FSDP2's hooks add per block, `bench/host_pace.py`'s FSDP2
+    row) is charged to FSDP2 runs only: at gpt-1.3b, micro-batch 4, where the host issues a
+    block in about the GPU's time, 2 ms more per block makes FSDP2 dp 4 host-bound and
+    slower; the plain engine's dp 4 is unchanged. (h200-measured leaves it at 0 until it is
+    measured on the GPUs' host: FSDP2 dp 4 stays outside 10% there, +20%.)"""
+    plain = GPT_13B.replace(" --use-distributed-optimizer --overlap-grad-reduce "
+                            "--overlap-param-gather", "")
+    fsdp2 = plain + " --dp 4 --zero-stage 3 --zero-impl fsdp2"
+    measured = load_cluster("h200-measured")
+    hooked = dataclasses.replace(measured, host_fsdp2_block_ms=2.0)
+    times = {(name, layout): _predict(flags, cluster, vocab=2048).tokens_per_s
+             for name, cluster in (("measured", measured), ("hooked", hooked))
+             for layout, flags in (("fsdp2", fsdp2), ("dp", GPT_13B + " --dp 4"))}
+    assert times["hooked", "fsdp2"] < 0.9 * times["measured", "fsdp2"]
+    assert times["hooked", "dp"] == times["measured", "dp"]
 
 
 def test_a_host_bound_prediction_points_at_cuda_graphs():
