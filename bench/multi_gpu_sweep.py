@@ -155,6 +155,8 @@ def parse_args(argv=None):
         cfg.gpus = cfg.gpus or torch.cuda.device_count()
     if cfg.gpus not in (2, 4):
         p.error(f"--gpus {cfg.gpus}: the sweep runs on 2 or 4 GPUs")
+    if cfg.vpp < 2:
+        p.error(f"--vpp {cfg.vpp}: the pipeline rows are interleaved, 2 or more per rank")
     cfg.log_interval = max(1, cfg.iters // 4)  # the first interval is warm-up
     cfg.timeout = cfg.timeout or (300.0 if cfg.dry_run else 420.0)
     return cfg

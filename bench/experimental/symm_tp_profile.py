@@ -17,9 +17,10 @@ the arguments after `--` (every option before it but `--symm` is profile_train's
   (bench/results/tp_exposed_comm_h200x4_2026-11-28.md: +4% at tp 2);
 - `low-contention`: the one-call paths (`gather_rows`, `matmul_reduce_scatter` at one
   chunk, and the sequence all-gather / reduce-scatter of `megazoo.layers.mappings` that the
-  fused GELU MLP and the embedding use) become `torch.ops.symm_mem._low_contention_all_gather` / `_reduce_scatter`: the
-  same transfers as NCCL's, on the copy engines instead of SMs, the reduce-scatter summing
-  on a side stream. NCCL's calls take about twice their wire time at these sizes.
+  fused GELU MLP and the embedding use) become
+  `torch.ops.symm_mem._low_contention_all_gather` / `_reduce_scatter`: the same transfers
+  as NCCL's, on the copy engines instead of SMs, the reduce-scatter summing on a side
+  stream. NCCL's calls take about twice their wire time at these sizes.
 An experiment, not a product path: the layers never call it. NVLink multicast stays off.
 """
 from __future__ import annotations

@@ -81,7 +81,8 @@ class TrainingConfig:
     """Capture each transformer block's training forward and backward as CUDA graphs at the
     first micro-batch and replay them (`megazoo.training.block_graphs`): the host issues one
     launch per block where it issued hundreds, for layouts whose GPUs wait on the host
-    (tensor and sequence parallelism). One pipeline stage, the plain engine."""
+    (tensor and sequence parallelism); under a pipeline each chunk is captured once per
+    micro-batch its schedule keeps in flight. The plain engine only."""
     ddp_bucket_size: int | None = None
     """Plain engine: elements per gradient bucket; None: max(40M, 1M x dp x sp) (Megatron's)."""
     gradient_accumulation_fusion: bool = True

@@ -42,9 +42,9 @@ def check_args(args: PretrainArgs) -> None:
 
 def check_cuda_graph(args: PretrainArgs) -> None:
     """What --enable-cuda-graph (`megazoo.training.block_graphs`) captures: the plain engine's
-    blocks, of one pipeline stage or several, without context parallelism, recompute, FP8, sparse attention,
-    key/value heads repeated over tp or the offloaded optimizer (the device is checked when
-    the run starts)."""
+    blocks, of one pipeline stage or several, without context parallelism, recompute, FP8,
+    sparse attention, key/value heads repeated over tp or the offloaded optimizer (the device
+    is checked when the run starts)."""
     p, m = args.parallel, args.model
     conflicts = [
         (args.zero.zero_impl != "none", "it runs with the plain engine: drop --deepspeed / --zero-impl"),

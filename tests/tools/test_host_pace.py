@@ -16,7 +16,7 @@ def test_cpu_rows_and_fit(tmp_path, capsys):
     assert set(saved["rows"]) == set(host_pace.LAYOUTS)
     assert all(r["ms_per_micro_batch"] > 0 for r in saved["rows"].values())
     assert saved["fit"]["host_block_ms"] > 0 and saved["fit"]["host_collective_ms"] >= 0
-    assert saved["fit"]["host_fsdp2_block_ms"] >= 0
+    assert saved["fit"]["host_fsdp2_block_ms"] > 0  # FSDP2's hooks cost host time
     assert "fit: host_block_ms" in capsys.readouterr().out
 
 
@@ -50,7 +50,8 @@ def test_fsdp2_row_runs_sharded_without_gradient_sync():
         model(ids, ids).backward()
         assert all(p.grad is not None for p in model.parameters())
     finally:
-        torch.distributed.destroy_process_group()  # the fake group: no later test sees it
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()  # no later test sees the fake group
 
 
 def test_refuses_a_split_that_does_not_divide(capsys):

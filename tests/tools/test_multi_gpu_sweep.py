@@ -25,6 +25,14 @@ def test_rows_per_machine(monkeypatch):
     assert "pp4 interleaved vpp5" not in layouts(4, 24, vpp=5)
 
 
+def test_vpp_below_two_refused(capsys):
+    from bench.multi_gpu_sweep import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "x", "--dry-run", "--vpp", "1"])
+    assert "--vpp 1" in capsys.readouterr().err
+
+
 def test_flags_of_a_pipeline_row_and_an_own_row():
     cfg = SimpleNamespace(iters=12, log_interval=3, dry_run=False, cuda_graph=False,
                           tp_comm_overlap=False)

@@ -7,7 +7,8 @@ final parameter, over 3 steps of 4 micro-batches, at one process, tp 2 + SP, Uly
 and dp 2 with the distributed optimizer and overlapped reduction (the buckets launched from
 `GradBuffer.graph_delivered`), and under pipelines (1F1B and interleaved, with tp2 + SP),
 where each chunk keeps one copy of its graphs per micro-batch in flight (`graph_slots`;
-micro-batch j replaying copy j mod n never takes a copy still in flight). The memory pools and streams are the GPU tests' part
+micro-batch j replaying copy j mod n never takes a copy still in flight). The memory pools
+and streams are the GPU tests' part
 (tests/training/test_layouts_gpu.py::test_cuda_graphs_match_eager)."""
 import pytest
 import torch
