@@ -115,6 +115,16 @@ def emulated_cuda_graphs():
         yield
 
 
+def _replays_as_scheduled(graphs, forwards: int) -> bool:
+    """Whether every copy of every chunk's graphs replayed as often as the chunk's forwards
+    k, k + n, k + 2n, ... (copy k of n) came to it, forward and backward alike."""
+    want = [[len(range(k, forwards, len(slots))) for k in range(len(slots))]
+            for slots in graphs.captured]
+    got = [[{(b.forward.replays, b.backward.replays) for b in copy} for copy in slots]
+           for slots in graphs.captured]
+    return got == [[{(n, n)} for n in chunk] for chunk in want]
+
+
 def graphed_and_eager(par, training: dict | None = None, steps: int = 3) -> dict:
     """Rank side: `steps` training steps of ddp_checks' tiny GPT at layout `par`, eagerly and
     with its blocks graphed (`block_graphs.graph_blocks`, emulated); the losses, the final
@@ -132,10 +142,7 @@ def graphed_and_eager(par, training: dict | None = None, steps: int = 3) -> dict
         with emulated_cuda_graphs():
             graphs = graph_blocks(engine.model, engine.buffers, program) if graphed else None
             losses = checks.train(engine, state, range(steps))
-            # every block's forward and backward, per micro-batch, over all the copies
-            replays = sum(g.replays for g in graphs._made) / (2 * steps * micro_batches *
-                                                             len(engine.model.layers)) \
-                if graphed else None
+            replays = _replays_as_scheduled(graphs, steps * micro_batches) if graphed else None
             if graphed:
                 graphs.release()
         params = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
