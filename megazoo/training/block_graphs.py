@@ -235,8 +235,13 @@ def graph_slots(program) -> list[int]:
 def graph_blocks(model: nn.Module, buffers, program) -> BlockGraphs:
     """Graph the blocks of `model` (one pipeline stage's TransformerModel, whose gradients
     `buffers`, the plain engine's GradBuffer, owns) for the stage's pipeline `program`."""
+    chunks = [[model.layers[str(i)] for i in chunk] for chunk in model.chunks]
+    return BlockGraphs(chunks, buffers, graph_slots(program), sends_grads=grad_senders(program))
+
+
+def grad_senders(program) -> frozenset[int]:
+    """The chunks of a stage's pipeline `program` whose input gradient is sent to another
+    stage (the first stage's first chunk hands its own to the embedding)."""
     from ..pipeline.schedules import ActionKind
 
-    chunks = [[model.layers[str(i)] for i in chunk] for chunk in model.chunks]
-    sends = frozenset(a.chunk for a in program if a.kind == ActionKind.SEND_B)
-    return BlockGraphs(chunks, buffers, graph_slots(program), sends_grads=sends)
+    return frozenset(a.chunk for a in program if a.kind == ActionKind.SEND_B)

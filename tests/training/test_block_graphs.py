@@ -18,7 +18,7 @@ from helpers.fake_graphs import graphed_and_eager
 from megazoo.parallel import ParallelConfig
 from megazoo.pipeline.schedules import Action, ActionKind, build_schedule
 from megazoo.testing import run_distributed
-from megazoo.training.block_graphs import graph_slots
+from megazoo.training.block_graphs import grad_senders, graph_slots
 
 F, B = ActionKind.F, ActionKind.B
 
@@ -76,6 +76,14 @@ def test_one_f_one_b_keeps_pp_minus_rank_in_flight():
     assert [graph_slots(p) for p in build_schedule(1, 1, 8)] == [[1]]
     assert [graph_slots(p) for p in build_schedule(4, 1, 16)] == [[4], [3], [2], [1]]
     assert [graph_slots(p) for p in build_schedule(4, 1, 2)] == [[2], [2], [2], [1]]
+
+
+def test_only_chunks_whose_input_gradient_leaves_the_stage_copy_it():
+    """Every chunk sends its input gradient to the previous stage except the first stage's
+    first chunk, whose input comes from its own embedding; one stage sends none."""
+    assert [grad_senders(p) for p in build_schedule(1, 1, 4)] == [frozenset()]
+    assert [grad_senders(p) for p in build_schedule(2, 2, 4)] == [{1}, {0, 1}]
+    assert [grad_senders(p) for p in build_schedule(4, 3, 8)] == [{1, 2}] + [{0, 1, 2}] * 3
 
 
 def test_a_program_out_of_micro_batch_order_is_refused():
