@@ -49,6 +49,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..pipeline.schedules import ActionKind
+
 WARMUP_RUNS = 2
 
 
@@ -214,8 +216,6 @@ def graph_slots(program) -> list[int]:
     the chunk at once (forward run, backward not yet). Micro-batch j takes copy j mod n of
     its chunk, which is free again when its forward starts only if the chunk's forwards and
     backwards both run in micro-batch order; a program that does not is refused."""
-    from ..pipeline.schedules import ActionKind
-
     chunks = 1 + max(a.chunk for a in program if a.kind in (ActionKind.F, ActionKind.B))
     live, peak = [0] * chunks, [1] * chunks
     order = {ActionKind.F: [[] for _ in range(chunks)], ActionKind.B: [[] for _ in range(chunks)]}
@@ -242,6 +242,4 @@ def graph_blocks(model: nn.Module, buffers, program) -> BlockGraphs:
 def grad_senders(program) -> frozenset[int]:
     """The chunks of a stage's pipeline `program` whose input gradient is sent to another
     stage (the first stage's first chunk hands its own to the embedding)."""
-    from ..pipeline.schedules import ActionKind
-
     return frozenset(a.chunk for a in program if a.kind == ActionKind.SEND_B)

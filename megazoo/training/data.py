@@ -74,6 +74,10 @@ class TrainData:
     device: torch.device = torch.device("cpu")
     """Where the micro-batches go (the model's device)."""
 
+    def micro_batches(self, state: ParallelState) -> int:
+        """How many micro-batches a global batch gives this rank (`_batch`'s cut)."""
+        return self.global_batch_size // state.dp.size // self.micro_batch_size
+
     def _batch(self, dataset, start: int, state: ParallelState) -> list[dict]:
         per_rank = self.global_batch_size // state.dp.size
         first = start + state.dp.rank * per_rank

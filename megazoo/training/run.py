@@ -107,9 +107,8 @@ def setup(args: PretrainArgs, print_fn=print) -> Run:
     engine = build_engine(args, model, state)
     graphs = None
     if args.training.enable_cuda_graph:
-        micro_batches = args.training.global_batch_size // state.dp.size // \
-            args.training.micro_batch_size
-        program = build_schedule(state.pp.size, len(model.chunks), micro_batches)[state.pp.rank]
+        program = build_schedule(state.pp.size, len(model.chunks),
+                                 data.micro_batches(state))[state.pp.rank]
         graphs = graph_blocks(model, engine.buffers, program)
     advice = host_thread_advice(engine.cpu_offload, torch.get_num_threads(), os.cpu_count() or 1,
                                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
