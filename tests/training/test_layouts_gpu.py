@@ -123,14 +123,20 @@ GRAPHED = {  # name: (GPUs, flags) run eagerly and with --enable-cuda-graph
     "tp2-sp-overlap": (2, tp(2) + SP + DISTOPT + ["--tp-comm-overlap"]),
     "ulysses-sp2": (2, ["--ds-sequence-parallel-size", "2"] + DISTOPT),
     "tp2xdp2-sp": (4, tp(2) + SP + DISTOPT),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"] + DISTOPT),
     "pp2-interleaved": (2, PP2_INTERLEAVED + DISTOPT),
     "tp2xpp2-sp": (4, tp(2) + SP + PP2_INTERLEAVED + DISTOPT),
 }
-GRAPH_RTOL = 2e-3
+GRAPH_RTOL = 5e-3
 """A replayed graph runs the eager run's kernels in the eager order on the same values (the
 fused weight gradients add to a zeroed buffer where eager overwrites: 0 + g is g), so the
 two differ only by the GPU's run-to-run rounding (atomics in the embedding and attention
-backward): 0.03% between two eager one-GPU runs here."""
+backward), which Adam carries into the later steps. Measured on two H200s at pp 2
+interleaved: two eager runs differ by up to 0.05% (step 5's gradient norm), graphed against
+eager by up to 0.12% at plain pp 2 (the same norm); 2e-3 failed once at pp 2 interleaved in
+a run whose figures were not kept, and three graphed runs against two eager ones then agreed
+within 0.07%. 5e-3 is 4x the largest spread seen; a wrong or stale buffer in a replay (the
+errors this test is for) feeds a micro-batch another one's activations or gradients."""
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.gpu(count=g), id=n)
