@@ -1,4 +1,4 @@
-"""A tensor-parallel block's GEMMs with their Megatron-SP collectives, three ways, per GEMM.
+"""A tensor-parallel block's GEMMs with their Megatron-SP collectives, per GEMM and path.
 
     torchrun --nproc-per-node 2 -m bench.async_tp_probe --out $OUT/async_tp.json   # 2 or 4 GPUs
     python -m bench.async_tp_probe --dry-run                                     # CPU, gloo
@@ -10,15 +10,11 @@ with its input all-gathered first (QKV [T, h] x [h, 3h/t], MLP in [T, h] x [h, f
 each row GEMM with its output reduce-scattered after (attention out [T, h/t] x [h/t, h],
 MLP out [T, f/t] x [f/t, h]):
 - `gemm`: the GEMM alone, the floor;
-- `nccl`: the collective then the GEMM, what megazoo runs (`layers.tp_overlap`, one chunk);
-- `nccl_chunked2` / `nccl_chunked`: megazoo's --tp-comm-overlap path in 2 / 4 chunks, NCCL on
-  its own stream;
-- `symm_mem`: torch's async-TP ops (`torch.ops.symm_mem.fused_all_gather_matmul` /
-  `fused_matmul_reduce_scatter`), whose transfers are copy-engine P2P writes over
-  symmetric memory, consumed chunk by chunk by the GEMM (NVLink multicast stays off).
-- `low_contention`: the collective on torch's copy-engine path
-  (`torch.ops.symm_mem._low_contention_all_gather` / `_reduce_scatter`: peer copies, no SMs
-  but the reduce-scatter's sum) then the GEMM, unchunked: NCCL's transfer, off the SMs;
+- `nccl`: the collective then the GEMM, megazoo's path without --tp-comm-overlap
+  (`layers.tp_overlap`, one call);
+- `overlap`: megazoo's --tp-comm-overlap path: on CUDA over NCCL torch's fused
+  symmetric-memory ops (`layers.symm_tp`: copy-engine transfers beside the GEMM, NVLink
+  multicast off), on gloo the 4-chunk pipeline;
 - `beside` (row GEMMs): the GEMM and an independent reduce-scatter of its output's size on a
   second stream, issued together: near the longer of the two where they overlap, near
   their sum where NCCL's kernels wait for the SMs the GEMM holds (the planner's
@@ -82,19 +78,6 @@ def _scattered(a: torch.Tensor, b: torch.Tensor, group, k: int) -> torch.Tensor:
     return y_shard
 
 
-def _symm_mem(column: bool, a: torch.Tensor, b: torch.Tensor, group):
-    """The async-TP op of this GEMM, or None where torch has none here (CPU)."""
-    if a.device.type != "cuda":
-        return None
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-    enable_symm_mem_for_group(group.group_name)
-    if column:
-        return lambda: torch.ops.symm_mem.fused_all_gather_matmul(
-            a, [b], 0, group.group_name, return_A=False)[1][0]
-    return lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group.group_name)
-
-
 def _beside(a: torch.Tensor, b: torch.Tensor, group):
     """a @ b and an independent reduce-scatter of a tensor of its output's size on a side
     stream, both issued at once; returns the GEMM's result."""
@@ -114,18 +97,6 @@ def _beside(a: torch.Tensor, b: torch.Tensor, group):
         torch.cuda.current_stream().wait_stream(side)
         return y
     return run
-
-
-def _low_contention(column: bool, a: torch.Tensor, b: torch.Tensor, group):
-    """The GEMM with its collective on torch's copy-engine path, or None off CUDA."""
-    if a.device.type != "cuda":
-        return None
-    import torch.distributed._symmetric_memory  # noqa: F401 (registers torch.ops.symm_mem)
-
-    ops, wait = torch.ops.symm_mem, torch.ops._c10d_functional.wait_tensor
-    if column:
-        return lambda: wait(ops._low_contention_all_gather(a, group.group_name)) @ b
-    return lambda: wait(ops._low_contention_reduce_scatter(a @ b, "sum", group.group_name))
 
 
 def probe(tokens: int, hidden: int, ffn: int, iters: int) -> list[dict]:
@@ -151,17 +122,11 @@ def probe(tokens: int, hidden: int, ffn: int, iters: int) -> list[dict]:
             full = torch.cat([a] * t)
             variants = {"gemm": lambda: full @ b,
                         "nccl": lambda: gather_matmul(a, b, group, 1)[1],
-                        "nccl_chunked2": lambda: gather_matmul(a, b, group, 2)[1],
-                        "nccl_chunked": lambda: gather_matmul(a, b, group, TP_COMM_CHUNKS)[1]}
+                        "overlap": lambda: gather_matmul(a, b, group, TP_COMM_CHUNKS)[1]}
         else:
             variants = {"gemm": lambda: a @ b,
                         "nccl": lambda: _scattered(a, b, group, 1),
-                        "nccl_chunked2": lambda: _scattered(a, b, group, 2),
-                        "nccl_chunked": lambda: _scattered(a, b, group, TP_COMM_CHUNKS)}
-        for variant, make in (("symm_mem", _symm_mem), ("low_contention", _low_contention)):
-            fn = make(column, a, b, group)
-            if fn is not None:
-                variants[variant] = fn
+                        "overlap": lambda: _scattered(a, b, group, TP_COMM_CHUNKS)}
         if not column:
             variants["beside"] = _beside(a, b, group)
         want, product = variants["nccl"]().float(), variants["gemm"]().float()

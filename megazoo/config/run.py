@@ -72,11 +72,12 @@ class TrainingConfig:
     """With --use-distributed-optimizer: all-gather the updated parameters asynchronously,
     each bucket waited for by the first module of the next forward that uses it."""
     tp_comm_overlap: bool = False
-    """Model-parallel communication overlapped with the GEMMs beside it, in up to 4 chunks:
-    tensor parallelism with --sequence-parallel cuts each all-gather + column-parallel GEMM
-    and row-parallel GEMM + reduce-scatter along the sequence (`megazoo.layers.tp_overlap`);
-    Ulysses cuts its all-to-alls by kv groups inside the QKV and output projections
-    (`megazoo.layers.ulysses_overlap`). Off: one collective per GEMM, through the same code."""
+    """Model-parallel communication overlapped with the GEMMs beside it: tensor parallelism
+    with --sequence-parallel fuses each all-gather + column-parallel GEMM and row-parallel
+    GEMM + reduce-scatter, on GPUs through torch's symmetric-memory ops (copy-engine
+    transfers, `megazoo.layers.symm_tp`), elsewhere in up to 4 chunks along the sequence
+    (`megazoo.layers.tp_overlap`); Ulysses cuts its all-to-alls by kv groups inside the QKV
+    and output projections (`megazoo.layers.ulysses_overlap`). Off: one collective per GEMM."""
     enable_cuda_graph: bool = False
     """Capture each transformer block's training forward and backward as CUDA graphs at the
     first micro-batch and replay them (`megazoo.training.block_graphs`): the host issues one

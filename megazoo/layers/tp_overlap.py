@@ -11,8 +11,9 @@ sequence shard is cut into k chunks and `chunk_pipeline` runs
 
 so the all-gather of chunk i+1 travels while chunk i multiplies, and the reduce-scatter of
 chunk i while chunk i+1 multiplies (the idea of Megatron-core's `--tp-comm-overlap` and
-torchtitan's async TP). The collectives are plain asynchronous NCCL (gloo on CPU) calls on
-their own stream: no symmetric memory, no NVLink multicast. `work.wait()` orders the
+torchtitan's async TP). The collectives are plain asynchronous gloo or NCCL calls on their
+own stream, no NVLink multicast. On CUDA with NCCL the chunked GEMMs go to `symm_tp`
+instead, torch's fused ops that move the shards with the copy engines. `work.wait()` orders the
 compute stream after a transfer without a host sync. With k = 1 (the plain path of
 `ColumnParallelLinear` / `RowParallelLinear` under sequence parallelism, which always runs
 through here) each GEMM is one collective and one GEMM, issued directly, the bias in the
@@ -43,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..parallel.collectives import all_gather_flat, reduce_scatter_flat
+from . import symm_tp
 from .groups import Group, group_size, process_group
 from .wgrad import weight_grad
 
@@ -123,6 +125,8 @@ def gather_rows(x_shard: torch.Tensor, group: Group, k: int) -> torch.Tensor:
 def gather_matmul(x_shard: torch.Tensor, b: torch.Tensor, group: Group, k: int):
     """x_shard [S, *mid, K] all-gathered along rows (k chunks) and multiplied as it arrives:
     (x_full [tp S, *mid, K], x_full @ b [tp S, *mid, N]) for b [K, N]."""
+    if k > 1 and symm_tp.usable(x_shard, group):
+        return symm_tp.gather_matmul(x_shard, b, group)
     x_full = gather_rows(x_shard, group, k)
     if k == 1:
         return x_full, torch.matmul(x_full, b)
@@ -145,6 +149,8 @@ def gather_matmul(x_shard: torch.Tensor, b: torch.Tensor, group: Group, k: int):
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Group, k: int):
     """(a @ b) reduce-scattered along rows, chunk by chunk as it is computed: a [s, *mid, K],
     b [K, N] -> (y_shard [s/tp, *mid, N], the reduce-scatters in flight: wait before use)."""
+    if k > 1 and symm_tp.usable(a, group):
+        return symm_tp.matmul_reduce_scatter(a, b, group), InFlight()
     tp, pg = group_size(group), process_group(group)
     a = a.contiguous()
     S = a.shape[0] // tp

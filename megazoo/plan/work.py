@@ -29,16 +29,16 @@ per GPU T = s b / u; h width, f MLP width, kv = key/value heads x head dim):
   (2 reduce-scatters, 2 all-gathers: the layers keep the gathered input for the weight
   gradient, so nothing is re-gathered); Ulysses: the q/k/v and output all-to-alls forward
   and backward, (u - 1) / u x bytes. The counts are `plan.collectives.layer_collectives`,
-  which tests check against what the layers issue. Overlapped (`overlap`, the idea of Megatron-core's
-  --tp-comm-overlap: each collective chunked beside the GEMM it feeds or drains), a
-  direction exposes what its GEMMs cannot hide, and at least one chunk of t.
+  which tests check against what the layers issue. Overlapped (`overlap`, --tp-comm-overlap,
+  which on GPUs runs torch's fused symmetric-memory ops, `layers.symm_tp`: each collective cut
+  into one piece per rank, moved beside the GEMM it feeds or drains), a direction exposes
+  what its GEMMs cannot hide, and at least one piece of t; each piece is a call.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..config.model import ModelConfig
-from ..layers.tp_overlap import TP_COMM_CHUNKS
 from .calibration import KernelRates
 from .clusters import Cluster
 from .collectives import layer_collectives
@@ -137,8 +137,9 @@ def block_host(config: ModelConfig, layout: Resolved, cluster: Cluster,
 
 def _block_collectives(config: ModelConfig, layout: Resolved, overlap: bool = False):
     """`layer_collectives` of one block in this layout (a cp rank's share of the sequence);
-    `overlap`: --tp-comm-overlap's chunks under tp, each a call."""
-    chunks = TP_COMM_CHUNKS if overlap and layout.tp > 1 else 1
+    `overlap`: --tp-comm-overlap's pieces under tp (the fused ops cut each collective into
+    one per rank), each a call."""
+    chunks = layout.tp if overlap and layout.tp > 1 else 1
     return layer_collectives(config, tp=layout.tp, sp=layout.sp,
                              megatron_sp=layout.megatron_sp_on,
                              micro_batch=layout.micro_batch_size,

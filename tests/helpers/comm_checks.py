@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megazoo.layers import ColumnParallelLinear, RowParallelLinear
+from megazoo.layers import ColumnParallelLinear, RowParallelLinear, symm_tp
 from megazoo.layers.linear import set_tp_comm_overlap
 from megazoo.layers.parallel_attention import set_ulysses_overlap
 from megazoo.models import ModelConfig, build_model
@@ -52,6 +52,8 @@ def check_chunked_linears(device: str = "cpu") -> int:
     (NCCL) the GEMM library may pick another kernel for fewer rows: REF tolerance there."""
     state = ParallelState.initialize(ParallelConfig(tp=dist.get_world_size(), sequence_parallel=True))
     x_full, g = _data(S, B, H, seed=1).to(device), _data(S, B, H, seed=2).to(device)
+    # on CUDA over NCCL the chunked GEMMs are the fused symmetric-memory ops: checked here
+    assert symm_tp.usable(x_full, state.tp.group) == (device == "cuda")
     plain = _run_pair(state, 1, x_full, g)
     for k in (2, 4):
         for got, want in zip(_run_pair(state, k, x_full, g), plain):

@@ -3,8 +3,10 @@
 loop's order and the row blocks without processes. Tolerances: tests/helpers/comm_checks.py.
 """
 import pytest
+import torch
 
 from helpers import comm_checks
+from megazoo.layers import symm_tp
 from megazoo.layers.tp_overlap import chunk_pipeline, chunk_rows, usable_chunks
 from megazoo.testing import run_distributed
 
@@ -13,7 +15,7 @@ def test_chunked_linears_match_unchunked_and_one_process():
     assert run_distributed(comm_checks.check_chunked_linears, 2, timeout=300) == [6, 6]
 
 
-# On 2 GPUs over NCCL: the asynchronous collectives on NCCL's stream, the case the overlap is for.
+# On 2 GPUs over NCCL: the CUDA path, torch's fused symmetric-memory ops (`symm_tp`).
 @pytest.mark.gpu(count=2)
 def test_chunked_linears_match_on_nccl():
     results = run_distributed(comm_checks.check_chunked_linears, 2, "cuda", timeout=300,
@@ -54,3 +56,10 @@ def test_pipeline_starts_the_next_transfer_before_computing():
                    "wait fetch 1", "compute 1", "send 1"]
     sent.wait()
     assert log[-2:] == ["wait send 0", "wait send 1"]
+
+
+def test_cpu_tensors_keep_the_chunked_path():
+    """The fused copy-engine ops (`symm_tp`) stand in for the chunked path on CUDA over NCCL
+    only: a CPU tensor takes the chunked path the tests above check, before any group is
+    looked at."""
+    assert not symm_tp.usable(torch.zeros(2), None)

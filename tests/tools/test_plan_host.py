@@ -60,7 +60,7 @@ GRAPHS = " --enable-cuda-graph"
     ("--tp 4" + SP + GRAPHS, 142385),
     ("--ds-sequence-parallel-size 2" + GRAPHS, 105516),
     ("--ds-sequence-parallel-size 4" + GRAPHS, 166700),
-    ("--tp 2" + SP + GRAPHS + " --tp-comm-overlap", 88265),
+    ("--tp 2" + SP + GRAPHS + " --tp-comm-overlap", 105218),  # the fused ops
     ("--tp 2 --pp 2 --num-layers-per-virtual-pipeline-stage 6" + SP + GRAPHS, 193816),
     ("--pp 4 --num-layers-per-virtual-pipeline-stage 3" + GRAPHS, 245086),
     ("--pp 4 --num-layers-per-virtual-pipeline-stage 1" + GRAPHS, 245764),
@@ -69,8 +69,10 @@ def test_graphed_rows_within_ten_percent(layout, measured):
     """With --enable-cuda-graph the blocks replay and the host no longer sets the pace: the
     rows are the GPU's work plus the collectives, none hidden, each at the bus bandwidth plus
     `collective_latency_us` (45 µs on h200-measured, from the all-gather / reduce-scatter
-    probe), so the chunked overlap's 4x calls make tp 2 slower, as measured
-    (bench/results/cuda_graphs_h200_2026-11-28.md). The pipeline rows replay each chunk's
+    probe). --tp-comm-overlap runs torch's fused symmetric-memory ops on GPUs: one piece of
+    each collective per rank beside the GEMMs, at least one of them exposed
+    (bench/results/tp_fused_ops_h200x2_2026-11-29.md; the NCCL chunks it replaced, 4 calls
+    per collective, made tp 2 slower: bench/results/cuda_graphs_h200_2026-11-28.md). The pipeline rows replay each chunk's
     graphs (bench/results/pipeline_graphs_h200x4_2026-11-28.md); at one layer per virtual
     stage the model's smaller bubble is offset on the machine by 3x the stage transfers,
     which it charges on the pipeline's path only, not beside the compute (+8%)."""
@@ -88,6 +90,7 @@ LLAMA_8B = ("--family llama --num-layers 8 --hidden-size 4096 --num-attention-he
 @pytest.mark.parametrize("layout, measured", [
     (GRAPHS, 50934),  # one GPU
     ("--tp 2" + SP + GRAPHS, 86016),
+    ("--tp 2" + SP + GRAPHS + " --tp-comm-overlap", 88720),  # the fused ops
     ("--tp 4" + SP + GRAPHS, 141865),
     ("--tp 2 --dp 2" + SP + GRAPHS, 167815),
     ("--ds-sequence-parallel-size 2" + GRAPHS, 85674),
@@ -145,8 +148,9 @@ def test_tp_and_ulysses_are_host_bound_and_dp_is_not():
 
 
 def test_more_collective_calls_cost_host_time():
-    """--tp-comm-overlap issues each tp collective in chunks: more calls, each with its host
-    cost, so a host-bound layout gets slower with it, as measured (0.56x at tp 2)."""
+    """--tp-comm-overlap issues each tp collective in pieces: more calls, each with its host
+    cost, so a host-bound layout gets slower with it (measured 0.56x at tp 2 when the
+    pieces were 4 NCCL calls; on the fused ops eagerly not measured yet)."""
     plain = predict("--tp 2" + SP).step_s
     chunked = _predict(GPT_13B + " --tp 2" + SP + " --tp-comm-overlap", "h200-measured",
                        vocab=2048).step_s
