@@ -212,6 +212,17 @@ def _training(ds: dict, training, dp: int, source: str) -> None:
         fp16.setdefault("min_loss_scale", training.min_loss_scale)
 
 
+def _grad_accumulation(ds: dict, training) -> None:
+    """bf16 ZeRO-3 sums each micro-batch's gradient into fp32 partitions, as the plain
+    engine's main gradients do (DeepSpeed's default there is the model's dtype: 8 bf16 sums
+    of a LLaMA-8B-like step round each gradient 8 times); --accumulate-grads-in-bf16 keeps
+    bf16, and the JSON's data_types.grad_accum_dtype wins. Stages 1-2 are left as DeepSpeed
+    has them (at stage 1 fp32 accumulation swaps in another optimizer wrapper)."""
+    if training.bf16 and ds["zero_optimization"].get("stage") == 3:
+        accumulate = "bf16" if training.accumulate_grads_in_bf16 else "fp32"
+        ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", accumulate)
+
+
 def check_json_training_keys(args, dp: int) -> None:
     """For the plain and fsdp2 engines, which read --deepspeed_config's batches, clipping and
     precision: the JSON must agree with the run as `build_ds_config` requires (same message)."""
@@ -229,6 +240,7 @@ def build_ds_config(args, dp: int) -> dict:
     _zero_flags(ds, args.zero, source)
     fill_zero(ds["zero_optimization"], args.model)  # ZeRO-3's tuning where the JSON is silent
     _training(ds, args.training, dp, source)
+    _grad_accumulation(ds, args.training)
     comm = getattr(getattr(args, "compression", None), "communication_data_type", None)
     merge_flags(ds, {} if comm is None else {COMM_KEY.field: comm}, [COMM_KEY], source)
     for key in ("optimizer", "scheduler"):

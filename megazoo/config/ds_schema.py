@@ -70,6 +70,7 @@ SCHEMA: dict[str, tuple[str, ...]] = {
     "aio": (OBJECT,), **{f"aio.{k}": v for k, v in _AIO.items()},
     "optimizer": (OBJECT,), "optimizer.type": (TEXT,), "optimizer.params": (OBJECT,),
     "scheduler": (OBJECT,), "sparse_attention": (OBJECT,),
+    "data_types": (OBJECT,), "data_types.grad_accum_dtype": (TEXT,),
 }
 
 

@@ -46,12 +46,12 @@ def make_args(par: ParallelConfig, dp: int, num_layers: int = 2, **zero) -> Pret
                         zero=ZeroConfig(**zero))
 
 
-def batches(step: int, state: ParallelState) -> list[dict]:
+def batches(step: int, state: ParallelState, micro_batches: int = M) -> list[dict]:
     """The micro-batches of data-parallel rank `state.dp.rank` for optimizer step `step`
     (two alternating batches per rank, so the loss falls visibly within a few steps)."""
     g = torch.Generator().manual_seed(1000 * (step % 2) + state.dp.rank)
     out = []
-    for _ in range(M):
+    for _ in range(micro_batches):
         ids = torch.randint(0, VOCAB, (B, S), generator=g)
         out.append({"input_ids": ids, "labels": ids})
     return out
@@ -61,10 +61,10 @@ def state_for(par: ParallelConfig) -> ParallelState:
     return ParallelState.initialize(par)
 
 
-def train(engine, state, steps: range) -> list[tuple[float, float]]:
+def train(engine, state, steps: range, micro_batches: int = M) -> list[tuple[float, float]]:
     out = []
     for step in steps:
-        r = engine.train_step(batches(step, state))
+        r = engine.train_step(batches(step, state, micro_batches))
         out.append((r.loss, r.grad_norm))
     return out
 
@@ -214,4 +214,25 @@ def fsdp_collective_inputs(path: str) -> dict:
                 fresh.load(path)
                 fresh.train_step(data[3])
         out[name] = (seen.collectives, seen.violations)
+    return out
+
+
+def bf16_zero3_accumulation(steps: int = 3) -> dict:
+    """bf16 at dp 2, 4 micro-batches per step: the plain engine (fp32 main gradients) and
+    DeepSpeed ZeRO-3, and the dtype ZeRO-3 sums micro-batch gradients in."""
+    from megazoo.training.backends.deepspeed_zero import DeepSpeedEngine
+    from megazoo.training.backends.plain import PlainEngine
+
+    par, state = ParallelConfig(), state_for(ParallelConfig())
+    out = {}
+    for name in ("plain", "zero3"):
+        args = make_args(par, state.dp.size, **({"deepspeed": True, "zero_stage": 3}
+                                                if name == "zero3" else {}))
+        args.training = dataclasses.replace(args.training, bf16=True,
+                                            global_batch_size=B * 4 * state.dp.size)
+        model = build_model(args.model, state, device="cpu", seed=args.training.seed)
+        engine = (DeepSpeedEngine if name == "zero3" else PlainEngine)(model, state, args)
+        out[name] = train(engine, state, range(steps), micro_batches=4)
+        if name == "zero3":
+            out["accumulation_dtype"] = str(engine.ds.optimizer.gradient_accumulation_dtype)
     return out

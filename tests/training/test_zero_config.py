@@ -248,3 +248,22 @@ def test_zero3_gets_a_users_tuning_scaled_to_the_model(tmp_path):
     assert build_ds_config(args(zero_stage=2), dp=2)["zero_optimization"] == {"stage": 2}
     stage2 = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
     assert build_ds_config(args(tmp_path, stage2), dp=2)["zero_optimization"] == {"stage": 2}
+
+
+def test_bf16_zero3_accumulates_gradients_in_fp32(tmp_path):
+    """bf16 ZeRO-3 sums micro-batch gradients in fp32 like the plain engine's main gradients;
+    --accumulate-grads-in-bf16 keeps bf16; the JSON's own data_types win; fp32 runs and
+    stages 1-2 get no data_types section."""
+    def built(ds=None, **training):
+        cfg = TrainingConfig(micro_batch_size=4, global_batch_size=32, **training)
+        a = args(tmp_path, ds, training=cfg, zero_stage=3 if ds is None else None)
+        return build_ds_config(a, dp=2)
+
+    assert built(bf16=True)["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert built(bf16=True, accumulate_grads_in_bf16=True)["data_types"] == \
+        {"grad_accum_dtype": "bf16"}
+    user = {"zero_optimization": {"stage": 3}, "data_types": {"grad_accum_dtype": "bf16"}}
+    assert built(user, bf16=True)["data_types"] == {"grad_accum_dtype": "bf16"}
+    assert "data_types" not in built()
+    stage2 = {"zero_optimization": {"stage": 2}}
+    assert "data_types" not in built(stage2, bf16=True)
