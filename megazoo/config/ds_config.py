@@ -213,14 +213,18 @@ def _training(ds: dict, training, dp: int, source: str) -> None:
 
 
 def _grad_accumulation(ds: dict, training) -> None:
-    """bf16 ZeRO-3 sums each micro-batch's gradient into fp32 partitions, as the plain
-    engine's main gradients do (DeepSpeed's default there is the model's dtype: 8 bf16 sums
-    of a LLaMA-8B-like step round each gradient 8 times); --accumulate-grads-in-bf16 keeps
-    bf16, and the JSON's data_types.grad_accum_dtype wins. Stages 1-2 are left as DeepSpeed
-    has them (at stage 1 fp32 accumulation swaps in another optimizer wrapper)."""
-    if training.bf16 and ds["zero_optimization"].get("stage") == 3:
-        accumulate = "bf16" if training.accumulate_grads_in_bf16 else "fp32"
-        ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", accumulate)
+    """bf16 ZeRO-3 that accumulates micro-batches on the GPU sums their gradients into fp32
+    partitions, as the plain engine's main gradients are (DeepSpeed's default there is the
+    model's dtype: the 8 micro-batches of a LLaMA-8B-like step at dp 4 round each gradient
+    8 times); the JSON's data_types.grad_accum_dtype wins ("bf16" keeps DeepSpeed's). Left as
+    DeepSpeed has them: one micro-batch per step (nothing is summed), an offloaded optimizer
+    (the partitions live in pinned host memory, which fp32 would double), stages 1-2 (at
+    stage 1 fp32 accumulation swaps in another optimizer wrapper)."""
+    zo = ds["zero_optimization"]
+    offloaded = (zo.get("offload_optimizer") or {}).get("device") not in (None, "none")
+    if training.bf16 and zo.get("stage") == 3 and not offloaded and \
+            ds.get("gradient_accumulation_steps", 1) > 1:
+        ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
 
 
 def check_json_training_keys(args, dp: int) -> None:

@@ -103,6 +103,9 @@ class Resolved:
     """Plain engine: topk / 1bit / 2bit (its error-feedback residuals take memory)."""
     grads_bf16: bool = False
     """Plain engine: bf16 main gradients (--accumulate-grads-in-bf16)."""
+    ds_fp32_grads: bool = False
+    """DeepSpeed: its config sums the gradients in fp32 (data_types.grad_accum_dtype, set
+    for bf16 ZeRO-3 by `config.ds_config`)."""
     saves: bool = False
     """--save is set: the run writes checkpoints (the offload gathers its state to save it)."""
     bucket_elements: int = 40_000_000
@@ -147,22 +150,24 @@ class Resolved:
         return self.megatron_sp and self.tp > 1
 
 
-def _zero(args: PretrainArgs, dp: int) -> tuple[int, str, float, str]:
-    """(stage, optimizer offload, offloaded ratio, parameter offload) the engine will use;
-    the plain engine's optimizer offload: --optimizer-cpu-offload, its fraction."""
+def _zero(args: PretrainArgs, dp: int) -> tuple[int, str, float, str, bool]:
+    """(stage, optimizer offload, offloaded ratio, parameter offload, DeepSpeed sums the
+    gradients in fp32) the engine will use; the plain engine's optimizer offload:
+    --optimizer-cpu-offload, its fraction."""
     zero = args.zero
     if zero.zero_impl == "deepspeed":
         ds = build_ds_config(args, dp)
         section = ds.get("zero_optimization", {}).get("offload_optimizer") or {}
+        fp32 = ds.get("data_types", {}).get("grad_accum_dtype") in ("fp32", "float32")
         result = (zero_stage(ds), offload_device(ds), float(section.get("ratio", 1.0)),
-                  offload_device(ds, "offload_param"))
+                  offload_device(ds, "offload_param"), fp32)
     elif zero.zero_impl == "fsdp2":  # CPUOffloadPolicy moves parameters and optimizer together
         cpu = "cpu" if "cpu" in (zero.offload_optimizer, zero.offload_param) else "none"
-        result = (3, cpu, 1.0, cpu)
+        result = (3, cpu, 1.0, cpu, False)
     else:
         t = args.training
         result = (0, "cpu" if t.optimizer_cpu_offload else "none",
-                  t.optimizer_offload_fraction if t.optimizer_cpu_offload else 1.0, "none")
+                  t.optimizer_offload_fraction if t.optimizer_cpu_offload else 1.0, "none", False)
     if "nvme" in (result[1], result[3]):
         raise ValueError("the planner models cpu offload only: plan an nvme layout with "
                          "--offload-optimizer cpu / --offload-param cpu (the GPU side is the same)")
@@ -174,7 +179,7 @@ def resolve(args: PretrainArgs, options: PlanOptions | None = None) -> Resolved:
     check_args(args)
     par, t = args.parallel, args.training
     dp = par.dp or 1
-    stage, offload_optimizer, ratio, offload_param = _zero(args, dp)
+    stage, offload_optimizer, ratio, offload_param, ds_fp32_grads = _zero(args, dp)
     return Resolved(
         tp=par.tp, sp=par.sp, pp=par.pp, vpp=par.vpp, dp=dp,
         micro_batch_size=t.micro_batch_size, seq_length=args.data.seq_length,
@@ -191,7 +196,8 @@ def resolve(args: PretrainArgs, options: PlanOptions | None = None) -> Resolved:
         options=options or PlanOptions(), low_precision=t.bf16 or t.fp16,
         distributed_optimizer=t.use_distributed_optimizer,
         gradient_compression=args.compression.algorithm,
-        grads_bf16=t.accumulate_grads_in_bf16, saves=bool(args.checkpoint.save),
+        grads_bf16=t.accumulate_grads_in_bf16, ds_fp32_grads=ds_fp32_grads,
+        saves=bool(args.checkpoint.save),
         bucket_elements=t.bucket_elements(dp * par.sp * par.cp), cp=par.cp,
         reduce_bytes=2 if args.compression.communication_data_type in ("bf16", "fp16") else 4,
         fsdp_reduce_every_microbatch=args.zero.fsdp_reduce_every_microbatch)

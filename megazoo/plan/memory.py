@@ -114,7 +114,8 @@ def _estimate(config: ModelConfig, layout: Resolved, n_gpu: int | None = None,
     and `act` (activation bytes) given: of the pipeline stage they describe."""
     counts = stage_parameters(config, layout.tp, layout.pp)
     n_gpu = counts["stage"] if n_gpu is None else n_gpu
-    grad_b = 4 if (layout.options.fp32_grad_accumulation or not layout.low_precision) else 2
+    fp32_grads = layout.options.fp32_grad_accumulation or layout.ds_fp32_grads
+    grad_b = 4 if (fp32_grads or not layout.low_precision) else 2
     unit = max(counts["block"], counts["embedding"], counts["head"])  # the largest unit
     if layout.plain_engine:
         parts = plain_parts(config, layout, n_gpu, unit)

@@ -251,19 +251,19 @@ def test_zero3_gets_a_users_tuning_scaled_to_the_model(tmp_path):
 
 
 def test_bf16_zero3_accumulates_gradients_in_fp32(tmp_path):
-    """bf16 ZeRO-3 sums micro-batch gradients in fp32 like the plain engine's main gradients;
-    --accumulate-grads-in-bf16 keeps bf16; the JSON's own data_types win; fp32 runs and
-    stages 1-2 get no data_types section."""
-    def built(ds=None, **training):
-        cfg = TrainingConfig(micro_batch_size=4, global_batch_size=32, **training)
+    """bf16 ZeRO-3 with several micro-batches per step sums their gradients in fp32 like the
+    plain engine's main gradients; the JSON's own data_types win; fp32 runs, one micro-batch
+    per step, an offloaded optimizer and stages 1-2 get no data_types section."""
+    def built(ds=None, micro=4, **training):
+        cfg = TrainingConfig(micro_batch_size=micro, global_batch_size=32, **training)
         a = args(tmp_path, ds, training=cfg, zero_stage=3 if ds is None else None)
         return build_ds_config(a, dp=2)
 
     assert built(bf16=True)["data_types"] == {"grad_accum_dtype": "fp32"}
-    assert built(bf16=True, accumulate_grads_in_bf16=True)["data_types"] == \
-        {"grad_accum_dtype": "bf16"}
     user = {"zero_optimization": {"stage": 3}, "data_types": {"grad_accum_dtype": "bf16"}}
     assert built(user, bf16=True)["data_types"] == {"grad_accum_dtype": "bf16"}
     assert "data_types" not in built()
-    stage2 = {"zero_optimization": {"stage": 2}}
-    assert "data_types" not in built(stage2, bf16=True)
+    assert "data_types" not in built(micro=16, bf16=True)  # one micro-batch per step
+    offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    assert "data_types" not in built(offload, bf16=True)
+    assert "data_types" not in built({"zero_optimization": {"stage": 2}}, bf16=True)
