@@ -10,8 +10,10 @@ it in which a kernel ran (the sum over kernels; operators repeat their kernels' 
 
 Under torchrun every rank profiles its own steps and rank 0 prints and writes its own. Exposed
 communication per step: the time in which a collective ran and no compute did, from the
-recorded intervals. On GPUs a collective is a kernel whose name holds "nccl" and compute is
-every other kernel (copies included), so it is the NCCL time no other kernel hides. On CPU
+recorded intervals. On GPUs communication is a kernel whose name holds "nccl" or "c10d::"
+(symmetric memory's barriers) and a peer-to-peer copy (the copy engines' transfers under
+--tp-comm-overlap's fused ops); compute is every other kernel and copy, so it is the
+communication time no other kernel hides. On CPU
 (gloo) there are no kernels; the proxy is the collective's host-side events (names holding
 "gloo", "nccl" or "c10d::") against the `aten::` operators: rough, it only checks the path.
 """
@@ -25,7 +27,7 @@ import time
 
 import torch
 
-COMM_MARKS = ("nccl", "gloo", "c10d::")
+COMM_MARKS = ("nccl", "gloo", "c10d::", "memcpy ptop")
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -146,7 +148,8 @@ def report(prof, wall_s: float, steps: int, rows: int) -> dict:
     comm_us, exposed_us = exposed_communication(prof.events(), on_gpu)
     summary = {"step_ms": step_ms, "busy_ms": busy_us / 1e3 / steps,
                "comm_ms": comm_us / 1e3 / steps, "exposed_comm_ms": exposed_us / 1e3 / steps,
-               "proxy": "nccl kernels vs other kernels" if on_gpu else "gloo host events vs aten ops",
+               "proxy": ("nccl, barrier kernels and peer copies vs other kernels" if on_gpu
+                         else "gloo host events vs aten ops"),
                "world": int(os.environ.get("WORLD_SIZE", "1"))}
     print(f"step {step_ms:.1f} ms; device busy {summary['busy_ms']:.1f} ms per step "
           f"({100 * summary['busy_ms'] / step_ms:.0f}%); communication {summary['comm_ms']:.1f} ms, "

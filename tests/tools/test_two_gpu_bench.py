@@ -26,6 +26,11 @@ def test_exposed_communication_is_collective_time_no_compute_covers():
               _event("ncclKernel_host_side", 40, 50, torch.autograd.DeviceType.CPU)]  # not a kernel
     comm, exposed = exposed_communication(events, on_gpu=True)
     assert (comm, exposed) == (20, 10)
+    # the fused async-TP ops: a peer copy beside a GEMM is hidden, a barrier after it is not
+    fused = [_event("Memcpy PtoP (Device -> Device)", 0, 10), _event("gemm", 0, 12),
+             _event("c10d::symmetric_memory::barrier_kernel", 12, 15),
+             _event("Memcpy DtoD (Device -> Device)", 15, 20)]  # a local copy is compute
+    assert exposed_communication(fused, on_gpu=True) == (13, 3)
     cpu = [_event("gloo:all_reduce", 0, 10, torch.autograd.DeviceType.CPU),
            _event("aten::mm", 8, 20, torch.autograd.DeviceType.CPU),
            _event("ProfilerStep", 0, 100, torch.autograd.DeviceType.CPU)]  # neither: ignored
