@@ -49,10 +49,10 @@ from .groups import Group, group_size, process_group
 from .wgrad import weight_grad
 
 TP_COMM_CHUNKS = 4
-"""Chunks per GEMM under --tp-comm-overlap: a quarter of the transfer stays exposed (the
-first all-gather chunk, the last reduce-scatter chunk), and each chunk's GEMM keeps
-s b / (tp 4) rows (2048 at the gpt-1.3b shape, micro-batch 4, tp 2), large enough to run
-at the GEMM's full rate."""
+"""Chunks per GEMM under --tp-comm-overlap where the chunked path runs (not CUDA over NCCL,
+which takes `symm_tp`): a quarter of the transfer stays exposed (the first all-gather chunk,
+the last reduce-scatter chunk), and each chunk's GEMM keeps s b / (tp 4) rows (2048 at the
+gpt-1.3b shape, micro-batch 4, tp 2), large enough to run at the GEMM's full rate."""
 
 
 class InFlight:
