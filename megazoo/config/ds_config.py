@@ -220,9 +220,7 @@ def _grad_accumulation(ds: dict, training) -> None:
     DeepSpeed has them: one micro-batch per step (nothing is summed), an offloaded optimizer
     (the partitions live in pinned host memory, which fp32 would double), stages 1-2 (at
     stage 1 fp32 accumulation swaps in another optimizer wrapper)."""
-    zo = ds["zero_optimization"]
-    offloaded = (zo.get("offload_optimizer") or {}).get("device") not in (None, "none")
-    if training.bf16 and zo.get("stage") == 3 and not offloaded and \
+    if training.bf16 and zero_stage(ds) == 3 and offload_device(ds) == "none" and \
             ds.get("gradient_accumulation_steps", 1) > 1:
         ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
 

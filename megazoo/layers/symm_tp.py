@@ -15,16 +15,15 @@ layout `tp_overlap` uses.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from ..parallel.state import runs_nccl
 from .groups import Group, process_group
 
 
 def usable(x: torch.Tensor, group: Group) -> bool:
     """Whether the fused ops can run for `x` over `group`: a CUDA tensor, a group whose CUDA
-    backend is NCCL (its config reads "nccl", "cuda:nccl" or "cpu:gloo,cuda:nccl"), and a
-    torch that has the ops."""
-    if not x.is_cuda or "nccl" not in dist.get_backend_config(process_group(group)):
+    backend is NCCL, and a torch that has the ops."""
+    if not x.is_cuda or not runs_nccl(process_group(group)):
         return False
     try:
         import torch.distributed._symmetric_memory  # noqa: F401 (registers torch.ops.symm_mem)

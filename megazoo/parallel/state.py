@@ -104,11 +104,12 @@ class ParallelState:
         return f"{self.config} rank {self.global_rank}"
 
 
-def runs_nccl() -> bool:
-    """Whether the default process group exists and runs NCCL (GPU runs: destroy it at the
-    end). Read from the devices' backends: a group made without a backend name reports
+def runs_nccl(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether `group` (None: the default process group) exists and runs NCCL for CUDA
+    tensors (GPU runs: destroy it at the end). Read from the devices' backends ("nccl",
+    "cuda:nccl", "cpu:gloo,cuda:nccl"): a group made without a backend name reports
     "undefined" from `get_backend`. Gloo groups are left standing (`megazoo.cli._leave_gloo`)."""
-    return dist.is_initialized() and "nccl" in dist.get_backend_config()
+    return dist.is_initialized() and "nccl" in dist.get_backend_config(group)
 
 
 def _new_groups(all_groups: list[list[int]], rank: int, outside_ok: bool = False) -> GroupInfo:
