@@ -12,9 +12,9 @@ is the host's time to issue it, and no other rank's skew enters.
 
 From the rows it fits the planner's `Cluster.host_block_ms` (tp 1: the time per block),
 `host_collective_ms` (tp 2 + SP: the time per collective call, the calls per block being
-`plan.collectives.layer_collectives`) and `host_fsdp2_block_ms` (the FSDP2 row, ZeRO-3 at
+`plan.collectives.layer_collectives`) and `host_fsdp2_unit_ms` (the FSDP2 row, ZeRO-3 at
 dp 4 as `--zero-impl fsdp2` shards it, a micro-batch that does not sync gradients: what
-FSDP2's hooks add per block). NCCL's own enqueue is not in the fake group's calls, so the
+FSDP2's hooks add per unit, a block each unless `--fsdp-blocks-per-unit`). NCCL's own enqueue is not in the fake group's calls, so the
 per-call figure is a lower bound on a real group's.
 
 Reported per layout: ms per micro-batch (the best of `--repeats` rounds of `--steps`) and
@@ -60,7 +60,7 @@ def _model(args, tp: int, megatron_sp: bool, sp: int, fsdp_dp: int):
     model = build_model(config, state, device=args.device, dtype=torch.float32)  # fp32 masters
     device = torch.device(args.device)
     shard_stage(model, shard_mesh(state, device), device=device, bf16=bf16, cpu_offload=False,
-                reshard_after_forward=True)
+                reshard_after_forward=True, blocks_per_unit=args.fsdp_blocks_per_unit)
     model.set_requires_gradient_sync(False)  # a micro-batch before the step's last
     return config, model, state
 
@@ -94,7 +94,8 @@ def pace(args, name: str) -> dict:
 
 def fit(rows: dict, args) -> dict:
     """host_block_ms from tp1; host_collective_ms from tp2 + SP's extra time per call;
-    host_fsdp2_block_ms from the FSDP2 row's extra time per block."""
+    host_fsdp2_unit_ms from the FSDP2 row's extra time per unit (`--fsdp-blocks-per-unit`
+    blocks each)."""
     from megazoo.config.model import ModelConfig
     from megazoo.plan.collectives import layer_collectives
 
@@ -111,7 +112,8 @@ def fit(rows: dict, args) -> dict:
         out["host_collective_ms"] = max(extra, 0.0) / (args.layers * calls)
     if "tp1" in rows and "fsdp2 dp4" in rows:
         extra = rows["fsdp2 dp4"]["ms_per_micro_batch"] - rows["tp1"]["ms_per_micro_batch"]
-        out["host_fsdp2_block_ms"] = max(extra, 0.0) / args.layers
+        units = -(-args.layers // args.fsdp_blocks_per_unit)
+        out["host_fsdp2_unit_ms"] = max(extra, 0.0) / units
     return out
 
 
@@ -127,6 +129,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    p.add_argument("--fsdp-blocks-per-unit", type=int, default=1,
+                   help="blocks per FSDP2 unit in the FSDP2 row (as pretrain_gpt.py's flag)")
     p.add_argument("--out", default=None, help="write the rows and the fit as JSON here")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

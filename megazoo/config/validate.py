@@ -94,6 +94,9 @@ def check_engine(zero: ZeroConfig, parallel: ParallelConfig) -> None:
     elif not zero.fsdp_reshard_after_forward:
         raise ValueError("--no-fsdp-reshard-after-forward is an FSDP2 setting: add "
                          "--zero-impl fsdp2 or drop it")
+    elif zero.fsdp_blocks_per_unit != 1:
+        raise ValueError(f"--fsdp-blocks-per-unit {zero.fsdp_blocks_per_unit} is an FSDP2 "
+                         "setting: add --zero-impl fsdp2 or drop it")
     if zero.zero_stage is None:
         return
     if zero.offload_param not in (None, "none") and zero.zero_stage != 3:

@@ -36,6 +36,12 @@ class ZeroConfig:
     fsdp_reshard_after_forward: bool = True
     """fsdp2: free gathered parameters after each forward (ZeRO-3 memory); with
     --no-fsdp-reshard-after-forward they stay until the backward (fewer all-gathers)."""
+    fsdp_blocks_per_unit: int = 1
+    """fsdp2: consecutive transformer blocks of a chunk sharded as one FSDP2 unit (one
+    all-gather and one reduce-scatter for all of them). FSDP2's hooks cost host time per unit
+    (about 2 ms on an H200's host, `bench/host_pace.py`), which sets the pace where a block's
+    GPU work is shorter; N blocks per unit cut that to 1/N for N times the gathered
+    parameters' memory (`megazoo.plan` shows both)."""
     fsdp_reduce_every_microbatch: bool = True
     """fsdp2 with pp > 1: reduce-scatter gradients after every micro-batch (sharded gradients
     only); with --no-fsdp-reduce-every-microbatch once per chunk after its last micro-batch
@@ -54,5 +60,8 @@ class ZeroConfig:
         ratio = self.offload_optimizer_ratio
         if ratio is not None and not 0.0 < ratio <= 1.0:
             raise ValueError(f"--offload-optimizer-ratio must be in (0, 1], got {ratio}")
+        if isinstance(self.fsdp_blocks_per_unit, bool) or self.fsdp_blocks_per_unit < 1:
+            raise ValueError(f"--fsdp-blocks-per-unit must be a positive integer, got "
+                             f"{self.fsdp_blocks_per_unit!r}")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")

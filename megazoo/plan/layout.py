@@ -115,6 +115,8 @@ class Resolved:
     communication_data_type says otherwise), in which unsharded gradients accumulate."""
     fsdp_reduce_every_microbatch: bool = True
     """fsdp2 with pp > 1: reduce-scatter every micro-batch (no unsharded accumulation)."""
+    fsdp_blocks_per_unit: int = 1
+    """fsdp2: transformer blocks sharded as one unit (--fsdp-blocks-per-unit)."""
     cp: int = 1
     """Context-parallel ranks (ring attention): they split the sequence like Ulysses' sp."""
 
@@ -200,4 +202,5 @@ def resolve(args: PretrainArgs, options: PlanOptions | None = None) -> Resolved:
         saves=bool(args.checkpoint.save),
         bucket_elements=t.bucket_elements(dp * par.sp * par.cp), cp=par.cp,
         reduce_bytes=2 if args.compression.communication_data_type in ("bf16", "fp16") else 4,
-        fsdp_reduce_every_microbatch=args.zero.fsdp_reduce_every_microbatch)
+        fsdp_reduce_every_microbatch=args.zero.fsdp_reduce_every_microbatch,
+        fsdp_blocks_per_unit=args.zero.fsdp_blocks_per_unit)

@@ -125,7 +125,7 @@ def _estimate(config: ModelConfig, layout: Resolved, n_gpu: int | None = None,
         parts = deepspeed_parts(config, layout, n_gpu, grad_b)
     persistent = parts.params + parts.grads
     if layout.zero_stage == 3:
-        _working_set(parts, layout, counts, n_gpu)
+        _working_set(parts, layout, counts, n_gpu, config.num_layers // (layout.pp * layout.vpp))
     comm = RUNTIME_BYTES + parts.buffers + _comm_buffers(config, layout, n_gpu, grad_b)
     act = stage_activations(config, layout)["total"] if act is None else act
     subtotal = parts.params + parts.grads + parts.optim + act + comm
@@ -154,12 +154,17 @@ def _estimate(config: ModelConfig, layout: Resolved, n_gpu: int | None = None,
         disk_per_node=parts.disk * ranks, verdicts=verdicts)
 
 
-def _working_set(parts: Parts, layout: Resolved, counts: dict, n_gpu: int) -> None:
+def _working_set(parts: Parts, layout: Resolved, counts: dict, n_gpu: int,
+                 chunk_blocks: int) -> None:
     """ZeRO-3's gathered parameters (compute dtype): two units (one computing, one
     prefetched), or every unit without resharding after forward, plus one unit's full
-    gradient awaiting its reduce-scatter; a unit is a block or the embedding / head."""
-    unit = max(counts["block"], counts["embedding"], counts["head"])
-    second = sorted([counts["block"], counts["block"], counts["embedding"], counts["head"]])[-2]
+    gradient awaiting its reduce-scatter; a unit is a block (FSDP2: --fsdp-blocks-per-unit
+    blocks, at most a chunk's `chunk_blocks`) or the embedding / head."""
+    block = counts["block"]
+    if layout.zero_impl == "fsdp2":
+        block *= min(layout.fsdp_blocks_per_unit, chunk_blocks)
+    unit = max(block, counts["embedding"], counts["head"])
+    second = sorted([block, block, counts["embedding"], counts["head"]])[-2]
     b = layout.param_bytes
     parts.grads += b * unit
     if layout.zero_impl == "deepspeed":  # its coordinator keeps what is reused soon gathered

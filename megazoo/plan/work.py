@@ -36,6 +36,8 @@ per GPU T = s b / u; h width, f MLP width, kv = key/value heads x head dim):
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from ..config.model import ModelConfig
@@ -126,12 +128,16 @@ def block_host(config: ModelConfig, layout: Resolved, cluster: Cluster,
                overlap: bool = False) -> float:
     """Seconds the host takes to issue one block's forward and backward for one micro-batch
     (`Cluster.host_block_ms` plus `host_collective_ms` per tp / sp collective call, chunked
-    calls counted one by one, plus `host_fsdp2_block_ms` under FSDP2); 0 where the cluster
+    calls counted one by one, plus under FSDP2 `host_fsdp2_unit_ms` per unit, a block's share
+    of it with --fsdp-blocks-per-unit); 0 where the cluster
     gives no host time."""
     if cluster.host_block_ms is None:
         return 0.0
     calls = sum(c.calls for c in _block_collectives(config, layout, overlap))
-    hooks = cluster.host_fsdp2_block_ms if layout.zero_impl == "fsdp2" else 0.0
+    hooks = 0.0
+    if layout.zero_impl == "fsdp2":
+        blocks = max(config.num_layers // (layout.pp * layout.vpp), 1)  # a chunk's
+        hooks = cluster.host_fsdp2_unit_ms * math.ceil(blocks / layout.fsdp_blocks_per_unit) / blocks
     return (cluster.host_block_ms + calls * cluster.host_collective_ms + hooks) / 1e3
 
 

@@ -131,8 +131,17 @@ def fsdp_runs(par: ParallelConfig, runs: list[dict], steps: int = 3, num_layers:
         args = make_args(par, state.dp.size, num_layers, zero_impl="fsdp2", zero_stage=3, **run)
         model = build_model(args.model, state, device="cpu", seed=args.training.seed)
         engine = FSDP2Engine(model, state, args)
+        out.setdefault("units", {})[name] = fsdp_units(model)
         out[name] = train(engine, state, range(steps))
     return out
+
+
+def fsdp_units(model) -> int:
+    """How many FSDP2 units `fully_shard` made of `model` (the root included): one state
+    each, shared by the modules of a grouped unit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return len({id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)})
 
 
 def with_sp(par: ParallelConfig, **changes) -> ParallelConfig:

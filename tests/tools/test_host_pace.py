@@ -16,7 +16,7 @@ def test_cpu_rows_and_fit(tmp_path, capsys):
     assert set(saved["rows"]) == set(host_pace.LAYOUTS)
     assert all(r["ms_per_micro_batch"] > 0 for r in saved["rows"].values())
     assert saved["fit"]["host_block_ms"] > 0 and saved["fit"]["host_collective_ms"] >= 0
-    assert saved["fit"]["host_fsdp2_block_ms"] > 0  # FSDP2's hooks cost host time
+    assert saved["fit"]["host_fsdp2_unit_ms"] > 0  # FSDP2's hooks cost host time
     assert "fit: host_block_ms" in capsys.readouterr().out
 
 
@@ -29,7 +29,9 @@ def test_fit_arithmetic():
     fit = host_pace.fit(rows, args)
     assert fit["host_block_ms"] == pytest.approx(2.0)
     assert fit["host_collective_ms"] == pytest.approx(3.2 / (4 * 8))
-    assert fit["host_fsdp2_block_ms"] == pytest.approx(6.0 / 4)  # FSDP2's extra per block
+    assert fit["host_fsdp2_unit_ms"] == pytest.approx(6.0 / 4)  # FSDP2's extra per block
+    args = host_pace.parse_args(["--layers", "4", "--heads", "4", "--fsdp-blocks-per-unit", "2"])
+    assert host_pace.fit(rows, args)["host_fsdp2_unit_ms"] == pytest.approx(6.0 / 2)  # per unit
 
 
 def test_fsdp2_row_runs_sharded_without_gradient_sync():

@@ -169,6 +169,13 @@ def test_fsdp2_without_reshard_keeps_every_unit_gathered():
     assert keep.gradients == reshard.gradients and keep.host_per_gpu == reshard.host_per_gpu
 
 
+def test_fsdp2_units_of_blocks_gather_a_unit_at_a_time():
+    """--fsdp-blocks-per-unit 2: the working set holds 2 gathered units of 2 blocks each."""
+    kw = dict(seq_length=128, dp=4, zero_stage=3, offload_optimizer="cpu", zero_impl="fsdp2")
+    one, two = (estimate_memory(plan_args(**kw, fsdp_blocks_per_unit=n)) for n in (1, 2))
+    assert one.parameters == 2 * (BLOCK + BLOCK) and two.parameters == 2 * (4 * BLOCK)
+
+
 def test_gpt_1_3b_fsdp2_plan_matches_the_h100_runs():
     """zero_bench on one H100 (bench/README.md): 17.4 GB allocated resharding, 19.8 GB keeping
     the gathered parameters; the planner within 2% of both."""

@@ -167,8 +167,8 @@ def test_cluster_host_fields_checked(tmp_path):
     spec.write_text(base + ', "host_block_ms": 2, "host_collective_ms": -1}')
     with pytest.raises(ValueError, match="host_collective_ms must be >= 0"):
         load_cluster(str(spec))
-    spec.write_text(base + ', "host_block_ms": 2, "host_fsdp2_block_ms": -0.5}')
-    with pytest.raises(ValueError, match="host_fsdp2_block_ms must be >= 0"):
+    spec.write_text(base + ', "host_block_ms": 2, "host_fsdp2_unit_ms": -0.5}')
+    with pytest.raises(ValueError, match="host_fsdp2_unit_ms must be >= 0"):
         load_cluster(str(spec))
     spec.write_text(base + ', "overlap_hidden": 0}')
     with pytest.raises(ValueError, match=r"overlap_hidden must be in \(0, 1\]"):
@@ -178,7 +178,8 @@ def test_cluster_host_fields_checked(tmp_path):
 
 
 def test_fsdp2_hooks_cost_host_time_per_block():
-    """`host_fsdp2_block_ms` (what FSDP2's hooks add per block, `bench/host_pace.py`'s FSDP2
+    """`host_fsdp2_unit_ms` (what FSDP2's hooks add per unit, a block by default,
+    `bench/host_pace.py`'s FSDP2
     row) is charged to FSDP2 runs only: at gpt-1.3b, micro-batch 4, where the host issues a
     block in about the GPU's time, 2 ms more per block makes FSDP2 dp 4 host-bound and
     slower; the plain engine's dp 4 is unchanged. (h200-measured carries the 2.1 ms measured
@@ -187,13 +188,23 @@ def test_fsdp2_hooks_cost_host_time_per_block():
                             "--overlap-param-gather", "")
     fsdp2 = plain + " --dp 4 --zero-stage 3 --zero-impl fsdp2"
     measured = load_cluster("h200-measured")
-    bare = dataclasses.replace(measured, host_fsdp2_block_ms=0.0)
-    hooked = dataclasses.replace(measured, host_fsdp2_block_ms=2.0)
+    bare = dataclasses.replace(measured, host_fsdp2_unit_ms=0.0)
+    hooked = dataclasses.replace(measured, host_fsdp2_unit_ms=2.0)
     times = {(name, layout): _predict(flags, cluster, vocab=2048).tokens_per_s
              for name, cluster in (("measured", bare), ("hooked", hooked))
              for layout, flags in (("fsdp2", fsdp2), ("dp", GPT_13B + " --dp 4"))}
     assert times["hooked", "fsdp2"] < 0.9 * times["measured", "fsdp2"]
     assert times["hooked", "dp"] == times["measured", "dp"]
+
+
+def test_fsdp2_units_of_blocks_share_the_hooks_host_time():
+    """--fsdp-blocks-per-unit 2 halves the hooks' host time per block: the host-bound gpt-1.3b
+    FSDP2 dp 4 row gets faster and its gathered working set holds 2 blocks per unit."""
+    fsdp2 = GPT_13B.replace(" --use-distributed-optimizer --overlap-grad-reduce "
+                            "--overlap-param-gather", "") + " --dp 4 --zero-stage 3 --zero-impl fsdp2"
+    one, two = (predict(fsdp2 + extra) for extra in ("", " --fsdp-blocks-per-unit 2"))
+    assert one.stages[0].host > 0 and two.stages[0].host < one.stages[0].host
+    assert two.tokens_per_s > 1.05 * one.tokens_per_s
 
 
 def test_a_host_bound_prediction_points_at_cuda_graphs():

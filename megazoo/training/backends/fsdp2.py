@@ -67,6 +67,7 @@ class FSDP2Engine(Engine):
         shard_stage(model, shard_mesh(state, self.device), device=self.device, bf16=self.cfg.bf16,
                     cpu_offload=self.cpu_offload,
                     reshard_after_forward=zero.fsdp_reshard_after_forward,
+                    blocks_per_unit=zero.fsdp_blocks_per_unit,
                     reduce_dtype=args.compression.wire_dtype)
         self.model = model
         self.gathers_parameters = True

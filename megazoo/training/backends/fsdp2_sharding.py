@@ -1,9 +1,11 @@
 """Pieces of `FSDP2Engine`: the mesh, the sharding of a stage, gradient sync per chunk.
 
 Sharding. Each transformer block of the stage (every chunk's blocks) is its own FSDP2 unit,
-and the stage object itself (embedding, final norm, head) the root unit, all over one
-1-D mesh made of our `dp_sp` group: every rank that holds the same tp shard of the same
-pipeline stage. FSDP2 shards each parameter along dim 0 over that mesh; tp shards stay shards.
+or with `blocks_per_unit` N each run of N consecutive blocks of a chunk (the last one of a
+chunk may be shorter), and the stage object itself (embedding, final norm, head) the root
+unit, all over one 1-D mesh made of our `dp_sp` group: every rank that holds the same tp
+shard of the same pipeline stage. FSDP2 shards each parameter along dim 0 over that mesh;
+tp shards stay shards.
 
 Gradient scaling. FSDP2's reduce-scatter averages over the mesh (dp x sp); the rest of the
 contract ("sum over sp, mean over dp", Megatron-SP tp sums, GQA kv rows, tied embeddings)
@@ -43,8 +45,9 @@ def shard_mesh(state: ParallelState, device: torch.device):
 
 def shard_stage(model: nn.Module, mesh, *, device: torch.device, bf16: bool,
                 cpu_offload: bool, reshard_after_forward: bool,
-                reduce_dtype: torch.dtype | None = None) -> None:
-    """fully_shard every block, then the stage root (in place; see the module docstring).
+                reduce_dtype: torch.dtype | None = None, blocks_per_unit: int = 1) -> None:
+    """fully_shard the blocks (`unit_blocks`), then the stage root (in place; see the module
+    docstring).
     `reduce_dtype` (communication_data_type): the dtype of the gradient reduce-scatter
     (default fp32 under bf16, else the parameters')."""
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
@@ -57,10 +60,20 @@ def shard_stage(model: nn.Module, mesh, *, device: torch.device, bf16: bool,
     kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload,
                   reshard_after_forward=reshard_after_forward)
     tags = {name: dict(vars(p)) for name, p in model.named_parameters()}
-    for block in model.layers.values():
-        fully_shard(block, **kwargs)
+    for unit in unit_blocks(model, blocks_per_unit):
+        fully_shard(unit if len(unit) > 1 else unit[0], **kwargs)
     fully_shard(model, **kwargs)
     copy_tags(model, tags)  # FSDP2 swapped every parameter for a new DTensor one
+
+
+def unit_blocks(model: nn.Module, blocks_per_unit: int) -> list[list[nn.Module]]:
+    """The stage's blocks in FSDP2 units: runs of `blocks_per_unit` consecutive blocks of one
+    chunk (a unit never spans two chunks: they run at different times of the schedule)."""
+    units = []
+    for chunk in model.chunks:
+        blocks = [model.layers[str(i)] for i in chunk]
+        units += [blocks[lo:lo + blocks_per_unit] for lo in range(0, len(blocks), blocks_per_unit)]
+    return units
 
 
 def copy_tags(model: nn.Module, tags: dict) -> None:
