@@ -23,19 +23,26 @@ Reported per layout: ms per micro-batch (the best of `--repeats` rounds of `--st
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-LAYOUTS = {  # name -> (tp, Megatron SP, Ulysses size, FSDP2's dp or 0 for the plain engine)
-    "tp1": (1, False, 1, 0), "tp2+SP": (2, True, 1, 0), "tp2": (2, False, 1, 0),
-    "ulysses sp2": (1, False, 2, 0), "fsdp2 dp4": (1, False, 1, 4),
+from megazoo.config.zero import ZeroConfig
+
+LAYOUTS = {  # name -> (tp, Megatron SP, Ulysses size, the ZeRO-3 engine sharding over dp 4)
+    "tp1": (1, False, 1, None), "tp2+SP": (2, True, 1, None), "tp2": (2, False, 1, None),
+    "ulysses sp2": (1, False, 2, None), "fsdp2 dp4": (1, False, 1, "fsdp2"),
+    "deepspeed dp4": (1, False, 1, "deepspeed"),
 }
+ZERO_DP = 4
 
 
-def _model(args, tp: int, megatron_sp: bool, sp: int, fsdp_dp: int):
+def _model(args, tp: int, megatron_sp: bool, sp: int, zero: str | None):
+    """(config, the step's forward, its backward) of one layout on a fresh fake group."""
     from megazoo.config.model import ModelConfig
     from megazoo.models.build import build_model
     from megazoo.parallel.config import ParallelConfig
@@ -48,31 +55,80 @@ def _model(args, tp: int, megatron_sp: bool, sp: int, fsdp_dp: int):
         dist.destroy_process_group()
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * sp * max(fsdp_dp, 1))
+    dp = ZERO_DP if zero else 1
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * sp * dp)
     state = ParallelState.initialize(ParallelConfig(tp=tp, sequence_parallel=megatron_sp, sp=sp,
-                                                    dp=max(fsdp_dp, 1)), backend="fake")
+                                                    dp=dp), backend="fake")
     bf16 = args.device == "cuda"
-    if not fsdp_dp:
+    if zero is None:
         dtype = torch.bfloat16 if bf16 else torch.float32
-        return config, build_model(config, state, device=args.device, dtype=dtype), state
+        return config, build_model(config, state, device=args.device, dtype=dtype), _backward
+    model = build_model(config, state, device=args.device, dtype=torch.float32)  # fp32 masters
+    if zero == "deepspeed":
+        return config, *_deepspeed(args, config, model, state)
     from megazoo.training.backends.fsdp2_sharding import shard_mesh, shard_stage
 
-    model = build_model(config, state, device=args.device, dtype=torch.float32)  # fp32 masters
     device = torch.device(args.device)
     shard_stage(model, shard_mesh(state, device), device=device, bf16=bf16, cpu_offload=False,
                 reshard_after_forward=True, blocks_per_unit=args.fsdp_blocks_per_unit)
     model.set_requires_gradient_sync(False)  # a micro-batch before the step's last
-    return config, model, state
+    return config, model, _backward
+
+
+def _backward(loss: torch.Tensor) -> None:
+    loss.backward()
+
+
+def _deepspeed(args, config, model, state):
+    """DeepSpeed ZeRO-3 over the fake dp group, as `--deepspeed --zero-stage 3` builds it (its
+    tuned config): (its module, its backward). Each of its micro-batches reduce-scatters the
+    gradients (it has no step without), so its row includes that."""
+    import dataclasses
+
+    from megazoo.config.flags import parse_args as pretrain_args
+    from megazoo.training.backends.deepspeed_zero import DeepSpeedEngine
+
+    flags = (f"--num-layers {args.layers} --hidden-size {args.hidden} --num-attention-heads "
+             f"{args.heads} --seq-length {args.seq} --max-position-embeddings "
+             f"{max(args.seq, 64)} --micro-batch-size {args.micro} --global-batch-size "
+             f"{2 * args.micro * ZERO_DP} --deepspeed --zero-stage 3").split()
+    run = pretrain_args(flags + (["--bf16"] if args.device == "cuda" else []), check_data=False)
+    run = dataclasses.replace(run, model=config, parallel=state.config)
+    engine = DeepSpeedEngine(model, state, run)
+    return engine.ds, engine.ds.backward
+
+
+@contextlib.contextmanager
+def launcher_variables():
+    """The launcher's rank variables, which DeepSpeed reads while it builds and runs, set for
+    the fake rank 0 of dp 4 and restored after (a process started later must not see them)."""
+    launcher = {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": str(ZERO_DP)}
+    before = {k: os.environ.get(k) for k in launcher}
+    os.environ.update(launcher)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def pace(args, name: str) -> dict:
     """ms per micro-batch of one layout (module docstring)."""
-    config, model, state = _model(args, *LAYOUTS[name])
+    if LAYOUTS[name][3] == "deepspeed":
+        with launcher_variables():
+            return _pace(args, name)
+    return _pace(args, name)
+
+
+def _pace(args, name: str) -> dict:
+    config, model, backward = _model(args, *LAYOUTS[name])
     ids = torch.randint(0, config.vocab_size, (args.micro, args.seq), device=args.device)
 
     def step():
-        loss = model(ids, ids)
-        loss.backward()
+        backward(model(ids, ids))
 
     def sync():
         if args.device == "cuda":
@@ -95,7 +151,7 @@ def pace(args, name: str) -> dict:
 def fit(rows: dict, args) -> dict:
     """host_block_ms from tp1; host_collective_ms from tp2 + SP's extra time per call;
     host_fsdp2_unit_ms from the FSDP2 row's extra time per unit (`--fsdp-blocks-per-unit`
-    blocks each)."""
+    blocks each); host_deepspeed_block_ms from DeepSpeed ZeRO-3's extra time per block."""
     from megazoo.config.model import ModelConfig
     from megazoo.plan.collectives import layer_collectives
 
@@ -114,6 +170,9 @@ def fit(rows: dict, args) -> dict:
         extra = rows["fsdp2 dp4"]["ms_per_micro_batch"] - rows["tp1"]["ms_per_micro_batch"]
         units = -(-args.layers // args.fsdp_blocks_per_unit)
         out["host_fsdp2_unit_ms"] = max(extra, 0.0) / units
+    if "tp1" in rows and "deepspeed dp4" in rows:
+        extra = rows["deepspeed dp4"]["ms_per_micro_batch"] - rows["tp1"]["ms_per_micro_batch"]
+        out["host_deepspeed_block_ms"] = max(extra, 0.0) / args.layers
     return out
 
 
@@ -129,8 +188,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
-    p.add_argument("--fsdp-blocks-per-unit", type=int, default=1,
-                   help="blocks per FSDP2 unit in the FSDP2 row (as pretrain_gpt.py's flag)")
+    p.add_argument("--fsdp-blocks-per-unit", type=int, default=ZeroConfig.fsdp_blocks_per_unit,
+                   help="blocks per FSDP2 unit in the FSDP2 row (pretrain_gpt.py's flag and "
+                        "default)")
     p.add_argument("--out", default=None, help="write the rows and the fit as JSON here")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

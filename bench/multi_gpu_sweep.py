@@ -65,8 +65,8 @@ def megazoo_flags(shape_name: str, cfg, tp: int, pp: int, vpp: int, own) -> list
     if cfg.cuda_graph and not zero:  # what --enable-cuda-graph captures: the plain engine
         flags += ["--enable-cuda-graph"]
     if own is not None:  # ZeRO engines shard and reduce by themselves
-        units = cfg.fsdp_blocks_per_unit if "fsdp2" in own else 1
-        units = ["--fsdp-blocks-per-unit", str(units)] if units > 1 else []
+        given = cfg.fsdp_blocks_per_unit is not None and "fsdp2" in own
+        units = ["--fsdp-blocks-per-unit", str(cfg.fsdp_blocks_per_unit)] if given else []
         return flags + ([] if zero else DISTOPT) + own + units
     flags += DISTOPT
     if tp > 1:
@@ -145,8 +145,8 @@ def parse_args(argv=None):
                    help="megazoo's rows with the plain engine add --enable-cuda-graph")
     p.add_argument("--tp-comm-overlap", action="store_true",
                    help="megazoo's tensor-parallel rows add --tp-comm-overlap")
-    p.add_argument("--fsdp-blocks-per-unit", type=int, default=1,
-                   help="megazoo's FSDP2 rows add --fsdp-blocks-per-unit N")
+    p.add_argument("--fsdp-blocks-per-unit", type=int, default=None,
+                   help="megazoo's FSDP2 rows add --fsdp-blocks-per-unit N (default: theirs)")
     p.add_argument("--no-peer", dest="peer", action="store_false",
                    help="megazoo's rows only (megatron-core's were measured in another call)")
     cfg = p.parse_args(argv)

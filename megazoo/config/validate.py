@@ -94,7 +94,7 @@ def check_engine(zero: ZeroConfig, parallel: ParallelConfig) -> None:
     elif not zero.fsdp_reshard_after_forward:
         raise ValueError("--no-fsdp-reshard-after-forward is an FSDP2 setting: add "
                          "--zero-impl fsdp2 or drop it")
-    elif zero.fsdp_blocks_per_unit != 1:
+    elif zero.fsdp_blocks_per_unit != ZeroConfig.fsdp_blocks_per_unit:
         raise ValueError(f"--fsdp-blocks-per-unit {zero.fsdp_blocks_per_unit} is an FSDP2 "
                          "setting: add --zero-impl fsdp2 or drop it")
     if zero.zero_stage is None:

@@ -79,6 +79,11 @@ class Cluster:
     micro-batch under `--zero-impl fsdp2` (unshard, reshard, their copies' launches; a unit
     is a block, or --fsdp-blocks-per-unit blocks), shared by the unit's blocks and added to
     their `host_block_ms`; `bench/host_pace.py`'s FSDP2 row measures it."""
+    host_deepspeed_block_ms: float = 0.0
+    """Host time, in ms, that DeepSpeed ZeRO-3's hooks add to a block's forward and backward
+    for one micro-batch (its parameter coordinator's fetch and release per submodule, the
+    gradient partitioning after each micro-batch), added to `host_block_ms`;
+    `bench/host_pace.py`'s DeepSpeed row measures it."""
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -105,7 +110,7 @@ class Cluster:
             raise ValueError(f"cluster {self.name}: host_block_ms must be > 0 (or left out)")
         if not self.collective_latency_us >= 0:
             raise ValueError(f"cluster {self.name}: collective_latency_us must be >= 0")
-        for name in ("host_collective_ms", "host_fsdp2_unit_ms"):
+        for name in ("host_collective_ms", "host_fsdp2_unit_ms", "host_deepspeed_block_ms"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"cluster {self.name}: {name} must be >= 0")
         for name in ("intra_node_efficiency", "inter_node_efficiency", "overlap_hidden"):

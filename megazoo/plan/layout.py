@@ -115,7 +115,7 @@ class Resolved:
     communication_data_type says otherwise), in which unsharded gradients accumulate."""
     fsdp_reduce_every_microbatch: bool = True
     """fsdp2 with pp > 1: reduce-scatter every micro-batch (no unsharded accumulation)."""
-    fsdp_blocks_per_unit: int = 1
+    fsdp_blocks_per_unit: int = 2
     """fsdp2: transformer blocks sharded as one unit (--fsdp-blocks-per-unit)."""
     cp: int = 1
     """Context-parallel ranks (ring attention): they split the sequence like Ulysses' sp."""

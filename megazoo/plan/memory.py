@@ -160,11 +160,12 @@ def _working_set(parts: Parts, layout: Resolved, counts: dict, n_gpu: int,
     prefetched), or every unit without resharding after forward, plus one unit's full
     gradient awaiting its reduce-scatter; a unit is a block (FSDP2: --fsdp-blocks-per-unit
     blocks, at most a chunk's `chunk_blocks`) or the embedding / head."""
-    block = counts["block"]
+    block, blocks = counts["block"], [counts["block"]] * 2
     if layout.zero_impl == "fsdp2":
-        block *= min(layout.fsdp_blocks_per_unit, chunk_blocks)
+        per = min(layout.fsdp_blocks_per_unit, chunk_blocks)
+        block, blocks = per * block, [per * block] * min(2, layout.vpp * -(-chunk_blocks // per))
     unit = max(block, counts["embedding"], counts["head"])
-    second = sorted([block, block, counts["embedding"], counts["head"]])[-2]
+    second = sorted(blocks + [counts["embedding"], counts["head"]])[-2]
     b = layout.param_bytes
     parts.grads += b * unit
     if layout.zero_impl == "deepspeed":  # its coordinator keeps what is reused soon gathered

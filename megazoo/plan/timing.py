@@ -47,7 +47,8 @@ from .calibration import kernel_rates
 from .clusters import Cluster
 from .layout import Resolved
 from .memory import rank_parameters
-from .work import Work, block_host, block_work, embedding_work, head_work, host_paced
+from .work import (Work, block_host, block_work, embedding_work, head_work, host_paced,
+                   zero3_copies)
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
     works[-1] = works[-1] + head_work(config, layout, rates, cluster)
     params = rank_parameters(config, layout.tp, [sum(layers[r::p]) for r in range(p)])
     zero3 = [_zero3_exposed(w, params[i % p] / v, layout, cluster) for i, w in enumerate(works)]
+    works = [w + zero3_copies(params[i % p] / v, layout, rates) for i, w in enumerate(works)]
     # ZeRO-3's per-micro-batch exposure runs inside the pipeline (`ends`); what is reduced
     # once per step (FSDP2 syncing on the last micro-batch) and the dp reduction follow it
     graphs = args.training.enable_cuda_graph  # the blocks replay: no per-block host time

@@ -129,8 +129,8 @@ def block_host(config: ModelConfig, layout: Resolved, cluster: Cluster,
     """Seconds the host takes to issue one block's forward and backward for one micro-batch
     (`Cluster.host_block_ms` plus `host_collective_ms` per tp / sp collective call, chunked
     calls counted one by one, plus under FSDP2 `host_fsdp2_unit_ms` per unit, a block's share
-    of it with --fsdp-blocks-per-unit); 0 where the cluster
-    gives no host time."""
+    of it with --fsdp-blocks-per-unit, and under DeepSpeed ZeRO-3 `host_deepspeed_block_ms`);
+    0 where the cluster gives no host time."""
     if cluster.host_block_ms is None:
         return 0.0
     calls = sum(c.calls for c in _block_collectives(config, layout, overlap))
@@ -138,6 +138,8 @@ def block_host(config: ModelConfig, layout: Resolved, cluster: Cluster,
     if layout.zero_impl == "fsdp2":
         blocks = max(config.num_layers // (layout.pp * layout.vpp), 1)  # a chunk's
         hooks = cluster.host_fsdp2_unit_ms * math.ceil(blocks / layout.fsdp_blocks_per_unit) / blocks
+    elif layout.zero_impl == "deepspeed" and layout.zero_stage == 3:
+        hooks = cluster.host_deepspeed_block_ms
     return (cluster.host_block_ms + calls * cluster.host_collective_ms + hooks) / 1e3
 
 
@@ -150,6 +152,35 @@ def _block_collectives(config: ModelConfig, layout: Resolved, overlap: bool = Fa
                              megatron_sp=layout.megatron_sp_on,
                              micro_batch=layout.micro_batch_size,
                              seq_length=layout.seq_length // layout.cp, chunks=chunks)
+
+
+def zero3_copies(params: float, layout: Resolved, rates: KernelRates) -> Work:
+    """Seconds per micro-batch of the memory passes a ZeRO-3 engine adds on the GPU for
+    `params` parameters (b: compute bytes, z: the dp x sp shards, r: the reduction bytes):
+
+    - FSDP2, each gather (forward, and backward unless --no-fsdp-reshard-after-forward): the
+      fp32 shard cast into the gather's input ((4 + b) / z per parameter) and the gathered
+      bytes copied out into the parameters (2 b); backward: each micro-batch's gradient cast
+      and summed into the unsharded accumulation in the reduction dtype (b + 2 r), or, reducing
+      every micro-batch, cast into the reduce-scatter's input (b + r);
+    - DeepSpeed: backward, the gradients copied into its contiguous bucket (2 b) and each
+      partition summed into its accumulation (b + 8 in fp32, 3 b otherwise, over z); its
+      gathers land in place.
+
+    Not modeled with offloaded parameters or optimizer (their traffic crosses PCIe)."""
+    if (layout.zero_stage != 3 or layout.optimizer_offload.on
+            or layout.offload_param not in (None, "none")):
+        return Work()
+    b, z, r = layout.param_bytes, layout.dp * layout.seq_ranks, layout.reduce_bytes
+    if layout.zero_impl == "fsdp2":
+        gather = (4 + b) / z + 2 * b
+        again = gather if layout.fsdp_reshard_after_forward else 0.0
+        per_microbatch = layout.pp > 1 and layout.fsdp_reduce_every_microbatch
+        grads = b + r if per_microbatch or layout.num_micro_batches == 1 else b + 2 * r
+        return Work(gather * params / rates.copy_bytes_s,
+                    (again + grads) * params / rates.copy_bytes_s)
+    accumulate = (b + 8) if layout.ds_fp32_grads else 3 * b
+    return Work(0.0, (2 * b + accumulate / z) * params / rates.copy_bytes_s)
 
 
 def host_paced(work: Work, host_s: float) -> Work:

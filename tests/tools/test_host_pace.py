@@ -1,6 +1,7 @@
 """bench/host_pace.py: the host's time per micro-batch per layout on the fake process group,
 and the planner constants it fits (the GPU numbers come from `--device cuda`)."""
 import json
+import os
 
 import pytest
 import torch
@@ -17,13 +18,14 @@ def test_cpu_rows_and_fit(tmp_path, capsys):
     assert all(r["ms_per_micro_batch"] > 0 for r in saved["rows"].values())
     assert saved["fit"]["host_block_ms"] > 0 and saved["fit"]["host_collective_ms"] >= 0
     assert saved["fit"]["host_fsdp2_unit_ms"] > 0  # FSDP2's hooks cost host time
+    assert saved["fit"]["host_deepspeed_block_ms"] > 0  # and DeepSpeed ZeRO-3's
     assert "fit: host_block_ms" in capsys.readouterr().out
 
 
 def test_fit_arithmetic():
     """tp1 gives the time per block; tp2 + SP's extra time spread over its 8 calls per block
     (2 all-gathers and 2 reduce-scatters each way)."""
-    args = host_pace.parse_args(["--layers", "4", "--heads", "4"])
+    args = host_pace.parse_args(["--layers", "4", "--heads", "4", "--fsdp-blocks-per-unit", "1"])
     rows = {"tp1": {"ms_per_micro_batch": 8.0}, "tp2+SP": {"ms_per_micro_batch": 11.2},
             "fsdp2 dp4": {"ms_per_micro_batch": 14.0}}
     fit = host_pace.fit(rows, args)
@@ -41,8 +43,8 @@ def test_fsdp2_row_runs_sharded_without_gradient_sync():
 
     args = host_pace.parse_args(["--layers", "2", "--heads", "4", "--seq", "16"])
     try:
-        _, model, state = host_pace._model(args, *host_pace.LAYOUTS["fsdp2 dp4"])
-        assert state.dp.size == 4 and isinstance(model, FSDPModule)
+        _, model, _ = host_pace._model(args, *host_pace.LAYOUTS["fsdp2 dp4"])
+        assert torch.distributed.get_world_size() == 4 and isinstance(model, FSDPModule)
         assert all(isinstance(block, FSDPModule) for block in model.layers.values())
         ids = torch.randint(0, 2048, (1, 16))
         model(ids, ids).backward()
@@ -54,6 +56,24 @@ def test_fsdp2_row_runs_sharded_without_gradient_sync():
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()  # no later test sees the fake group
+
+
+def test_deepspeed_row_runs_zero3_over_dp4():
+    """The DeepSpeed row is DeepSpeed's ZeRO-3 engine over the fake dp 4 group: its
+    parameters partitioned (an empty module tensor, a quarter of each in its partition)."""
+    args = host_pace.parse_args(["--layers", "2", "--heads", "4", "--seq", "16"])
+    try:
+        with host_pace.launcher_variables():
+            _, engine, backward = host_pace._model(args, *host_pace.LAYOUTS["deepspeed dp4"])
+            weight = engine.module.layers["0"].mlp.fc1.weight
+            ids = torch.randint(0, 1000, (1, 16))
+            backward(engine(ids, ids))
+        assert engine.zero_optimization_stage() == 3 and engine.dp_world_size == 4
+        assert weight.numel() == 0 and weight.ds_tensor.numel() == -(-weight.ds_numel // 4)
+        assert "LOCAL_RANK" not in os.environ
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def test_refuses_a_split_that_does_not_divide(capsys):

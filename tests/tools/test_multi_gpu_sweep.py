@@ -35,7 +35,7 @@ def test_vpp_below_two_refused(capsys):
 
 def test_flags_of_a_pipeline_row_and_an_own_row():
     cfg = SimpleNamespace(iters=12, log_interval=3, dry_run=False, cuda_graph=False,
-                          tp_comm_overlap=False, fsdp_blocks_per_unit=1)
+                          tp_comm_overlap=False, fsdp_blocks_per_unit=None)
     flags = megazoo_flags("gpt-1.3b", cfg, 1, 4, 2, None)
     assert flags[-4:] == ["--pipeline-model-parallel-size", "4",
                           "--num-layers-per-virtual-pipeline-stage", "3"]
@@ -56,9 +56,9 @@ def test_flags_of_a_pipeline_row_and_an_own_row():
     assert "--tp-comm-overlap" not in megazoo_flags("gpt-1.3b", cfg, 1, 4, 2, None)
     assert "--tp-comm-overlap" not in megazoo_flags("gpt-1.3b", cfg, 1, 1, 1,
                                                     ["--ds-sequence-parallel-size", "2"])
-    cfg.fsdp_blocks_per_unit = 2  # the FSDP2 rows only
+    cfg.fsdp_blocks_per_unit = 1  # the FSDP2 rows only
     fsdp2 = megazoo_flags("gpt-1.3b", cfg, 1, 1, 1, ["--zero-impl", "fsdp2"])
-    assert fsdp2[-2:] == ["--fsdp-blocks-per-unit", "2"]
+    assert fsdp2[-2:] == ["--fsdp-blocks-per-unit", "1"]
     assert "--fsdp-blocks-per-unit" not in megazoo_flags("gpt-1.3b", cfg, 1, 1, 1,
                                                          ["--deepspeed", "--zero-stage", "3"])
 

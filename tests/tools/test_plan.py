@@ -108,7 +108,7 @@ def test_mixed_precision_and_zero_bytes():
 def test_zero3_working_set():
     n = count_parameters(TOY)
     kw = dict(seq_length=128, dp=8, zero_stage=3)
-    fsdp = estimate_memory(plan_args(**kw, zero_impl="fsdp2"))
+    fsdp = estimate_memory(plan_args(**kw, zero_impl="fsdp2", fsdp_blocks_per_unit=1))
     # Units: 2 blocks of 49,984 and the embedding (384 + 128 positions) x 64 = 32,768; the head
     # is tied. FSDP2 gathers the two largest (blocks: one computing, one prefetched) beside its
     # fp32 shards (4 B / Z), and holds one unit's bf16 gradient beside fp32 gradient shards.
@@ -116,7 +116,7 @@ def test_zero3_working_set():
     assert fsdp.gradients == 4 * n / 8 + 2 * BLOCK
     big_vocab = ModelConfig(family="gpt", num_layers=2, hidden_size=64, num_attention_heads=8,
                             vocab_size=5000, max_position_embeddings=128)  # padded 5,120
-    est = estimate_memory(plan_args(big_vocab, **kw, zero_impl="fsdp2"))
+    est = estimate_memory(plan_args(big_vocab, **kw, zero_impl="fsdp2", fsdp_blocks_per_unit=1))
     emb = 5120 * 64 + 128 * 64
     assert est.parameters == 4 * count_parameters(big_vocab) / 8 + 2 * (emb + BLOCK)
     # DeepSpeed keeps gathered what it reuses within 1e9 elements: this whole small model. Its
@@ -149,7 +149,7 @@ def test_fsdp2_offload_moves_parameters_and_has_no_buckets():
     n = count_parameters(TOY)
     kw = dict(seq_length=128, dp=4, zero_stage=3, offload_optimizer="cpu")
     ds = estimate_memory(plan_args(**kw))
-    fsdp = estimate_memory(plan_args(**kw, zero_impl="fsdp2"))
+    fsdp = estimate_memory(plan_args(**kw, zero_impl="fsdp2", fsdp_blocks_per_unit=1))
     assert fsdp.parameters == 2 * (BLOCK + BLOCK) and ds.parameters == 2 * n / 4 + 2 * n
     assert fsdp.optimizer_states == 0 and fsdp.gradients == 2 * BLOCK
     assert fsdp.communication_buffers == RUNTIME_BYTES < ds.communication_buffers
@@ -162,7 +162,8 @@ def test_fsdp2_offload_moves_parameters_and_has_no_buckets():
 def test_fsdp2_without_reshard_keeps_every_unit_gathered():
     """--no-fsdp-reshard-after-forward: the whole stage's bf16 parameters instead of 2 units."""
     n = count_parameters(TOY)
-    kw = dict(seq_length=128, dp=4, zero_stage=3, offload_optimizer="cpu", zero_impl="fsdp2")
+    kw = dict(seq_length=128, dp=4, zero_stage=3, offload_optimizer="cpu", zero_impl="fsdp2",
+              fsdp_blocks_per_unit=1)
     keep = estimate_memory(plan_args(**kw, fsdp_reshard_after_forward=False))
     reshard = estimate_memory(plan_args(**kw))
     assert keep.parameters == 2 * n and reshard.parameters == 2 * (BLOCK + BLOCK)
@@ -170,10 +171,17 @@ def test_fsdp2_without_reshard_keeps_every_unit_gathered():
 
 
 def test_fsdp2_units_of_blocks_gather_a_unit_at_a_time():
-    """--fsdp-blocks-per-unit 2: the working set holds 2 gathered units of 2 blocks each."""
+    """--fsdp-blocks-per-unit: the working set holds the two largest gathered units. TOY's 2
+    blocks make 2 units of one block, or 1 unit of both beside the embedding's (the head is
+    tied); a unit never spans pipeline stages: at pp 2 each rank's unit is its one block,
+    gathered beside the embedding (the head, untied there, is smaller)."""
     kw = dict(seq_length=128, dp=4, zero_stage=3, offload_optimizer="cpu", zero_impl="fsdp2")
     one, two = (estimate_memory(plan_args(**kw, fsdp_blocks_per_unit=n)) for n in (1, 2))
-    assert one.parameters == 2 * (BLOCK + BLOCK) and two.parameters == 2 * (4 * BLOCK)
+    embedding = (384 + 128) * 64
+    assert one.parameters == 2 * (BLOCK + BLOCK)
+    assert two.parameters == 2 * (2 * BLOCK + embedding)
+    stages = estimate_memory(plan_args(**kw, pp=2, fsdp_blocks_per_unit=2))
+    assert stages.parameters == 2 * (BLOCK + embedding)
 
 
 def test_gpt_1_3b_fsdp2_plan_matches_the_h100_runs():

@@ -4,7 +4,7 @@
 pp=2 x dp=2 (with and without CPU offload, reducing every micro-batch or once per chunk), pp=2 x Ulysses sp=2 (sharded over dp x sp),
 pp=2 x tp=2 with Megatron SP (tp sums of SP gradients; dp x sp = 1, a one-rank mesh);
 pp=2 x vpp=2 (interleaved) x dp=2, both reduction modes; no pipeline (dp=4, sync on the last micro-batch only);
-two blocks per FSDP2 unit at pp=2 and without a pipeline;
+FSDP2 units of two blocks (the default) and of one, at pp=2 and without a pipeline;
 save / load, also into PlainEngine.
 
 Tolerance: fp32 throughout; FSDP2 reduce-scatters flat shards where the plain engine
@@ -24,16 +24,16 @@ from megazoo.testing import run_distributed
 LAYOUTS = [
     (ParallelConfig(pp=2), [{"name": "fsdp"}, {"name": "fsdp_offload", "cpu_offload": True},
                             {"name": "fsdp_reduce_once", "reduce_every_microbatch": False},
-                            {"name": "fsdp_units2", "fsdp_blocks_per_unit": 2}]),
+                            {"name": "fsdp_units1", "fsdp_blocks_per_unit": 1}]),
     (ParallelConfig(pp=2, sp=2), [{"name": "fsdp"}]),
     (ParallelConfig(pp=2, tp=2, sequence_parallel=True), [{"name": "fsdp"}]),
     (ParallelConfig(pp=2, vpp=2), [{"name": "fsdp_interleaved"},
                                    {"name": "fsdp_interleaved_reduce_once",
                                     "reduce_every_microbatch": False}]),
     (ParallelConfig(), [{"name": "fsdp_no_pipeline"},
-                        {"name": "fsdp_units2_no_pipeline", "fsdp_blocks_per_unit": 2}]),
+                        {"name": "fsdp_units1_no_pipeline", "fsdp_blocks_per_unit": 1}]),
 ]
-UNITS = {"fsdp": 3, "fsdp_units2": 2, "fsdp_no_pipeline": 5, "fsdp_units2_no_pipeline": 3}
+UNITS = {"fsdp": 2, "fsdp_units1": 3, "fsdp_no_pipeline": 3, "fsdp_units1_no_pipeline": 5}
 """FSDP2 units of a rank (the root included): pp=2 puts 2 of the 4 blocks on each rank."""
 
 

@@ -60,7 +60,7 @@ LAYOUTS = {  # name: (GPUs, flags)
     "ulysses-sp2": (2, ["--ds-sequence-parallel-size", "2"]),
     "pp2-interleaved": (2, PP2_INTERLEAVED),
     "fsdp2-dp2": (2, FSDP2),
-    "fsdp2-dp2-units2": (2, FSDP2 + ["--fsdp-blocks-per-unit", "2"]),
+    "fsdp2-dp2-units1": (2, FSDP2 + ["--fsdp-blocks-per-unit", "1"]),
     "deepspeed-dp2": (2, DEEPSPEED),
     "tp2xdp2-sp": (4, tp(2) + SP + DISTOPT),
     "tp2xpp2-sp": (4, tp(2) + SP + PP2_INTERLEAVED),

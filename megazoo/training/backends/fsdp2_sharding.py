@@ -45,7 +45,7 @@ def shard_mesh(state: ParallelState, device: torch.device):
 
 def shard_stage(model: nn.Module, mesh, *, device: torch.device, bf16: bool,
                 cpu_offload: bool, reshard_after_forward: bool,
-                reduce_dtype: torch.dtype | None = None, blocks_per_unit: int = 1) -> None:
+                reduce_dtype: torch.dtype | None = None, blocks_per_unit: int = 2) -> None:
     """fully_shard the blocks (`unit_blocks`), then the stage root (in place; see the module
     docstring).
     `reduce_dtype` (communication_data_type): the dtype of the gradient reduce-scatter
