@@ -41,8 +41,9 @@ class ZeroConfig:
     all-gather and one reduce-scatter for all of them). FSDP2's hooks cost host time per unit
     (2.1-2.8 ms on an H200 machine's host, `bench/host_pace.py`), which sets the pace where a
     block's GPU work is shorter; N blocks per unit cut that to about 1/N for N times the
-    gathered parameters' memory (`megazoo.plan` shows both). 2 by default: gpt-1.3b on one
-    H200 trains 1.27x as fast as with 1 for 0.1 GB more memory."""
+    gathered parameters' memory (`megazoo.plan` shows both). 2 by default: on one H200,
+    where the host sets gpt-1.3b's pace, it trains about 1.09x as fast as with 1, for 0.1 GB
+    more memory; at LLaMA-8B's width, not host-bound, the two are within noise."""
     fsdp_reduce_every_microbatch: bool = True
     """fsdp2 with pp > 1: reduce-scatter gradients after every micro-batch (sharded gradients
     only); with --no-fsdp-reduce-every-microbatch once per chunk after its last micro-batch
