@@ -8,13 +8,13 @@ FSDP2 unit only hooks its own forward and backward. Each pipeline rank shards it
 the dp x sp group (`fsdp2_sharding.shard_stage`), and `megazoo.pipeline.executor.run_pipeline`
 drives the micro-batches exactly as in the plain engine.
 
-Across micro-batches. By default (ZeRO-3 memory) each block all-gathers its parameters for
-every micro-batch's forward and again for its backward; --no-fsdp-reshard-after-forward keeps
-them from forward to backward (ZeRO-2-like memory, half the all-gathers). Under a pipeline
-each block reduce-scatters after every micro-batch's backward by default (FSDP2 accumulates
-the sharded gradient: ZeRO-3 memory); `--no-fsdp-reduce-every-microbatch`, and pp = 1
-always, reduce-scatter only in each chunk's last backward
-(`fsdp2_sharding.SyncOnLastMicroBatch`; unsharded gradients held meanwhile).
+Across micro-batches. By default (ZeRO-3 memory) each unit (two blocks, --fsdp-blocks-per-unit)
+all-gathers its parameters for every micro-batch's forward and again for its backward;
+--no-fsdp-reshard-after-forward keeps them from forward to backward (ZeRO-2-like memory, half
+the all-gathers). Under a pipeline each unit reduce-scatters after every micro-batch's
+backward by default (FSDP2 accumulates the sharded gradient: ZeRO-3 memory);
+`--no-fsdp-reduce-every-microbatch`, and pp = 1 always, reduce-scatter only in each chunk's
+last backward (`fsdp2_sharding.SyncOnLastMicroBatch`; unsharded gradients held meanwhile).
 
 Precision: fp32, or bf16 compute through FSDP2's MixedPrecisionPolicy (fp32 sharded master
 weights, fp32 gradient reduction). fp16 (needs loss scaling) is not supported here.

@@ -1,9 +1,9 @@
 """Pieces of `FSDP2Engine`: the mesh, the sharding of a stage, gradient sync per chunk.
 
-Sharding. Each transformer block of the stage (every chunk's blocks) is its own FSDP2 unit,
-or with `blocks_per_unit` N each run of N consecutive blocks of a chunk (the last one of a
-chunk may be shorter), and the stage object itself (embedding, final norm, head) the root
-unit, all over one 1-D mesh made of our `dp_sp` group: every rank that holds the same tp
+Sharding. Each run of `blocks_per_unit` (--fsdp-blocks-per-unit, 2 by default) consecutive
+transformer blocks of a chunk is one FSDP2 unit (the last one of a chunk may be shorter; a
+unit never spans chunks, which run at different times of the schedule), and the stage object
+itself (embedding, final norm, head) the root unit, all over one 1-D mesh made of our `dp_sp` group: every rank that holds the same tp
 shard of the same pipeline stage. FSDP2 shards each parameter along dim 0 over that mesh;
 tp shards stay shards.
 
