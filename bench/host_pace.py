@@ -12,10 +12,13 @@ is the host's time to issue it, and no other rank's skew enters.
 
 From the rows it fits the planner's `Cluster.host_block_ms` (tp 1: the time per block),
 `host_collective_ms` (tp 2 + SP: the time per collective call, the calls per block being
-`plan.collectives.layer_collectives`) and `host_fsdp2_unit_ms` (the FSDP2 row, ZeRO-3 at
-dp 4 as `--zero-impl fsdp2` shards it, a micro-batch that does not sync gradients: what
-FSDP2's hooks add per unit, a block each unless `--fsdp-blocks-per-unit`). NCCL's own enqueue is not in the fake group's calls, so the
-per-call figure is a lower bound on a real group's.
+`plan.collectives.layer_collectives`), `host_fsdp2_unit_ms` (the FSDP2 row, ZeRO-3 at dp 4
+as `--zero-impl fsdp2` shards it, `--fsdp-blocks-per-unit` blocks per unit, a micro-batch that
+does not sync gradients: what FSDP2's hooks add per unit) and `host_deepspeed_block_ms` (the
+DeepSpeed row, `--deepspeed --zero-stage 3` with megazoo's tuned config over the same dp 4:
+what its hooks add per block, its per-micro-batch gradient partitioning included). NCCL's
+own enqueue is not in the fake group's calls, so the per-call figure is a lower bound on a
+real group's.
 
 Reported per layout: ms per micro-batch (the best of `--repeats` rounds of `--steps`) and
 µs per block.

@@ -37,7 +37,6 @@ per GPU T = s b / u; h width, f MLP width, kv = key/value heads x head dim):
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 from ..config.model import ModelConfig
