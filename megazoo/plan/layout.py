@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ..config.ds_config import build_ds_config, offload_device, zero_stage
 from ..config.run import PretrainArgs
 from ..config.validate import check_args
+from ..config.zero import ZeroConfig
 
 
 def corpus_vocab(args: PretrainArgs) -> int | None:
@@ -115,7 +116,7 @@ class Resolved:
     communication_data_type says otherwise), in which unsharded gradients accumulate."""
     fsdp_reduce_every_microbatch: bool = True
     """fsdp2 with pp > 1: reduce-scatter every micro-batch (no unsharded accumulation)."""
-    fsdp_blocks_per_unit: int = 2
+    fsdp_blocks_per_unit: int = ZeroConfig.fsdp_blocks_per_unit
     """fsdp2: transformer blocks sharded as one unit (--fsdp-blocks-per-unit)."""
     cp: int = 1
     """Context-parallel ranks (ring attention): they split the sequence like Ulysses' sp."""
@@ -150,6 +151,12 @@ class Resolved:
     def megatron_sp_on(self) -> bool:
         """Megatron sequence parallelism in effect (it needs tp > 1)."""
         return self.megatron_sp and self.tp > 1
+
+    def fsdp2_units(self, num_layers: int) -> tuple[int, int]:
+        """(blocks in a pipeline chunk, the FSDP2 units they make): runs of
+        `fsdp_blocks_per_unit` blocks, which never span chunks."""
+        blocks = max(num_layers // (self.pp * self.vpp), 1)
+        return blocks, -(-blocks // self.fsdp_blocks_per_unit)
 
 
 def _zero(args: PretrainArgs, dp: int) -> tuple[int, str, float, str, bool]:

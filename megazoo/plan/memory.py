@@ -125,7 +125,7 @@ def _estimate(config: ModelConfig, layout: Resolved, n_gpu: int | None = None,
         parts = deepspeed_parts(config, layout, n_gpu, grad_b)
     persistent = parts.params + parts.grads
     if layout.zero_stage == 3:
-        _working_set(parts, layout, counts, n_gpu, config.num_layers // (layout.pp * layout.vpp))
+        _working_set(parts, layout, counts, n_gpu, config.num_layers)
     comm = RUNTIME_BYTES + parts.buffers + _comm_buffers(config, layout, n_gpu, grad_b)
     act = stage_activations(config, layout)["total"] if act is None else act
     subtotal = parts.params + parts.grads + parts.optim + act + comm
@@ -155,15 +155,16 @@ def _estimate(config: ModelConfig, layout: Resolved, n_gpu: int | None = None,
 
 
 def _working_set(parts: Parts, layout: Resolved, counts: dict, n_gpu: int,
-                 chunk_blocks: int) -> None:
+                 num_layers: int) -> None:
     """ZeRO-3's gathered parameters (compute dtype): two units (one computing, one
     prefetched), or every unit without resharding after forward, plus one unit's full
     gradient awaiting its reduce-scatter; a unit is a block (FSDP2: --fsdp-blocks-per-unit
-    blocks, at most a chunk's `chunk_blocks`) or the embedding / head."""
+    blocks, at most a chunk's, `Resolved.fsdp2_units`) or the embedding / head."""
     block, blocks = counts["block"], [counts["block"]] * 2
     if layout.zero_impl == "fsdp2":
-        per = min(layout.fsdp_blocks_per_unit, chunk_blocks)
-        block, blocks = per * block, [per * block] * min(2, layout.vpp * -(-chunk_blocks // per))
+        chunk_blocks, units = layout.fsdp2_units(num_layers)
+        block *= min(layout.fsdp_blocks_per_unit, chunk_blocks)
+        blocks = [block] * min(2, layout.vpp * units)
     unit = max(block, counts["embedding"], counts["head"])
     second = sorted(blocks + [counts["embedding"], counts["head"]])[-2]
     b = layout.param_bytes

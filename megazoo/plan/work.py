@@ -36,7 +36,6 @@ per GPU T = s b / u; h width, f MLP width, kv = key/value heads x head dim):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..config.model import ModelConfig
@@ -135,8 +134,8 @@ def block_host(config: ModelConfig, layout: Resolved, cluster: Cluster,
     calls = sum(c.calls for c in _block_collectives(config, layout, overlap))
     hooks = 0.0
     if layout.zero_impl == "fsdp2":
-        blocks = max(config.num_layers // (layout.pp * layout.vpp), 1)  # a chunk's
-        hooks = cluster.host_fsdp2_unit_ms * math.ceil(blocks / layout.fsdp_blocks_per_unit) / blocks
+        blocks, units = layout.fsdp2_units(config.num_layers)
+        hooks = cluster.host_fsdp2_unit_ms * units / blocks
     elif layout.zero_impl == "deepspeed" and layout.zero_stage == 3:
         hooks = cluster.host_deepspeed_block_ms
     return (cluster.host_block_ms + calls * cluster.host_collective_ms + hooks) / 1e3

@@ -3,9 +3,9 @@
 Sharding. Each run of `blocks_per_unit` (--fsdp-blocks-per-unit, 2 by default) consecutive
 transformer blocks of a chunk is one FSDP2 unit (the last one of a chunk may be shorter; a
 unit never spans chunks, which run at different times of the schedule), and the stage object
-itself (embedding, final norm, head) the root unit, all over one 1-D mesh made of our `dp_sp` group: every rank that holds the same tp
-shard of the same pipeline stage. FSDP2 shards each parameter along dim 0 over that mesh;
-tp shards stay shards.
+itself (embedding, final norm, head) the root unit, all over one 1-D mesh made of our
+`dp_sp` group: every rank that holds the same tp shard of the same pipeline stage. FSDP2
+shards each parameter along dim 0 over that mesh; tp shards stay shards.
 
 Gradient scaling. FSDP2's reduce-scatter averages over the mesh (dp x sp); the rest of the
 contract ("sum over sp, mean over dp", Megatron-SP tp sums, GQA kv rows, tied embeddings)
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...config.zero import ZeroConfig
 from ...parallel.state import ParallelState
 
 
@@ -45,7 +46,8 @@ def shard_mesh(state: ParallelState, device: torch.device):
 
 def shard_stage(model: nn.Module, mesh, *, device: torch.device, bf16: bool,
                 cpu_offload: bool, reshard_after_forward: bool,
-                reduce_dtype: torch.dtype | None = None, blocks_per_unit: int = 2) -> None:
+                reduce_dtype: torch.dtype | None = None,
+                blocks_per_unit: int = ZeroConfig.fsdp_blocks_per_unit) -> None:
     """fully_shard the blocks (`unit_blocks`), then the stage root (in place; see the module
     docstring).
     `reduce_dtype` (communication_data_type): the dtype of the gradient reduce-scatter
