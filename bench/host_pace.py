@@ -20,8 +20,8 @@ what its hooks add per block, its per-micro-batch gradient partitioning included
 own enqueue is not in the fake group's calls, so the per-call figure is a lower bound on a
 real group's.
 
-Reported per layout: ms per micro-batch (the best of `--repeats` rounds of `--steps`) and
-µs per block.
+Reported per layout: ms per micro-batch (the best of `--repeats` rounds of `--steps`), the
+part of it spent issuing the forward, and µs per block.
 """
 from __future__ import annotations
 
@@ -130,8 +130,13 @@ def _pace(args, name: str) -> dict:
     config, model, backward = _model(args, *LAYOUTS[name])
     ids = torch.randint(0, config.vocab_size, (args.micro, args.seq), device=args.device)
 
-    def step():
-        backward(model(ids, ids))
+    def step() -> float:
+        """One micro-batch; returns the seconds the forward took to issue."""
+        start = time.perf_counter()
+        loss = model(ids, ids)
+        forward = time.perf_counter() - start
+        backward(loss)
+        return forward
 
     def sync():
         if args.device == "cuda":
@@ -139,22 +144,24 @@ def _pace(args, name: str) -> dict:
 
     for _ in range(3):
         step()
-    best = float("inf")
+    best, forward = float("inf"), 0.0
     for _ in range(args.repeats):
         sync()
         start = time.perf_counter()
-        for _ in range(args.steps):
-            step()
+        issued = sum(step() for _ in range(args.steps))
         sync()
-        best = min(best, (time.perf_counter() - start) / args.steps)
-    return {"layout": name, "ms_per_micro_batch": best * 1e3,
+        took = (time.perf_counter() - start) / args.steps
+        if took < best:
+            best, forward = took, issued / args.steps
+    return {"layout": name, "ms_per_micro_batch": best * 1e3, "forward_ms": forward * 1e3,
             "us_per_block": best * 1e6 / args.layers, "layers": args.layers}
 
 
 def fit(rows: dict, args) -> dict:
     """host_block_ms from tp1; host_collective_ms from tp2 + SP's extra time per call;
     host_fsdp2_unit_ms from the FSDP2 row's extra time per unit (`--fsdp-blocks-per-unit`
-    blocks each); host_deepspeed_block_ms from DeepSpeed ZeRO-3's extra time per block."""
+    blocks each); host_deepspeed_block_ms from DeepSpeed ZeRO-3's extra time per block;
+    host_forward_share: the forwards' share of all rows' time (`plan.work.HOST_FORWARD_SHARE`)."""
     from megazoo.config.model import ModelConfig
     from megazoo.plan.collectives import layer_collectives
 
@@ -176,6 +183,10 @@ def fit(rows: dict, args) -> dict:
     if "tp1" in rows and "deepspeed dp4" in rows:
         extra = rows["deepspeed dp4"]["ms_per_micro_batch"] - rows["tp1"]["ms_per_micro_batch"]
         out["host_deepspeed_block_ms"] = max(extra, 0.0) / args.layers
+    timed = [r for r in rows.values() if "forward_ms" in r]
+    if timed:  # the planner's HOST_FORWARD_SHARE: of the host's time, the forward's share
+        out["host_forward_share"] = (sum(r["forward_ms"] for r in timed)
+                                     / sum(r["ms_per_micro_batch"] for r in timed))
     return out
 
 
@@ -216,7 +227,7 @@ def main(argv=None) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     constants = fit(rows, args)
-    print_table(list(rows.values()), ["layout", "ms_per_micro_batch", "us_per_block"])
+    print_table(list(rows.values()), ["layout", "ms_per_micro_batch", "forward_ms", "us_per_block"])
     print("fit: " + ", ".join(f"{k} {v:.3f}" for k, v in constants.items()))
     write_json(args.out, {"device": args.device, "rows": rows, "fit": constants,
                           "flags": vars(args)})

@@ -48,6 +48,10 @@ from .layout import Resolved
 ALIBI_FACTOR = 1.56  # FlexAttention ALiBi 1.28 ms vs cuDNN causal 0.82 ms, 4 x 16 x 2048 x 128
 FP8_CAST_BYTES = 5.0  # amax read (2 B) + bf16 read (2 B) and e4m3 write (1 B) per element
 LOSS_BYTES = 20.0  # per logit element: bf16 logits, fp32 copy, exp, softmax saved, its gradient
+HOST_FORWARD_SHARE = 0.46
+"""The share of a micro-batch's host time spent issuing its forward: 0.46 pooled, 0.36-0.55
+per row, over the plain engine, FSDP2 and DeepSpeed ZeRO-3 at widths 1024-4096
+(bench/host_pace.py; bench/results/deepspeed_sync_h200_2026-11-29.md)."""
 
 
 @dataclass(frozen=True)
@@ -181,13 +185,24 @@ def zero3_copies(params: float, layout: Resolved, rates: KernelRates) -> Work:
     return Work(0.0, (2 * b + accumulate / z) * params / rates.copy_bytes_s)
 
 
-def host_paced(work: Work, host_s: float) -> Work:
+def host_paced(work: Work, host_s: float, synced: bool = False) -> Work:
     """`work` as the GPU runs it when the host needs `host_s` to issue it: unchanged when the
     GPU is the slower, else every part stretched in proportion (the GPU idles between
-    launches, in each pass alike)."""
-    if host_s <= work.total or work.total <= 0.0:
+    launches, in each pass alike). The host runs ahead across micro-batches, so a backward
+    the GPU lags in lets the host issue the next forward early.
+
+    `synced`: the engine makes the host wait for the GPU at the end of each micro-batch
+    (DeepSpeed ZeRO-3's gradient epilogue synchronizes its reduction stream), so each
+    forward is issued behind an empty queue. Where the host issues it (`HOST_FORWARD_SHARE`
+    of its time) slower than the GPU runs it, the backward's GPU work starts only after
+    it: the micro-batch takes max(host, the forward's host + the backward's GPU, GPU)."""
+    gpu = work.total
+    took = host_s
+    if synced:
+        took = max(took, HOST_FORWARD_SHARE * host_s + work.bwd + work.bwd_comm)
+    if took <= gpu or gpu <= 0.0:
         return work
-    return work * (host_s / work.total)
+    return work * (took / gpu)
 
 
 def _elementwise(config: ModelConfig, layout: Resolved) -> tuple[float, float]:

@@ -19,16 +19,20 @@ def test_cpu_rows_and_fit(tmp_path, capsys):
     assert saved["fit"]["host_block_ms"] > 0 and saved["fit"]["host_collective_ms"] >= 0
     assert saved["fit"]["host_fsdp2_unit_ms"] > 0  # FSDP2's hooks cost host time
     assert saved["fit"]["host_deepspeed_block_ms"] > 0  # and DeepSpeed ZeRO-3's
+    assert all(0 < r["forward_ms"] < r["ms_per_micro_batch"] for r in saved["rows"].values())
+    assert 0 < saved["fit"]["host_forward_share"] < 1
     assert "fit: host_block_ms" in capsys.readouterr().out
 
 
 def test_fit_arithmetic():
     """tp1 gives the time per block; tp2 + SP's extra time spread over its 8 calls per block
-    (2 all-gathers and 2 reduce-scatters each way)."""
+    (2 all-gathers and 2 reduce-scatters each way); the forward's share pooled over the rows."""
     args = host_pace.parse_args(["--layers", "4", "--heads", "4", "--fsdp-blocks-per-unit", "1"])
-    rows = {"tp1": {"ms_per_micro_batch": 8.0}, "tp2+SP": {"ms_per_micro_batch": 11.2},
-            "fsdp2 dp4": {"ms_per_micro_batch": 14.0}}
+    rows = {"tp1": {"ms_per_micro_batch": 8.0, "forward_ms": 4.0},
+            "tp2+SP": {"ms_per_micro_batch": 11.2, "forward_ms": 5.0},
+            "fsdp2 dp4": {"ms_per_micro_batch": 14.0, "forward_ms": 6.8}}
     fit = host_pace.fit(rows, args)
+    assert fit["host_forward_share"] == pytest.approx(15.8 / 33.2)  # pooled over the rows
     assert fit["host_block_ms"] == pytest.approx(2.0)
     assert fit["host_collective_ms"] == pytest.approx(3.2 / (4 * 8))
     assert fit["host_fsdp2_unit_ms"] == pytest.approx(6.0 / 4)  # FSDP2's extra per block
