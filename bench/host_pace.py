@@ -22,6 +22,11 @@ real group's.
 
 Reported per layout: ms per micro-batch (the best of `--repeats` rounds of `--steps`), the
 part of it spent issuing the forward, and µs per block.
+
+`--kernels` times the other side: the GPU's kernels per micro-batch (torch.profiler's device
+time over `--steps` micro-batches), at the run's shape (`--seq 2048 --micro 4` for gpt-1.3b).
+On the fake group that is a layout's compute with no communication at all, to set against
+N x one GPU and against the planner's compute.
 """
 from __future__ import annotations
 
@@ -144,6 +149,8 @@ def _pace(args, name: str) -> dict:
 
     for _ in range(3):
         step()
+    if args.kernels:
+        return {"layout": name, "kernel_ms": _kernel_ms(args, step), "layers": args.layers}
     best, forward = float("inf"), 0.0
     for _ in range(args.repeats):
         sync()
@@ -155,6 +162,25 @@ def _pace(args, name: str) -> dict:
             best, forward = took, issued / args.steps
     return {"layout": name, "ms_per_micro_batch": best * 1e3, "forward_ms": forward * 1e3,
             "us_per_block": best * 1e6 / args.layers, "layers": args.layers}
+
+
+def _kernel_ms(args, step) -> float:
+    """ms per micro-batch of the GPU's kernels over `--steps` micro-batches (torch.profiler);
+    on CPU the aten operators' own time, a stand-in that checks the path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = args.device == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    if cuda:
+        us = sum(e.self_device_time_total for e in prof.key_averages()
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    else:
+        us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("aten::"))
+    return us / 1e3 / args.steps
 
 
 def fit(rows: dict, args) -> dict:
@@ -205,6 +231,9 @@ def parse_args(argv=None):
     p.add_argument("--fsdp-blocks-per-unit", type=int, default=ZeroConfig.fsdp_blocks_per_unit,
                    help="blocks per FSDP2 unit in the FSDP2 row (pretrain_gpt.py's flag and "
                         "default)")
+    p.add_argument("--kernels", action="store_true",
+                   help="time the GPU's kernels per micro-batch instead of the host (give the "
+                        "run's --seq and --micro): a layout's compute without communication")
     p.add_argument("--out", default=None, help="write the rows and the fit as JSON here")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -226,9 +255,14 @@ def main(argv=None) -> int:
     rows = {name: pace(args, name) for name in args.layouts}
     if dist.is_initialized():
         dist.destroy_process_group()
-    constants = fit(rows, args)
-    print_table(list(rows.values()), ["layout", "ms_per_micro_batch", "forward_ms", "us_per_block"])
-    print("fit: " + ", ".join(f"{k} {v:.3f}" for k, v in constants.items()))
+    if args.kernels:
+        constants = {}
+        print_table(list(rows.values()), ["layout", "kernel_ms"])
+    else:
+        constants = fit(rows, args)
+        print_table(list(rows.values()), ["layout", "ms_per_micro_batch", "forward_ms",
+                                          "us_per_block"])
+        print("fit: " + ", ".join(f"{k} {v:.3f}" for k, v in constants.items()))
     write_json(args.out, {"device": args.device, "rows": rows, "fit": constants,
                           "flags": vars(args)})
     return 0

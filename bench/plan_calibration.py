@@ -13,7 +13,7 @@ Measures, in one process and without collectives:
   (they sit on the curve's flat top and would take the call's time);
 - FP8 (e4m3, tensorwise scales, `torch._scaled_mm`) at the forward shapes of 8192 tokens;
 - causal SDPA attention (the default backend: cuDNN on Hopper) forward and forward +
-  backward at a few (batch, heads, sequence, head dim);
+  backward at a few (batch, heads, sequence, head dim), issued back to back;
 - a large device-to-device copy (HBM GB/s, read + write counted) and torch's fused AdamW
   over fp32 parameters (bytes per parameter per second).
 
@@ -38,7 +38,8 @@ TP = (1, 2, 4, 8)
 ATTENTION = [  # (batch, heads, seq, head_dim)
     (4, 16, 2048, 128), (1, 32, 2048, 128), (1, 12, 2048, 128), (1, 28, 2048, 128),
     (1, 32, 4096, 128), (1, 32, 8192, 128), (1, 16, 16384, 128), (4, 16, 2048, 64),
-    (1, 32, 4096, 64), (1, 20, 2048, 160)]
+    (1, 32, 4096, 64), (1, 20, 2048, 160),
+    (4, 8, 2048, 128), (4, 4, 2048, 128), (1, 16, 4096, 128), (1, 8, 4096, 128)]  # tp 2 / 4
 
 
 def layer_gemms(h: int, tokens: int, tp: int) -> set[tuple[int, int, int]]:
@@ -88,7 +89,9 @@ def time_fp8(m: int, n: int, k: int, device) -> float | None:
 
 
 def time_attention(b: int, heads: int, s: int, d: int, device, dtype) -> tuple[float, float]:
-    """(forward ms, forward + backward ms) of causal SDPA on [b, heads, s, d]."""
+    """(forward ms, forward + backward ms) of causal SDPA on [b, heads, s, d], back to back:
+    one call timed alone would hold the host's time between its forward's and backward's
+    launches, which a training step hides behind the queued kernels."""
     q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True)
                for _ in range(3))
     grad = torch.randn(b, heads, s, d, device=device, dtype=dtype)
@@ -100,7 +103,8 @@ def time_attention(b: int, heads: int, s: int, d: int, device, dtype) -> tuple[f
     def both():
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         torch.autograd.backward(out, grad)
-    return time_ms(forward, device, 2, 5), time_ms(both, device, 2, 5)
+    calls = _iters(6.0 * b * heads * s * s * d)
+    return time_back_to_back(forward, calls, device), time_back_to_back(both, calls, device)
 
 
 def time_copy(numel: int, device) -> float:

@@ -11,7 +11,10 @@ fused AdamW; the machine's name and the date are in the file). From it:
   refits it; a test checks the stored numbers are what the fit gives). FP8: the bf16 curve
   divided by the median FP8 / bf16 speedup at the measured shapes.
 - **Attention**: causal SDPA forward + backward t = a + W / r, W = 6 b a s^2 d (the causal
-  half of Megatron's 12 b a s^2 d); the forward is the median measured share of it.
+  half of Megatron's 12 b a s^2 d); the forward is the median measured share of it. The
+  h100-sxm fixture timed each call alone, so its rows hold the host's time between the
+  forward's and the backward's launches: a = 0.37 ms. The tool now issues them back to back,
+  which on an H200 gives a = 0.22 ms (bench/results/planner_compute_h200_2026-11-29.md).
 - **Elementwise** work runs at the measured copy bandwidth; the optimizer step at the
   measured fused-AdamW seconds per parameter (with 30 B of traffic per parameter, the same
   bandwidth).

@@ -24,6 +24,17 @@ def test_cpu_rows_and_fit(tmp_path, capsys):
     assert "fit: host_block_ms" in capsys.readouterr().out
 
 
+def test_kernel_rows(tmp_path, capsys):
+    """--kernels reports each layout's compute per micro-batch (on CPU the aten operators'
+    own time) and fits no host constant."""
+    out = tmp_path / "kernels.json"
+    assert host_pace.main(["--kernels", "--layers", "2", "--heads", "4", "--seq", "16",
+                           "--steps", "2", "--layouts", "tp1", "tp2+SP", "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert all(r["kernel_ms"] > 0 for r in saved["rows"].values()) and saved["fit"] == {}
+    assert "fit:" not in capsys.readouterr().out
+
+
 def test_fit_arithmetic():
     """tp1 gives the time per block; tp2 + SP's extra time spread over its 8 calls per block
     (2 all-gathers and 2 reduce-scatters each way); the forward's share pooled over the rows."""
