@@ -144,6 +144,11 @@ class Resolved:
         return self.zero_impl == "none"
 
     @property
+    def deepspeed_zero3(self) -> bool:
+        """DeepSpeed at ZeRO stage 3: its parameter hooks and per-micro-batch host sync."""
+        return self.zero_impl == "deepspeed" and self.zero_stage == 3
+
+    @property
     def world_size(self) -> int:
         return self.tp * self.seq_ranks * self.pp * self.dp
 

@@ -189,7 +189,7 @@ def _comm_buffers(config: ModelConfig, layout: Resolved, n_gpu: int, grad_b: int
     """ZeRO / DDP buckets and pipeline send/receive buffers, in bytes."""
     if layout.zero_stage in (1, 2):  # DeepSpeed's reduce bucket + all-gather bucket
         zero = min(BUCKET_ELEMENTS, n_gpu) * (grad_b + 2)
-    elif layout.zero_impl == "deepspeed" and layout.zero_stage == 3:
+    elif layout.deepspeed_zero3:
         zero = BUCKET_ELEMENTS * layout.param_bytes  # the reduce bucket, allocated whole
     else:  # FSDP2 reduce-scatters each unit's gradient (working set); megazoo's engine reduces
         zero = 0.0  # views of its main-gradient buffer in place

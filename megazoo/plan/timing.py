@@ -121,8 +121,8 @@ def step_time(args: PretrainArgs, layout: Resolved, cluster: Cluster,
     graphs = args.training.enable_cuda_graph  # the blocks replay: no per-block host time
     host = 0.0 if graphs else block_host(config, layout, cluster, overlap=tp_overlap)
     loaded = [w + z for w, z in zip(works, zero3)]
-    synced = layout.zero_impl == "deepspeed" and layout.zero_stage == 3  # `host_paced`
-    paced = [host_paced(w, n * host, synced) for w, n in zip(loaded, layers)]
+    paced = [host_paced(w, n * host, synced=layout.deepspeed_zero3)
+             for w, n in zip(loaded, layers)]
     waits = [q.total - w.total for q, w in zip(paced, loaded)]
     ends = _pipeline(paced, layout, config, cluster, exact)
     inside = [m * sum(z.fwd_comm + z.bwd_comm for z in zero3[r::p]) for r in range(p)]

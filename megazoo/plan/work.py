@@ -140,7 +140,7 @@ def block_host(config: ModelConfig, layout: Resolved, cluster: Cluster,
     if layout.zero_impl == "fsdp2":
         blocks, units = layout.fsdp2_units(config.num_layers)
         hooks = cluster.host_fsdp2_unit_ms * units / blocks
-    elif layout.zero_impl == "deepspeed" and layout.zero_stage == 3:
+    elif layout.deepspeed_zero3:
         hooks = cluster.host_deepspeed_block_ms
     return (cluster.host_block_ms + calls * cluster.host_collective_ms + hooks) / 1e3
 
