@@ -165,9 +165,12 @@ def _pace(args, name: str) -> dict:
 
 
 def _kernel_ms(args, step) -> float:
-    """ms per micro-batch of the GPU's kernels over `--steps` micro-batches (torch.profiler);
-    on CPU the aten operators' own time, a stand-in that checks the path."""
+    """ms per micro-batch of the GPU's kernels over `--steps` micro-batches (torch.profiler,
+    `profile_train.busy_us`); on CPU the operators' own time, a stand-in that checks the
+    path."""
     from torch.profiler import ProfilerActivity, profile
+
+    from bench.profile_train import busy_us
 
     cuda = args.device == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
@@ -175,12 +178,7 @@ def _kernel_ms(args, step) -> float:
             step()
         if cuda:
             torch.cuda.synchronize()
-    if cuda:
-        us = sum(e.self_device_time_total for e in prof.key_averages()
-                 if e.device_type == torch.autograd.DeviceType.CUDA)
-    else:
-        us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("aten::"))
-    return us / 1e3 / args.steps
+    return busy_us(prof.key_averages(), cuda) / 1e3 / args.steps
 
 
 def fit(rows: dict, args) -> dict:

@@ -136,17 +136,23 @@ def _gaps(prof, rows: int, keep: str | None) -> dict:
         return gap_report(path, rows)
 
 
+def busy_us(events, on_gpu: bool) -> float:
+    """The device's busy time over `events` (key_averages): the kernels' own time (an
+    operator's device time repeats its kernels'); without kernels, every event's CPU time."""
+    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA] or events
+    return sum(getattr(e, key) for e in kernels)
+
+
 def report(prof, wall_s: float, steps: int, rows: int) -> dict:
     """Print the step time, device busy share, exposed communication and the op table."""
     on_gpu = torch.cuda.is_available()
     key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     events = prof.key_averages()
-    # Kernels (device events) only: an operator's device time repeats its kernels' time.
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA] or events
-    busy_us = sum(getattr(e, key) for e in kernels)
+    busy = busy_us(events, on_gpu)
     step_ms = wall_s / steps * 1e3
     comm_us, exposed_us = exposed_communication(prof.events(), on_gpu)
-    summary = {"step_ms": step_ms, "busy_ms": busy_us / 1e3 / steps,
+    summary = {"step_ms": step_ms, "busy_ms": busy / 1e3 / steps,
                "comm_ms": comm_us / 1e3 / steps, "exposed_comm_ms": exposed_us / 1e3 / steps,
                "proxy": ("nccl, barrier kernels and peer copies vs other kernels" if on_gpu
                          else "gloo host events vs aten ops"),
